@@ -1,0 +1,6 @@
+"""Run a Plan: rewrite the module for this rank and feed it its part of the batch."""
+
+from executor.batch import shard_batch
+from executor.parallelize import PlanMismatch, parallelize
+
+__all__ = ["PlanMismatch", "parallelize", "shard_batch"]

@@ -1,0 +1,6 @@
+"""Choose how to parallelize a model, layer by layer, with an integer program."""
+
+from planner.optimize import PlanDoesNotFit, optimize
+from planner.plan import Plan, PlanFileError
+
+__all__ = ["Plan", "PlanDoesNotFit", "PlanFileError", "optimize"]

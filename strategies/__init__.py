@@ -1,0 +1,24 @@
+"""Devices, links, collective costs and the per-layer strategies with their costs."""
+
+from strategies.catalog import (
+    ChannelParallel,
+    ColumnParallel,
+    Cost,
+    CostContext,
+    DataParallel,
+    FeatureParallel,
+    Replicate,
+    RowParallel,
+    Strategy,
+    candidates,
+    register,
+)
+from strategies.cluster import Cluster, parse_devices
+from strategies.devices import DEVICES, DeviceSpec, LinkSpec
+from strategies.layouts import Layout
+
+__all__ = [
+    "DEVICES", "ChannelParallel", "Cluster", "ColumnParallel", "Cost", "CostContext",
+    "DataParallel", "DeviceSpec", "FeatureParallel", "Layout", "LinkSpec", "Replicate",
+    "RowParallel", "Strategy", "candidates", "parse_devices", "register",
+]

@@ -1,0 +1,151 @@
+"""`parallelize`: rewrite a model for this rank under a Plan, with PyTorch's own engine.
+
+In a fixed order, like torchtitan's parallelize functions:
+1. check the plan belongs to this model and this world size;
+2. tensor parallelism: model-parallel layers get DTensor parallel styles, told the layout
+   their input arrives in;
+3. layout changes: a `Reshard` node on every other edge whose layouts differ, and on the
+   way out, where each rank gets back the rows it passed;
+4. gradient scaling: the output gradient is divided by the world size once, so all
+   gradient reductions are sums;
+5. data parallelism: DDP over the data-parallel layers' weights (the others are ignored by
+   it), summing gradients.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.fx as fx
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor.parallel import parallelize_module
+from torch.nn.parallel import DistributedDataParallel
+
+from executor.styles import MeanOverRanks, Reshard, placement, sum_gradients_hook, tensor_parallel_style
+from planner.plan import LayerPlan, Plan
+from profiler.trace import fingerprint, fx_trace
+from strategies.layouts import Layout
+
+
+class PlanMismatch(ValueError):
+    """The plan was made for another model or another number of devices."""
+
+
+def check_world(plan: Plan, world_size: int) -> None:
+    if world_size != plan.num_devices:
+        raise PlanMismatch(
+            f"world size mismatch: the plan is for {plan.num_devices} devices, this run has "
+            f"{world_size} processes; launch {plan.num_devices} (torchrun --nproc-per-node "
+            f"{plan.num_devices}) or re-plan with devices={world_size}")
+
+
+def _device(plan: Plan) -> torch.device:
+    if plan.mesh.device_type == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device(plan.mesh.device_type)
+
+
+def parallelize(model: nn.Module, plan: Plan, *, mesh: DeviceMesh | None = None,
+                leaf_modules=()) -> nn.Module:
+    """This rank's version of `model` under `plan`. Call on every rank after
+    `torch.distributed.init_process_group`, with the same model (same initial weights) on
+    each; the result trains in an unchanged loop (see `shard_batch` for the inputs)."""
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError("parallelize: no process group; launch with torchrun and call "
+                           "torch.distributed.init_process_group() first")
+    check_world(plan, dist.get_world_size())
+    gm = fx_trace(model, leaf_modules)
+    if fingerprint(gm) != plan.fingerprint:
+        raise PlanMismatch(
+            f"plan mismatch: the plan was made for a {plan.model} whose graph fingerprint is "
+            f"{plan.fingerprint}, this {type(model).__name__} has {fingerprint(gm)}; make the "
+            f"plan for this model (planner.optimize or `hyplan plan`)")
+    gm = gm.to(_device(plan))
+    mesh = mesh or init_device_mesh(plan.mesh.device_type, (plan.num_devices,))
+
+    layers = {l.node: l for l in plan.layers}
+    gives = {i.name: (Layout(i.layout), i.shape) for i in plan.inputs}
+    gives.update({l.node: (Layout(l.output_layout), l.output_shape) for l in plan.layers})
+
+    _apply_tensor_parallel(gm, mesh, layers, gives)
+    _insert_reshards(gm, mesh, layers, gives)
+    _broadcast_replicated(gm, layers)
+    return _data_parallel(gm, layers)
+
+
+def _apply_tensor_parallel(gm: fx.GraphModule, mesh, layers: dict[str, LayerPlan], gives):
+    plan = {}
+    for node in gm.graph.nodes:
+        layer = layers.get(node.name)
+        if node.op != "call_module" or layer is None or not layer.model_parallel:
+            continue
+        (src,) = [gives[n.name] for n in node.all_input_nodes if n.name in gives]
+        layout, shape = src
+        plan[str(node.target)] = tensor_parallel_style(
+            layer.strategy, Layout(layer.output_layout), placement(layout.forward, shape),
+            layer.output_shape)
+    if plan:
+        parallelize_module(gm, mesh, plan)
+
+
+def _insert_reshards(gm: fx.GraphModule, mesh, layers: dict[str, LayerPlan], gives):
+    count = 0
+
+    def reshard(before: fx.Node, src: fx.Node, dst_layout: Layout) -> fx.Node:
+        nonlocal count
+        layout, shape = gives[src.name]
+        name = f"hyplan_reshard_{count}"
+        count += 1
+        gm.add_submodule(name, Reshard(mesh, layout, dst_layout, shape))
+        with gm.graph.inserting_before(before):
+            return gm.graph.call_module(name, (src,))
+
+    for node in list(gm.graph.nodes):
+        layer = layers.get(node.name)
+        if layer is not None and not layer.model_parallel:
+            want = Layout(layer.input_layout)
+            for src in list(node.all_input_nodes):
+                if src.name in gives and gives[src.name][0] != want:
+                    node.replace_input_with(src, reshard(node, src, want))
+        if node.op == "output":
+            world = mesh.size()
+            gm.add_submodule("hyplan_mean_over_ranks", MeanOverRanks(world))
+            for src in list(node.all_input_nodes):
+                if src.name not in gives:
+                    continue
+                out = src
+                if gives[src.name][0] != Layout.BATCH:
+                    out = reshard(node, src, Layout.BATCH)
+                with gm.graph.inserting_before(node):
+                    scaled = gm.graph.call_module("hyplan_mean_over_ranks", (out,))
+                node.replace_input_with(src, scaled)
+    gm.graph.lint()
+    gm.recompile()
+
+
+def _layer_params(gm: fx.GraphModule, layers: dict[str, LayerPlan], strategy: str):
+    """(qualified name, parameter) of the layers whose strategy is `strategy`."""
+    targets = {str(n.target) for n in gm.graph.nodes
+               if n.op == "call_module" and n.name in layers and layers[n.name].strategy == strategy}
+    for name, param in gm.named_parameters():
+        if name.rsplit(".", 1)[0] in targets:
+            yield name, param
+
+
+def _broadcast_replicated(gm: fx.GraphModule, layers: dict[str, LayerPlan]):
+    """Replicated layers compute identically everywhere: start them from rank 0's weights."""
+    for _, param in _layer_params(gm, layers, "replicate"):
+        dist.broadcast(param.data, src=0)
+
+
+def _data_parallel(gm: fx.GraphModule, layers: dict[str, LayerPlan]) -> nn.Module:
+    synced = {name for name, _ in _layer_params(gm, layers, "data_parallel")}
+    if not synced:
+        return gm
+    ignored = [name for name, _ in gm.named_parameters() if name not in synced]
+    ignored += [name for name, _ in gm.named_buffers()]
+    DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(gm, ignored)
+    ddp = DistributedDataParallel(gm, device_ids=None)
+    ddp.register_comm_hook(None, sum_gradients_hook)
+    return ddp

@@ -1,0 +1,141 @@
+"""How each planned strategy is applied to a module, and the layout changes between layers.
+
+Linear layers use PyTorch's own parallel styles (`ColwiseParallel`, `RowwiseParallel`), told
+the layout their input arrives in so that DTensor issues the collective the plan costed
+(an all-gather forward and reduce-scatter backward for a row-split input, say). A Conv2d
+split by output channels has no PyTorch style; `ChannelParallelConv2d` is ours, built on
+DTensor placements the same way.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
+
+from strategies.layouts import Layout, Placement
+
+
+def feature_dim(shape) -> int:
+    """The dim a feature-split layout splits (see profiler.graph.TensorMeta.feature_dim)."""
+    return 1 if len(shape) == 4 else len(shape) - 1
+
+
+def placement(p: Placement, shape) -> Shard | Replicate | Partial:
+    """A layout's placement as a DTensor placement, for a tensor of this (global) shape."""
+    if p == Placement.SHARD_BATCH:
+        return Shard(0)
+    if p == Placement.SHARD_FEATURE:
+        return Shard(feature_dim(shape))
+    return Replicate() if p == Placement.REPLICATE else Partial()
+
+
+class Reshard(nn.Module):
+    """Turn an activation from the producer's layout into the consumer's, forward and
+    backward, with DTensor's redistribute (the collectives `strategies.layouts` prices)."""
+
+    def __init__(self, mesh: DeviceMesh, src: Layout, dst: Layout, shape):
+        super().__init__()
+        self.mesh = mesh
+        self.src, self.dst = placement(src.forward, shape), placement(dst.forward, shape)
+        self.dst_grad = placement(dst.grad, shape)
+        self.shape, self.stride = torch.Size(shape), _contiguous_stride(shape)
+        self.label = f"{src.value} -> {dst.value}"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        d = DTensor.from_local(x, self.mesh, [self.src], run_check=False,
+                               shape=self.shape, stride=self.stride)
+        return d.redistribute(self.mesh, [self.dst]).to_local(grad_placements=[self.dst_grad])
+
+    def extra_repr(self) -> str:
+        return self.label
+
+
+def _contiguous_stride(shape) -> tuple[int, ...]:
+    stride, acc = [], 1
+    for size in reversed(list(shape)):
+        stride.append(acc)
+        acc *= size
+    return tuple(reversed(stride))
+
+
+class _ScaleGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, scale):
+        ctx.scale = scale
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * ctx.scale, None
+
+
+class MeanOverRanks(nn.Module):
+    """Identity forward; backward scales the gradient by 1/ranks.
+
+    Every rank's loss is a mean over its own rows, and the global loss is the mean of those
+    (as under DDP). Scaling the output gradient once here makes every gradient reduction
+    downstream a plain sum, for data- and model-parallel weights alike.
+    """
+
+    def __init__(self, ranks: int):
+        super().__init__()
+        self.scale = 1.0 / ranks
+
+    def forward(self, x):
+        return _ScaleGrad.apply(x, self.scale) if torch.is_grad_enabled() else x
+
+
+class ChannelParallelConv2d(ParallelStyle):
+    """Split a Conv2d's output channels across the mesh: weight and bias Shard(0), input
+    replicated (arriving in `input_layout`, its gradient returned partial), output split by
+    channel (Shard(1)), as a plain local tensor.
+
+        parallelize_module(model, mesh, {"features.3": ChannelParallelConv2d(Shard(0))})
+    """
+
+    def __init__(self, input_layout=Replicate()):
+        super().__init__()
+        self.input_layout = input_layout
+
+    def _apply(self, module: nn.Module, mesh: DeviceMesh) -> nn.Module:
+        if not isinstance(module, nn.Conv2d) or module.groups != 1:
+            raise ValueError(f"channel_parallel applies to a Conv2d with groups=1, got {module}")
+        for name, param in list(module.named_parameters(recurse=False)):
+            dparam = nn.Parameter(distribute_tensor(param.data, mesh, [Shard(0)]),
+                                  requires_grad=param.requires_grad)
+            module.register_parameter(name, dparam)
+        layout = self.input_layout
+
+        def forward(x: torch.Tensor) -> torch.Tensor:
+            full = DTensor.from_local(x, mesh, [layout], run_check=False)
+            local = full.redistribute(mesh, [Replicate()]).to_local(grad_placements=[Partial()])
+            bias = module.bias.to_local() if module.bias is not None else None
+            return module._conv_forward(local, module.weight.to_local(), bias)
+
+        module.forward = forward
+        return module
+
+
+def tensor_parallel_style(strategy: str, output_layout: Layout, input_placement,
+                          output_shape) -> ParallelStyle:
+    """The parallel style for a model-parallel layer, its input arriving in `input_placement`."""
+    if strategy == "column_parallel":
+        return ColwiseParallel(input_layouts=input_placement,
+                               output_layouts=placement(output_layout.forward, output_shape))
+    if strategy == "row_parallel":
+        return RowwiseParallel(input_layouts=input_placement,
+                               output_layouts=placement(output_layout.forward, output_shape))
+    if strategy == "channel_parallel":
+        return ChannelParallelConv2d(input_placement)
+    raise ValueError(f"no tensor-parallel style for strategy {strategy!r}")
+
+
+def sum_gradients_hook(state, bucket):
+    """DDP communication hook: sum gradients across ranks (MeanOverRanks already divided)."""
+    import torch.distributed as dist
+
+    work = dist.all_reduce(bucket.buffer(), group=state, async_op=True)
+    return work.get_future().then(lambda fut: fut.value()[0])

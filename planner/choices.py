@@ -1,0 +1,95 @@
+"""Turn a profiled graph and a cluster into the integer program's Problem.
+
+Each layer becomes a node whose options are its candidate strategies with their costs; each
+data edge becomes an edge whose matrix prices the layout change between the producer's and
+the consumer's options; a sink node takes the model's outputs split by rows, as the user
+gets them back (each rank the rows it passed).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from planner.problem import Edge, Node, Option, Problem
+from profiler.graph import Layer, ModelGraph
+from strategies.catalog import Cost, CostContext, Strategy, candidates
+from strategies.cluster import Cluster
+from strategies.edges import edge_matrix
+from strategies.layouts import Layout
+
+OUTPUT = "(output)"
+
+
+@dataclass(frozen=True)
+class LayerChoices:
+    """A layer with its candidate strategies and their costs, index-aligned."""
+
+    layer: Layer
+    strategies: tuple[Strategy, ...]
+    costs: tuple[Cost, ...]
+
+
+@dataclass(frozen=True)
+class Choices:
+    """Everything the solver and explain() need: the problem and what its indices mean."""
+
+    problem: Problem
+    layers: tuple[LayerChoices, ...]  # node i of the problem is layers[i]; the sink is last
+    context: CostContext
+
+
+def layer_choices(graph: ModelGraph, cluster: Cluster, optimizer: str,
+                  memory_budget_bytes: float | None, only: set[str] | None = None,
+                  pin: dict[str, str] | None = None) -> Choices:
+    """Build the Problem. `only` keeps just the strategies named in it (and `replicate`
+    where none of them applies): how baselines such as pure data parallelism are costed.
+    `pin` maps layer names to the strategy they must use."""
+    pin = dict(pin or {})
+    ctx = CostContext(cluster=cluster, ranks=cluster.num_devices, batch=graph.batch_size,
+                      optimizer=optimizer)
+    index = {layer.node: i for i, layer in enumerate(graph.layers)}
+    rows: list[LayerChoices] = []
+    for layer in graph.layers:
+        options = candidates(layer, ctx)
+        if only is not None:
+            kept = [s for s in options if s.name in only]
+            options = kept or [s for s in options if s.name == "replicate"]
+        if layer.name in pin:
+            wanted = pin.pop(layer.name)
+            kept = [s for s in options if s.name == wanted]
+            if not kept:
+                raise ValueError(f"pin: layer {layer.name!r} cannot use {wanted!r} on "
+                                 f"{ctx.ranks} devices; it can use "
+                                 f"{sorted({s.name for s in options})}")
+            options = kept
+        rows.append(LayerChoices(layer, tuple(options), tuple(s.cost(layer, ctx) for s in options)))
+
+    if pin:
+        raise ValueError(f"pin: no layer named {sorted(pin)}; layers: "
+                         f"{[r.layer.name for r in rows if not r.layer.is_input]}")
+    nodes = [Node(r.layer.name, tuple(
+        Option(s.name, c.time_s, c.memory_bytes, s.takes.value, s.gives.value)
+        for s, c in zip(r.strategies, r.costs))) for r in rows]
+    nodes.append(Node(OUTPUT, (Option("output", 0.0, 0.0, Layout.BATCH.value, ""),)))
+
+    link = cluster.link(ctx.ranks)
+    edges = []
+    for dst, row in enumerate(rows):
+        takes = [s.takes for s in row.strategies]
+        for name in row.layer.inputs:
+            src = index[name]
+            producer = rows[src]
+            matrix = edge_matrix([s.gives for s in producer.strategies], takes,
+                                 producer.layer.output.nbytes, ctx.ranks, link,
+                                 backward=not producer.layer.is_input)
+            edges.append(Edge(src, dst, matrix))
+    sink = len(rows)
+    for name in graph.outputs:
+        src = index[name]
+        producer = rows[src]
+        matrix = edge_matrix([s.gives for s in producer.strategies], [Layout.BATCH],
+                             producer.layer.output.nbytes, ctx.ranks, link,
+                             backward=not producer.layer.is_input)
+        edges.append(Edge(src, sink, matrix))
+    problem = Problem(tuple(nodes), tuple(edges), memory_budget_bytes)
+    return Choices(problem, tuple(rows), ctx)

@@ -1,0 +1,146 @@
+"""`optimize`: model, example batch and devices in, a Plan out. Nothing runs on the devices.
+
+The flow, one plain function each: trace → profile → candidate strategies and their costs
+→ integer program → Plan, with two baselines costed by the same model (pure data
+parallelism on the same devices, and one device) so the plan can say what it gains.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Sequence
+
+from torch import nn
+
+from planner.choices import OUTPUT, Choices, layer_choices
+from planner.ilp import solve
+from planner.plan import (
+    InputPlan, LayerPlan, MeshPlan, Plan, Predicted, SolverReport,
+)
+from planner.problem import Infeasible, Solution
+from planner.reasons import reasons
+from profiler import profile, trace
+from strategies.catalog import OPTIMIZER_STATE_FACTOR
+from strategies.cluster import Cluster, cpu_threads_per_device, parse_devices
+
+GB = 1e9
+
+
+class PlanDoesNotFit(ValueError):
+    """No assignment of strategies fits the devices' memory."""
+
+
+def optimize(
+    model: nn.Module,
+    devices,
+    example_inputs: Sequence | None = None,
+    example_kwargs: dict | None = None,
+    *,
+    optimizer: str = "adam",
+    memory_limit_bytes: float | None = None,
+    leaf_modules: Iterable[type | str] = (),
+    pin: dict[str, str] | None = None,
+    measure: bool | None = None,
+    time_limit_s: float = 60.0,
+) -> Plan:
+    """Choose, layer by layer, how to spread `model` over `devices` for one training step on
+    `example_inputs` (their dim 0 is the global batch).
+
+    devices: "8xV100", "2x8xH100" (nodes x devices), "4xcpu", an int (local devices), a
+    list of torch devices, or a strategies.Cluster. optimizer: "sgd", "sgd_momentum",
+    "adam" or "adamw" (its state counts in memory). memory_limit_bytes: per device, default
+    the device's memory. measure: time layers on this machine (default: when the devices
+    are this machine's CPU). leaf_modules: module types or paths fx should not trace into.
+    pin: {layer name: strategy} to fix some layers' strategies; the rest are optimized.
+    """
+    started = time.perf_counter()
+    if optimizer not in OPTIMIZER_STATE_FACTOR:
+        raise ValueError(f"optimizer: {optimizer!r} is not one of {sorted(OPTIMIZER_STATE_FACTOR)}")
+    if example_inputs is None:
+        raise ValueError("example_inputs: pass an example batch, e.g. example_inputs=(images,)")
+    if memory_limit_bytes is not None and memory_limit_bytes <= 0:
+        raise ValueError(f"memory_limit_bytes: must be positive, got {memory_limit_bytes}")
+    cluster = parse_devices(devices)
+    ranks = cluster.num_devices
+
+    graph = trace(model, example_inputs, example_kwargs, leaf_modules)
+    if measure is None:
+        measure = cluster.device.kind == "cpu"
+    graph = profile(graph, measure=measure, measure_batch=max(1, graph.batch_size // ranks),
+                    threads=cpu_threads_per_device(ranks) if cluster.device.kind == "cpu" else None)
+
+    budget = memory_limit_bytes or cluster.device.memory_bytes
+    choices = layer_choices(graph, cluster, optimizer, budget, pin=pin)
+    solution = _solve_within_memory(choices, budget, time_limit_s)
+    data_parallel = solve(layer_choices(graph, cluster, optimizer, None,
+                                        only={"data_parallel"}).problem, time_limit_s)
+    single = solve(layer_choices(graph, cluster.with_devices(1, 1), optimizer, None).problem,
+                   time_limit_s)
+    return _plan(graph, cluster, optimizer, choices, solution, budget,
+                 data_parallel.objective_s, single.objective_s,
+                 time.perf_counter() - started)
+
+
+def _solve_within_memory(choices: Choices, budget: float, time_limit_s: float) -> Solution:
+    try:
+        return solve(choices.problem, time_limit_s)
+    except Infeasible as error:
+        if error.family != "memory":
+            raise
+        need = sum(min(c.memory_bytes for c in row.costs) for row in choices.layers)
+        raise PlanDoesNotFit(
+            f"plan does not fit: needs at least {need / GB:.1f} GB on each of "
+            f"{choices.context.ranks} devices, has {budget / GB:.1f} GB; add devices, "
+            f"lower the batch, use a lighter optimizer (optimizer='sgd'), or raise "
+            f"memory_limit_bytes"
+        ) from None
+
+
+def _plan(graph, cluster: Cluster, optimizer: str, choices: Choices, solution: Solution,
+          budget: float, data_parallel_s: float, single_s: float, seconds: float) -> Plan:
+    problem, choice = choices.problem, list(solution.choice)
+    reshard_in = [0.0] * len(problem.nodes)
+    reshard_out = [0.0] * len(problem.nodes)
+    for e in problem.edges:
+        cost = float(e.cost_s[choice[e.src], choice[e.dst]])
+        if problem.nodes[e.dst].name == OUTPUT:
+            reshard_out[e.src] += cost
+        else:
+            reshard_in[e.dst] += cost
+    why = reasons(choices, choice)
+
+    layers, inputs = [], []
+    for i, row in enumerate(choices.layers):
+        strategy, cost, layer = row.strategies[choice[i]], row.costs[choice[i]], row.layer
+        if layer.is_input:
+            inputs.append(InputPlan(name=layer.node, layout=strategy.gives.value,
+                                    shape=list(layer.output.shape)))
+            continue
+        layers.append(LayerPlan(
+            name=layer.name, node=layer.node, kind=layer.kind,
+            output_shape=list(layer.output.shape), strategy=strategy.name,
+            input_layout=strategy.takes.value, output_layout=strategy.gives.value,
+            model_parallel=strategy.model_parallel, compute_s=cost.compute_s,
+            communication_s=cost.communication_s, update_s=cost.update_s,
+            reshard_in_s=reshard_in[i] + reshard_out[i], memory_bytes=cost.memory_bytes,
+            param_bytes=layer.param_bytes, reason=why[i]))
+
+    compute = sum(l.compute_s for l in layers)
+    update = sum(l.update_s for l in layers)
+    memory = problem.memory_of(choice)
+    ranks = cluster.num_devices
+    predicted = Predicted(
+        step_time_s=solution.objective_s, compute_s=compute, other_s=update,
+        communication_s=solution.objective_s - compute - update,
+        memory_bytes=[memory] * ranks, memory_limit_bytes=budget,
+        data_parallel_step_time_s=data_parallel_s, single_device_step_time_s=single_s)
+    mesh = MeshPlan(shape=[ranks], dim_names=["devices"], device_type=cluster.device.kind,
+                    nodes=cluster.nodes, devices_per_node=cluster.devices_per_node)
+    report = SolverReport(
+        status=solution.status, objective_s=solution.objective_s, bound_s=solution.bound_s,
+        seconds=solution.seconds, backend=solution.backend,
+        num_variables=solution.num_variables, num_constraints=solution.num_constraints,
+        planning_seconds=seconds)
+    return Plan(model=graph.model_name, fingerprint=graph.fingerprint,
+                global_batch=graph.batch_size, optimizer=optimizer, cluster=cluster,
+                mesh=mesh, inputs=inputs, layers=layers, predicted=predicted, solver=report)

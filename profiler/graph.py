@@ -1,0 +1,75 @@
+"""The traced model as the planner sees it: layers in execution order, with shapes and costs.
+
+A layer is one node of the torch.fx graph that yields a tensor: a leaf module call (its
+`name` is the module path, e.g. "classifier.1"), a function or a tensor method (its `name`
+is the fx node's name, e.g. "flatten"), or a model input ("placeholder").
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx
+
+
+@dataclass(frozen=True)
+class TensorMeta:
+    shape: tuple[int, ...]
+    dtype: str
+    nbytes: int
+
+    @staticmethod
+    def of(t: torch.Tensor) -> "TensorMeta":
+        return TensorMeta(tuple(t.shape), str(t.dtype).removeprefix("torch."),
+                          t.numel() * t.element_size())
+
+    @property
+    def feature_dim(self) -> int:
+        """The dim a feature-sharded layout splits: channels of an NCHW map, else the last."""
+        return 1 if len(self.shape) == 4 else len(self.shape) - 1
+
+
+@dataclass(frozen=True)
+class Layer:
+    name: str  # module path for modules, fx node name otherwise
+    node: str  # fx node name
+    op: str  # placeholder | call_module | call_function | call_method
+    kind: str  # module class name, or function / method name
+    inputs: tuple[str, ...]  # fx node names of the layers whose outputs it reads
+    output: TensorMeta
+    module_type: type | None = None  # for call_module: the class, for the strategy registry
+    attrs: dict = field(default_factory=dict)  # shape facts strategies need (features, ...)
+    param_bytes: int = 0
+    param_count: int = 0
+    # filled by profiler.profile:
+    fwd_flops: int = 0
+    bwd_flops: int = 0
+    measured_s: float | None = None  # forward + backward, at `measured_batch` rows
+    measured_batch: int | None = None
+
+    @property
+    def is_input(self) -> bool:
+        return self.op == "placeholder"
+
+
+@dataclass(frozen=True)
+class ModelGraph:
+    model_name: str
+    layers: tuple[Layer, ...]
+    outputs: tuple[str, ...]  # fx node names whose values the model returns
+    batch_size: int
+    fingerprint: str  # profiler.trace.fingerprint of the traced module
+    # the traced module itself, for profile() to run layers; not part of the value
+    module: torch.fx.GraphModule | None = field(default=None, compare=False, repr=False)
+    example_kwargs: dict = field(default_factory=dict, compare=False, repr=False)
+
+    def __post_init__(self):
+        object.__setattr__(self, "_by_node", {layer.node: layer for layer in self.layers})
+
+    def layer(self, node: str) -> Layer:
+        return self._by_node[node]
+
+    @property
+    def param_bytes(self) -> int:
+        return sum(layer.param_bytes for layer in self.layers)

@@ -1,0 +1,48 @@
+"""Measure this machine's CPU: achieved matmul FLOP/s and memory bandwidth.
+
+The cost model needs a rate for the local CPU when a plan targets it ("4xcpu"); a catalog
+figure would be wrong on any other machine, so it is measured (about half a second).
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+from functools import lru_cache
+
+import torch
+
+
+@contextmanager
+def threads(count: int | None):
+    """Run the body with `count` intra-op threads, then restore the previous setting."""
+    before = torch.get_num_threads()
+    if count:
+        torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def _best_time(fn, repeats: int = 5) -> float:
+    fn()  # warm up
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+@lru_cache(maxsize=8)
+def measure_cpu(thread_count: int | None = None) -> tuple[float, float]:
+    """(matmul FLOP/s, copy bandwidth bytes/s) with `thread_count` threads."""
+    with threads(thread_count), torch.no_grad():
+        n = 512
+        a, b = torch.randn(n, n), torch.randn(n, n)
+        flops = 2 * n**3 / _best_time(lambda: a @ b)
+        src = torch.empty(16 * 2**20 // 4)
+        dst = torch.empty_like(src)
+        bandwidth = 2 * src.numel() * 4 / _best_time(lambda: dst.copy_(src))
+    return flops, bandwidth

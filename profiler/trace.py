@@ -1,0 +1,218 @@
+"""Trace a model with torch.fx into a ModelGraph: layers, shapes and parameter sizes.
+
+Shapes come from running the traced graph on meta tensors, so nothing of the batch (or of a
+model built on the meta device) is allocated. torch.nn's own modules stay whole (fx's
+default leaves); a user's module that fx cannot follow can be named a leaf too.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import operator
+from collections.abc import Iterable, Sequence
+from dataclasses import replace
+
+import torch
+import torch.fx as fx
+from torch import nn
+
+from profiler.graph import Layer, ModelGraph, TensorMeta
+
+
+class TraceError(ValueError):
+    """The model could not be traced; the message names the module and the fix."""
+
+
+class _Tracer(fx.Tracer):
+    """fx's tracer with extra leaf types, remembering the module it is inside of, so that a
+    failure can name it."""
+
+    def __init__(self, leaf_types: tuple[type, ...], leaf_names: frozenset[str]):
+        super().__init__()
+        self.leaf_types = leaf_types
+        self.leaf_names = leaf_names
+        self.stack: list[tuple[str, str]] = []
+
+    def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
+        if isinstance(m, self.leaf_types) or qualname in self.leaf_names:
+            return True
+        return super().is_leaf_module(m, qualname)
+
+    def call_module(self, m, forward, args, kwargs):
+        self.stack.append((self.path_of_module(m), type(m).__name__))
+        try:
+            return super().call_module(m, forward, args, kwargs)
+        finally:
+            self.stack.pop()
+
+
+def fx_trace(model: nn.Module, leaf_modules: Iterable[type | str] = ()) -> fx.GraphModule:
+    """Symbolically trace `model`. `leaf_modules` are module types or paths to keep whole.
+
+    Raises TraceError naming the innermost module being traced when fx cannot follow it.
+    """
+    leaf_modules = tuple(leaf_modules)
+    tracer = _Tracer(
+        tuple(t for t in leaf_modules if isinstance(t, type)),
+        frozenset(t for t in leaf_modules if isinstance(t, str)),
+    )
+    try:
+        graph = tracer.trace(model)
+    except Exception as error:  # fx raises TraceError, TypeError, RuntimeError, ...
+        where = tracer.stack[-1] if tracer.stack else ("", type(model).__name__)
+        path, cls = where
+        name = f"module {path!r} ({cls})" if path else f"the model's own forward ({cls})"
+        hint = (
+            f"mark it as a leaf: planner.optimize(..., leaf_modules=[{cls}]) keeps it whole "
+            f"(it is then replicated or data-parallel as one layer)"
+            if path
+            else "move the data-dependent Python (if/for on tensor values) into a submodule "
+            "and mark that submodule as a leaf with leaf_modules=[...]"
+        )
+        raise TraceError(
+            f"cannot trace {name}: {type(error).__name__}: {str(error).splitlines()[0]}. "
+            f"Fix: {hint}"
+        ) from error
+    return fx.GraphModule(tracer.root, graph, type(model).__name__)
+
+
+def fingerprint(gm: fx.GraphModule) -> str:
+    """A hash of the traced structure (ops, targets, wiring, parameter counts)."""
+    modules = dict(gm.named_modules())
+    parts = []
+    for node in gm.graph.nodes:
+        params = ""
+        if node.op == "call_module":
+            params = str(sum(p.numel() for p in modules[node.target].parameters()))
+        args = ",".join(a.name for a in node.all_input_nodes)
+        parts.append(f"{node.name}:{node.op}:{_target_name(node)}:{args}:{params}")
+    return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
+
+
+def _target_name(node: fx.Node) -> str:
+    if node.op in ("call_module", "get_attr", "call_method"):
+        return str(node.target)
+    if node.op == "call_function":
+        return getattr(node.target, "__name__", str(node.target))
+    return node.op
+
+
+def _to_meta(value):
+    if isinstance(value, torch.Tensor):
+        return torch.empty(value.shape, dtype=value.dtype, device="meta")
+    if isinstance(value, (list, tuple)):
+        return type(value)(_to_meta(v) for v in value)
+    if isinstance(value, dict):
+        return {k: _to_meta(v) for k, v in value.items()}
+    return value
+
+
+def _module_attrs(module: nn.Module) -> dict:
+    """The shape facts strategies need (which dims can be split, and by how much)."""
+    keys = ("in_features", "out_features", "in_channels", "out_channels", "groups",
+            "num_embeddings", "embedding_dim")
+    return {k: getattr(module, k) for k in keys if isinstance(getattr(module, k, None), int)}
+
+
+def trace(
+    model: nn.Module,
+    example_inputs: Sequence,
+    example_kwargs: dict | None = None,
+    leaf_modules: Iterable[type | str] = (),
+) -> ModelGraph:
+    """Trace `model` on `example_inputs` (their dim 0 is the global batch) into a ModelGraph.
+
+    Shapes are propagated on meta tensors; parameters are read for their sizes only.
+    """
+    if not isinstance(example_inputs, (tuple, list)):
+        example_inputs = (example_inputs,)
+    tensors = [x for x in example_inputs if isinstance(x, torch.Tensor)]
+    if not tensors or tensors[0].dim() == 0:
+        raise ValueError("example_inputs: pass at least one tensor whose dim 0 is the batch")
+    gm = fx_trace(model, leaf_modules)
+    modules = dict(gm.named_modules())
+    meta_args = [_to_meta(x) for x in example_inputs]
+    meta_kwargs = _to_meta(example_kwargs or {})
+
+    values: dict[str, object] = {}
+    layers: list[Layer] = []
+    placeholders = iter(meta_args)
+    outputs: tuple[str, ...] = ()
+    for node in gm.graph.nodes:
+        if node.op == "output":
+            outputs = tuple(n.name for n in node.all_input_nodes)
+            continue
+        if node.op == "placeholder":
+            value = meta_kwargs[node.target] if node.target in meta_kwargs else next(placeholders, None)
+        else:
+            value = _run_meta(node, values, modules, gm)
+        values[node.name] = value
+        if isinstance(value, torch.Tensor) and node.op != "get_attr":
+            layers.append(_layer(node, value, modules))
+    known = {layer.node for layer in layers}
+    layers = [replace(l, inputs=tuple(i for i in l.inputs if i in known)) for l in layers]
+    batch = tensors[0].shape[0]
+    return ModelGraph(type(model).__name__, tuple(layers), outputs, batch, fingerprint(gm),
+                      module=gm, example_kwargs=dict(example_kwargs or {}))
+
+
+def meta_params(module: nn.Module) -> dict[str, torch.Tensor]:
+    """The module's parameters and buffers as meta tensors (parameters requiring grad)."""
+    out = {}
+    for key, value in module.state_dict(keep_vars=True).items():
+        meta = _to_meta(value)
+        if isinstance(value, nn.Parameter) and value.requires_grad:
+            meta.requires_grad_(True)
+        out[key] = meta
+    return out
+
+
+def run_node(node: fx.Node, values: dict, modules: dict, gm: fx.GraphModule,
+             params: dict | None = None):
+    """Run one fx node on the values of its inputs (`values` maps node names to values);
+    a module runs with `params` in place of its own (meta tensors when profiling)."""
+    args = fx.node.map_arg(node.args, lambda n: values[n.name])
+    kwargs = fx.node.map_arg(node.kwargs, lambda n: values[n.name])
+    if node.op == "get_attr":
+        return operator.attrgetter(node.target)(gm)
+    if node.op == "call_module":
+        module = modules[node.target]
+        if params is None:
+            return module(*args, **kwargs)
+        return torch.func.functional_call(module, params, tuple(args), kwargs)
+    if node.op == "call_method":
+        return getattr(args[0], node.target)(*args[1:], **kwargs)
+    return node.target(*args, **kwargs)
+
+
+def _run_meta(node: fx.Node, values: dict, modules: dict, gm: fx.GraphModule):
+    try:
+        if node.op == "get_attr":
+            return _to_meta(run_node(node, values, modules, gm))
+        if node.op == "call_module":
+            return run_node(node, values, modules, gm, meta_params(modules[node.target]))
+        return run_node(node, values, modules, gm)
+    except Exception as error:
+        where = node.target if node.op == "call_module" else node.name
+        raise TraceError(
+            f"cannot propagate shapes through {where!r} ({_target_name(node)}) on meta "
+            f"tensors: {type(error).__name__}: {str(error).splitlines()[0]}. Fix: check the "
+            f"example inputs' shapes, or mark the module as a leaf with leaf_modules=[...]"
+        ) from error
+
+
+def _layer(node: fx.Node, value: torch.Tensor, modules: dict) -> Layer:
+    inputs = tuple(n.name for n in node.all_input_nodes)
+    if node.op == "call_module":
+        module = modules[node.target]
+        params = list(module.parameters())
+        return Layer(
+            name=str(node.target), node=node.name, op=node.op, kind=type(module).__name__,
+            inputs=inputs, output=TensorMeta.of(value), module_type=type(module),
+            attrs=_module_attrs(module),
+            param_bytes=sum(p.numel() * p.element_size() for p in params),
+            param_count=sum(p.numel() for p in params),
+        )
+    kind = "input" if node.op == "placeholder" else _target_name(node)
+    return Layer(name=node.name, node=node.name, op=node.op, kind=kind, inputs=inputs,
+                 output=TensorMeta.of(value))

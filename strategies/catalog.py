@@ -1,0 +1,297 @@
+"""The per-layer strategies, what each costs, and the registry that says which apply where.
+
+A strategy is a small frozen dataclass: the layout it takes, the layout it gives, and a
+`cost` method. Costs are per device, for one training step of the whole global batch over
+a 1-D group of `ranks` devices: compute (forward + backward), the collectives the layer
+issues itself (gradient all-reduce, a row-parallel output reduction) and memory (weights,
+gradients, optimizer state and the activation kept for backward). Layout changes *between*
+layers are priced on the edges by `strategies.edges`.
+
+The registry maps a layer to its candidates: `register(ModuleType, *strategies)` lets a user
+add strategies for their own module types; a layer nobody knows is replicated, which is
+always correct.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+from torch import nn
+
+from profiler.graph import Layer
+from strategies.cluster import Cluster
+from strategies.collectives import all_gather_s, all_reduce_s, reduce_scatter_s
+from strategies.layouts import Layout
+
+OPTIMIZER_STATE_FACTOR = {"sgd": 0, "sgd_momentum": 1, "adam": 2, "adamw": 2}
+
+
+@dataclass(frozen=True)
+class CostContext:
+    """What every cost needs besides the layer: the devices and the training setup."""
+
+    cluster: Cluster
+    ranks: int
+    batch: int
+    optimizer: str = "adam"
+
+    @property
+    def link(self):
+        return self.cluster.link(self.ranks)
+
+    @property
+    def state_factor(self) -> int:
+        return OPTIMIZER_STATE_FACTOR[self.optimizer]
+
+
+@dataclass(frozen=True)
+class Cost:
+    compute_s: float
+    communication_s: float
+    memory_bytes: float
+    update_s: float = 0.0  # the optimizer's step over this device's weights
+    notes: dict = field(default_factory=dict)  # figures explain() quotes
+
+    @property
+    def time_s(self) -> float:
+        return self.compute_s + self.communication_s + self.update_s
+
+
+def compute_s(layer: Layer, fraction: float, ctx: CostContext) -> float:
+    """Forward + backward time of `fraction` of the layer's work on one device: measured
+    when the layer was timed here, else a roofline over FLOPs and bytes moved."""
+    if layer.is_input:
+        return 0.0
+    if layer.measured_s is not None:
+        return layer.measured_s * fraction * ctx.batch / layer.measured_batch
+    device = ctx.cluster.device
+    flops = (layer.fwd_flops + layer.bwd_flops) * fraction
+    # forward writes the output once, backward reads it and writes its gradient
+    moved = 3 * layer.output.nbytes * fraction
+    return max(flops / device.achievable_flops(ctx.cluster.dtype),
+               moved / device.memory_bandwidth_bytes_per_s)
+
+
+def weights_memory(param_bytes: float, ctx: CostContext) -> float:
+    """Weights, their gradients and the optimizer's state."""
+    return param_bytes * (2 + ctx.state_factor)
+
+
+def update_s(param_bytes: float, ctx: CostContext) -> float:
+    """The optimizer's step is memory-bound: it reads weights, gradients and state and
+    writes weights and state back."""
+    moved = param_bytes * (3 + 2 * ctx.state_factor)
+    return moved / ctx.cluster.device.memory_bandwidth_bytes_per_s
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """Base: a way to run one layer over the group. Subclasses set name, takes and gives."""
+
+    name: ClassVar[str] = ""
+    takes: Layout = Layout.BATCH
+    gives: Layout = Layout.BATCH
+    model_parallel: ClassVar[bool] = False  # splits the weights (what explain() calls it)
+
+    def applies(self, layer: Layer, ctx: CostContext) -> bool:
+        return True
+
+    def cost(self, layer: Layer, ctx: CostContext) -> Cost:
+        raise NotImplementedError
+
+
+@dataclass(frozen=True)
+class DataParallel(Strategy):
+    """Weights replicated, batch split by rows, gradients all-reduced after backward."""
+
+    name: ClassVar[str] = "data_parallel"
+    takes: Layout = Layout.BATCH
+    gives: Layout = Layout.BATCH
+
+    def applies(self, layer, ctx):
+        return ctx.batch % ctx.ranks == 0 and _rowwise(layer, ctx.batch)
+
+    def cost(self, layer, ctx):
+        sync = all_reduce_s(layer.param_bytes, ctx.ranks, ctx.link)
+        memory = weights_memory(layer.param_bytes, ctx) + layer.output.nbytes / ctx.ranks
+        return Cost(compute_s(layer, 1 / ctx.ranks, ctx), sync, memory,
+                    update_s(layer.param_bytes, ctx),
+                    {"gradient_bytes": layer.param_bytes, "gradient_all_reduce_s": sync})
+
+
+@dataclass(frozen=True)
+class Replicate(Strategy):
+    """Every device runs the whole layer on the whole batch: always correct, never fast."""
+
+    name: ClassVar[str] = "replicate"
+    takes: Layout = Layout.REPLICATE
+    gives: Layout = Layout.REPLICATE
+
+    def cost(self, layer, ctx):
+        memory = weights_memory(layer.param_bytes, ctx) + layer.output.nbytes
+        return Cost(compute_s(layer, 1.0, ctx), 0.0, memory, update_s(layer.param_bytes, ctx))
+
+
+@dataclass(frozen=True)
+class FeatureParallel(Strategy):
+    """A parameter-free op applied to each feature (channel) on its own follows a
+    feature-split input: each device works on its own features."""
+
+    name: ClassVar[str] = "feature_parallel"
+    takes: Layout = Layout.FEATURE
+    gives: Layout = Layout.FEATURE
+
+    def applies(self, layer, ctx):
+        return _featurewise(layer) and _features(layer) % ctx.ranks == 0
+
+    def cost(self, layer, ctx):
+        return Cost(compute_s(layer, 1 / ctx.ranks, ctx), 0.0, layer.output.nbytes / ctx.ranks)
+
+
+@dataclass(frozen=True)
+class ColumnParallel(Strategy):
+    """Split a Linear's output features (or a Conv2d's output channels) across the devices,
+    Megatron's column split: takes the whole batch replicated, gives a feature-split output;
+    the input gradient comes back partial, so the edge into it reduces it."""
+
+    name: ClassVar[str] = "column_parallel"
+    model_parallel: ClassVar[bool] = True
+    takes: Layout = Layout.REPLICATE_PARTIAL_GRAD
+    gives: Layout = Layout.FEATURE
+
+    def applies(self, layer, ctx):
+        return _linear_out(layer) % ctx.ranks == 0 and layer.attrs.get("groups", 1) == 1
+
+    def cost(self, layer, ctx):
+        local = layer.param_bytes / ctx.ranks
+        memory = weights_memory(local, ctx) + layer.output.nbytes / ctx.ranks
+        return Cost(compute_s(layer, 1 / ctx.ranks, ctx), 0.0, memory, update_s(local, ctx))
+
+
+@dataclass(frozen=True)
+class ChannelParallel(ColumnParallel):
+    """Output-channel split of a Conv2d: each device computes its channels of the whole batch."""
+
+    name: ClassVar[str] = "channel_parallel"
+
+
+@dataclass(frozen=True)
+class RowParallel(Strategy):
+    """Split a Linear's input features across the devices (Megatron's row split): each
+    device multiplies its features, and the partial outputs are summed, by an all-reduce
+    (gives the output replicated) or a reduce-scatter (gives it split by rows)."""
+
+    name: ClassVar[str] = "row_parallel"
+    model_parallel: ClassVar[bool] = True
+    takes: Layout = Layout.FEATURE
+    gives: Layout = Layout.REPLICATE
+
+    def applies(self, layer, ctx):
+        ok = layer.attrs.get("in_features", 0) % ctx.ranks == 0
+        return ok and (self.gives != Layout.BATCH or ctx.batch % ctx.ranks == 0)
+
+    def cost(self, layer, ctx):
+        n = layer.output.nbytes
+        if self.gives == Layout.BATCH:
+            # forward reduce-scatter; backward gathers the row-split gradient
+            comm = reduce_scatter_s(n, ctx.ranks, ctx.link) + all_gather_s(n, ctx.ranks, ctx.link)
+            kept = n / ctx.ranks
+        else:
+            comm = all_reduce_s(n, ctx.ranks, ctx.link)
+            kept = n
+        local = layer.param_bytes / ctx.ranks
+        memory = weights_memory(local, ctx) + kept
+        return Cost(compute_s(layer, 1 / ctx.ranks, ctx), comm, memory, update_s(local, ctx),
+                    {"output_reduction_s": comm, "output_bytes": n})
+
+
+# --- which layers are which --------------------------------------------------------------
+
+_POINTWISE_MODULES = (
+    nn.ReLU, nn.ReLU6, nn.GELU, nn.SiLU, nn.Tanh, nn.Sigmoid, nn.LeakyReLU, nn.ELU,
+    nn.Hardswish, nn.Mish, nn.Identity, nn.Dropout, nn.Dropout1d, nn.Dropout2d,
+)
+_CHANNEL_MODULES = (nn.MaxPool1d, nn.MaxPool2d, nn.AvgPool1d, nn.AvgPool2d,
+                    nn.AdaptiveAvgPool1d, nn.AdaptiveAvgPool2d, nn.AdaptiveMaxPool2d)
+_ROWWISE_MODULES = _POINTWISE_MODULES + _CHANNEL_MODULES + (
+    nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.Flatten, nn.LayerNorm, nn.GroupNorm,
+    nn.Embedding, nn.Softmax, nn.LogSoftmax, nn.BatchNorm1d, nn.BatchNorm2d,
+)
+# unary ops only: a binary op may meet a whole (unsplit) tensor such as a bias
+_POINTWISE_FUNCTIONS = {
+    "relu", "relu_", "gelu", "silu", "tanh", "sigmoid", "dropout", "contiguous",
+    "leaky_relu", "hardswish", "clone",
+}
+# a row-split output must keep the batch in dim 0 (checked on the shape as well)
+_ROWWISE_FUNCTIONS = _POINTWISE_FUNCTIONS | {
+    "add", "sub", "mul", "truediv", "flatten", "view", "reshape", "max_pool2d",
+    "avg_pool2d", "adaptive_avg_pool2d", "softmax", "log_softmax", "layer_norm", "linear",
+    "conv2d", "cat",
+}
+
+
+def _rowwise(layer: Layer, batch: int) -> bool:
+    """Rows of the batch stay independent and in place (so splitting by rows is exact)."""
+    if layer.module_type is not None:
+        known = issubclass(layer.module_type, _ROWWISE_MODULES)
+    else:
+        known = layer.kind in _ROWWISE_FUNCTIONS
+    return known and bool(layer.output.shape) and layer.output.shape[0] == batch
+
+
+def _featurewise(layer: Layer) -> bool:
+    """A parameter-free op that treats each feature (channel) on its own."""
+    if layer.param_count:
+        return False
+    if layer.module_type is not None:
+        return issubclass(layer.module_type, _POINTWISE_MODULES + _CHANNEL_MODULES + (nn.Flatten,))
+    return layer.kind in _POINTWISE_FUNCTIONS | {"flatten"}
+
+
+def _features(layer: Layer) -> int:
+    shape = layer.output.shape
+    return shape[layer.output.feature_dim] if len(shape) > 1 else 0
+
+
+def _linear_out(layer: Layer) -> int:
+    return layer.attrs.get("out_features", layer.attrs.get("out_channels", 0))
+
+
+# --- the registry ------------------------------------------------------------------------
+
+_REGISTRY: dict[type, tuple[Strategy, ...]] = {}
+
+
+def register(module_type: type, *strategies: Strategy) -> None:
+    """Offer `strategies` for layers of `module_type` (and its subclasses), in addition to
+    the data-parallel and replicated strategies every row-wise layer gets. The strategies'
+    `apply` must be known to the executor (see executor.styles)."""
+    _REGISTRY[module_type] = tuple(strategies)
+
+
+register(nn.Linear, ColumnParallel(), RowParallel(), RowParallel(gives=Layout.BATCH))
+register(nn.Conv2d, ChannelParallel())
+
+
+def candidates(layer: Layer, ctx: CostContext) -> list[Strategy]:
+    """The strategies that apply to `layer` on this group. On one device, just one: plain
+    training (data-parallel over one rank), or replicate where rows are not independent."""
+    if layer.is_input:  # the user hands each rank its rows, or the whole batch
+        options: list[Strategy] = [DataParallel(), Replicate()]
+    else:
+        options = [DataParallel(), Replicate()]
+        if layer.module_type is not None:
+            for module_type, extra in _REGISTRY.items():
+                if issubclass(layer.module_type, module_type):
+                    options.extend(extra)
+        options.append(FeatureParallel())
+    usable = [s for s in options
+              if (_batch_ok(layer, ctx) if isinstance(s, DataParallel) else s.applies(layer, ctx))]
+    return usable[:1] if ctx.ranks == 1 else usable
+
+
+def _batch_ok(layer: Layer, ctx: CostContext) -> bool:
+    if layer.is_input:
+        return ctx.batch % ctx.ranks == 0 and layer.output.shape[:1] == (ctx.batch,)
+    return DataParallel().applies(layer, ctx)

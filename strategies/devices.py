@@ -1,0 +1,152 @@
+"""Accelerators and links the cost model knows, with where each figure comes from.
+
+Peak rates are datasheet figures; `efficiency` is the fraction of peak that dense matmul and
+convolution reach in practice, so `achievable_flops` is what the cost model divides FLOPs by.
+Link bandwidths are per device, one direction, as a ring collective sees them ("bus
+bandwidth" in nccl-tests' terms).
+"""
+
+from __future__ import annotations
+
+import os
+
+from pydantic import BaseModel, ConfigDict, Field
+
+GB = 1e9
+GiB = 2**30
+TFLOPS = 1e12
+
+
+class DeviceSpec(BaseModel):
+    """One device: compute rate per dtype, memory size and memory bandwidth."""
+
+    model_config = ConfigDict(frozen=True)
+
+    name: str
+    peak_flops: dict[str, float] = Field(description="peak FLOP/s per dtype name")
+    efficiency: float = Field(0.6, gt=0, le=1, description="fraction of peak dense ops reach")
+    memory_bytes: float = Field(gt=0)
+    memory_bandwidth_bytes_per_s: float = Field(gt=0)
+    kind: str = "cuda"  # the torch device type that runs it
+    source: str = ""
+
+    def achievable_flops(self, dtype: str = "float32") -> float:
+        if dtype not in self.peak_flops:
+            raise ValueError(
+                f"device {self.name} has no FLOP rate for dtype {dtype!r}; "
+                f"known: {sorted(self.peak_flops)}"
+            )
+        return self.peak_flops[dtype] * self.efficiency
+
+
+class LinkSpec(BaseModel):
+    """A link between devices: bandwidth per device (one direction) and latency per message."""
+
+    model_config = ConfigDict(frozen=True)
+
+    name: str
+    bandwidth_bytes_per_s: float = Field(gt=0)
+    latency_s: float = Field(ge=0)
+    source: str = ""
+
+
+def _gpu(name, fp32, fp16, bf16, mem_gib, bw_gbs, source, efficiency=0.6, tf32=None):
+    flops = {"float32": fp32 * TFLOPS, "float16": fp16 * TFLOPS}
+    if bf16:
+        flops["bfloat16"] = bf16 * TFLOPS
+    if tf32:
+        flops["tfloat32"] = tf32 * TFLOPS
+    return DeviceSpec(
+        name=name,
+        peak_flops=flops,
+        efficiency=efficiency,
+        memory_bytes=mem_gib * GiB,
+        memory_bandwidth_bytes_per_s=bw_gbs * GB,
+        source=source,
+    )
+
+
+DEVICES: dict[str, DeviceSpec] = {
+    # Krizhevsky (2014) assumes 2 TFLOP/s achieved on a K20 (footnote 3): 2/3.52 of peak.
+    "K20": _gpu("K20", 3.52, 3.52, None, 5, 208, "NVIDIA Tesla K20 datasheet", 2.0 / 3.52),
+    # One GK210 die of a K80 board (the board holds two).
+    "K80": _gpu("K80", 4.37, 4.37, None, 12, 240, "NVIDIA Tesla K80 datasheet (per GPU)"),
+    "V100": _gpu("V100", 15.7, 125, None, 16, 900, "NVIDIA V100 SXM2 datasheet"),
+    "V100-32GB": _gpu("V100-32GB", 15.7, 125, None, 32, 900, "NVIDIA V100 SXM2 datasheet"),
+    "A100-40GB": _gpu(
+        "A100-40GB", 19.5, 312, 312, 40, 1555, "NVIDIA A100 SXM4 datasheet", tf32=156
+    ),
+    "A100-80GB": _gpu(
+        "A100-80GB", 19.5, 312, 312, 80, 2039, "NVIDIA A100 SXM4 datasheet", tf32=156
+    ),
+    "H100": _gpu("H100", 67, 989, 989, 80, 3350, "NVIDIA H100 SXM5 datasheet (dense)", tf32=494),
+    "H200": _gpu("H200", 67, 989, 989, 141, 4800, "NVIDIA H200 SXM datasheet (dense)", tf32=494),
+}
+DEVICES["A100"] = DEVICES["A100-80GB"]
+
+# Links inside one box and between boxes, per device family.
+INTRA_NODE: dict[str, LinkSpec] = {
+    # Krizhevsky (2014): PCIe 2.0 switches, "about 6 GB/s" between GPUs of a group.
+    "K20": LinkSpec(name="PCIe 2.0", bandwidth_bytes_per_s=6 * GB, latency_s=10e-6,
+                    source="Krizhevsky 2014, section 5"),
+    "K80": LinkSpec(name="PCIe 3.0", bandwidth_bytes_per_s=10 * GB, latency_s=10e-6,
+                    source="PCIe 3.0 x16 achieved copy bandwidth"),
+    # DGX-1 hybrid cube mesh: nccl-tests all-reduce bus bandwidth about 130 GB/s.
+    "V100": LinkSpec(name="NVLink 2", bandwidth_bytes_per_s=130 * GB, latency_s=10e-6,
+                     source="NVIDIA DGX-1 V100 whitepaper; nccl-tests busbw"),
+    # DGX A100: NVLink 3 through NVSwitch, 300 GB/s per direction; ~230 GB/s busbw measured.
+    "A100": LinkSpec(name="NVLink 3", bandwidth_bytes_per_s=230 * GB, latency_s=8e-6,
+                     source="NVIDIA DGX A100 user guide; nccl-tests busbw"),
+    # DGX H100: NVLink 4, 450 GB/s per direction; ~360 GB/s busbw measured for all-reduce.
+    "H100": LinkSpec(name="NVLink 4", bandwidth_bytes_per_s=360 * GB, latency_s=6e-6,
+                     source="NVIDIA DGX H100 user guide; nccl-tests busbw"),
+}
+INTER_NODE: dict[str, LinkSpec] = {
+    "K20": LinkSpec(name="10 GbE", bandwidth_bytes_per_s=1.25 * GB, latency_s=30e-6,
+                    source="10 Gigabit Ethernet line rate"),
+    "K80": LinkSpec(name="10 GbE", bandwidth_bytes_per_s=1.25 * GB, latency_s=30e-6,
+                    source="10 Gigabit Ethernet line rate"),
+    # DGX-1: 4x EDR InfiniBand (100 Gb/s) for 8 GPUs.
+    "V100": LinkSpec(name="EDR InfiniBand", bandwidth_bytes_per_s=6.25 * GB, latency_s=5e-6,
+                     source="DGX-1: 4x 100 Gb/s EDR per 8 GPUs"),
+    # DGX A100: 8x HDR InfiniBand (200 Gb/s), one per GPU.
+    "A100": LinkSpec(name="HDR InfiniBand", bandwidth_bytes_per_s=25 * GB, latency_s=5e-6,
+                     source="DGX A100: 8x 200 Gb/s HDR, one per GPU"),
+    # DGX H100: 8x NDR InfiniBand (400 Gb/s), one per GPU.
+    "H100": LinkSpec(name="NDR InfiniBand", bandwidth_bytes_per_s=50 * GB, latency_s=5e-6,
+                     source="DGX H100: 8x 400 Gb/s NDR, one per GPU"),
+}
+
+
+def link_family(device_name: str) -> str:
+    """The key of a device's links: 'A100-80GB' → 'A100', 'H200' → 'H100' (same NVLink 4)."""
+    base = device_name.split("-")[0].upper()
+    return {"H200": "H100", "CPU": "cpu"}.get(base, base)
+
+
+def local_cpu(threads: int | None = None) -> DeviceSpec:
+    """This machine's CPU as one device, from a short matmul measurement.
+
+    The figure is measured, not looked up: a CPU's rate depends on its cores, vector units
+    and the threads each process gets. `threads` is the intra-op threads per device.
+    """
+    from profiler.machine import measure_cpu  # local import: measuring costs a second
+
+    flops, bandwidth = measure_cpu(threads)
+    pages = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    return DeviceSpec(
+        name="cpu",
+        kind="cpu",
+        peak_flops={"float32": flops, "bfloat16": flops / 2, "float16": flops / 4},
+        efficiency=1.0,  # measured: the rate is already achieved, not peak
+        memory_bytes=float(pages),
+        memory_bandwidth_bytes_per_s=bandwidth,
+        source=f"measured on this machine ({threads or 'default'} threads)",
+    )
+
+
+# gloo over loopback TCP between processes on one machine, measured on the 2-core
+# development machine (2026-11-22, 2 processes): all-reduce of 1 KB 1.1 ms (two ring
+# steps, so about 0.5 ms a message), of 16-64 MB 1.2-1.4 GB/s bus bandwidth.
+CPU_LINK = LinkSpec(name="gloo loopback", bandwidth_bytes_per_s=1.2 * GB, latency_s=0.5e-3,
+                    source="measured: gloo all-reduce over loopback, 2 processes")

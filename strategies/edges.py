@@ -1,0 +1,33 @@
+"""The cost of changing an activation's layout between two layers.
+
+An edge carries the producer's output (its global size is `nbytes`) to a consumer that may
+need another layout. Forward runs the collective that turns the producer's layout into the
+consumer's; backward runs the one that turns the consumer's gradient into the producer's,
+unless the producer is a model input (no gradient flows back to it).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from strategies.collectives import collective_s
+from strategies.layouts import Layout, edge_collectives
+from strategies.devices import LinkSpec
+
+
+def reshard_s(src: Layout, dst: Layout, nbytes: float, ranks: int, link: LinkSpec,
+              backward: bool = True) -> float:
+    """Forward plus (if `backward`) backward time of turning layout `src` into `dst`."""
+    fwd, bwd = edge_collectives(src, dst)
+    time = collective_s(fwd, nbytes, ranks, link)
+    if backward:
+        time += collective_s(bwd, nbytes, ranks, link)
+    return time
+
+
+def edge_matrix(gives: list[Layout], takes: list[Layout], nbytes: float, ranks: int,
+                link: LinkSpec, backward: bool = True) -> np.ndarray:
+    """cost[i, j]: the producer's option i gives gives[i], the consumer's option j takes
+    takes[j]."""
+    return np.array([[reshard_s(g, t, nbytes, ranks, link, backward) for t in takes]
+                     for g in gives])

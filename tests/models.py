@@ -1,0 +1,41 @@
+"""Small models the tests plan and run: no dropout, so parallel runs can match exactly."""
+
+import torch
+from torch import nn
+
+
+def mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(),
+                         nn.Linear(32, 8))
+
+
+class SmallCNN(nn.Module):
+    """Convolutions, then two fully connected layers: AlexNet's shape in miniature."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.features = nn.Sequential(
+            nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+            nn.Conv2d(8, 16, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2))
+        self.classifier = nn.Sequential(nn.Linear(16 * 4 * 4, 64), nn.ReLU(),
+                                        nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 8))
+
+    def forward(self, x):
+        x = torch.flatten(self.features(x), 1)
+        return self.classifier(x)
+
+
+MODELS = {"mlp": (mlp, (16,)), "cnn": (SmallCNN, (3, 16, 16))}
+
+
+def build(name: str) -> nn.Module:
+    return MODELS[name][0]()
+
+
+def batch(name: str, rows: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(100 + step)
+    x = torch.randn(rows, *MODELS[name][1], generator=g)
+    y = torch.randint(0, 8, (rows,), generator=g)
+    return x, y
