@@ -17,7 +17,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from profiler.graph import Layer, ModelGraph
 from profiler.machine import threads as thread_count
-from profiler.trace import meta_params, run_node
+from profiler.trace import to_meta, materialize, meta_params, run_node
 
 
 def profile(graph: ModelGraph, measure: bool = False, measure_batch: int | None = None,
@@ -70,6 +70,28 @@ def _placeholder_value(layer: Layer | None, graph: ModelGraph, node: fx.Node, de
     return torch.zeros(shape, dtype=dtype, device=device)
 
 
+def _node_flops(node, values, needs_grad, modules, gm, meta: bool):
+    """(forward FLOPs, backward FLOPs, output) of one node run on its own."""
+    local, leaves = _inputs_for(node, values, needs_grad)
+    module = modules[node.target] if node.op == "call_module" else None
+    if module is None:
+        params = {}
+    elif meta:
+        params = meta_params(module)
+    else:
+        params = dict(module.named_parameters())
+    with FlopCounterMode(display=False) as counter:
+        out = run_node(node, local, modules, gm, params if meta and module is not None else None)
+    fwd = counter.get_total_flops()
+    targets = _grad_targets(leaves, params)
+    bwd = 0
+    if isinstance(out, torch.Tensor) and out.requires_grad and targets:
+        with FlopCounterMode(display=False) as counter:
+            torch.autograd.grad(out, targets, torch.empty_like(out), allow_unused=True)
+        bwd = counter.get_total_flops()
+    return fwd, bwd, out
+
+
 def count_flops(graph: ModelGraph) -> dict[str, tuple[int, int]]:
     """{fx node name: (forward FLOPs, backward FLOPs)} for every layer, on meta tensors."""
     gm = graph.module
@@ -87,17 +109,12 @@ def count_flops(graph: ModelGraph) -> dict[str, tuple[int, int]]:
             if layer is not None:
                 result[node.name] = (0, 0)
             continue
-        local, leaves = _inputs_for(node, values, needs_grad)
-        params = meta_params(modules[node.target]) if node.op == "call_module" else {}
-        with FlopCounterMode(display=False) as counter:
-            out = run_node(node, local, modules, gm, params if node.op == "call_module" else None)
-        fwd = counter.get_total_flops()
-        targets = _grad_targets(leaves, params)
-        bwd = 0
-        if isinstance(out, torch.Tensor) and out.requires_grad and targets:
-            with FlopCounterMode(display=False) as counter:
-                torch.autograd.grad(out, targets, torch.empty_like(out), allow_unused=True)
-            bwd = counter.get_total_flops()
+        try:
+            fwd, bwd, out = _node_flops(node, values, needs_grad, modules, gm, meta=True)
+        except Exception:  # data-dependent Python in a leaf module: count it on zeros
+            real = {n.name: materialize(values.get(n.name)) for n in node.all_input_nodes}
+            fwd, bwd, out = _node_flops(node, real, needs_grad, modules, gm, meta=False)
+            out = to_meta(out)
         needs_grad[node.name] = isinstance(out, torch.Tensor) and out.requires_grad
         values[node.name] = out.detach() if isinstance(out, torch.Tensor) else out
         if layer is not None:

@@ -32,6 +32,7 @@ class _Tracer(fx.Tracer):
         self.leaf_types = leaf_types
         self.leaf_names = leaf_names
         self.stack: list[tuple[str, str]] = []
+        self.failed_in: tuple[str, str] | None = None  # the innermost module that raised
 
     def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
         if isinstance(m, self.leaf_types) or qualname in self.leaf_names:
@@ -42,6 +43,9 @@ class _Tracer(fx.Tracer):
         self.stack.append((self.path_of_module(m), type(m).__name__))
         try:
             return super().call_module(m, forward, args, kwargs)
+        except Exception:
+            self.failed_in = self.failed_in or self.stack[-1]
+            raise
         finally:
             self.stack.pop()
 
@@ -59,8 +63,7 @@ def fx_trace(model: nn.Module, leaf_modules: Iterable[type | str] = ()) -> fx.Gr
     try:
         graph = tracer.trace(model)
     except Exception as error:  # fx raises TraceError, TypeError, RuntimeError, ...
-        where = tracer.stack[-1] if tracer.stack else ("", type(model).__name__)
-        path, cls = where
+        path, cls = tracer.failed_in or ("", type(model).__name__)
         name = f"module {path!r} ({cls})" if path else f"the model's own forward ({cls})"
         hint = (
             f"mark it as a leaf: planner.optimize(..., leaf_modules=[{cls}]) keeps it whole "
@@ -97,13 +100,13 @@ def _target_name(node: fx.Node) -> str:
     return node.op
 
 
-def _to_meta(value):
+def to_meta(value):
     if isinstance(value, torch.Tensor):
         return torch.empty(value.shape, dtype=value.dtype, device="meta")
     if isinstance(value, (list, tuple)):
-        return type(value)(_to_meta(v) for v in value)
+        return type(value)(to_meta(v) for v in value)
     if isinstance(value, dict):
-        return {k: _to_meta(v) for k, v in value.items()}
+        return {k: to_meta(v) for k, v in value.items()}
     return value
 
 
@@ -131,8 +134,8 @@ def trace(
         raise ValueError("example_inputs: pass at least one tensor whose dim 0 is the batch")
     gm = fx_trace(model, leaf_modules)
     modules = dict(gm.named_modules())
-    meta_args = [_to_meta(x) for x in example_inputs]
-    meta_kwargs = _to_meta(example_kwargs or {})
+    meta_args = [to_meta(x) for x in example_inputs]
+    meta_kwargs = to_meta(example_kwargs or {})
 
     values: dict[str, object] = {}
     layers: list[Layer] = []
@@ -160,7 +163,7 @@ def meta_params(module: nn.Module) -> dict[str, torch.Tensor]:
     """The module's parameters and buffers as meta tensors (parameters requiring grad)."""
     out = {}
     for key, value in module.state_dict(keep_vars=True).items():
-        meta = _to_meta(value)
+        meta = to_meta(value)
         if isinstance(value, nn.Parameter) and value.requires_grad:
             meta.requires_grad_(True)
         out[key] = meta
@@ -185,19 +188,38 @@ def run_node(node: fx.Node, values: dict, modules: dict, gm: fx.GraphModule,
     return node.target(*args, **kwargs)
 
 
+def materialize(value):
+    """Meta tensors as zeros on the CPU, for code that must see real values."""
+    if isinstance(value, torch.Tensor) and value.is_meta:
+        return torch.zeros(value.shape, dtype=value.dtype)
+    if isinstance(value, (list, tuple)):
+        return type(value)(materialize(v) for v in value)
+    if isinstance(value, dict):
+        return {k: materialize(v) for k, v in value.items()}
+    return value
+
+
 def _run_meta(node: fx.Node, values: dict, modules: dict, gm: fx.GraphModule):
     try:
         if node.op == "get_attr":
-            return _to_meta(run_node(node, values, modules, gm))
+            return to_meta(run_node(node, values, modules, gm))
         if node.op == "call_module":
-            return run_node(node, values, modules, gm, meta_params(modules[node.target]))
+            try:
+                return run_node(node, values, modules, gm, meta_params(modules[node.target]))
+            except Exception:
+                if any(p.is_meta for p in modules[node.target].parameters()):
+                    raise
+                real = {n.name: materialize(values[n.name]) for n in node.all_input_nodes}
+                with torch.no_grad():
+                    return to_meta(run_node(node, real, modules, gm))
         return run_node(node, values, modules, gm)
     except Exception as error:
-        where = node.target if node.op == "call_module" else node.name
+        cls = type(modules[node.target]).__name__ if node.op == "call_module" else ""
+        where = f"module {node.target!r} ({cls})" if cls else f"{node.name!r}"
         raise TraceError(
-            f"cannot propagate shapes through {where!r} ({_target_name(node)}) on meta "
-            f"tensors: {type(error).__name__}: {str(error).splitlines()[0]}. Fix: check the "
-            f"example inputs' shapes, or mark the module as a leaf with leaf_modules=[...]"
+            f"cannot propagate shapes through {where} on meta tensors: "
+            f"{type(error).__name__}: {str(error).splitlines()[0]}. Fix: check the example "
+            f"inputs' shapes, or build the model on the CPU so such a module can run on zeros"
         ) from error
 
 

@@ -1,0 +1,102 @@
+"""Bad input stops early with one message that names what was wrong and the fix."""
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import executor
+import models
+import planner
+from distributed import free_port
+from profiler import TraceError
+from strategies import parse_devices
+
+
+class Gate(nn.Module):
+    """Data-dependent control flow: torch.fx cannot follow it."""
+
+    def forward(self, x):
+        if x.sum() > 0:
+            return x
+        return -x
+
+
+class Gated(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.gate = Gate()
+
+    def forward(self, x):
+        return self.gate(self.fc(x))
+
+
+def test_untraceable_module_is_named_with_the_leaf_fix():
+    with pytest.raises(TraceError) as info:
+        planner.optimize(Gated(), "2xV100", example_inputs=(torch.randn(4, 8),))
+    message = str(info.value)
+    assert "'gate' (Gate)" in message and "leaf_modules=[Gate]" in message
+
+
+def test_leaf_module_makes_it_plannable():
+    plan = planner.optimize(Gated(), "2xV100", example_inputs=(torch.randn(4, 8),),
+                            leaf_modules=[Gate])
+    assert plan.layer("gate").strategy == "replicate"  # unknown: replicated, always correct
+
+
+def test_plan_that_cannot_fit_says_needed_and_available_memory():
+    from alexnet_example import build
+
+    model, inputs, _ = build(65536, "meta")
+    with pytest.raises(planner.PlanDoesNotFit) as info:
+        planner.optimize(model, "8xK20", example_inputs=inputs)
+    message = str(info.value)
+    assert "needs at least" in message and "has 5.4 GB" in message and "add devices" in message
+
+
+@pytest.mark.parametrize("spec,needle", [("8xFOO", "unknown device 'FOO'"),
+                                         ("eight V100", "cannot read"),
+                                         (0, "at least 1")])
+def test_bad_device_strings(spec, needle):
+    with pytest.raises(ValueError, match=needle):
+        parse_devices(spec)
+
+
+def test_bad_optimizer_and_pin_are_named():
+    model, x = models.build("mlp"), models.batch("mlp", 8, 0)[0]
+    with pytest.raises(ValueError, match="optimizer: 'lamb'"):
+        planner.optimize(model, "2xV100", example_inputs=(x,), optimizer="lamb")
+    with pytest.raises(ValueError, match="pin: layer '1' cannot use 'column_parallel'"):
+        planner.optimize(model, "2xV100", example_inputs=(x,), pin={"1": "column_parallel"})
+    with pytest.raises(ValueError, match=r"pin: no layer named \['fc9'\]"):
+        planner.optimize(model, "2xV100", example_inputs=(x,), pin={"fc9": "data_parallel"})
+
+
+@pytest.fixture
+def one_rank_group():
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}",
+                            rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def test_world_size_mismatch_names_both_numbers(one_rank_group):
+    x = models.batch("mlp", 8, 0)[0]
+    plan = planner.optimize(models.build("mlp"), "2xV100", example_inputs=(x,))
+    with pytest.raises(executor.PlanMismatch, match="plan is for 2 devices, this run has 1"):
+        executor.parallelize(models.build("mlp"), plan)
+
+
+def test_plan_for_another_model_is_refused(one_rank_group):
+    x = models.batch("mlp", 8, 0)[0]
+    plan = planner.optimize(models.build("mlp"), "1xV100", example_inputs=(x,))
+    with pytest.raises(executor.PlanMismatch, match="made for a Sequential"):
+        executor.parallelize(Gated(), plan, leaf_modules=[Gate])
+
+
+def test_shard_batch_checks_the_global_batch():
+    x, y = models.batch("mlp", 8, 0)
+    plan = planner.optimize(models.build("mlp"), "2xV100", example_inputs=(x,))
+    with pytest.raises(ValueError, match="global batch of 8"):
+        executor.shard_batch(plan, (x[:4], y[:4]), rank=0)
