@@ -41,8 +41,9 @@ def _traffic(choices: Choices, choice: list[int], node: int, option: int) -> str
     strategy, cost = row.strategies[option], row.costs[option]
     moved = _edge_time(choices.problem, choice, node, option) + cost.communication_s
     if strategy.name == "data_parallel" and row.layer.param_bytes:
-        return (f"all-reduce of its {_mb(row.layer.param_bytes)} of gradients "
-                f"{_ms(cost.communication_s)}, layout changes {_ms(moved - cost.communication_s)}")
+        text = f"all-reduce of its {_mb(row.layer.param_bytes)} of gradients {_ms(cost.communication_s)}"
+        reshard = moved - cost.communication_s
+        return text + (f", layout changes {_ms(reshard)}" if reshard >= 1e-6 else "")
     return f"activation traffic {_ms(moved)}"
 
 
