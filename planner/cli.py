@@ -1,0 +1,257 @@
+"""`hyplan`: plan a model from the command line (a dry run: nothing is trained), or show a
+saved plan.
+
+    hyplan plan examples/alexnet.py --devices 8xK20 --batch 1024 --json plan.json
+    hyplan show plan.json
+
+MODEL is a Python file, or `package.module[:factory]`, whose `build(batch, device="meta")`
+returns `(model, example_inputs, loss_fn)`. Every user error ends in one line on stderr,
+`hyplan: error: ...`, and exit status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib
+import importlib.util
+import inspect
+import os
+import re
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+EXIT_USAGE = 2
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "b": 1}
+for _i, _p in enumerate("kmgt", start=1):
+    _UNITS[_p] = _UNITS[_p + "b"] = 1000**_i
+    _UNITS[_p + "i"] = _UNITS[_p + "ib"] = 1024**_i
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a usage mistake is one line naming the fix, not the usage block."""
+
+    def error(self, message: str):
+        self.exit(EXIT_USAGE, f"hyplan: error: {message}; see `{self.prog} --help`\n")
+
+
+def parse_memory(text: str) -> float:
+    """Bytes from "40GB" (10^9), "40GiB" (2^30), "512MB", "1.5TB" or a plain byte count."""
+    match = _SIZE.match(text)
+    if not match:
+        raise ValueError(f"--memory-limit: cannot read {text!r}; write e.g. 40GB, 40GiB, "
+                         f"512MB or a number of bytes")
+    number, unit = match.groups()
+    nbytes = float(number) * _UNITS[(unit or "").lower()]
+    if nbytes <= 0:
+        raise ValueError(f"--memory-limit: must be positive, got {text!r}")
+    return nbytes
+
+
+# --- loading the user's model -------------------------------------------------------------
+
+@contextlib.contextmanager
+def _on_path(folder: str):
+    """Let the user's file import its neighbours, as `python FILE` would; undone after."""
+    sys.path.insert(0, folder)
+    try:
+        yield
+    finally:
+        with contextlib.suppress(ValueError):
+            sys.path.remove(folder)
+
+
+def _split_factory(spec: str) -> tuple[str, str]:
+    """"a/b.py:make" → ("a/b.py", "make"); no ":factory" means `build`."""
+    if not os.path.exists(spec) and ":" in spec:
+        where, _, factory = spec.rpartition(":")
+        if factory.isidentifier():
+            return where, factory
+    return spec, "build"
+
+
+def _is_file(where: str) -> bool:
+    return where.endswith(".py") or os.sep in where or "/" in where or os.path.isfile(where)
+
+
+_HOW = "a Python file or package.module[:factory] whose build(batch, device) returns " \
+       "(model, example_inputs, loss_fn)"
+
+
+def load_factory(spec: str) -> Callable:
+    """The model factory that MODEL names (a file or a module, `build` unless `:factory`)."""
+    where, factory = _split_factory(spec)
+    if _is_file(where):
+        path = Path(where)
+        if not path.is_file():
+            raise ValueError(f"model: file {where!r} not found; pass {_HOW}")
+        name = "_hyplan_model_" + re.sub(r"\W", "_", path.stem)
+        module_spec = importlib.util.spec_from_file_location(name, path)
+        if module_spec is None or module_spec.loader is None:
+            raise ValueError(f"model: cannot load {where!r} as Python; pass {_HOW}")
+        module = importlib.util.module_from_spec(module_spec)
+        sys.modules[name] = module  # dataclasses and pickling look their module up here
+        with _on_path(str(path.resolve().parent)):
+            try:
+                module_spec.loader.exec_module(module)
+            except ImportError as error:
+                del sys.modules[name]
+                raise ValueError(f"model: {where} failed to import: {error}; install what it "
+                                 f"needs in this virtualenv") from None
+            except SyntaxError as error:
+                del sys.modules[name]
+                raise ValueError(f"model: {where} is not valid Python (line {error.lineno}: "
+                                 f"{error.msg}); pass {_HOW}") from None
+    else:
+        with _on_path(os.getcwd()):
+            try:
+                module = importlib.import_module(where)
+            except ImportError as error:
+                raise ValueError(f"model: cannot import {where!r} ({error}); pass {_HOW}, "
+                                 f"from the folder that holds the package") from None
+    fn = getattr(module, factory, None)
+    if not callable(fn):
+        raise ValueError(f"model: {where} defines no function {factory}(batch, device); add "
+                         f"one returning (model, example_inputs, loss_fn), or name another "
+                         f"as {where}:FUNCTION")
+    return fn
+
+
+def build_model(factory: Callable, batch: int, device: str):
+    """(model, example_inputs) from the factory, checking its contract."""
+    name = getattr(factory, "__name__", "build")
+    try:
+        inspect.signature(factory).bind(batch, device=device)
+    except TypeError:
+        raise ValueError(f"model: {name}() must accept (batch, device=...); define it as "
+                         f"def {name}(batch: int, device: str = 'meta')") from None
+    except ValueError:  # a builtin without a signature: just call it
+        pass
+    built = factory(batch, device=device)
+    if not isinstance(built, (tuple, list)) or len(built) < 2:
+        raise ValueError(f"model: {name}() returned {type(built).__name__}; return "
+                         f"(model, example_inputs, loss_fn)")
+    model, inputs = built[0], built[1]
+    if not isinstance(inputs, (tuple, list)):
+        inputs = (inputs,)
+    return model, tuple(inputs)
+
+
+# --- commands -----------------------------------------------------------------------------
+
+def _cluster(devices: str, dtype: str | None):
+    from pydantic import ValidationError
+
+    from strategies import Cluster, parse_devices
+
+    cluster = parse_devices(devices)
+    if dtype is None or dtype == cluster.dtype:
+        return cluster
+    try:  # model_copy would skip validation; constructing checks the device knows the dtype
+        return Cluster(**{**cluster.model_dump(), "dtype": dtype})
+    except ValidationError as error:
+        message = error.errors()[0]["msg"].removeprefix("Value error, ")
+        raise ValueError(f"--dtype: {message}") from None
+
+
+def _plan(args) -> int:
+    import planner
+
+    if args.batch <= 0:
+        raise ValueError(f"--batch: the global batch must be positive, got {args.batch}")
+    memory_limit = parse_memory(args.memory_limit) if args.memory_limit else None
+    cluster = _cluster(args.devices, args.dtype)  # before building: a typo fails fast
+    factory = load_factory(args.model)
+    # On "meta" nothing is allocated; CPU devices are this machine, so layers get timed.
+    device = "cpu" if cluster.device.kind == "cpu" else "meta"
+    model, inputs = build_model(factory, args.batch, device)
+    try:
+        plan = planner.optimize(model, cluster, example_inputs=inputs,
+                                optimizer=args.optimizer, memory_limit_bytes=memory_limit)
+    except planner.PlanDoesNotFit as error:  # name the flags, not the Python arguments
+        message = str(error).replace("optimizer='sgd'", "--optimizer sgd")
+        raise planner.PlanDoesNotFit(message.replace("memory_limit_bytes", "--memory-limit")) \
+            from None
+    print(plan.explain(), end="")
+    if args.json:
+        plan.save(args.json)
+        print(f"Plan written to {args.json}; view it with `hyplan show {args.json}`")
+    return 0
+
+
+def _show(args) -> int:
+    import planner
+
+    try:
+        plan = planner.Plan.load(args.plan)
+    except FileNotFoundError:
+        raise ValueError(f"plan: file {args.plan!r} not found; write one with "
+                         f"`hyplan plan MODEL --devices ... --batch ... --json FILE`") from None
+    except UnicodeDecodeError:
+        raise planner.PlanFileError(f"plan: {args.plan!r} is not a JSON text file; re-create "
+                                    f"it with `hyplan plan ... --json FILE`") from None
+    except OSError as error:
+        raise ValueError(f"plan: cannot read {args.plan!r} ({error.strerror})") from None
+    print(plan.explain(), end="")
+    return 0
+
+
+def parser() -> argparse.ArgumentParser:
+    top = _Parser(prog="hyplan", description="Plan how to parallelize a PyTorch model, layer "
+                  "by layer (data or model parallel), and show the plan before anything runs.")
+    commands = top.add_subparsers(dest="command", required=True, metavar="COMMAND",
+                                  parser_class=_Parser)
+
+    plan = commands.add_parser(
+        "plan", help="plan a model for some devices (a dry run: nothing is trained)",
+        description="Plan MODEL for DEVICES at a global batch: trace it, cost each layer's "
+        "strategies, solve the integer program and print the plan. Models are built on the "
+        "meta device (nothing allocated), except for Nxcpu devices, where layers are timed "
+        "on this machine.")
+    plan.add_argument("model", metavar="MODEL",
+                      help="a Python file (examples/alexnet.py) or package.module[:factory]; "
+                      "its build(batch, device='meta') returns (model, example_inputs, loss_fn)")
+    plan.add_argument("--devices", required=True,
+                      help="COUNTxNAME or NODESxCOUNTxNAME, e.g. 8xV100, 2x8xH100, 4xcpu")
+    plan.add_argument("--batch", required=True, type=int,
+                      help="the GLOBAL batch, over all devices (each gets batch/devices rows "
+                      "where a layer is data parallel)")
+    plan.add_argument("--optimizer", default="adam",
+                      choices=["adam", "adamw", "sgd", "sgd_momentum"],
+                      help="whose state counts in memory (default: adam)")
+    plan.add_argument("--memory-limit", metavar="SIZE",
+                      help="per device, e.g. 40GB, 40GiB, 512MB or bytes (default: the "
+                      "device's memory)")
+    plan.add_argument("--dtype", default=None,
+                      help="the compute dtype devices are rated at, e.g. float16 (default "
+                      "float32); tensor sizes are the model's as built")
+    plan.add_argument("--json", metavar="FILE", help="also save the plan as JSON to FILE")
+    plan.set_defaults(run=_plan)
+
+    show = commands.add_parser("show", help="print a saved plan",
+                               description="Print a plan saved with `hyplan plan --json`.")
+    show.add_argument("plan", metavar="PLAN.json")
+    show.set_defaults(run=_show)
+    return top
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """The `hyplan` command. Returns the exit status: 0, or 2 for a user error."""
+    try:
+        args = parser().parse_args(argv)
+    except SystemExit as exit_:  # --help, or a usage error already printed
+        return exit_.code if isinstance(exit_.code, int) else EXIT_USAGE
+    try:
+        return args.run(args)
+    except FileNotFoundError as error:
+        print(f"hyplan: error: {error.filename}: no such file", file=sys.stderr)
+    except ValueError as error:  # PlanFileError, PlanDoesNotFit, TraceError are ValueErrors
+        message = " ".join(str(error).split())
+        print(f"hyplan: error: {message}", file=sys.stderr)
+    return EXIT_USAGE
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
