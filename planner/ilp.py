@@ -679,6 +679,7 @@ def _read(
         r.stats.get("lp_bound_s", -math.inf),
     )
 
+    choice = prefer_less_memory(problem, choice)
     objective_s = problem.cost_of(choice)
     if solver_objective is not None:
         assert math.isclose(objective_s, solver_objective, rel_tol=1e-6, abs_tol=1e-9), (
@@ -719,3 +720,38 @@ def _read(
         num_constraints=solver.NumConstraints(),
         stats=stats,
     )
+
+
+def prefer_less_memory(problem: Problem, choice: tuple[int, ...]) -> tuple[int, ...]:
+    """Among plans of the same time, the one that uses less memory: move a node to an option
+    with less memory wherever that costs no time, given its neighbours' options.
+
+    Why: ties are common (a model input split by rows or passed whole costs the same when
+    the first layer slices it locally), and the solver breaks them arbitrarily; the user
+    should not have to load the whole batch on every device for nothing. Each move keeps
+    the objective and lowers memory, so the answer stays optimal and within budget."""
+    choice = list(choice)
+    incident: list[list] = [[] for _ in problem.nodes]
+    for edge in problem.edges:
+        incident[edge.src].append(edge)
+        if edge.dst != edge.src:
+            incident[edge.dst].append(edge)
+
+    def local_s(n: int, option: int) -> float:
+        total = problem.nodes[n].options[option].time_s
+        for edge in incident[n]:
+            i = option if edge.src == n else choice[edge.src]
+            j = option if edge.dst == n else choice[edge.dst]
+            total += float(edge.cost_s[i, j])
+        return total
+
+    for n, node in enumerate(problem.nodes):
+        now_s = local_s(n, choice[n])
+        slack = 1e-12 * max(1.0, abs(now_s))
+        for option in sorted(range(len(node.options)), key=lambda o: node.options[o].memory_bytes):
+            if node.options[option].memory_bytes >= node.options[choice[n]].memory_bytes:
+                break
+            if local_s(n, option) <= now_s + slack:
+                choice[n] = option
+                break
+    return tuple(choice)

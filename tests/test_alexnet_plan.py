@@ -29,6 +29,8 @@ def test_convs_data_parallel_and_wide_fc_model_parallel(devices, batch):
     assert plan.solver.bound_s == pytest.approx(plan.solver.objective_s, rel=1e-6)
     assert plan.predicted.speedup_over_data_parallel > 1.0
     assert 1.0 < plan.predicted.speedup_over_single_device <= 8.0
+    # the first conv is data-parallel, so each rank loads only its rows, as with DDP
+    assert [i.layout for i in plan.inputs] == ["batch"]
 
 
 def test_fc_flips_to_data_parallel_far_above_the_crossover():

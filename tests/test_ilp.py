@@ -306,3 +306,16 @@ def test_time_limit_returns_a_fitting_plan_with_a_valid_bound():
     assert solution.bound_s <= solve(problem).objective_s * (1 + 1e-9)
     if solution.status == "feasible":
         assert solution.bound_s < solution.objective_s
+
+
+def test_of_plans_equally_fast_the_one_with_less_memory_wins():
+    # The input may be passed whole (16 GB) or split by rows (2 GB); the first layer slices
+    # a whole input for free, so both cost the same time and only memory tells them apart.
+    nodes = (
+        Node("input", (Option("replicate", 0.0, 16 * GB), Option("batch", 0.0, 2 * GB))),
+        Node("conv", (Option("data_parallel", 1.0, 1 * GB),)),
+    )
+    problem = Problem(nodes, (Edge(0, 1, np.zeros((2, 1))),))
+    solution = solve(problem)
+    assert solution.choice == (1, 0)
+    assert solution.objective_s == pytest.approx(brute_force(problem)[1])
