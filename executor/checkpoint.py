@@ -194,3 +194,14 @@ class _SafeReader(FileSystemReader):
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
         return metadata
+
+
+def load_model(path: str | Path, model: nn.Module) -> int:
+    """Load only the weights of a complete checkpoint into a plain (unparallelized) model,
+    e.g. for evaluation in one process; returns the step it was saved after."""
+    marker = read_marker(path)
+    state = {"model": model.state_dict()}
+    dcp.load(state, storage_reader=_SafeReader(path), planner=_SafeLoadPlanner(),
+             no_dist=not dist.is_initialized())
+    model.load_state_dict(state["model"])
+    return int(marker["step"])
