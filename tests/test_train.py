@@ -86,12 +86,13 @@ def test_resume_on_fewer_processes(tmp_path):
 
 
 def test_a_checkpoint_without_its_marker_is_never_loaded(tmp_path):
-    run_ranks(_run, 1, _plan(1, {}).to_json(), 2, str(tmp_path))
-    done = checkpoint.step_dir(tmp_path, 2)
-    half = checkpoint.step_dir(tmp_path, 4)
-    half.mkdir()
-    for f in done.iterdir():  # every shard and DCP's metadata, but no marker
-        if f.name != checkpoint.MARKER:
-            half.joinpath(f.name).write_bytes(f.read_bytes())
-    (tmp_path / ".partial-step_00000006").mkdir()
+    """Shards and DCP metadata alone are not a checkpoint: hyplan.json, written last and
+    renamed into place with the folder, is (the mid-checkpoint kill in test_train_cli
+    leaves such a folder for real)."""
+    done, half = checkpoint.step_dir(tmp_path, 2), checkpoint.step_dir(tmp_path, 4)
+    for folder in (done, half, tmp_path / ".partial-step_00000006"):
+        folder.mkdir()
+        (folder / ".metadata").write_bytes(b"")
+        (folder / "__0_0.distcp").write_bytes(b"")
+    (done / checkpoint.MARKER).write_text("{}")
     assert checkpoint.latest_checkpoint(tmp_path) == (2, done)
