@@ -10,13 +10,22 @@ import torch.distributed as dist
 from planner.plan import Plan
 
 
+class RankBatch(tuple):
+    """This rank's part of a global batch, already split as `shard_batch` splits it (what
+    `executor.data.rank_batches` yields, so a rank never loads rows it does not use);
+    `shard_batch` passes it through unchanged."""
+
+
 def shard_batch(plan: Plan, batch: Sequence, rank: int | None = None) -> tuple:
-    """Split a global batch `(inputs..., targets...)` for this rank.
+    """Split a global batch `(inputs..., targets...)` for this rank (a `RankBatch` is
+    already split and passes through).
 
     The first len(plan.inputs) entries are the model's inputs: each is split by rows where
     the plan says `batch`, and passed whole where it says `replicate` (the plan starts
     model-parallel). The rest (targets) are split by rows, as the model's outputs are.
     """
+    if isinstance(batch, RankBatch):
+        return tuple(batch)
     if not isinstance(batch, (tuple, list)):
         batch = (batch,)
     world = plan.num_devices

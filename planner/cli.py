@@ -178,7 +178,17 @@ def _plan(args) -> int:
     if args.json:
         plan.save(args.json)
         print(f"Plan written to {args.json}; view it with `hyplan show {args.json}`")
+    _write_plots(plan, args.plot)
     return 0
+
+
+def _write_plots(plan, directory: str | None) -> None:
+    if directory:
+        from planner.plot import write_plots
+
+        written = write_plots(plan, directory)
+        print(f"Pictures written to {directory}: {', '.join(sorted({p.stem for p in written}))} "
+              f"(.png, .svg)")
 
 
 def _show(args) -> int:
@@ -195,6 +205,7 @@ def _show(args) -> int:
     except OSError as error:
         raise ValueError(f"plan: cannot read {args.plan!r} ({error.strerror})") from None
     print(plan.explain(), end="")
+    _write_plots(plan, args.plot)
     return 0
 
 
@@ -228,12 +239,19 @@ def parser() -> argparse.ArgumentParser:
                       help="the compute dtype devices are rated at, e.g. float16 (default "
                       "float32); tensor sizes are the model's as built")
     plan.add_argument("--json", metavar="FILE", help="also save the plan as JSON to FILE")
+    plan.add_argument("--plot", metavar="DIR", help="also draw the plan (strategy map, memory "
+                      "per device, schedule timeline) as PNG and SVG into DIR")
     plan.set_defaults(run=_plan)
 
     show = commands.add_parser("show", help="print a saved plan",
                                description="Print a plan saved with `hyplan plan --json`.")
     show.add_argument("plan", metavar="PLAN.json")
+    show.add_argument("--plot", metavar="DIR", help="also draw the plan as PNG and SVG into DIR")
     show.set_defaults(run=_show)
+
+    from planner import cli_train
+
+    cli_train.add_parser(commands)
     return top
 
 

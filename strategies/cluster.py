@@ -72,7 +72,8 @@ def cpu_threads_per_device(num_devices: int) -> int:
 
 
 def _named_cluster(count_a: int | None, count_b: int | None, name: str) -> Cluster:
-    nodes, per_node = (count_a, count_b) if count_b is not None else (1, count_a or 1)
+    nodes, per_node = (count_a, count_b) if count_b is not None else (
+        1, 1 if count_a is None else count_a)  # "0xV100" is zero devices, not one
     if nodes < 1 or per_node < 1:
         raise ValueError(f"devices: counts must be positive, got {nodes} nodes x {per_node}")
     if name.lower() == "cpu":

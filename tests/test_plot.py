@@ -1,0 +1,46 @@
+"""Pictures of a plan: the files are written, and the schedule they draw has the textbook
+step time and bubble."""
+
+import pytest
+
+import planner
+from planner.cli import main
+from planner.plot import PipelineTimeline, simulate, stage_order, timeline_from_plan, write_plots
+from test_cli import MLP
+
+
+def _step_and_bubble(t: PipelineTimeline) -> tuple[float, float]:
+    actions = simulate(t)
+    end = max(a.end_s for a in actions)
+    busy = sum(a.end_s - a.start_s for a in actions)
+    return end, 1 - busy / (end * t.stages)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_uniform_pipeline_has_the_textbook_bubble(schedule):
+    p, m, f, b = 4, 8, 1.0, 2.0
+    t = PipelineTimeline(schedule, m, [f] * p, [b] * p)
+    end, bubble = _step_and_bubble(t)
+    assert end == pytest.approx((m + p - 1) * (f + b))
+    assert bubble == pytest.approx((p - 1) / (m + p - 1))
+
+
+def test_1f1b_order_warms_up_then_alternates():
+    assert stage_order("1f1b", 4, 4, 2) == [("forward", 0), ("forward", 1), ("backward", 0),
+                                            ("forward", 2), ("backward", 1), ("forward", 3),
+                                            ("backward", 2), ("backward", 3)]
+
+
+def test_plan_and_show_write_the_pictures(tmp_path, capsys):
+    path = tmp_path / "plan.json"
+    assert main(["plan", MLP, "--devices", "2xV100", "--batch", "64", "--json", str(path),
+                 "--plot", str(tmp_path / "a")]) == 0
+    assert main(["show", str(path), "--plot", str(tmp_path / "b")]) == 0
+    for folder in ("a", "b"):
+        for name in ("strategy_map", "memory", "timeline"):
+            for fmt in ("png", "svg"):
+                assert (tmp_path / folder / f"{name}.{fmt}").stat().st_size > 5000
+    plan = planner.Plan.load(path)
+    t = timeline_from_plan(plan)  # today's plans: one stage, the plan's own step time
+    assert t.stages == 1
+    assert _step_and_bubble(t)[0] == pytest.approx(plan.predicted.step_time_s, rel=0.02)
