@@ -2,5 +2,7 @@
 
 from executor.batch import shard_batch
 from executor.parallelize import PlanMismatch, parallelize
+from executor.styles import register_style
+from executor.transformer_styles import full_parameters
 
-__all__ = ["PlanMismatch", "parallelize", "shard_batch"]
+__all__ = ["PlanMismatch", "full_parameters", "parallelize", "register_style", "shard_batch"]

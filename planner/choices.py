@@ -38,6 +38,16 @@ class Choices:
     context: CostContext
 
 
+def batch_free_takes(producer: Layer, takes: Layout, batch: int) -> Layout:
+    """A tensor without the batch in dim 0 (a positional embedding, a mask) that meets a
+    layer split by rows is broadcast to every rank's rows, not split: it stays whole, and
+    its gradient, summed over each rank's rows, is all-reduced (as REPLICATE_PARTIAL_GRAD)."""
+    shape = producer.output.shape
+    if takes == Layout.BATCH and (not shape or shape[0] != batch):
+        return Layout.REPLICATE_PARTIAL_GRAD
+    return takes
+
+
 def layer_choices(graph: ModelGraph, cluster: Cluster, optimizer: str,
                   memory_budget_bytes: float | None, only: set[str] | None = None,
                   pin: dict[str, str] | None = None) -> Choices:
@@ -75,10 +85,11 @@ def layer_choices(graph: ModelGraph, cluster: Cluster, optimizer: str,
     link = cluster.link(ctx.ranks)
     edges = []
     for dst, row in enumerate(rows):
-        takes = [s.takes for s in row.strategies]
         for name in row.layer.inputs:
             src = index[name]
             producer = rows[src]
+            takes = [batch_free_takes(producer.layer, s.takes, graph.batch_size)
+                     for s in row.strategies]
             matrix = edge_matrix([s.gives for s in producer.strategies], takes,
                                  producer.layer.output.nbytes, ctx.ranks, link,
                                  backward=not producer.layer.is_input)

@@ -20,7 +20,7 @@ from planner.plan import (
 from planner.problem import Infeasible, Solution
 from planner.reasons import reasons
 from profiler import profile, trace
-from strategies.catalog import OPTIMIZER_STATE_FACTOR
+from strategies.catalog import OPTIMIZER_STATE_FACTOR, leaf_types
 from strategies.cluster import Cluster, cpu_threads_per_device, parse_devices
 
 GB = 1e9
@@ -63,7 +63,7 @@ def optimize(
     cluster = parse_devices(devices)
     ranks = cluster.num_devices
 
-    graph = trace(model, example_inputs, example_kwargs, leaf_modules)
+    graph = trace(model, example_inputs, example_kwargs, tuple(leaf_modules) + leaf_types(model))
     if measure is None:
         measure = cluster.device.kind == "cpu"
     graph = profile(graph, measure=measure, measure_batch=max(1, graph.batch_size // ranks),
