@@ -56,6 +56,8 @@ def parallelize(model: nn.Module, plan: Plan, *, mesh: DeviceMesh | None = None,
         raise RuntimeError("parallelize: no process group; launch with torchrun and call "
                            "torch.distributed.init_process_group() first")
     check_world(plan, dist.get_world_size())
+    if plan.tracer == "export":
+        return _parallelize_exported(model, plan, mesh)
     gm = fx_trace(model, tuple(leaf_modules) + leaf_types(model))
     if fingerprint(gm) != plan.fingerprint:
         raise PlanMismatch(
@@ -73,6 +75,21 @@ def parallelize(model: nn.Module, plan: Plan, *, mesh: DeviceMesh | None = None,
     _insert_reshards(gm, mesh, layers, gives, plan.global_batch)
     _broadcast_replicated(gm, layers)
     return _data_parallel(gm, layers)
+
+
+def _parallelize_exported(model: nn.Module, plan: Plan, mesh) -> nn.Module:
+    """A plan from torch.export: strategies applied by module path (executor.modules)."""
+    from executor.modules import parallelize_modules
+    from profiler.export_trace import fingerprint_modules
+
+    if fingerprint_modules(model) != plan.fingerprint:
+        raise PlanMismatch(
+            f"plan mismatch: the plan was made for a {plan.model} whose module fingerprint is "
+            f"{plan.fingerprint}, this {type(model).__name__} has {fingerprint_modules(model)}; "
+            f"make the plan for this model")
+    model = model.to(_device(plan))
+    mesh = mesh or init_device_mesh(plan.mesh.device_type, (plan.num_devices,))
+    return parallelize_modules(model, plan, mesh)
 
 
 def _apply_tensor_parallel(gm: fx.GraphModule, mesh, layers: dict[str, LayerPlan], gives):

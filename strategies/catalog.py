@@ -298,6 +298,14 @@ def _flagged(layer: Layer, group: set) -> bool:
     return any(matches(layer.module_type, key) for key in group)
 
 
+def unit_types(model: nn.Module) -> tuple[type, ...]:
+    """The module classes in `model` the registry knows (strategies, row-wise or leaf):
+    torch.export's front end keeps each such module whole as one layer."""
+    keys = set(_REGISTRY) | _ROWWISE | _FEATUREWISE | _LEAVES
+    types = {type(m) for m in model.modules()}
+    return tuple(t for t in types if any(matches(t, key) for key in keys))
+
+
 def leaf_types(model: nn.Module) -> tuple[type, ...]:
     """The module classes in `model` registered with `leaf=True`, for the tracer."""
     types = {type(m) for m in model.modules()}

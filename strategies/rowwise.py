@@ -25,6 +25,8 @@ ELEMENTWISE = {
     "bitwise_or", "cos", "sin", "reciprocal", "square", "clamp", "scalar_tensor",
     "_assert_tensor_metadata", "lift_fresh_copy", "fill", "zeros_like", "ones_like",
     "full_like", "new_ones", "new_zeros",
+    # factories sized from a batch tensor's shape: each rank makes its own rows
+    "arange", "zeros", "ones", "full", "empty", "new_full", "new_empty",
 }
 # row-local: each output row depends on the same input row only, along dims other than 0
 ROW_LOCAL = {
