@@ -10,25 +10,33 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from strategies import register_attention
+
 
 class CausalSelfAttention(nn.Module):
-    """Multi-head attention: one Linear makes q, k and v, one projects the heads back."""
+    """Multi-head attention: one Linear makes q, k and v, one projects the heads back.
+
+    The head count is read from the projection's output (`chunk`, `view(..., -1, head)`),
+    as in torchtitan, so the same forward runs on a rank that holds only some heads."""
 
     def __init__(self, width: int, heads: int):
         super().__init__()
         if width % heads:
             raise ValueError(f"width {width} is not a multiple of heads {heads}")
-        self.heads = heads
+        self.heads, self.head_dim = heads, width // heads
         self.qkv = nn.Linear(width, 3 * width)
         self.proj = nn.Linear(width, width)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        batch, seq, width = x.shape
-        q, k, v = self.qkv(x).split(width, dim=2)
-        q, k, v = (t.view(batch, seq, self.heads, width // self.heads).transpose(1, 2)
-                   for t in (q, k, v))
+        batch, seq, _ = x.shape
+        q, k, v = self.qkv(x).chunk(3, dim=2)
+        q, k, v = (t.view(batch, seq, -1, self.head_dim).transpose(1, 2) for t in (q, k, v))
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.proj(y.transpose(1, 2).reshape(batch, seq, width))
+        return self.proj(y.transpose(1, 2).reshape(batch, seq, -1))
+
+
+# hyplan's registry: this attention may be split by heads (traced as one layer)
+register_attention(CausalSelfAttention, qkv="qkv", out="proj")
 
 
 class MLP(nn.Module):

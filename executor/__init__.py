@@ -3,6 +3,9 @@
 from executor.batch import RankBatch, shard_batch
 from executor.parallelize import PlanMismatch, parallelize
 from executor.step import train_step
+from executor.styles import register_style
 from executor.train import TrainResult, train  # binds executor.train to the function
+from executor.transformer_styles import full_parameters
 
-__all__ = ["PlanMismatch", "RankBatch", "TrainResult", "parallelize", "shard_batch", "train", "train_step"]
+__all__ = ["PlanMismatch", "RankBatch", "TrainResult", "full_parameters", "parallelize",
+           "register_style", "shard_batch", "train", "train_step"]

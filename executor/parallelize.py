@@ -25,6 +25,7 @@ from torch.nn.parallel import DistributedDataParallel
 from executor.styles import MeanOverRanks, Reshard, placement, sum_gradients_hook, tensor_parallel_style
 from planner.plan import LayerPlan, Plan
 from profiler.trace import fingerprint, fx_trace
+from strategies.catalog import leaf_types
 from strategies.layouts import Layout
 
 
@@ -55,7 +56,9 @@ def parallelize(model: nn.Module, plan: Plan, *, mesh: DeviceMesh | None = None,
         raise RuntimeError("parallelize: no process group; launch with torchrun and call "
                            "torch.distributed.init_process_group() first")
     check_world(plan, dist.get_world_size())
-    gm = fx_trace(model, leaf_modules)
+    if plan.tracer == "export":
+        return _parallelize_exported(model, plan, mesh)
+    gm = fx_trace(model, tuple(leaf_modules) + leaf_types(model))
     if fingerprint(gm) != plan.fingerprint:
         raise PlanMismatch(
             f"plan mismatch: the plan was made for a {plan.model} whose graph fingerprint is "
@@ -69,9 +72,24 @@ def parallelize(model: nn.Module, plan: Plan, *, mesh: DeviceMesh | None = None,
     gives.update({l.node: (Layout(l.output_layout), l.output_shape) for l in plan.layers})
 
     _apply_tensor_parallel(gm, mesh, layers, gives)
-    _insert_reshards(gm, mesh, layers, gives)
+    _insert_reshards(gm, mesh, layers, gives, plan.global_batch)
     _broadcast_replicated(gm, layers)
     return _data_parallel(gm, layers)
+
+
+def _parallelize_exported(model: nn.Module, plan: Plan, mesh) -> nn.Module:
+    """A plan from torch.export: strategies applied by module path (executor.modules)."""
+    from executor.modules import parallelize_modules
+    from profiler.export_trace import fingerprint_modules
+
+    if fingerprint_modules(model) != plan.fingerprint:
+        raise PlanMismatch(
+            f"plan mismatch: the plan was made for a {plan.model} whose module fingerprint is "
+            f"{plan.fingerprint}, this {type(model).__name__} has {fingerprint_modules(model)}; "
+            f"make the plan for this model")
+    model = model.to(_device(plan))
+    mesh = mesh or init_device_mesh(plan.mesh.device_type, (plan.num_devices,))
+    return parallelize_modules(model, plan, mesh)
 
 
 def _apply_tensor_parallel(gm: fx.GraphModule, mesh, layers: dict[str, LayerPlan], gives):
@@ -80,16 +98,22 @@ def _apply_tensor_parallel(gm: fx.GraphModule, mesh, layers: dict[str, LayerPlan
         layer = layers.get(node.name)
         if node.op != "call_module" or layer is None or not layer.model_parallel:
             continue
-        (src,) = [gives[n.name] for n in node.all_input_nodes if n.name in gives]
-        layout, shape = src
+        layout, shape = [gives[n.name] for n in node.all_input_nodes if n.name in gives][0]
         plan[str(node.target)] = tensor_parallel_style(
             layer.strategy, Layout(layer.output_layout), placement(layout.forward, shape),
-            layer.output_shape)
+            layer.output_shape, gm.get_submodule(str(node.target)))
     if plan:
         parallelize_module(gm, mesh, plan)
 
 
-def _insert_reshards(gm: fx.GraphModule, mesh, layers: dict[str, LayerPlan], gives):
+def _tuple_source(node: fx.Node, gives) -> fx.Node | None:
+    """The planned tensor a tuple-yielding node (split, chunk) reads, when it reads one."""
+    srcs = [n for n in node.all_input_nodes if n.name in gives]
+    return srcs[0] if len(srcs) == 1 and len(node.all_input_nodes) == 1 else None
+
+
+def _insert_reshards(gm: fx.GraphModule, mesh, layers: dict[str, LayerPlan], gives,
+                     plan_batch: int):
     count = 0
 
     def reshard(before: fx.Node, src: fx.Node, dst_layout: Layout) -> fx.Node:
@@ -104,10 +128,19 @@ def _insert_reshards(gm: fx.GraphModule, mesh, layers: dict[str, LayerPlan], giv
     for node in list(gm.graph.nodes):
         layer = layers.get(node.name)
         if layer is not None and not layer.model_parallel:
-            want = Layout(layer.input_layout)
             for src in list(node.all_input_nodes):
-                if src.name in gives and gives[src.name][0] != want:
-                    node.replace_input_with(src, reshard(node, src, want))
+                target = node
+                if src.name not in gives:
+                    inner = _tuple_source(src, gives) if src.op == "call_function" else None
+                    if inner is None:
+                        continue
+                    target, src = src, inner  # split/chunk: reshard what it splits
+                want = Layout(layer.input_layout)
+                layout, shape = gives[src.name]
+                if want == Layout.BATCH and (not shape or shape[0] != plan_batch):
+                    want = Layout.REPLICATE_PARTIAL_GRAD  # see planner.choices.batch_free_takes
+                if layout != want and src in target.all_input_nodes:
+                    target.replace_input_with(src, reshard(target, src, want))
         if node.op == "output":
             world = mesh.size()
             gm.add_submodule("hyplan_mean_over_ranks", MeanOverRanks(world))
@@ -129,7 +162,8 @@ def _layer_params(gm: fx.GraphModule, layers: dict[str, LayerPlan], strategy: st
     targets = {str(n.target) for n in gm.graph.nodes
                if n.op == "call_module" and n.name in layers and layers[n.name].strategy == strategy}
     for name, param in gm.named_parameters():
-        if name.rsplit(".", 1)[0] in targets:
+        parts = name.split(".")
+        if any(".".join(parts[:i]) in targets for i in range(1, len(parts))):
             yield name, param
 
 

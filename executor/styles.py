@@ -119,18 +119,43 @@ class ChannelParallelConv2d(ParallelStyle):
         return module
 
 
+_STYLES: dict = {}
+
+
+def register_style(strategy: str, factory) -> None:
+    """Say how a strategy of your own is applied: `factory(module, input_placement,
+    output_placement)` returns a torch ParallelStyle for that module, e.g.::
+
+        register_style("my_split", lambda m, i, o: MyStyle(input_layouts=i, output_layouts=o))
+    """
+    _STYLES[strategy] = factory
+
+
 def tensor_parallel_style(strategy: str, output_layout: Layout, input_placement,
-                          output_shape) -> ParallelStyle:
+                          output_shape, module: nn.Module | None = None) -> ParallelStyle:
     """The parallel style for a model-parallel layer, its input arriving in `input_placement`."""
+    from executor.transformer_styles import Conv1DColwise, Conv1DRowwise, HeadParallelAttention
+    from strategies.transformer import attention_spec
+
+    out = placement(output_layout.forward, output_shape)
+    if strategy in _STYLES:
+        return _STYLES[strategy](module, input_placement, out)
     if strategy == "column_parallel":
-        return ColwiseParallel(input_layouts=input_placement,
-                               output_layouts=placement(output_layout.forward, output_shape))
+        return Conv1DColwise(input_layouts=input_placement, output_layouts=out)
     if strategy == "row_parallel":
-        return RowwiseParallel(input_layouts=input_placement,
-                               output_layouts=placement(output_layout.forward, output_shape))
+        return Conv1DRowwise(input_layouts=input_placement, output_layouts=out)
     if strategy == "channel_parallel":
         return ChannelParallelConv2d(input_placement)
-    raise ValueError(f"no tensor-parallel style for strategy {strategy!r}")
+    if strategy == "vocab_parallel":
+        return RowwiseParallel(input_layouts=input_placement, output_layouts=out)
+    if strategy == "head_parallel":
+        spec = attention_spec(module)
+        if spec is None:
+            raise ValueError(f"head_parallel: {type(module).__name__} is not registered; call "
+                             f"strategies.register_attention({type(module).__name__}, ...)")
+        return HeadParallelAttention(spec, input_placement, out)
+    raise ValueError(f"no tensor-parallel style for strategy {strategy!r}; register one with "
+                     f"executor.register_style")
 
 
 def sum_gradients_hook(state, bucket):

@@ -38,6 +38,47 @@ class Choices:
     context: CostContext
 
 
+UNREALIZABLE_S = 1e3  # a layout change the module executor cannot make: never chosen
+
+
+def module_executor_options(layer: Layer, options: list[Strategy]) -> list[Strategy]:
+    """For a graph from torch.export the executor runs the module's own forward, so the ops
+    outside unit modules run on whatever each rank holds: the inputs come split by rows,
+    and such an op is row-split (or feature-split) wherever it can be; whole only when it
+    does not see the batch at all (a constant such as a position table)."""
+    if layer.is_input:
+        return [s for s in options if s.name == "data_parallel"] or options
+    if layer.op == "call_module":
+        return options
+    split = [s for s in options if s.name != "replicate"]
+    return split or options
+
+
+def unrealizable(producer: LayerChoices, consumer: LayerChoices, takes: list[Layout]):
+    """Penalty matrix: a layout change into an op outside a module cannot be made by the
+    module executor (modules change layouts in their hooks), unless it comes from a module."""
+    import numpy as np
+
+    out = np.zeros((len(producer.strategies), len(takes)))
+    if consumer.layer.op == "call_module" or producer.layer.op == "call_module":
+        return out
+    for i, s in enumerate(producer.strategies):
+        for j, t in enumerate(takes):
+            ok = s.gives == t or (t == Layout.REPLICATE_PARTIAL_GRAD and s.gives == Layout.REPLICATE)
+            out[i, j] = 0.0 if ok else UNREALIZABLE_S
+    return out
+
+
+def batch_free_takes(producer: Layer, takes: Layout, batch: int) -> Layout:
+    """A tensor without the batch in dim 0 (a positional embedding, a mask) that meets a
+    layer split by rows is broadcast to every rank's rows, not split: it stays whole, and
+    its gradient, summed over each rank's rows, is all-reduced (as REPLICATE_PARTIAL_GRAD)."""
+    shape = producer.output.shape
+    if takes == Layout.BATCH and (not shape or shape[0] != batch):
+        return Layout.REPLICATE_PARTIAL_GRAD
+    return takes
+
+
 def layer_choices(graph: ModelGraph, cluster: Cluster, optimizer: str,
                   memory_budget_bytes: float | None, only: set[str] | None = None,
                   pin: dict[str, str] | None = None) -> Choices:
@@ -62,6 +103,8 @@ def layer_choices(graph: ModelGraph, cluster: Cluster, optimizer: str,
                                  f"{ctx.ranks} devices; it can use "
                                  f"{sorted({s.name for s in options})}")
             options = kept
+        if graph.tracer == "export":
+            options = module_executor_options(layer, options)
         rows.append(LayerChoices(layer, tuple(options), tuple(s.cost(layer, ctx) for s in options)))
 
     if pin:
@@ -75,13 +118,16 @@ def layer_choices(graph: ModelGraph, cluster: Cluster, optimizer: str,
     link = cluster.link(ctx.ranks)
     edges = []
     for dst, row in enumerate(rows):
-        takes = [s.takes for s in row.strategies]
         for name in row.layer.inputs:
             src = index[name]
             producer = rows[src]
+            takes = [batch_free_takes(producer.layer, s.takes, graph.batch_size)
+                     for s in row.strategies]
             matrix = edge_matrix([s.gives for s in producer.strategies], takes,
                                  producer.layer.output.nbytes, ctx.ranks, link,
                                  backward=not producer.layer.is_input)
+            if graph.tracer == "export":
+                matrix = matrix + unrealizable(producer, row, takes)
             edges.append(Edge(src, dst, matrix))
     sink = len(rows)
     for name in graph.outputs:

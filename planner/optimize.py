@@ -20,7 +20,9 @@ from planner.plan import (
 from planner.problem import Infeasible, Solution
 from planner.reasons import reasons
 from profiler import profile, trace
-from strategies.catalog import OPTIMIZER_STATE_FACTOR
+from profiler.export_trace import export_trace
+from profiler.trace import TraceError
+from strategies.catalog import OPTIMIZER_STATE_FACTOR, leaf_types, unit_types
 from strategies.cluster import Cluster, cpu_threads_per_device, parse_devices
 
 GB = 1e9
@@ -42,6 +44,7 @@ def optimize(
     pin: dict[str, str] | None = None,
     measure: bool | None = None,
     time_limit_s: float = 60.0,
+    tracer: str = "auto",
 ) -> Plan:
     """Choose, layer by layer, how to spread `model` over `devices` for one training step on
     `example_inputs` (their dim 0 is the global batch).
@@ -52,6 +55,8 @@ def optimize(
     the device's memory. measure: time layers on this machine (default: when the devices
     are this machine's CPU). leaf_modules: module types or paths fx should not trace into.
     pin: {layer name: strategy} to fix some layers' strategies; the rest are optimized.
+    tracer: "fx", "export" (torch.export, for models fx cannot follow, such as Hugging Face
+    transformers), or "auto": fx, and torch.export where fx fails.
     """
     started = time.perf_counter()
     if optimizer not in OPTIMIZER_STATE_FACTOR:
@@ -63,7 +68,7 @@ def optimize(
     cluster = parse_devices(devices)
     ranks = cluster.num_devices
 
-    graph = trace(model, example_inputs, example_kwargs, leaf_modules)
+    graph = trace_model(model, example_inputs, example_kwargs, leaf_modules, tracer)
     if measure is None:
         measure = cluster.device.kind == "cpu"
     graph = profile(graph, measure=measure, measure_batch=max(1, graph.batch_size // ranks),
@@ -79,6 +84,29 @@ def optimize(
     return _plan(graph, cluster, optimizer, choices, solution, budget,
                  data_parallel.objective_s, single.objective_s,
                  time.perf_counter() - started)
+
+
+def trace_model(model: nn.Module, example_inputs, example_kwargs=None, leaf_modules=(),
+                tracer: str = "auto"):
+    """The model's ModelGraph by torch.fx, or by torch.export where fx cannot follow it."""
+    if tracer not in ("auto", "fx", "export"):
+        raise ValueError(f"tracer: {tracer!r} is not one of 'auto', 'fx', 'export'")
+    if tracer != "export":
+        try:
+            return trace(model, example_inputs, example_kwargs,
+                         tuple(leaf_modules) + leaf_types(model))
+        except TraceError as fx_error:
+            if tracer == "fx":
+                raise
+            first = fx_error
+    else:
+        first = None
+    try:
+        return export_trace(model, example_inputs, example_kwargs, unit_types(model))
+    except TraceError as error:
+        if first is None:
+            raise
+        raise TraceError(f"{first} -- and {error}") from error
 
 
 def _solve_within_memory(choices: Choices, budget: float, time_limit_s: float) -> Solution:
@@ -123,7 +151,7 @@ def _plan(graph, cluster: Cluster, optimizer: str, choices: Choices, solution: S
             model_parallel=strategy.model_parallel, compute_s=cost.compute_s,
             communication_s=cost.communication_s, update_s=cost.update_s,
             reshard_in_s=reshard_in[i] + reshard_out[i], memory_bytes=cost.memory_bytes,
-            param_bytes=layer.param_bytes, reason=why[i]))
+            param_bytes=layer.param_bytes, reason=why[i], inputs=list(layer.inputs)))
 
     compute = sum(l.compute_s for l in layers)
     update = sum(l.update_s for l in layers)
@@ -143,4 +171,5 @@ def _plan(graph, cluster: Cluster, optimizer: str, choices: Choices, solution: S
         planning_seconds=seconds)
     return Plan(model=graph.model_name, fingerprint=graph.fingerprint,
                 global_batch=graph.batch_size, optimizer=optimizer, cluster=cluster,
-                mesh=mesh, inputs=inputs, layers=layers, predicted=predicted, solver=report)
+                mesh=mesh, inputs=inputs, layers=layers, predicted=predicted, solver=report,
+                tracer=graph.tracer, outputs=list(graph.outputs))

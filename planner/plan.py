@@ -40,6 +40,7 @@ class LayerPlan(_Data):
     memory_bytes: float
     param_bytes: int
     reason: str = ""
+    inputs: list[str] = Field(default_factory=list, description="fx node names it reads")
 
 
 class InputPlan(_Data):
@@ -109,6 +110,9 @@ class Plan(_Data):
     layers: list[LayerPlan]
     predicted: Predicted
     solver: SolverReport
+    outputs: list[str] = Field(default_factory=list, description="nodes the model returns")
+    tracer: str = Field("fx", description="fx: the executor rewrites the fx graph; export: "
+                        "it applies strategies by module path on the module itself")
 
     @property
     def num_devices(self) -> int:

@@ -63,6 +63,7 @@ class ModelGraph:
     # the traced module itself, for profile() to run layers; not part of the value
     module: torch.fx.GraphModule | None = field(default=None, compare=False, repr=False)
     example_kwargs: dict = field(default_factory=dict, compare=False, repr=False)
+    tracer: str = "fx"  # "fx" (profiler.trace) or "export" (profiler.export_trace)
 
     def __post_init__(self):
         object.__setattr__(self, "_by_node", {layer.node: layer for layer in self.layers})

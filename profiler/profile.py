@@ -23,7 +23,10 @@ from profiler.trace import to_meta, materialize, meta_params, run_node
 def profile(graph: ModelGraph, measure: bool = False, measure_batch: int | None = None,
             threads: int | None = None) -> ModelGraph:
     """Add FLOPs to every layer and, with `measure`, time each layer on this machine's CPU
-    at `measure_batch` rows (default: the graph's batch) with `threads` intra-op threads."""
+    at `measure_batch` rows (default: the graph's batch) with `threads` intra-op threads.
+    A graph from torch.export already carries its FLOPs and is returned as it is."""
+    if graph.tracer == "export":
+        return graph
     flops = count_flops(graph)
     times: dict[str, float] = {}
     batch = measure_batch or graph.batch_size

@@ -113,8 +113,14 @@ def to_meta(value):
 def _module_attrs(module: nn.Module) -> dict:
     """The shape facts strategies need (which dims can be split, and by how much)."""
     keys = ("in_features", "out_features", "in_channels", "out_channels", "groups",
-            "num_embeddings", "embedding_dim")
-    return {k: getattr(module, k) for k in keys if isinstance(getattr(module, k, None), int)}
+            "num_embeddings", "embedding_dim", "nf", "nx", "num_heads", "heads", "n_head",
+            "num_key_value_heads")
+    attrs = {k: getattr(module, k) for k in keys if isinstance(getattr(module, k, None), int)}
+    config = getattr(module, "config", None)  # Hugging Face modules keep their sizes there
+    for key in ("num_attention_heads", "num_key_value_heads"):
+        if isinstance(getattr(config, key, None), int):
+            attrs[key] = getattr(config, key)
+    return attrs
 
 
 def trace(
@@ -151,9 +157,11 @@ def trace(
             value = _run_meta(node, values, modules, gm)
         values[node.name] = value
         if isinstance(value, torch.Tensor) and node.op != "get_attr":
-            layers.append(_layer(node, value, modules))
+            layers.append(_layer(node, value, modules, values))
     known = {layer.node for layer in layers}
-    layers = [replace(l, inputs=tuple(i for i in l.inputs if i in known)) for l in layers]
+    through = _tuple_sources(gm, values, known)
+    layers = [replace(l, inputs=tuple(dict.fromkeys(
+        j for i in l.inputs for j in ((i,) if i in known else through.get(i, ()))))) for l in layers]
     batch = tensors[0].shape[0]
     return ModelGraph(type(model).__name__, tuple(layers), outputs, batch, fingerprint(gm),
                       module=gm, example_kwargs=dict(example_kwargs or {}))
@@ -223,7 +231,46 @@ def _run_meta(node: fx.Node, values: dict, modules: dict, gm: fx.GraphModule):
         ) from error
 
 
-def _layer(node: fx.Node, value: torch.Tensor, modules: dict) -> Layer:
+def _tuple_sources(gm: fx.GraphModule, values: dict, known: set[str]) -> dict[str, tuple]:
+    """For a node that yields a tuple of tensors (split, chunk): the layers it reads, so that
+    the layers reading its items are joined to them (the tuple is no layer of its own)."""
+    out: dict[str, tuple] = {}
+    for node in gm.graph.nodes:
+        if node.name in known or isinstance(values.get(node.name), torch.Tensor):
+            continue
+        srcs = []
+        for n in node.all_input_nodes:
+            srcs.extend((n.name,) if n.name in known else out.get(n.name, ()))
+        out[node.name] = tuple(srcs)
+    return out
+
+
+def call_facts(node: fx.Node, in_shape) -> dict:
+    """What strategies.rowwise needs to know of a function call: its integer arguments (the
+    dims it works along), the shape of its first input, and for indexing whether the first
+    index keeps every row."""
+    def ints(a):
+        if isinstance(a, bool):
+            return None
+        if isinstance(a, int):
+            return a
+        if isinstance(a, (list, tuple)) and a and all(isinstance(x, int) and not isinstance(x, bool) for x in a):
+            return tuple(a)
+        return None
+
+    facts = {"int_args": tuple(ints(a) for a in node.args),
+             "int_kwargs": {k: ints(v) for k, v in node.kwargs.items() if ints(v) is not None}}
+    if in_shape is not None:
+        facts["in_shape"] = tuple(in_shape)
+    if len(node.args) > 1 and not isinstance(node.args[1], (int, fx.Node)):
+        index = node.args[1]
+        first = index[0] if isinstance(index, tuple) and index else index
+        facts["index_keeps_rows"] = first is Ellipsis or (
+            isinstance(first, slice) and first == slice(None))
+    return facts
+
+
+def _layer(node: fx.Node, value: torch.Tensor, modules: dict, values: dict | None = None) -> Layer:
     inputs = tuple(n.name for n in node.all_input_nodes)
     if node.op == "call_module":
         module = modules[node.target]
@@ -236,5 +283,11 @@ def _layer(node: fx.Node, value: torch.Tensor, modules: dict) -> Layer:
             param_count=sum(p.numel() for p in params),
         )
     kind = "input" if node.op == "placeholder" else _target_name(node)
+    attrs = {}
+    if node.op in ("call_function", "call_method"):
+        shapes = [tuple(values[n.name].shape) for n in node.all_input_nodes
+                  if isinstance((values or {}).get(n.name), torch.Tensor)]
+        attrs = call_facts(node, shapes[0] if shapes else None)
+        attrs["in_shapes"] = tuple(shapes)
     return Layer(name=node.name, node=node.name, op=node.op, kind=kind, inputs=inputs,
-                 output=TensorMeta.of(value))
+                 output=TensorMeta.of(value), attrs=attrs)

@@ -16,9 +16,14 @@ from strategies.catalog import (
 from strategies.cluster import Cluster, parse_devices
 from strategies.devices import DEVICES, DeviceSpec, LinkSpec
 from strategies.layouts import Layout
+from strategies.rowwise import register_rowwise
+from strategies.transformer import (
+    AttentionSpec, HeadParallel, VocabParallel, register_attention,
+)
 
 __all__ = [
     "DEVICES", "ChannelParallel", "Cluster", "ColumnParallel", "Cost", "CostContext",
     "DataParallel", "DeviceSpec", "FeatureParallel", "Layout", "LinkSpec", "Replicate",
     "RowParallel", "Strategy", "candidates", "parse_devices", "register",
+    "AttentionSpec", "HeadParallel", "VocabParallel", "register_attention", "register_rowwise",
 ]

@@ -23,6 +23,7 @@ from profiler.graph import Layer
 from strategies.cluster import Cluster
 from strategies.collectives import all_gather_s, all_reduce_s, reduce_scatter_s
 from strategies.layouts import Layout
+from strategies.rowwise import featurewise_binary, keeps_rows
 
 OPTIMIZER_STATE_FACTOR = {"sgd": 0, "sgd_momentum": 1, "adam": 2, "adamw": 2}
 
@@ -233,10 +234,9 @@ _ROWWISE_FUNCTIONS = _POINTWISE_FUNCTIONS | {
 
 def _rowwise(layer: Layer, batch: int) -> bool:
     """Rows of the batch stay independent and in place (so splitting by rows is exact)."""
-    if layer.module_type is not None:
-        known = issubclass(layer.module_type, _ROWWISE_MODULES)
-    else:
-        known = layer.kind in _ROWWISE_FUNCTIONS
+    if layer.module_type is None:
+        return keeps_rows(layer, batch)
+    known = issubclass(layer.module_type, _ROWWISE_MODULES) or _flagged(layer, _ROWWISE)
     return known and bool(layer.output.shape) and layer.output.shape[0] == batch
 
 
@@ -245,8 +245,9 @@ def _featurewise(layer: Layer) -> bool:
     if layer.param_count:
         return False
     if layer.module_type is not None:
-        return issubclass(layer.module_type, _POINTWISE_MODULES + _CHANNEL_MODULES + (nn.Flatten,))
-    return layer.kind in _POINTWISE_FUNCTIONS | {"flatten"}
+        return (issubclass(layer.module_type, _POINTWISE_MODULES + _CHANNEL_MODULES + (nn.Flatten,))
+                or _flagged(layer, _FEATUREWISE))
+    return layer.kind in _POINTWISE_FUNCTIONS | {"flatten"} or featurewise_binary(layer)
 
 
 def _features(layer: Layer) -> int:
@@ -260,14 +261,55 @@ def _linear_out(layer: Layer) -> int:
 
 # --- the registry ------------------------------------------------------------------------
 
-_REGISTRY: dict[type, tuple[Strategy, ...]] = {}
+_REGISTRY: dict[type | str, tuple[Strategy, ...]] = {}
+_ROWWISE: set[type | str] = set()  # module types whose batch rows stay independent
+_FEATUREWISE: set[type | str] = set()  # parameter-free, each feature on its own
+_LEAVES: set[type | str] = set()  # traced as one layer (fx does not look inside)
 
 
-def register(module_type: type, *strategies: Strategy) -> None:
+def register(module_type: type | str, *strategies: Strategy, rowwise: bool = False,
+             featurewise: bool = False, leaf: bool = False) -> None:
     """Offer `strategies` for layers of `module_type` (and its subclasses), in addition to
-    the data-parallel and replicated strategies every row-wise layer gets. The strategies'
-    `apply` must be known to the executor (see executor.styles)."""
-    _REGISTRY[module_type] = tuple(strategies)
+    the data-parallel and replicated strategies every row-wise layer gets.
+
+    `module_type` is a class, or its qualified name ("transformers.pytorch_utils.Conv1D")
+    so that hyplan need not import the library that defines it. `rowwise`: its batch rows
+    stay independent (it may be data-parallel). `featurewise`: parameter-free and each
+    feature on its own (it may follow a feature-split input). `leaf`: trace it as one
+    layer (attention blocks whose strategy shards the whole block). Each strategy's name
+    must have an executor style (`executor.register_style`), e.g.::
+
+        register(MyAttention, HeadParallel(), rowwise=True, leaf=True)
+    """
+    _REGISTRY[module_type] = _REGISTRY.get(module_type, ()) + tuple(strategies)
+    for flag, group in ((rowwise, _ROWWISE), (featurewise, _FEATUREWISE), (leaf, _LEAVES)):
+        if flag:
+            group.add(module_type)
+
+
+def matches(module_type: type, key: type | str) -> bool:
+    """`module_type` is `key` (a class or a qualified class name) or a subclass of it."""
+    if isinstance(key, type):
+        return issubclass(module_type, key)
+    return any(f"{t.__module__}.{t.__qualname__}" == key for t in module_type.__mro__)
+
+
+def _flagged(layer: Layer, group: set) -> bool:
+    return any(matches(layer.module_type, key) for key in group)
+
+
+def unit_types(model: nn.Module) -> tuple[type, ...]:
+    """The module classes in `model` the registry knows (strategies, row-wise or leaf):
+    torch.export's front end keeps each such module whole as one layer."""
+    keys = set(_REGISTRY) | _ROWWISE | _FEATUREWISE | _LEAVES
+    types = {type(m) for m in model.modules()}
+    return tuple(t for t in types if any(matches(t, key) for key in keys))
+
+
+def leaf_types(model: nn.Module) -> tuple[type, ...]:
+    """The module classes in `model` registered with `leaf=True`, for the tracer."""
+    types = {type(m) for m in model.modules()}
+    return tuple(t for t in types if any(matches(t, key) for key in _LEAVES))
 
 
 register(nn.Linear, ColumnParallel(), RowParallel(), RowParallel(gives=Layout.BATCH))
@@ -283,7 +325,7 @@ def candidates(layer: Layer, ctx: CostContext) -> list[Strategy]:
         options = [DataParallel(), Replicate()]
         if layer.module_type is not None:
             for module_type, extra in _REGISTRY.items():
-                if issubclass(layer.module_type, module_type):
+                if matches(layer.module_type, module_type):
                     options.extend(extra)
         options.append(FeatureParallel())
     usable = [s for s in options

@@ -1,0 +1,206 @@
+"""Apply a plan made from a torch.export graph: by module path, on the module itself.
+
+A model torch.fx cannot trace (Hugging Face transformers) cannot be rewritten as an fx
+graph either, so this runs the model's own forward, as torchtitan does: each layer that is
+a module gets its strategy by path (DTensor parallel styles for the model-parallel ones),
+and the layout changes the plan priced are made in forward hooks at module boundaries
+(the planner only lets layouts change there, see planner.choices.unrealizable). Ops outside
+modules run on what each rank holds: its rows.
+
+Order, as in executor.parallelize: check, tensor parallelism, layout hooks, gradient
+scaling, replicated weights from rank 0, data parallelism (DDP over the data-parallel
+layers' weights, summing).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import parallelize_module
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils import _pytree as pytree
+
+from executor.styles import MeanOverRanks, Reshard, placement, sum_gradients_hook, tensor_parallel_style
+from planner.plan import LayerPlan, Plan
+from strategies.layouts import Layout
+
+
+def _module_path(model: nn.Module, layer: LayerPlan) -> str | None:
+    path = layer.name.split("#")[0]
+    try:
+        model.get_submodule(path)
+    except AttributeError:
+        return None
+    return path if path else None
+
+
+def _gather_rows(mesh, local_rows: int, value):
+    """Other tensor arguments split by rows (a mask computed from each rank's ids): whole."""
+    if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape[0] == local_rows:
+        return DTensor.from_local(value, mesh, [Shard(0)], run_check=False).full_tensor()
+    if isinstance(value, tuple):
+        return tuple(_gather_rows(mesh, local_rows, v) for v in value)
+    return value
+
+
+def _pre_hook(reshard: Reshard | None, mesh, gather_others: bool):
+    def hook(module, args, kwargs):
+        if not args:
+            return None
+        x = args[0]
+        rows = x.shape[0]
+        if reshard is not None:
+            x = reshard(x)
+        rest = args[1:]
+        if gather_others and x.shape[0] != rows:
+            rest = tuple(_gather_rows(mesh, rows, v) for v in rest)
+            kwargs = {k: _gather_rows(mesh, rows, v) for k, v in kwargs.items()}
+        return (x, *rest), kwargs
+    return hook
+
+
+def _post_hook(reshard: Reshard):
+    def hook(module, args, output):
+        if isinstance(output, torch.Tensor):
+            return reshard(output)
+        if isinstance(output, tuple) and output and isinstance(output[0], torch.Tensor):
+            return (reshard(output[0]), *output[1:])
+        return output
+    return hook
+
+
+def _scale_outputs(world: int):
+    scale = MeanOverRanks(world)
+
+    def f(t):
+        return scale(t) if isinstance(t, torch.Tensor) and t.requires_grad else t
+
+    def hook(module, args, output):
+        if isinstance(output, Mapping):  # a Hugging Face ModelOutput
+            for key in list(output.keys()):
+                output[key] = pytree.tree_map_only(torch.Tensor, f, output[key])
+            return output
+        return pytree.tree_map_only(torch.Tensor, f, output)
+    return hook
+
+
+def parallelize_modules(model: nn.Module, plan: Plan, mesh: DeviceMesh) -> nn.Module:
+    """This rank's `model` under an exported `plan` (see the module docstring)."""
+    batch = plan.global_batch
+    gives = {i.name: (Layout(i.layout), i.shape) for i in plan.inputs}
+    gives.update({l.node: (Layout(l.output_layout), l.output_shape) for l in plan.layers})
+    readers: dict[str, list[LayerPlan]] = {}
+    for layer in plan.layers:
+        for src in layer.inputs:
+            readers.setdefault(src, []).append(layer)
+    paths = {l.node: _module_path(model, l) for l in plan.layers}
+    outputs = set(plan.outputs)
+
+    def wanted(src: str, reader: LayerPlan) -> Layout:
+        want = Layout(reader.input_layout)
+        shape = gives[src][1]
+        if want == Layout.BATCH and (not shape or shape[0] != batch):
+            return Layout.REPLICATE_PARTIAL_GRAD
+        return want
+
+    # what each module hands on: the layout its readers outside modules take, if not its own
+    handed: dict[str, Layout] = {}
+    for layer in plan.layers:
+        own = Layout(layer.output_layout)
+        if paths[layer.node] is None:
+            handed[layer.node] = own
+            continue
+        outside = {wanted(layer.node, r) for r in readers.get(layer.node, []) if paths[r.node] is None}
+        if layer.node in outputs:
+            outside.add(Layout.BATCH)
+        if len(outside) > 1:
+            raise ValueError(f"plan: layer {layer.name!r} feeds ops that want {sorted(outside)}; "
+                             f"re-plan (the module executor makes one change per module output)")
+        handed[layer.node] = outside.pop() if outside else own
+    for i in plan.inputs:
+        handed[i.name] = Layout(i.layout)
+
+    def rows_downstream(node: str, seen: frozenset = frozenset()) -> bool:
+        """Does a value without the batch (a position table) meet rows split across ranks,
+        directly or through ops outside modules? Then its gradient is a per-rank partial."""
+        for r in readers.get(node, []):
+            if r.node in seen:
+                continue
+            if wanted(node, r) == Layout.REPLICATE_PARTIAL_GRAD:
+                return True
+            if paths[r.node] is None and rows_downstream(r.node, seen | {r.node}):
+                return True
+        return False
+
+    for layer in plan.layers:  # sum such gradients where the value leaves its module
+        shape = layer.output_shape
+        if (paths[layer.node] is not None and handed[layer.node] == Layout.REPLICATE
+                and (not shape or shape[0] != batch) and rows_downstream(layer.node)):
+            handed[layer.node] = Layout.REPLICATE_PARTIAL_GRAD
+    for layer in plan.layers:  # ops outside modules cannot change layouts
+        if paths[layer.node] is None:
+            for src in layer.inputs:
+                if src in handed and handed[src] != wanted(src, layer) and not (
+                        handed[src] in (Layout.REPLICATE, Layout.REPLICATE_PARTIAL_GRAD)
+                        and wanted(src, layer) in (Layout.REPLICATE, Layout.REPLICATE_PARTIAL_GRAD)):
+                    raise ValueError(
+                        f"plan: op {layer.name!r} wants {wanted(src, layer).value} from "
+                        f"{src!r}, which arrives {handed[src].value}; the module executor "
+                        f"changes layouts only at modules: re-plan with this hyplan")
+
+    tp_styles = {}
+    for layer in plan.layers:
+        path = paths[layer.node]
+        if path is None:
+            continue
+        module = model.get_submodule(path)
+        main = next((s for s in layer.inputs if s in gives), None)
+        if main is None:
+            continue
+        arrives, shape = handed[main], gives[main][1]
+        own = Layout(layer.output_layout)
+        if layer.model_parallel:
+            tp_styles[path] = tensor_parallel_style(
+                layer.strategy, handed[layer.node], placement(arrives.forward, shape),
+                layer.output_shape, module)
+            continue
+        want = wanted(main, layer)
+        if arrives == Layout.REPLICATE_PARTIAL_GRAD and want == Layout.REPLICATE:
+            arrives = want  # already summed where it left its module
+        reshard_in = Reshard(mesh, arrives, want, shape) if arrives != want else None
+        module.register_forward_pre_hook(
+            _pre_hook(reshard_in, mesh, gather_others=want != Layout.BATCH), with_kwargs=True)
+        if handed[layer.node] != own:
+            module.register_forward_hook(
+                _post_hook(Reshard(mesh, own, handed[layer.node], layer.output_shape)))
+    for layer in plan.layers:  # model-parallel modules that hand on another layout
+        path = paths[layer.node]
+        if path in tp_styles and handed[layer.node] == Layout.REPLICATE_PARTIAL_GRAD:
+            raise ValueError(f"plan: {layer.name!r}: unsupported output hand-over")
+    if tp_styles:
+        parallelize_module(model, mesh, tp_styles)
+    model.register_forward_hook(_scale_outputs(mesh.size()))
+
+    def params_of(strategy: str):
+        for layer in plan.layers:
+            path = paths[layer.node]
+            if path is not None and layer.strategy == strategy:
+                for name, p in model.get_submodule(path).named_parameters():
+                    yield f"{path}.{name}", p
+
+    for _, p in params_of("replicate"):
+        dist.broadcast(p.data, src=0)
+    synced = {name for name, _ in params_of("data_parallel")}
+    if not synced:
+        return model
+    ignored = [n for n, _ in model.named_parameters() if n not in synced]
+    ignored += [n for n, _ in model.named_buffers()]
+    DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, ignored)
+    ddp = DistributedDataParallel(model, device_ids=None)
+    ddp.register_comm_hook(None, sum_gradients_hook)
+    return ddp

@@ -1,0 +1,239 @@
+"""Trace a model torch.fx cannot follow (Hugging Face transformers) with torch.export.
+
+`torch.export.export` runs the model on fake tensors and records ATen ops, each with
+`node.meta["nn_module_stack"]`, the modules it was called from. The ops are grouped into
+the same `ModelGraph` that `profiler.trace` makes: all ops called from inside a *unit*
+module (a torch.nn leaf such as Linear or LayerNorm, or a type the strategy registry
+knows, such as GPT-2's Conv1D or an attention block) become one layer named by the
+module's path; every other op (a residual add, a view, the mask's arithmetic) is a layer
+of its own. FLOPs are counted per op on meta tensors by running the exported graph.
+
+The executor runs the *original* module for such a graph (executor.modules), applying each
+layer's strategy by module path, so the layers that carry decisions are modules.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import replace
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.fx as fx
+from torch import nn
+from torch.utils import _pytree as pytree
+from torch.utils.flop_counter import FlopCounterMode
+
+from profiler.graph import Layer, ModelGraph, TensorMeta
+from profiler.trace import TraceError, _module_attrs, call_facts, to_meta
+
+
+def _is_torch_leaf(module: nn.Module) -> bool:
+    return (module.__module__.startswith("torch.nn")
+            and not isinstance(module, (nn.Sequential, nn.ModuleList, nn.ModuleDict)))
+
+
+def export(model: nn.Module, args: tuple, kwargs: dict) -> torch.export.ExportedProgram:
+    """torch.export, with a message naming the op or frame where it stopped."""
+    try:
+        return torch.export.export(model, tuple(args), kwargs=kwargs, strict=False)
+    except Exception as error:
+        lines = [l.strip() for l in str(error).splitlines() if l.strip()]
+        where = next((l for l in reversed(lines) if l.startswith("File ") or ".py" in l), "")
+        raise TraceError(
+            f"cannot trace {type(model).__name__} with torch.export: {type(error).__name__}: "
+            f"{lines[0] if lines else ''}{f' (at {where})' if where else ''}. Fix: pass the "
+            f"keyword arguments a training forward takes (e.g. example_kwargs={{'use_cache': "
+            f"False}}), or move data-dependent Python out of forward"
+        ) from error
+
+
+def fingerprint_modules(model: nn.Module) -> str:
+    """A hash of the module tree (paths, classes, parameter shapes): what an exported plan
+    is checked against, since the executor runs the module itself."""
+    parts = [f"{n}:{type(m).__name__}" for n, m in model.named_modules()]
+    parts += [f"{n}:{tuple(p.shape)}" for n, p in model.named_parameters()]
+    return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
+
+
+def _unit_path(node: fx.Node, modules: dict, is_unit: Callable[[nn.Module], bool]) -> str | None:
+    """The outermost unit module an op was called from (None: called from no unit)."""
+    for path, _ in (node.meta.get("nn_module_stack") or {}).values():
+        module = modules.get(path)
+        if module is not None and path and is_unit(module):
+            return path
+    return None
+
+
+def _kind(node: fx.Node) -> str:
+    target = node.target
+    return getattr(target, "_opname", None) or getattr(target, "__name__", str(target))
+
+
+def export_trace(model: nn.Module, example_inputs: Sequence, example_kwargs: dict | None = None,
+                 unit_types: tuple[type, ...] = ()) -> ModelGraph:
+    """Trace `model` with torch.export into a ModelGraph (see the module docstring).
+    `unit_types`: module classes kept whole as one layer, besides torch.nn's own leaves."""
+    args, kwargs = tuple(example_inputs), dict(example_kwargs or {})
+    tensors = [x for x in args if isinstance(x, torch.Tensor)]
+    if not tensors or tensors[0].dim() == 0:
+        raise ValueError("example_inputs: pass at least one tensor whose dim 0 is the batch")
+    batch = tensors[0].shape[0]
+    program = export(model, args, kwargs)
+    graph = program.graph_module.graph
+    modules = dict(model.named_modules())
+
+    def is_unit(m: nn.Module) -> bool:
+        return isinstance(m, unit_types) or _is_torch_leaf(m)
+
+    user_inputs = set(program.graph_signature.user_inputs)
+    group: dict[str, str] = {}  # fx node name -> layer key
+    members: dict[str, list[fx.Node]] = {}
+    order: list[str] = []
+    last_path = None
+    calls: dict[str, int] = {}
+    for node in graph.nodes:
+        if node.op == "placeholder":
+            if node.name in user_inputs and isinstance(node.meta.get("val"), torch.Tensor):
+                group[node.name] = node.name
+                members[node.name] = [node]
+                order.append(node.name)
+            continue
+        if node.op != "call_function":
+            continue
+        path = _unit_path(node, modules, is_unit)
+        if path is None:
+            key, last_path = node.name, None
+        else:
+            if path != last_path:
+                calls[path] = calls.get(path, 0) + 1
+            key = path if calls[path] == 1 else f"{path}#{calls[path]}"
+            last_path = path
+        if key not in members:
+            members[key] = []
+            order.append(key)
+        members[key].append(node)
+        group[node.name] = key
+
+    def value(n: fx.Node):
+        return n.meta.get("val")
+
+    # a tuple-valued op (split) is no layer: its items' readers read what it read
+    layers: list[Layer] = []
+    node_of: dict[str, str] = {}  # layer key -> the fx node that carries its output
+    for key in order:
+        nodes = members[key]
+        inside = {n.name for n in nodes}
+        outs = [n for n in nodes if isinstance(value(n), torch.Tensor)
+                and (any(u.name not in inside for u in n.users) or n is nodes[-1])]
+        if not outs:
+            continue
+        out = max(outs, key=lambda n: value(n).numel()) if len(outs) > 1 else outs[0]
+        node_of[key] = out.name
+        srcs = [src for n in nodes for src in n.all_input_nodes
+                if src.name not in inside and not (src.op == "placeholder" and src.name not in user_inputs)]
+        layers.append(_export_layer(key, nodes, out, srcs, modules, batch))
+
+    by_key = {l.name: l for l in layers}
+    produced = {node_of[k]: k for k in node_of}
+
+    def resolve(src: fx.Node, seen=()) -> list[str]:
+        if src.name in produced:
+            return [node_of[produced[src.name]]]
+        key = group.get(src.name)
+        if key in node_of:  # an inner node of a layer (another of its outputs)
+            return [node_of[key]]
+        return [r for s in src.all_input_nodes if s.name not in seen
+                for r in resolve(s, seen + (src.name,))]
+
+    fixed = []
+    for layer in layers:
+        inputs = []
+        for src_name in layer.inputs:
+            src = _find(graph, src_name)
+            inputs.extend(r for r in resolve(src) if r != layer.node)
+        fixed.append(replace(layer, inputs=tuple(dict.fromkeys(inputs))))
+    layers = fixed
+
+    output_node = next(n for n in graph.nodes if n.op == "output")
+    outputs = []
+    for n in pytree.tree_leaves(output_node.args):
+        if isinstance(n, fx.Node) and n.name in (program.graph_signature.user_outputs or ()):
+            outputs.extend(resolve(n))
+    flops = _count_flops(program, args, kwargs, group, node_of)
+    layers = [_with_flops(l, flops.get(l.node, 0)) for l in layers]
+    del by_key
+    return ModelGraph(type(model).__name__, tuple(layers), tuple(dict.fromkeys(outputs)), batch,
+                      fingerprint_modules(model), module=None, example_kwargs=kwargs,
+                      tracer="export")
+
+
+def _find(graph: fx.Graph, name: str) -> fx.Node:
+    for n in graph.nodes:
+        if n.name == name:
+            return n
+    raise KeyError(name)
+
+
+def _export_layer(key: str, nodes: list[fx.Node], out: fx.Node, srcs: list[fx.Node],
+                  modules: dict, batch: int) -> Layer:
+    value = out.meta["val"]
+    inputs = tuple(dict.fromkeys(s.name for s in srcs))
+    path = key.split("#")[0]
+    if path in modules and nodes[0].op != "placeholder":
+        module = modules[path]
+        params = list(module.parameters())
+        return Layer(name=key, node=out.name, op="call_module", kind=type(module).__name__,
+                     inputs=inputs, output=TensorMeta.of(value), module_type=type(module),
+                     attrs=_module_attrs(module),
+                     param_bytes=sum(p.numel() * p.element_size() for p in params),
+                     param_count=sum(p.numel() for p in params))
+    if nodes[0].op == "placeholder":
+        return Layer(name=key, node=out.name, op="placeholder", kind="input", inputs=(),
+                     output=TensorMeta.of(value))
+    shapes = tuple(tuple(s.meta["val"].shape) for s in out.all_input_nodes
+                   if isinstance(s.meta.get("val"), torch.Tensor))
+    attrs = call_facts(out, shapes[0] if shapes else None)
+    attrs["in_shapes"] = shapes
+    return Layer(name=key, node=out.name, op="call_function", kind=_kind(out), inputs=inputs,
+                 output=TensorMeta.of(value), attrs=attrs)
+
+
+def _with_flops(layer: Layer, fwd: int) -> Layer:
+    # backward of a matmul costs two (input and weight gradients), of other ops about one
+    bwd = 2 * fwd if layer.param_count else fwd
+    return replace(layer, fwd_flops=fwd, bwd_flops=bwd)
+
+
+def _count_flops(program, args, kwargs, group: dict, node_of: dict) -> dict[str, int]:
+    """{output node of each layer: forward FLOPs}, running the exported graph on meta."""
+    sig = program.graph_signature
+    state = {**program.state_dict, **program.constants}
+    user = iter(pytree.tree_leaves((args, kwargs)))
+    feeds = []
+    for spec in sig.input_specs:
+        if spec.kind.name == "USER_INPUT":
+            feeds.append(to_meta(next(user)))
+        else:
+            feeds.append(to_meta(state[spec.target]))
+    per_layer: dict[str, int] = {}
+    counter = FlopCounterMode(display=False)
+
+    class Counting(fx.Interpreter):
+        def call_function(self, target, args, kwargs):
+            if "device" in kwargs:  # everything stays on meta: nothing is allocated
+                kwargs = {**kwargs, "device": torch.device("meta")}
+            return super().call_function(target, args, kwargs)
+
+        def run_node(self, n):
+            before = counter.get_total_flops()
+            result = super().run_node(n)
+            key = group.get(n.name)
+            if key in node_of:
+                per_layer[node_of[key]] = per_layer.get(node_of[key], 0) + (
+                    counter.get_total_flops() - before)
+            return result
+
+    with counter, torch.no_grad():
+        Counting(program.graph_module).run(*feeds)
+    return per_layer

@@ -1,0 +1,181 @@
+"""Transformer strategies, as Megatron-LM shards a transformer block over tensor-parallel ranks.
+
+- Attention split by heads (`HeadParallel`): the q, k, v projections are split by output
+  columns so each rank holds whole heads, attention runs on those heads alone, and the
+  output projection is split by input rows; its partial sums are reduced once at the end,
+  by an all-reduce (output replicated) or a reduce-scatter (output split by rows). One
+  layer in the plan: the attention module, traced as a leaf.
+- MLP column-then-row: `ColumnParallel` and `RowParallel` of the catalog on the two Linears,
+  with the activation between them `feature_parallel`.
+- Vocabulary-parallel embedding (`VocabParallel`): the table split by rows (tokens), each
+  rank looks up the ids it owns and the partial outputs are summed. The LM head is a
+  Linear over the vocabulary: its column split gives vocabulary-sharded logits.
+- Sequence-parallel norms: Megatron-SP replaces the all-reduce after a row-parallel layer
+  by a reduce-scatter and runs LayerNorm and dropout on 1/P of the rows, all-gathering
+  before the next column-parallel layer. Here the rows are the batch's: the row-parallel
+  layers' `gives=BATCH` variants reduce-scatter, the norms run `data_parallel` on their
+  rows, and the edge into the next column split all-gathers: the same collectives and the
+  same 1/P activation memory, chosen by the solver where they pay.
+
+Hugging Face's layer types are registered by qualified name, so nothing here imports
+transformers: GPT-2's `Conv1D` (a Linear with its weight transposed), GPT-2's and Llama's
+attention, their activations. `register_attention` does the same for a user's own
+attention module.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+from torch import nn
+
+from profiler.graph import Layer
+from strategies.catalog import (
+    ColumnParallel, Cost, RowParallel, Strategy, compute_s, register, update_s, weights_memory,
+)
+from strategies.collectives import all_gather_s, all_reduce_s, reduce_scatter_s
+from strategies.layouts import Layout
+
+
+@dataclass(frozen=True)
+class AttentionSpec:
+    """Where an attention module keeps its projections, for the executor.
+
+    qkv: the name of one fused projection ("c_attn"), or the names of the q, k and v
+    projections. out: the output projection. divide: integer attributes that count the
+    module's own heads or width and must become per-rank values (GPT-2's "split_size").
+    """
+
+    qkv: str | tuple[str, str, str]
+    out: str
+    divide: tuple[str, ...] = ()
+
+
+ATTENTION: dict[type | str, AttentionSpec] = {}
+
+
+def attention_spec(module: nn.Module) -> AttentionSpec | None:
+    from strategies.catalog import matches
+
+    for key, spec in ATTENTION.items():
+        if matches(type(module), key):
+            return spec
+    return None
+
+
+def _heads(layer: Layer) -> tuple[int, int]:
+    """(query heads, key/value heads) of an attention layer, from its traced attributes."""
+    a = layer.attrs
+    q = a.get("num_heads", a.get("heads", a.get("n_head", a.get("num_attention_heads", 0))))
+    return q, a.get("num_key_value_heads", q)
+
+
+def _output_reduction(layer: Layer, gives: Layout, ctx) -> tuple[float, float]:
+    """(time, bytes kept) of summing a row-split layer's partial outputs into `gives`."""
+    n = layer.output.nbytes
+    if gives == Layout.BATCH:
+        return (reduce_scatter_s(n, ctx.ranks, ctx.link) + all_gather_s(n, ctx.ranks, ctx.link),
+                n / ctx.ranks)
+    return all_reduce_s(n, ctx.ranks, ctx.link), n
+
+
+@dataclass(frozen=True)
+class HeadParallel(Strategy):
+    """Attention with its heads split across the ranks (Megatron's attention split): takes
+    the hidden states replicated (their gradient comes back partial), gives the output
+    replicated (all-reduce) or split by rows (reduce-scatter)."""
+
+    name: ClassVar[str] = "head_parallel"
+    model_parallel: ClassVar[bool] = True
+    takes: Layout = Layout.REPLICATE_PARTIAL_GRAD
+    gives: Layout = Layout.REPLICATE
+
+    def applies(self, layer, ctx):
+        q, kv = _heads(layer)
+        rows_ok = self.gives != Layout.BATCH or ctx.batch % ctx.ranks == 0
+        return q > 0 and q % ctx.ranks == 0 and kv % ctx.ranks == 0 and rows_ok
+
+    def cost(self, layer, ctx):
+        comm, kept = _output_reduction(layer, self.gives, ctx)
+        local = layer.param_bytes / ctx.ranks
+        # q, k, v and the attention output of this rank's heads are kept for backward
+        memory = weights_memory(local, ctx) + kept + 4 * layer.output.nbytes / ctx.ranks
+        return Cost(compute_s(layer, 1 / ctx.ranks, ctx), comm, memory, update_s(local, ctx),
+                    {"output_reduction_s": comm, "output_bytes": layer.output.nbytes})
+
+
+@dataclass(frozen=True)
+class VocabParallel(Strategy):
+    """An embedding table split by rows (token ids): each rank looks up the ids it owns,
+    zeros elsewhere, and the partial outputs are summed (all-reduce, or reduce-scatter to
+    split rows). Takes the ids whole (they carry no gradient)."""
+
+    name: ClassVar[str] = "vocab_parallel"
+    model_parallel: ClassVar[bool] = True
+    takes: Layout = Layout.REPLICATE
+    gives: Layout = Layout.REPLICATE
+
+    def applies(self, layer, ctx):
+        rows_ok = self.gives != Layout.BATCH or ctx.batch % ctx.ranks == 0
+        return layer.attrs.get("num_embeddings", 0) % ctx.ranks == 0 and rows_ok \
+            and bool(layer.output.shape) and layer.output.shape[0] == ctx.batch
+
+    def cost(self, layer, ctx):
+        comm, kept = _output_reduction(layer, self.gives, ctx)
+        local = layer.param_bytes / ctx.ranks
+        return Cost(compute_s(layer, 1 / ctx.ranks, ctx), comm,
+                    weights_memory(local, ctx) + kept, update_s(local, ctx),
+                    {"output_reduction_s": comm, "output_bytes": layer.output.nbytes})
+
+
+@dataclass(frozen=True)
+class Conv1DColumnParallel(ColumnParallel):
+    """Column split of GPT-2's Conv1D (weight [in, out]): the weight's dim 1 is split."""
+
+    name: ClassVar[str] = "column_parallel"
+
+    def applies(self, layer, ctx):
+        return layer.attrs.get("nf", 0) % ctx.ranks == 0
+
+
+@dataclass(frozen=True)
+class Conv1DRowParallel(RowParallel):
+    """Row split of GPT-2's Conv1D: the weight's dim 0 (its input features) is split."""
+
+    name: ClassVar[str] = "row_parallel"
+
+    def applies(self, layer, ctx):
+        ok = layer.attrs.get("nx", 0) % ctx.ranks == 0
+        return ok and (self.gives != Layout.BATCH or ctx.batch % ctx.ranks == 0)
+
+
+def register_attention(module_type: type | str, qkv: str | tuple[str, str, str], out: str,
+                       divide: tuple[str, ...] = ()) -> None:
+    """Make an attention module type head-parallel: traced as one layer, and offered
+    `head_parallel` (output all-reduced or reduce-scattered) besides data parallelism::
+
+        register_attention(CausalSelfAttention, qkv="qkv", out="proj")
+
+    Its forward must read the head count from the projections' output size (view(...,
+    -1, head_dim), chunk(3)), or name the attributes to divide by the ranks in `divide`.
+    """
+    ATTENTION[module_type] = AttentionSpec(qkv, out, tuple(divide))
+    register(module_type, HeadParallel(), HeadParallel(gives=Layout.BATCH), rowwise=True,
+             leaf=True)
+
+
+_HF = "transformers.models."
+register(nn.Embedding, VocabParallel(), VocabParallel(gives=Layout.BATCH))
+register("transformers.pytorch_utils.Conv1D", Conv1DColumnParallel(), Conv1DRowParallel(),
+         Conv1DRowParallel(gives=Layout.BATCH), rowwise=True)
+for _act in ("NewGELUActivation", "GELUActivation", "FastGELUActivation", "QuickGELUActivation",
+             "GELUTanh", "SiLUActivation", "PytorchGELUTanh", "ClassInstantier"):
+    register(f"transformers.activations.{_act}", rowwise=True, featurewise=True)
+register_attention(_HF + "gpt2.modeling_gpt2.GPT2Attention", qkv="c_attn", out="c_proj",
+                   divide=("split_size", "num_heads", "embed_dim"))
+register_attention(_HF + "llama.modeling_llama.LlamaAttention",
+                   qkv=("q_proj", "k_proj", "v_proj"), out="o_proj")
+for _norm in ("llama.modeling_llama.LlamaRMSNorm",):
+    register(_HF + _norm, rowwise=True)
+register(nn.RMSNorm, rowwise=True)
