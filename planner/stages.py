@@ -301,12 +301,16 @@ def solve_stages(problem: StageProblem, pp: int, microbatches: int, schedule: st
     if cutoff_s is not None:
         solver.Add(objective <= cutoff_s, "cutoff")
     solver.SetSolverSpecificParametersAsString(
-        f"limits/gap = {relative_gap}\nnumerics/feastol = 1e-9\n")
+        f"limits/gap = {relative_gap}\n")
     solver.SetTimeLimit(max(1, int((time_limit_s - (time.perf_counter() - start)) * 1000)))
     status = solver.Solve()
     if status == pywraplp.Solver.NOT_SOLVED:
         raise TimeLimit(solver.Objective().BestBound())
     if status not in (pywraplp.Solver.OPTIMAL, pywraplp.Solver.FEASIBLE):
+        import os
+        if os.environ.get("HYPLAN_DEBUG"):
+            print("status", status)
+            print(solver.ExportModelAsLpFormat(False))
         return None
 
     choice = tuple(0 if len(row) == 1 else int(np.argmax([r.solution_value() for r in row]))
