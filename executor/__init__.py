@@ -2,5 +2,6 @@
 
 from executor.batch import shard_batch
 from executor.parallelize import PlanMismatch, parallelize
+from executor.step import train_step
 
-__all__ = ["PlanMismatch", "parallelize", "shard_batch"]
+__all__ = ["PlanMismatch", "parallelize", "shard_batch", "train_step"]

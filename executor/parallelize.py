@@ -55,6 +55,10 @@ def parallelize(model: nn.Module, plan: Plan, *, mesh: DeviceMesh | None = None,
         raise RuntimeError("parallelize: no process group; launch with torchrun and call "
                            "torch.distributed.init_process_group() first")
     check_world(plan, dist.get_world_size())
+    if plan.is_mesh_3d:  # pipeline x data x tensor: this rank's stage
+        from executor.pipeline import parallelize_3d
+
+        return parallelize_3d(model, plan, leaf_modules=leaf_modules)
     gm = fx_trace(model, leaf_modules)
     if fingerprint(gm) != plan.fingerprint:
         raise PlanMismatch(
@@ -89,7 +93,11 @@ def _apply_tensor_parallel(gm: fx.GraphModule, mesh, layers: dict[str, LayerPlan
         parallelize_module(gm, mesh, plan)
 
 
-def _insert_reshards(gm: fx.GraphModule, mesh, layers: dict[str, LayerPlan], gives):
+def _insert_reshards(gm: fx.GraphModule, mesh, layers: dict[str, LayerPlan], gives,
+                     final: bool = True, mean_over: int | None = None):
+    """`final`: the graph's outputs are the model's (resharded to rows, gradient scaled by
+    1/`mean_over`, default the mesh size); else they leave in their own layouts (a
+    pipeline stage's outputs, which the next stage reshards itself)."""
     count = 0
 
     def reshard(before: fx.Node, src: fx.Node, dst_layout: Layout) -> fx.Node:
@@ -108,8 +116,8 @@ def _insert_reshards(gm: fx.GraphModule, mesh, layers: dict[str, LayerPlan], giv
             for src in list(node.all_input_nodes):
                 if src.name in gives and gives[src.name][0] != want:
                     node.replace_input_with(src, reshard(node, src, want))
-        if node.op == "output":
-            world = mesh.size()
+        if node.op == "output" and final:
+            world = mean_over or mesh.size()
             gm.add_submodule("hyplan_mean_over_ranks", MeanOverRanks(world))
             for src in list(node.all_input_nodes):
                 if src.name not in gives:

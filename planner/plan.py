@@ -193,6 +193,8 @@ class Plan(_Data):
     predicted: Predicted
     solver: SolverReport
     pipeline: PipelinePlan | None = Field(None, description="None: no pipeline stages")
+    microbatches: int = Field(1, gt=0, description="microbatches per step: the pipeline's, "
+                              "or gradient accumulation without one (3-D plans)")
     search: SearchReport | None = Field(None, description="the 3-D search (3-D plans)")
 
     @property

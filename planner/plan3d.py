@@ -38,11 +38,13 @@ def optimize_3d(
     time_limit_s: float = 60.0,
     relative_gap: float = 1e-6,
     only: list[Shape] | None = None,
+    pin: dict[str, str] | None = None,
 ) -> Plan:
     """Choose the mesh (pipeline x data x tensor), the stage cut, the microbatches, the
     schedule and each layer's strategy for one training step on `example_inputs` (dim 0:
     the global batch). Arguments as planner.optimize; `max_microbatches` caps m; `only`
-    restricts the search to the given shapes (e.g. to compare one shape with the best)."""
+    restricts the search to the given shapes (e.g. to compare one shape with the best);
+    `pin` {layer: strategy} fixes a layer's strategy on shapes where it applies."""
     started = time.perf_counter()
     if optimizer not in OPTIMIZER_STATE_FACTOR:
         raise ValueError(f"optimizer: {optimizer!r} is not one of {sorted(OPTIMIZER_STATE_FACTOR)}")
@@ -60,7 +62,8 @@ def optimize_3d(
                     if cluster.device.kind == "cpu" else None)
     budget = memory_limit_bytes or cluster.device.memory_bytes
     result = search(graph, cluster, optimizer, budget, max_microbatches=max_microbatches,
-                    time_limit_s=time_limit_s, relative_gap=relative_gap, only=only)
+                    time_limit_s=time_limit_s, relative_gap=relative_gap, only=only,
+                    pin=pin)
     if result.best is None:
         fits = [c for c in result.candidates if c.outcome == "does_not_fit"]
         smallest = min((c.note for c in fits), default="")
@@ -180,7 +183,7 @@ def to_plan(graph, cluster: Cluster, optimizer: str, budget: float, result: Sear
     return Plan(model=graph.model_name, fingerprint=graph.fingerprint,
                 global_batch=graph.batch_size, optimizer=optimizer, cluster=cluster,
                 mesh=mesh, inputs=inputs, layers=layers, predicted=predicted, solver=report,
-                pipeline=pipeline, search=search_report)
+                pipeline=pipeline, microbatches=m, search=search_report)
 
 
 def _reason(strategy, stage: int, pp: int, tp: int, cost, opts, c: int) -> str:

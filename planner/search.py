@@ -212,8 +212,10 @@ class Built:
     local_param_bytes: tuple[np.ndarray, ...]
 
 
-def build(cache: CostCache, pp: int, dp: int, tp: int, rows: int) -> Built:
-    """The stage problem of one mesh shape at `rows` rows per microbatch per replica."""
+def build(cache: CostCache, pp: int, dp: int, tp: int, rows: int,
+          pin: dict[str, str] | None = None) -> Built:
+    """The stage problem of one mesh shape at `rows` rows per microbatch per replica.
+    `pin` maps layer names to the strategy they must use where it applies."""
     graph, cluster = cache.graph, cache.cluster
     unit_names: list[str] = []
     unit_of: list[int] = []
@@ -227,6 +229,9 @@ def build(cache: CostCache, pp: int, dp: int, tp: int, rows: int) -> Built:
     strategies, costs, scaled_layers, local = [], [], [], []
     for i, layer in enumerate(graph.layers):
         scaled, strats, cs, ctx = cache.layer(layer, tp, rows)
+        if pin and layer.name in pin and any(s.name == pin[layer.name] for s in strats):
+            keep = [j for j, s in enumerate(strats) if s.name == pin[layer.name]]
+            strats, cs = tuple(strats[j] for j in keep), tuple(cs[j] for j in keep)
         mb, once, wb, ab, lp = [], [], [], [], []
         for s, c in zip(strats, cs):
             param_local = layer.param_bytes / tp if s.model_parallel else layer.param_bytes
@@ -295,7 +300,7 @@ def build(cache: CostCache, pp: int, dp: int, tp: int, rows: int) -> Built:
 def search(graph: ModelGraph, cluster: Cluster, optimizer: str, budget_bytes: float | None,
            *, max_microbatches: int | None = None, time_limit_s: float = 60.0,
            relative_gap: float = 1e-9, only: list[Shape] | None = None,
-           cache: CostCache | None = None) -> SearchResult:
+           cache: CostCache | None = None, pin: dict[str, str] | None = None) -> SearchResult:
     """The fastest plan over all shapes that fits `budget_bytes` per device."""
     started = time.perf_counter()
     cache = cache or CostCache(graph, cluster, optimizer)
@@ -306,7 +311,7 @@ def search(graph: ModelGraph, cluster: Cluster, optimizer: str, budget_bytes: fl
     def problem_of(shape: Shape) -> Built:
         key = (shape.pp, shape.dp, shape.tp, shape.rows(batch))
         if key not in built:
-            built[key] = build(cache, *key)
+            built[key] = build(cache, *key, pin=pin)
         return built[key]
 
     out: list[Candidate] = []
