@@ -68,3 +68,20 @@ def _check(name, shape, pin=None):
 def test_pipeline_two_stages_equals_single_process():
     plan = _check("mlp", Shape(2, 1, 1, 4, "1F1B"))
     assert plan.pipeline.schedule == "1F1B" and len(plan.pipeline.stages) == 2
+
+
+def test_pipeline_times_data_parallel_equals_single_process():
+    _check("mlp", Shape(2, 2, 1, 2, "GPipe"))
+
+
+def test_pipeline_times_tensor_parallel_equals_single_process():
+    plan = _check("mlp", Shape(2, 1, 2, 2, "1F1B"),
+                  pin={"0": "column_parallel", "2": "row_parallel", "4": "column_parallel"})
+    assert any(l.model_parallel for l in plan.layers)
+
+
+def test_pipeline_data_tensor_8_ranks_equals_single_process():
+    plan = _check("cnn", Shape(2, 2, 2, 2, "1F1B"),
+                  pin={"features.0": "channel_parallel", "classifier.0": "column_parallel",
+                       "classifier.2": "row_parallel", "classifier.4": "data_parallel"})
+    assert any(l.model_parallel for l in plan.layers)
