@@ -307,10 +307,6 @@ def solve_stages(problem: StageProblem, pp: int, microbatches: int, schedule: st
     if status == pywraplp.Solver.NOT_SOLVED:
         raise TimeLimit(solver.Objective().BestBound())
     if status not in (pywraplp.Solver.OPTIMAL, pywraplp.Solver.FEASIBLE):
-        import os
-        if os.environ.get("HYPLAN_DEBUG"):
-            print("status", status)
-            print(solver.ExportModelAsLpFormat(False))
         return None
 
     choice = tuple(0 if len(row) == 1 else int(np.argmax([r.solution_value() for r in row]))
