@@ -56,6 +56,10 @@ def parallelize(model: nn.Module, plan: Plan, *, mesh: DeviceMesh | None = None,
         raise RuntimeError("parallelize: no process group; launch with torchrun and call "
                            "torch.distributed.init_process_group() first")
     check_world(plan, dist.get_world_size())
+    if plan.is_mesh_3d:  # pipeline x data x tensor: this rank's stage
+        from executor.pipeline import parallelize_3d
+
+        return parallelize_3d(model, plan, leaf_modules=leaf_modules)
     if plan.tracer == "export":
         return _parallelize_exported(model, plan, mesh)
     gm = fx_trace(model, tuple(leaf_modules) + leaf_types(model))
@@ -113,7 +117,10 @@ def _tuple_source(node: fx.Node, gives) -> fx.Node | None:
 
 
 def _insert_reshards(gm: fx.GraphModule, mesh, layers: dict[str, LayerPlan], gives,
-                     plan_batch: int):
+                     plan_batch: int, final: bool = True, mean_over: int | None = None):
+    """`final`: the graph's outputs are the model's (resharded to rows, gradient scaled by
+    1/`mean_over`, default the mesh size); else they leave in their own layouts (a
+    pipeline stage's outputs, which the next stage reshards itself)."""
     count = 0
 
     def reshard(before: fx.Node, src: fx.Node, dst_layout: Layout) -> fx.Node:
@@ -141,8 +148,8 @@ def _insert_reshards(gm: fx.GraphModule, mesh, layers: dict[str, LayerPlan], giv
                     want = Layout.REPLICATE_PARTIAL_GRAD  # see planner.choices.batch_free_takes
                 if layout != want and src in target.all_input_nodes:
                     target.replace_input_with(src, reshard(target, src, want))
-        if node.op == "output":
-            world = mesh.size()
+        if node.op == "output" and final:
+            world = mean_over or mesh.size()
             gm.add_submodule("hyplan_mean_over_ranks", MeanOverRanks(world))
             for src in list(node.all_input_nodes):
                 if src.name not in gives:

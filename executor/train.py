@@ -64,6 +64,9 @@ def train(model: nn.Module, plan: Plan, dataset: Dataset, loss_fn: Callable, *, 
     `checkpoint_dir`. Saves every `checkpoint_every` steps and after the last one."""
     if steps < 0:
         raise ValueError(f"steps: must be at least 0, got {steps}")
+    if plan.is_mesh_3d:
+        raise ValueError("plan: executor.train runs 1-D plans (data and tensor parallel); "
+                         "train a pipelined plan with executor.train_step in your own loop")
     rank = dist.get_rank()
     model = parallelize(model, plan, leaf_modules=leaf_modules)
     optimizer = make_optimizer(plan.optimizer, model.parameters(), lr)

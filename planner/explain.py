@@ -28,7 +28,8 @@ def summary(plan: Plan) -> list[str]:
         f"({c.num_devices} devices, {link.name} {link.bandwidth_bytes_per_s / 1e9:g} GB/s), "
         f"optimizer {plan.optimizer}, {c.dtype}",
         f"Predicted step time: {_ms(p.step_time_s)} = compute {_ms(p.compute_s)} + "
-        f"communication {_ms(p.communication_s)} + optimizer {_ms(p.other_s)}",
+        f"communication {_ms(p.communication_s)} + optimizer {_ms(p.other_s)}"
+        + (f" + pipeline bubble {_ms(p.bubble_s)}" if p.bubble_s else ""),
     ]
     if p.data_parallel_step_time_s:
         lines.append(f"  pure data parallel on the same devices: {_ms(p.data_parallel_step_time_s)}"
@@ -50,21 +51,99 @@ def summary(plan: Plan) -> list[str]:
 
 def table(plan: Plan) -> Table:
     t = Table(title="Layers (times per step, memory per device)", title_justify="left")
+    staged = plan.pipeline is not None
+    if staged:
+        t.add_column("stage", justify="right")
     for header, justify in [("layer", "left"), ("kind", "left"), ("strategy", "left"),
                             ("layout in -> out", "left"), ("compute", "right"),
                             ("comm", "right"), ("reshard", "right"), ("memory", "right")]:
         t.add_column(header, justify=justify, no_wrap=True)
     for layer in plan.layers:
-        t.add_row(layer.name, layer.kind, layer.strategy,
+        t.add_row(*([str(layer.stage)] if staged else []), layer.name, layer.kind, layer.strategy,
                   f"{layer.input_layout} -> {layer.output_layout}", _ms(layer.compute_s),
                   _ms(layer.communication_s), _ms(layer.reshard_in_s), _gb(layer.memory_bytes))
     return t
 
 
+def mesh_lines(plan: Plan) -> list[str]:
+    """The 3-D mesh: its dims, which devices form each group and over which link."""
+    m = plan.mesh
+    pp, dp, tp = (m.size(d) for d in ("pp", "dp", "tp"))
+    per_node = m.devices_per_node
+    lines = [f"Mesh: pipeline {pp} x data {dp} x tensor {tp} (rank = (stage*{dp} + replica)"
+             f"*{tp} + tp index; {m.nodes} node(s) of {per_node})"]
+    for dim, label in (("tp", "tensor-parallel"), ("dp", "data-parallel"), ("pp", "pipeline")):
+        groups = m.groups.get(dim, [])
+        if not groups or len(groups[0]) == 1:
+            continue
+        nodes = {r // per_node for r in groups[0]}
+        where = "inside one node" if len(nodes) == 1 else f"across {len(nodes)} nodes"
+        lines.append(f"  {label} groups of {len(groups[0])} ({len(groups)} groups, e.g. ranks "
+                     f"{_ranks(groups[0])}): {where}, {m.group_links.get(dim, '?')}")
+    return lines
+
+
+def _ranks(ranks: list[int]) -> str:
+    if len(ranks) > 2 and all(b - a == ranks[1] - ranks[0] for a, b in zip(ranks, ranks[1:])):
+        step = ranks[1] - ranks[0]
+        return f"{ranks[0]}..{ranks[-1]}" + (f" step {step}" if step != 1 else "")
+    return ", ".join(map(str, ranks))
+
+
+def memory_line(b) -> str:
+    return (f"{_gb(b.total_bytes)} = parameters {_gb(b.parameters_bytes)} + gradients "
+            f"{_gb(b.gradients_bytes)} + optimizer state {_gb(b.optimizer_state_bytes)} + "
+            f"activations {_gb(b.activations_bytes)} ({b.microbatches_in_flight} microbatch"
+            f"{'es' if b.microbatches_in_flight != 1 else ''} in flight)")
+
+
+def pipeline_lines(plan: Plan) -> list[str]:
+    """Stages with their modules, devices, times and memory; or why there is no pipeline."""
+    lines = []
+    q = plan.pipeline
+    if q is None:
+        b = plan.predicted.memory_breakdown
+        lines.append("Pipeline: none (one stage)")
+        if b:
+            lines.append(f"  memory per device: {memory_line(b[0])}")
+        return lines
+    lines.append(f"Pipeline: {len(q.stages)} stages, schedule {q.schedule}, {q.microbatches} "
+                 f"microbatches of {q.microbatch_rows} rows per replica, bubble "
+                 f"{q.bubble_fraction:.1%} of the step")
+    for st in q.stages:
+        mods = st.modules if len(st.modules) <= 4 else [st.modules[0], "...", st.modules[-1]]
+        lines.append(f"  stage {st.index}: {len(st.modules)} modules ({', '.join(mods)}), "
+                     f"{len(st.layers)} layers on ranks {_ranks(st.ranks)}; "
+                     f"{_ms(st.microbatch_s)} per microbatch (transfers {_ms(st.send_s)}), "
+                     f"{_ms(st.step_s)} per step (gradient sync + optimizer)")
+        lines.append(f"    memory per device: {memory_line(st.memory)}")
+    return lines
+
+
+def search_lines(plan: Plan, top: int = 8) -> list[str]:
+    r = plan.search
+    if r is None:
+        return []
+    lines = [f"Search: {r.candidates} candidates (mesh shape x microbatches x schedule), "
+             f"{r.solved} solved, {r.pruned} pruned, in {r.seconds:.1f} s. Best per mesh shape:"]
+    for c in r.best_per_shape[:top]:
+        value = (f"{_ms(c.step_time_s)}" if c.step_time_s is not None
+                 else f">= {_ms(c.bound_s)}" if c.bound_s is not None else "-")
+        lines.append(f"  pp {c.pp:>2} x dp {c.dp:>2} x tp {c.tp:>2}, m {c.microbatches:>3} "
+                     f"{c.schedule}: {value} ({c.outcome.replace('_', ' ')}"
+                     f"{'; ' + c.note if c.note else ''})")
+    if len(r.best_per_shape) > top:
+        lines.append(f"  ... {len(r.best_per_shape) - top} more shapes")
+    return lines
+
+
 def explain(plan: Plan, width: int = 130) -> str:
     buffer = io.StringIO()
     console = Console(file=buffer, width=width, record=True, color_system=None)
-    for line in summary(plan):
+    extra = []
+    if plan.is_mesh_3d:
+        extra = mesh_lines(plan) + pipeline_lines(plan) + search_lines(plan)
+    for line in summary(plan) + extra:
         console.print(line, highlight=False, soft_wrap=True)
     console.print(table(plan))
     console.print("Why:", highlight=False)

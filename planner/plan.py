@@ -41,6 +41,7 @@ class LayerPlan(_Data):
     param_bytes: int
     reason: str = ""
     inputs: list[str] = Field(default_factory=list, description="fx node names it reads")
+    stage: int = Field(0, description="the pipeline stage that runs it (0 without a pipeline)")
 
 
 class InputPlan(_Data):
@@ -52,14 +53,92 @@ class InputPlan(_Data):
 
 
 class MeshPlan(_Data):
-    """The device mesh: a 1-D group of all devices, which each layer uses data- or
-    model-parallel."""
+    """The device mesh. A 1-D plan has one dim, "devices": a group of all devices, which each
+    layer uses data- or model-parallel. A 3-D plan has dims ("pp", "dp", "tp"): pipeline
+    stages, data-parallel replicas of each stage, and the tensor-parallel group inside
+    which each layer picks its strategy; global rank = (pp_index * dp + dp_index) * tp +
+    tp_index, so tp groups are consecutive ranks (inside a node when tp fits in one)."""
 
     shape: list[int]
     dim_names: list[str]
     device_type: str
     nodes: int
     devices_per_node: int
+    groups: dict[str, list[list[int]]] = Field(
+        default_factory=dict,
+        description="per dim name, the global ranks of each of its groups (3-D plans)")
+    group_links: dict[str, str] = Field(
+        default_factory=dict,
+        description="per dim name, the link its groups use ('NVLink 3', 'HDR InfiniBand')")
+
+    def size(self, dim: str) -> int:
+        """The mesh's extent along `dim` (1 when the mesh has no such dim)."""
+        return self.shape[self.dim_names.index(dim)] if dim in self.dim_names else 1
+
+
+class MemoryBreakdown(_Data):
+    """Memory of one device at its peak, in bytes, by what holds it."""
+
+    parameters_bytes: float = 0.0
+    gradients_bytes: float = 0.0
+    optimizer_state_bytes: float = 0.0
+    activations_bytes: float = Field(0.0, description="kept for backward, all microbatches in flight")
+    microbatches_in_flight: int = Field(1, description="forwards whose activations are kept at once")
+
+    @property
+    def total_bytes(self) -> float:
+        return (self.parameters_bytes + self.gradients_bytes + self.optimizer_state_bytes
+                + self.activations_bytes)
+
+
+class StagePlan(_Data):
+    """One pipeline stage: a contiguous run of layers (topological order) on its devices."""
+
+    index: int
+    layers: list[str] = Field(description="layer names, in order")
+    modules: list[str] = Field(description="top-level module paths (or fx nodes) cut as one")
+    ranks: list[int] = Field(description="global ranks that run this stage (its dp x tp devices)")
+    microbatch_s: float = Field(description="forward + backward of one microbatch, with its "
+                                "collectives and the point-to-point transfers at its cuts")
+    send_s: float = Field(0.0, description="point-to-point time per microbatch at its cuts")
+    step_s: float = Field(description="once per step: gradient sync over dp + optimizer")
+    memory: MemoryBreakdown
+
+
+class PipelinePlan(_Data):
+    """How the pipeline runs: schedule, microbatches, stages and the idle time it costs."""
+
+    schedule: Literal["1F1B", "GPipe"]
+    microbatches: int = Field(gt=0)
+    microbatch_rows: int = Field(gt=0, description="rows per microbatch per dp replica")
+    bubble_fraction: float = Field(description="(pp - 1) / (microbatches + pp - 1): idle share")
+    stages: list[StagePlan]
+
+
+class CandidateReport(_Data):
+    """A mesh shape the search looked at: its best plan's step time, or why it lost unsolved."""
+
+    pp: int
+    dp: int
+    tp: int
+    microbatches: int
+    schedule: str
+    outcome: Literal["best", "solved", "pruned_by_bound", "does_not_fit", "dominated",
+                     "infeasible", "time_limit"]
+    step_time_s: float | None = Field(None, description="solved: the optimum for this shape")
+    bound_s: float | None = Field(None, description="a lower bound on its step time")
+    note: str = ""
+
+
+class SearchReport(_Data):
+    """The 3-D search: how many candidates (mesh shape x microbatches x schedule) there were,
+    how many were solved and how many pruned, and the best per mesh shape."""
+
+    candidates: int
+    solved: int
+    pruned: int
+    seconds: float
+    best_per_shape: list[CandidateReport] = Field(default_factory=list)
 
 
 class Predicted(_Data):
@@ -71,6 +150,10 @@ class Predicted(_Data):
     memory_limit_bytes: float
     data_parallel_step_time_s: float | None = None
     single_device_step_time_s: float | None = None
+    bubble_s: float = Field(0.0, description="pipeline idle time in the step (3-D plans)")
+    memory_breakdown: list[MemoryBreakdown] | None = Field(
+        None, description="one entry per device (rank order): parameters, gradients, "
+        "optimizer state, activations (3-D plans)")
 
     @property
     def speedup_over_data_parallel(self) -> float | None:
@@ -113,10 +196,19 @@ class Plan(_Data):
     outputs: list[str] = Field(default_factory=list, description="nodes the model returns")
     tracer: str = Field("fx", description="fx: the executor rewrites the fx graph; export: "
                         "it applies strategies by module path on the module itself")
+    pipeline: PipelinePlan | None = Field(None, description="None: no pipeline stages")
+    microbatches: int = Field(1, gt=0, description="microbatches per step: the pipeline's, "
+                              "or gradient accumulation without one (3-D plans)")
+    search: SearchReport | None = Field(None, description="the 3-D search (3-D plans)")
 
     @property
     def num_devices(self) -> int:
         return self.cluster.num_devices
+
+    @property
+    def is_mesh_3d(self) -> bool:
+        """Made by the 3-D search (mesh dims pp, dp, tp): run with executor.train_step."""
+        return self.mesh.dim_names == ["pp", "dp", "tp"]
 
     def layer(self, name: str) -> LayerPlan:
         for layer in self.layers:

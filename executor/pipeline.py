@@ -1,0 +1,202 @@
+"""Run a 3-D plan (pipeline x data x tensor) with PyTorch's own engine.
+
+In a fixed order, like torchtitan's parallelize functions:
+1. the DeviceMesh (pp, dp, tp), ranks laid out as the plan's groups say;
+2. this rank's stage: the traced graph cut at the plan's stage boundaries into one
+   GraphModule per stage, whose inputs are the values live across the cut before it and
+   whose outputs are those live across the cut after it (each value travels in the layout
+   its producer gave it; the consumer's own layout changes are inside its stage);
+3. tensor parallelism inside the stage over the tp sub-mesh, with the 1-D machinery of
+   executor.parallelize (DTensor parallel styles and Reshard nodes); the last stage hands
+   back rows and scales the output gradient by 1/(dp·tp), so every gradient reduction is
+   a sum;
+4. the schedule: torch.distributed.pipelining's PipelineStage over the pp group with
+   ScheduleGPipe or Schedule1F1B (which divide gradients by the microbatch count); with
+   one stage, a plain loop over microbatches;
+5. data parallelism: after backward, each gradient is summed over the ranks that share its
+   weights: the dp group for tensor-parallel and replicated layers, dp x tp for layers
+   data-parallel inside the tp group.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.fx as fx
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+from torch.distributed.tensor import DTensor
+
+from executor.parallelize import (
+    PlanMismatch, _apply_tensor_parallel, _device, _insert_reshards,
+)
+from planner.plan import Plan
+from profiler.trace import fingerprint, fx_trace
+from strategies.layouts import Layout
+
+SCHEDULE_CLASSES = {"1F1B": Schedule1F1B, "GPipe": ScheduleGPipe}
+
+
+def split_stages(gm: fx.GraphModule, stage_of: dict[str, int], pp: int) -> list[fx.GraphModule]:
+    """One GraphModule per stage. `stage_of` maps the plan's layer nodes to stages; inputs
+    belong to stage 0; other nodes (get_attr, tuple-valued calls, shape reads) are copied
+    into every stage that needs them. Stage k takes, as placeholders named after their
+    producers, the tensors made before it and used in it or later; it returns those made
+    up to it and used after it (the last stage returns the model's output)."""
+    nodes = list(gm.graph.nodes)
+    owner = {}
+    for n in nodes:
+        if n.op == "placeholder":
+            owner[n.name] = 0
+        elif n.name in stage_of:
+            owner[n.name] = stage_of[n.name]
+    output = next(n for n in nodes if n.op == "output")
+
+    def needed(k: int) -> tuple[set[str], set[str]]:
+        """(nodes computed in stage k, tensors it receives)."""
+        inside, live_in = set(), set()
+        stack = [n for n in nodes if owner.get(n.name) == k and n.op != "placeholder"]
+        if k == 0:
+            inside |= {n.name for n in nodes if n.op == "placeholder"}
+        if k == pp - 1:
+            stack += [n for n in output.all_input_nodes if owner.get(n.name) is None]
+        while stack:
+            n = stack.pop()
+            if n.name in inside:
+                continue
+            inside.add(n.name)
+            for i in n.all_input_nodes:
+                if i.name in owner and owner[i.name] != k:
+                    assert owner[i.name] < k, f"{i.name} feeds an earlier stage"
+                    live_in.add(i.name)
+                elif i.name not in owner:
+                    stack.append(i)  # a helper node: compute it here too
+        if k == pp - 1:
+            live_in |= {n.name for n in output.all_input_nodes
+                        if n.name in owner and owner[n.name] != k}
+        return inside, live_in
+
+    plans = [needed(k) for k in range(pp)]
+    order = {n.name: i for i, n in enumerate(nodes)}
+    # crossing[k]: tensors made in stages <= k and needed by a later stage, in graph order
+    crossing = []
+    for k in range(pp - 1):
+        names = set().union(*(plans[j][1] for j in range(k + 1, pp)))
+        crossing.append(sorted((n for n in names if owner[n] <= k), key=order.get))
+
+    by_name = {n.name: n for n in nodes}
+    stages = []
+    for k in range(pp):
+        inside, _ = plans[k]
+        graph = fx.Graph()
+        env: dict[fx.Node, fx.Node] = {}
+        inputs = crossing[k - 1] if k > 0 else [n.name for n in nodes if n.op == "placeholder"]
+        for name in inputs:
+            env[by_name[name]] = graph.placeholder(name)
+        for n in nodes:
+            if n.name in inside and n.op != "placeholder" and n.op != "output":
+                env[n] = graph.node_copy(n, lambda a: env[a])
+        if k == pp - 1:
+            graph.output(fx.node.map_arg(output.args[0], lambda a: env[a]))
+        else:
+            outs = [env[by_name[name]] for name in crossing[k]]
+            graph.output(outs[0] if len(outs) == 1 else tuple(outs))
+        graph.lint()
+        stages.append(fx.GraphModule(gm, graph, f"stage{k}"))
+    return stages
+
+
+class StageModel(nn.Module):
+    """This rank's part of a 3-D plan: its stage's module (tensor-parallel over its tp
+    group), the process groups, and the schedule that runs it. `parameters()` are the ones
+    this rank updates; train with `executor.train_step`."""
+
+    def __init__(self, stage: nn.Module, plan: Plan, mesh, stage_index: int, device,
+                 stage_group, loss_holder):
+        super().__init__()
+        self.stage = stage
+        self.plan, self.mesh, self.stage_index, self.device = plan, mesh, stage_index, device
+        self.pp, self.dp, self.tp = (plan.mesh.size(d) for d in ("pp", "dp", "tp"))
+        self.dp_group = mesh.get_group("dp")
+        self.stage_group = stage_group  # the dp x tp ranks of this stage
+        self.tp_rank = mesh.get_local_rank("tp")
+        self.dp_rank = mesh.get_local_rank("dp")
+        self._loss = loss_holder
+        self.schedule = None
+        strategies = {l.node: l.strategy for l in plan.layers}
+        targets = {str(n.target): strategies.get(n.name) for n in stage.graph.nodes
+                   if n.op == "call_module"}
+        self.sum_over_stage, self.sum_over_dp = [], []
+        for name, param in stage.named_parameters():
+            owner = name.rsplit(".", 1)[0]
+            dp_inside_tp = targets.get(owner) == "data_parallel" and self.tp > 1
+            (self.sum_over_stage if dp_inside_tp else self.sum_over_dp).append(param)
+
+    def forward(self, *args):
+        return self.stage(*args)
+
+    @property
+    def is_last(self) -> bool:
+        return self.stage_index == self.pp - 1
+
+    def sync_gradients(self) -> None:
+        """Sum each gradient over the ranks that hold a copy of its weights."""
+        for params, group, size in ((self.sum_over_dp, self.dp_group, self.dp),
+                                    (self.sum_over_stage, self.stage_group, self.dp * self.tp)):
+            if size == 1:
+                continue
+            for p in params:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                g = p.grad._local_tensor if isinstance(p.grad, DTensor) else p.grad
+                dist.all_reduce(g, group=group)
+
+
+def parallelize_3d(model: nn.Module, plan: Plan, *, leaf_modules=()) -> StageModel:
+    """This rank's StageModel under a 3-D `plan`; every rank calls it with the same model."""
+    gm = fx_trace(model, leaf_modules)
+    if fingerprint(gm) != plan.fingerprint:
+        raise PlanMismatch(
+            f"plan mismatch: the plan was made for a {plan.model} whose graph fingerprint is "
+            f"{plan.fingerprint}, this {type(model).__name__} has {fingerprint(gm)}; make the "
+            f"plan for this model (planner.optimize_3d)")
+    device = _device(plan)
+    pp, dp, tp = (plan.mesh.size(d) for d in ("pp", "dp", "tp"))
+    mesh = init_device_mesh(plan.mesh.device_type, (pp, dp, tp), mesh_dim_names=("pp", "dp", "tp"))
+    rank = dist.get_rank()
+    stage_index = rank // (dp * tp)
+    # every rank creates every stage's group, in the same order
+    stage_groups = [dist.new_group(list(range(k * dp * tp, (k + 1) * dp * tp)))
+                    for k in range(pp)]
+
+    stage_of = {l.node: l.stage for l in plan.layers}
+    module = split_stages(gm, stage_of, pp)[stage_index].to(device)
+    layers = {l.node: l for l in plan.layers}
+    gives = {i.name: (Layout(i.layout), i.shape) for i in plan.inputs}
+    gives.update({l.node: (Layout(l.output_layout), l.output_shape) for l in plan.layers})
+    gives = {k: (layout, _rows(shape, plan)) for k, (layout, shape) in gives.items()}
+    tp_mesh = mesh["tp"]
+    _apply_tensor_parallel(module, tp_mesh, layers, gives)
+    last = stage_index == pp - 1
+    _insert_reshards(module, tp_mesh, layers, gives, plan.global_batch, final=last,
+                     mean_over=dp * tp)
+
+    model = StageModel(module, plan, mesh, stage_index, device, stage_groups[stage_index], None)
+    if pp > 1:
+        stage = PipelineStage(module, stage_index, pp, device, group=mesh.get_group("pp"))
+        model._pipeline_stage = stage
+    return model
+
+
+def microbatch_rows(plan: Plan) -> int:
+    """Rows of one microbatch of one dp replica."""
+    return plan.global_batch // (plan.mesh.size("dp") * plan.microbatches)
+
+
+def _rows(shape, plan: Plan) -> list[int]:
+    """A global shape at one microbatch of one dp replica: batch-sized dims shrink."""
+    shape = list(shape)
+    if shape and shape[0] == plan.global_batch:
+        shape[0] = microbatch_rows(plan)
+    return shape

@@ -1,0 +1,235 @@
+"""`optimize_3d`: model, example batch and devices in, a pipelined 3-D Plan out.
+
+trace → profile → the 3-D search (planner.search) → Plan, with the mesh's groups, each
+layer's stage, the pipeline section and memory per device split by what holds it. Nothing
+runs on the devices.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Sequence
+
+from torch import nn
+
+from planner.optimize import GB, PlanDoesNotFit
+from planner.plan import (
+    CandidateReport, InputPlan, LayerPlan, MemoryBreakdown, MeshPlan, PipelinePlan, Plan,
+    Predicted, SearchReport, SolverReport, StagePlan,
+)
+from planner.search import SearchResult, Shape, build, group_link, rank_groups, search
+from planner.stages import evaluate, in_flight
+from profiler import profile, trace
+from strategies.catalog import OPTIMIZER_STATE_FACTOR
+from strategies.cluster import Cluster, cpu_threads_per_device, parse_devices
+
+
+def optimize_3d(
+    model: nn.Module,
+    devices,
+    example_inputs: Sequence | None = None,
+    example_kwargs: dict | None = None,
+    *,
+    optimizer: str = "adam",
+    memory_limit_bytes: float | None = None,
+    leaf_modules: Iterable[type | str] = (),
+    measure: bool | None = None,
+    max_microbatches: int | None = None,
+    time_limit_s: float = 60.0,
+    relative_gap: float = 1e-6,
+    only: list[Shape] | None = None,
+    pin: dict[str, str] | None = None,
+) -> Plan:
+    """Choose the mesh (pipeline x data x tensor), the stage cut, the microbatches, the
+    schedule and each layer's strategy for one training step on `example_inputs` (dim 0:
+    the global batch). Arguments as planner.optimize; `max_microbatches` caps m; `only`
+    restricts the search to the given shapes (e.g. to compare one shape with the best);
+    `pin` {layer: strategy} fixes a layer's strategy on shapes where it applies."""
+    started = time.perf_counter()
+    if optimizer not in OPTIMIZER_STATE_FACTOR:
+        raise ValueError(f"optimizer: {optimizer!r} is not one of {sorted(OPTIMIZER_STATE_FACTOR)}")
+    if example_inputs is None:
+        raise ValueError("example_inputs: pass an example batch, e.g. example_inputs=(ids,)")
+    if memory_limit_bytes is not None and memory_limit_bytes <= 0:
+        raise ValueError(f"memory_limit_bytes: must be positive, got {memory_limit_bytes}")
+    cluster = parse_devices(devices)
+    graph = trace(model, example_inputs, example_kwargs, leaf_modules)
+    if measure is None:
+        measure = cluster.device.kind == "cpu"
+    graph = profile(graph, measure=measure,
+                    measure_batch=max(1, graph.batch_size // cluster.num_devices),
+                    threads=cpu_threads_per_device(cluster.num_devices)
+                    if cluster.device.kind == "cpu" else None)
+    budget = memory_limit_bytes or cluster.device.memory_bytes
+    result = search(graph, cluster, optimizer, budget, max_microbatches=max_microbatches,
+                    time_limit_s=time_limit_s, relative_gap=relative_gap, only=only,
+                    pin=pin)
+    if result.best is None:
+        fits = [c for c in result.candidates if c.outcome == "does_not_fit"]
+        smallest = min((c.note for c in fits), default="")
+        raise PlanDoesNotFit(
+            f"plan does not fit: no mesh shape, stage cut and strategies fit "
+            f"{budget / GB:.1f} GB per device on {cluster.num_devices} devices "
+            f"({smallest}); add devices, lower the batch, use optimizer='sgd', or raise "
+            f"memory_limit_bytes")
+    return to_plan(graph, cluster, optimizer, budget, result, time.perf_counter() - started)
+
+
+def to_plan(graph, cluster: Cluster, optimizer: str, budget: float, result: SearchResult,
+            seconds: float) -> Plan:
+    """The Plan of the search's best candidate."""
+    shape, solution, built = result.best.shape, result.best.solution, result.built
+    problem, choice, times = built.problem, solution.choice, solution.times
+    pp, dp, tp, m = shape.pp, shape.dp, shape.tp, shape.microbatches
+    starts = list(solution.starts) + [len(problem.units)]
+    stage_of_unit = [k for k in range(pp) for _ in range(starts[k], starts[k + 1])]
+    stage = [stage_of_unit[l.unit] for l in problem.layers]
+    state = OPTIMIZER_STATE_FACTOR[optimizer]
+    groups = rank_groups(pp, dp, tp)
+
+    edge_in = [0.0] * len(problem.layers)
+    for e in problem.edges:
+        edge_in[e.dst] += float(e.cost_s[choice[e.src], choice[e.dst]])
+
+    layers, inputs = [], []
+    memory = [MemoryBreakdown(microbatches_in_flight=in_flight(shape.schedule, pp, m, k))
+              for k in range(pp)]
+    memory = [dict(parameters_bytes=0.0, gradients_bytes=0.0, optimizer_state_bytes=0.0,
+                   activations_bytes=0.0, microbatches_in_flight=b.microbatches_in_flight)
+              for b in memory]
+    compute = [0.0] * pp
+    update = [0.0] * pp
+    for i, layer in enumerate(graph.layers):
+        c, k = choice[i], stage[i]
+        strategy, cost, opts = built.strategies[i][c], built.costs[i][c], problem.layers[i]
+        local = float(built.local_param_bytes[i][c])
+        flight = memory[k]["microbatches_in_flight"]
+        memory[k]["parameters_bytes"] += local
+        memory[k]["gradients_bytes"] += local
+        memory[k]["optimizer_state_bytes"] += state * local
+        memory[k]["activations_bytes"] += float(opts.activation_bytes[c]) * flight
+        compute[k] += cost.compute_s
+        update[k] += cost.update_s
+        if layer.is_input:
+            inputs.append(InputPlan(name=layer.node, layout=strategy.gives.value,
+                                    shape=list(layer.output.shape)))
+            continue
+        per_mb_comm = float(opts.microbatch_s[c]) - cost.compute_s
+        sync = float(opts.step_s[c]) - cost.update_s
+        layers.append(LayerPlan(
+            name=layer.name, node=layer.node, kind=layer.kind,
+            output_shape=list(layer.output.shape), strategy=strategy.name,
+            input_layout=strategy.takes.value, output_layout=strategy.gives.value,
+            model_parallel=strategy.model_parallel, compute_s=cost.compute_s * m,
+            communication_s=per_mb_comm * m + sync, update_s=cost.update_s,
+            reshard_in_s=edge_in[i] * m,
+            memory_bytes=float(opts.weight_bytes[c]) + float(opts.activation_bytes[c]) * flight,
+            param_bytes=layer.param_bytes, stage=k,
+            reason=_reason(strategy, k, pp, tp, cost, opts, c)))
+    breakdown = [MemoryBreakdown(**b) for b in memory]
+
+    unit_names = problem.units
+    stages = []
+    for k in range(pp):
+        stages.append(StagePlan(
+            index=k,
+            layers=[l.name for l, s in zip(graph.layers, stage) if s == k and not l.is_input],
+            modules=list(unit_names[starts[k]:starts[k + 1]]),
+            ranks=sorted(r for g in groups["tp"][k * dp:(k + 1) * dp] for r in g),
+            microbatch_s=times.microbatch_s[k], send_s=times.send_s[k],
+            step_s=times.once_s[k], memory=breakdown[k]))
+    pipeline = None
+    if pp > 1:
+        pipeline = PipelinePlan(schedule=shape.schedule, microbatches=m,
+                                microbatch_rows=shape.rows(graph.batch_size),
+                                bubble_fraction=(pp - 1) / (m + pp - 1), stages=stages)
+
+    # the step split: the slowest stage's microbatches, the bubble, the per-step part
+    slow = max(range(pp), key=lambda k: times.microbatch_s[k])
+    once = max(range(pp), key=lambda k: times.once_s[k])
+    step = times.step_s
+    compute_s = m * compute[slow]
+    other_s = update[once]
+    bubble_s = (pp - 1) * times.microbatch_s[slow]
+    per_device = [breakdown[r // (dp * tp)] for r in range(pp * dp * tp)]
+    data_parallel, single = _baselines(result, graph, cluster, optimizer)
+    predicted = Predicted(
+        step_time_s=step, compute_s=compute_s, other_s=other_s, bubble_s=bubble_s,
+        communication_s=step - compute_s - other_s - bubble_s,
+        memory_bytes=[b.total_bytes for b in per_device], memory_limit_bytes=budget,
+        memory_breakdown=per_device, data_parallel_step_time_s=data_parallel,
+        single_device_step_time_s=single)
+    links = {"tp": group_link(cluster, tp).name}
+    if dp > 1:
+        links["dp"] = group_link(cluster, dp * tp).name
+    if pp > 1:
+        links["pp"] = group_link(cluster, 2 * dp * tp).name
+    mesh = MeshPlan(shape=[pp, dp, tp], dim_names=["pp", "dp", "tp"],
+                    device_type=cluster.device.kind, nodes=cluster.nodes,
+                    devices_per_node=cluster.devices_per_node, groups=groups,
+                    group_links=links)
+    solved = [c for c in result.candidates if c.solution is not None]
+    unresolved = [c for c in result.candidates
+                  if c.outcome == "time_limit" or (c.solution and c.solution.status != "optimal")]
+    bound = min([solution.bound_s] + [c.bound_s for c in unresolved if c.bound_s is not None])
+    report = SolverReport(
+        status="optimal" if not unresolved else "feasible", objective_s=step, bound_s=bound,
+        seconds=result.stats["solve_seconds"], backend="SCIP (stage MIP) + search",
+        num_variables=solution.num_variables, num_constraints=solution.num_constraints,
+        planning_seconds=seconds)
+    search_report = SearchReport(candidates=len(result.candidates), solved=result.solved,
+                                 pruned=result.pruned, seconds=result.seconds,
+                                 best_per_shape=_best_per_shape(result))
+    return Plan(model=graph.model_name, fingerprint=graph.fingerprint,
+                global_batch=graph.batch_size, optimizer=optimizer, cluster=cluster,
+                mesh=mesh, inputs=inputs, layers=layers, predicted=predicted, solver=report,
+                pipeline=pipeline, microbatches=m, search=search_report)
+
+
+def _reason(strategy, stage: int, pp: int, tp: int, cost, opts, c: int) -> str:
+    where = f"stage {stage}: " if pp > 1 else ""
+    if len(opts.strategies) == 1:
+        return f"{where}{strategy.name}: the only strategy that applies on a group of {tp}"
+    others = [f"{name} {opts.microbatch_s[j] * 1e3:.2f} ms"
+              for j, name in enumerate(opts.strategies) if j != c]
+    return (f"{where}{strategy.name} over the {tp}-device tp group, "
+            f"{opts.microbatch_s[c] * 1e3:.2f} ms per microbatch (alone; others: "
+            f"{', '.join(others)}; edges decide the rest)")
+
+
+def _baselines(result: SearchResult, graph, cluster: Cluster, optimizer: str):
+    """Pure data parallelism over all devices (one microbatch) and one device, same batch."""
+    from planner.search import CostCache
+
+    cache = CostCache(graph, cluster, optimizer)
+    n, batch = cluster.num_devices, graph.batch_size
+    out = []
+    for dp in (n, 1):
+        if batch % dp:
+            out.append(None)
+            continue
+        b = build(cache, 1, dp, 1, batch // dp)
+        choice = tuple(0 for _ in b.problem.layers)
+        out.append(evaluate(b.problem, (0,), choice, 1, "1F1B").step_s)
+    return out[0], out[1]
+
+
+def _best_per_shape(result: SearchResult) -> list[CandidateReport]:
+    """Per mesh shape (pp, dp, tp), its best solved candidate, else its best bound."""
+    by_shape: dict[tuple, object] = {}
+    rank = {"best": 0, "solved": 1, "pruned_by_bound": 2, "time_limit": 2, "infeasible": 3,
+            "does_not_fit": 4, "dominated": 5}
+    for c in result.candidates:
+        key = (c.shape.pp, c.shape.dp, c.shape.tp)
+        value = c.solution.times.step_s if c.solution else (c.bound_s or float("inf"))
+        old = by_shape.get(key)
+        if old is None or (rank[c.outcome], value) < old[0]:
+            by_shape[key] = ((rank[c.outcome], value), c)
+    out = []
+    for (_, c) in sorted(by_shape.values(), key=lambda t: t[0]):
+        s = c.shape
+        out.append(CandidateReport(
+            pp=s.pp, dp=s.dp, tp=s.tp, microbatches=s.microbatches, schedule=s.schedule,
+            outcome=c.outcome, step_time_s=c.solution.times.step_s if c.solution else None,
+            bound_s=c.bound_s, note=c.note))
+    return out

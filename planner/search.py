@@ -1,0 +1,373 @@
+"""The 3-D search: pipeline x data x tensor parallel, microbatches and schedule.
+
+For every factorization of the device count into pp x dp x tp, every microbatch count m
+that splits each replica's rows evenly, and both schedules, `planner.stages` cuts the
+layers into pp contiguous stages and picks each layer's strategy over its tp group. Ranks
+are laid out (pp, dp, tp) with tp innermost, so a tp group is consecutive devices and stays
+inside a node whenever tp divides the devices per node; dp and pp groups span more devices
+and take the inter-node link when they cross nodes. Costs follow from that placement: a
+tp group that spans nodes pays the inter-node link on every collective.
+
+Keeping it fast as the space widens:
+- per-layer costs are computed once per (tp, rows per microbatch) and shared by identical
+  layers (a transformer's blocks), edge matrices likewise;
+- GPipe has the same step time as 1F1B in this model and keeps more activations: it is
+  dominated and never solved;
+- a shape whose smallest possible memory exceeds the budget is dropped unsolved;
+- the rest are solved in order of a lower bound, each with the incumbent as cutoff, and a
+  shape whose bound is no better than the incumbent is pruned unsolved.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+
+from planner.choices import OUTPUT
+from planner.problem import Edge
+from planner.stages import (
+    SCHEDULES, LayerOptions, StageProblem, StageSolution, TimeLimit, lower_bound,
+    min_memory_bytes, solve_stages,
+)
+from profiler.graph import Layer, ModelGraph
+from strategies.catalog import CostContext, candidates, weights_memory
+from strategies.cluster import Cluster
+from strategies.collectives import all_reduce_s, send_recv_s
+from strategies.edges import edge_matrix
+from strategies.layouts import Layout
+
+
+@dataclass(frozen=True)
+class Shape:
+    """One candidate: the mesh (pp, dp, tp), microbatches and schedule."""
+
+    pp: int
+    dp: int
+    tp: int
+    microbatches: int
+    schedule: str
+
+    def rows(self, batch: int) -> int:
+        """Rows per microbatch per dp replica."""
+        return batch // (self.dp * self.microbatches)
+
+
+@dataclass
+class Candidate:
+    shape: Shape
+    outcome: str  # best | solved | pruned_by_bound | does_not_fit | dominated | infeasible | time_limit
+    bound_s: float | None = None
+    solution: StageSolution | None = None
+    note: str = ""
+    seconds: float = 0.0  # spent solving it
+
+
+@dataclass
+class SearchResult:
+    best: Candidate | None
+    built: "Built | None"  # the best candidate's problem and what its indices mean
+    candidates: list[Candidate]
+    seconds: float
+    stats: dict = field(default_factory=dict)
+
+    @property
+    def solved(self) -> int:
+        return sum(c.seconds > 0 for c in self.candidates)
+
+    @property
+    def pruned(self) -> int:
+        return len(self.candidates) - self.solved
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def shapes(num_devices: int, batch: int, max_microbatches: int | None = None) -> list[Shape]:
+    """Every (pp, dp, tp) with pp·dp·tp = devices, every m with dp·m dividing the batch,
+    both schedules."""
+    out = []
+    for pp in _divisors(num_devices):
+        for tp in _divisors(num_devices // pp):
+            dp = num_devices // (pp * tp)
+            if batch % dp:
+                continue
+            for m in _divisors(batch // dp):
+                if max_microbatches is not None and m > max_microbatches:
+                    continue
+                for schedule in SCHEDULES:
+                    out.append(Shape(pp, dp, tp, m, schedule))
+    return out
+
+
+def group_link(cluster: Cluster, span: int):
+    """The slowest link inside a group whose ranks lie in one aligned block of `span`
+    consecutive ranks (a tp group: span tp; a dp group: dp·tp; two adjacent stages:
+    2·dp·tp). It stays inside a node only if the block fits a node and nodes divide evenly."""
+    per_node = cluster.devices_per_node
+    inside = span <= per_node and per_node % span == 0
+    return cluster.intra_node if inside or cluster.nodes == 1 else cluster.inter_node
+
+
+def rank_groups(pp: int, dp: int, tp: int) -> dict[str, list[list[int]]]:
+    """The global ranks of every group along each dim; rank = (p·dp + d)·tp + t."""
+    def rank(p, d, t):
+        return (p * dp + d) * tp + t
+    return {
+        "pp": [[rank(p, d, t) for p in range(pp)] for d in range(dp) for t in range(tp)],
+        "dp": [[rank(p, d, t) for d in range(dp)] for p in range(pp) for t in range(tp)],
+        "tp": [[rank(p, d, t) for t in range(tp)] for p in range(pp) for d in range(dp)],
+    }
+
+
+# --- units: what a stage cut may not split ------------------------------------------------
+
+
+def units(graph: ModelGraph) -> list[str]:
+    """Per layer, its unit: the outermost module that owns it (a transformer block, an
+    embedding), or its own node for top-level functions. Inputs join the next layer's unit.
+    A unit is a maximal run of layers with one owner, so cuts fall on module boundaries."""
+    stacks = {}
+    if graph.module is not None:
+        for node in graph.module.graph.nodes:
+            stack = node.meta.get("nn_module_stack")
+            if stack:
+                stacks[node.name] = next(iter(stack.values()))[0]
+    keys = [stacks.get(l.node, l.node) for l in graph.layers]
+    for i in range(len(keys) - 2, -1, -1):
+        if graph.layers[i].is_input:
+            keys[i] = keys[i + 1]
+    return keys
+
+
+# --- per-shape costs ---------------------------------------------------------------------
+
+
+def _signature(layer: Layer) -> tuple:
+    return (layer.op, layer.kind, layer.module_type, layer.output,
+            tuple(sorted(layer.attrs.items())), layer.param_bytes, layer.fwd_flops,
+            layer.bwd_flops, layer.measured_s, layer.measured_batch)
+
+
+def _scaled(layer: Layer, batch: int, rows: int) -> Layer:
+    """The layer on `rows` of the batch: shapes, bytes and FLOPs of batch-sized outputs scale."""
+    out = layer.output
+    if not out.shape or out.shape[0] != batch or rows == batch:
+        return layer
+    f = rows / batch
+    output = replace(out, shape=(rows, *out.shape[1:]), nbytes=int(out.nbytes * f))
+    return replace(layer, output=output, fwd_flops=int(layer.fwd_flops * f),
+                   bwd_flops=int(layer.bwd_flops * f))
+
+
+class CostCache:
+    """Per-layer and per-edge costs, computed once per distinct layer and shared by every
+    shape that needs them (the reuse that keeps the search interactive)."""
+
+    def __init__(self, graph: ModelGraph, cluster: Cluster, optimizer: str):
+        self.graph, self.cluster, self.optimizer = graph, cluster, optimizer
+        self.unit_keys = units(graph)
+        self._layer: dict = {}
+        self._edge: dict = {}
+        self.hits = self.misses = 0
+
+    def layer(self, layer: Layer, tp: int, rows: int):
+        """(strategies, costs) of `layer` on `rows` rows over a tp group."""
+        key = (_signature(layer), tp, rows)
+        hit = self._layer.get(key)
+        if hit is not None:
+            self.hits += 1
+            return hit
+        self.misses += 1
+        scaled = _scaled(layer, self.graph.batch_size, rows)
+        cluster = self.cluster
+        if group_link(cluster, tp) is cluster.inter_node:  # the catalog prices link(tp)
+            cluster = cluster.model_copy(update={"intra_node": cluster.inter_node})
+        ctx = CostContext(cluster=cluster, ranks=tp, batch=rows, optimizer=self.optimizer)
+        options = candidates(scaled, ctx)
+        value = (scaled, tuple(options), tuple(s.cost(scaled, ctx) for s in options), ctx)
+        self._layer[key] = value
+        return value
+
+    def edge(self, gives, takes, nbytes, tp, backward):
+        key = (gives, takes, nbytes, tp, backward)
+        hit = self._edge.get(key)
+        if hit is None:
+            hit = edge_matrix(list(gives), list(takes), nbytes, tp, group_link(self.cluster, tp),
+                              backward=backward)
+            self._edge[key] = hit
+        return hit
+
+
+@dataclass(frozen=True)
+class Built:
+    """A StageProblem and what its indices mean (for the plan)."""
+
+    problem: StageProblem
+    strategies: tuple[tuple, ...]  # per layer (the sink last): Strategy objects
+    costs: tuple[tuple, ...]
+    layers: tuple[Layer, ...]  # scaled to the microbatch, the sink excluded
+    local_param_bytes: tuple[np.ndarray, ...]
+
+
+def build(cache: CostCache, pp: int, dp: int, tp: int, rows: int,
+          pin: dict[str, str] | None = None) -> Built:
+    """The stage problem of one mesh shape at `rows` rows per microbatch per replica.
+    `pin` maps layer names to the strategy they must use where it applies."""
+    graph, cluster = cache.graph, cache.cluster
+    unit_names: list[str] = []
+    unit_of: list[int] = []
+    for key in cache.unit_keys:
+        if not unit_names or unit_names[-1] != key:
+            unit_names.append(key)
+        unit_of.append(len(unit_names) - 1)
+
+    sync_link = group_link(cluster, dp * tp)  # a dp group spans dp·tp consecutive ranks
+    options: list[LayerOptions] = []
+    strategies, costs, scaled_layers, local = [], [], [], []
+    for i, layer in enumerate(graph.layers):
+        scaled, strats, cs, ctx = cache.layer(layer, tp, rows)
+        if pin and layer.name in pin and any(s.name == pin[layer.name] for s in strats):
+            keep = [j for j, s in enumerate(strats) if s.name == pin[layer.name]]
+            strats, cs = tuple(strats[j] for j in keep), tuple(cs[j] for j in keep)
+        mb, once, wb, ab, lp = [], [], [], [], []
+        for s, c in zip(strats, cs):
+            param_local = layer.param_bytes / tp if s.model_parallel else layer.param_bytes
+            weights = weights_memory(param_local, ctx)
+            own_sync = c.notes.get("gradient_all_reduce_s", 0.0)
+            if s.name == "data_parallel":  # rows split over tp too: sync over dp x tp
+                sync = all_reduce_s(layer.param_bytes, dp * tp, sync_link)
+            else:
+                sync = all_reduce_s(param_local, dp, sync_link)
+            mb.append(c.compute_s + c.communication_s - own_sync)
+            once.append(c.update_s + sync)
+            wb.append(weights)
+            ab.append(c.memory_bytes - weights)
+            lp.append(param_local)
+        options.append(LayerOptions(layer.name, unit_of[i], tuple(s.name for s in strats),
+                                    np.array(mb), np.array(once), np.array(wb), np.array(ab)))
+        strategies.append(strats)
+        costs.append(cs)
+        scaled_layers.append(scaled)
+        local.append(np.array(lp))
+    sink = len(options)
+    options.append(LayerOptions(OUTPUT, len(unit_names) - 1, ("output",), np.zeros(1),
+                                np.zeros(1), np.zeros(1), np.zeros(1)))
+
+    index = {layer.node: i for i, layer in enumerate(graph.layers)}
+    edges = []
+
+    def add_edge(src: int, dst: int, takes):
+        producer = scaled_layers[src]
+        gives = tuple(s.gives for s in strategies[src])
+        matrix = cache.edge(gives, tuple(takes), producer.output.nbytes, tp,
+                            not producer.is_input)
+        edges.append(Edge(src, dst, matrix))
+
+    for dst, layer in enumerate(graph.layers):
+        for name in layer.inputs:
+            add_edge(index[name], dst, [s.takes for s in strategies[dst]])
+    for name in graph.outputs:
+        add_edge(index[name], sink, [Layout.BATCH])
+
+    # point-to-point at a cut before unit u: the values made before it and used after it
+    link = group_link(cluster, 2 * dp * tp)
+    last_use = {}
+    for dst, layer in enumerate(graph.layers):
+        for name in layer.inputs:
+            last_use[index[name]] = max(last_use.get(index[name], -1), unit_of[dst])
+    for name in graph.outputs:
+        last_use[index[name]] = len(unit_names)
+    cut_s = [0.0] * len(unit_names)
+    if pp > 1:
+        for u in range(1, len(unit_names)):
+            t = 0.0
+            for src, until in last_use.items():
+                if unit_of[src] < u <= until:
+                    nbytes = scaled_layers[src].output.nbytes
+                    grad = 0 if scaled_layers[src].is_input else 1
+                    t += (1 + grad) * send_recv_s(nbytes, link)
+            cut_s[u] = t
+    problem = StageProblem(tuple(options), tuple(edges), tuple(unit_names), tuple(cut_s))
+    return Built(problem, tuple(strategies), tuple(costs), tuple(scaled_layers), tuple(local))
+
+
+# --- the search --------------------------------------------------------------------------
+
+
+def search(graph: ModelGraph, cluster: Cluster, optimizer: str, budget_bytes: float | None,
+           *, max_microbatches: int | None = None, time_limit_s: float = 60.0,
+           relative_gap: float = 1e-9, only: list[Shape] | None = None,
+           cache: CostCache | None = None, pin: dict[str, str] | None = None) -> SearchResult:
+    """The fastest plan over all shapes that fits `budget_bytes` per device."""
+    started = time.perf_counter()
+    cache = cache or CostCache(graph, cluster, optimizer)
+    batch = graph.batch_size
+    todo = only if only is not None else shapes(cluster.num_devices, batch, max_microbatches)
+    built: dict[tuple, Built] = {}
+
+    def problem_of(shape: Shape) -> Built:
+        key = (shape.pp, shape.dp, shape.tp, shape.rows(batch))
+        if key not in built:
+            built[key] = build(cache, *key, pin=pin)
+        return built[key]
+
+    out: list[Candidate] = []
+    ranked: list[tuple[float, Candidate]] = []
+    listed = set(todo)
+    for shape in todo:
+        if shape.schedule == "GPipe" and replace(shape, schedule="1F1B") in listed:
+            out.append(Candidate(shape, "dominated", note="1F1B: same step time, no more "
+                                 "activations in flight"))
+            continue
+        b = problem_of(shape)
+        need = min_memory_bytes(b.problem, shape.pp, shape.microbatches, shape.schedule)
+        if budget_bytes is not None and need > budget_bytes:
+            out.append(Candidate(shape, "does_not_fit", note=f"needs at least "
+                                 f"{need / 1e9:.1f} GB per device"))
+            continue
+        if shape.pp > len(b.problem.units):
+            out.append(Candidate(shape, "infeasible", note="more stages than modules"))
+            continue
+        bound = lower_bound(b.problem, shape.pp, shape.microbatches)
+        c = Candidate(shape, "pruned_by_bound", bound_s=bound)
+        ranked.append((bound, c))
+        out.append(c)
+
+    ranked.sort(key=lambda t: (t[0], t[1].shape.pp, t[1].shape.tp))
+    best: Candidate | None = None
+    solve_seconds = 0.0
+    for bound, c in ranked:
+        incumbent = best.solution.times.step_s if best else None
+        if incumbent is not None and bound >= incumbent * (1 - 1e-9):
+            c.note = f"bound {bound * 1e3:.3g} ms >= best {incumbent * 1e3:.3g} ms"
+            continue
+        s = c.shape
+        t0 = time.perf_counter()
+        try:
+            solution = solve_stages(
+                problem_of(s).problem, s.pp, s.microbatches, s.schedule, budget_bytes,
+                time_limit_s, relative_gap,
+                cutoff_s=None if incumbent is None else incumbent * (1 + 1e-9))
+        except TimeLimit as limit:
+            c.seconds = time.perf_counter() - t0
+            solve_seconds += c.seconds
+            c.outcome, c.bound_s = "time_limit", max(bound, limit.bound_s)
+            continue
+        c.seconds = time.perf_counter() - t0
+        solve_seconds += c.seconds
+        if solution is None:
+            c.outcome = "infeasible"
+            c.note = "does not fit" if incumbent is None else "nothing beats the incumbent"
+            continue
+        c.outcome, c.solution = "solved", solution
+        c.bound_s = min(bound, solution.bound_s)
+        if best is None or solution.times.step_s < best.solution.times.step_s:
+            best = c
+    if best is not None:
+        best.outcome = "best"
+    stats = {"layer_costs_computed": cache.misses, "layer_costs_reused": cache.hits,
+             "problems_built": len(built), "solve_seconds": solve_seconds}
+    return SearchResult(best, problem_of(best.shape) if best else None, out, time.perf_counter() - started, stats)

@@ -1,0 +1,138 @@
+"""The 3-D search equals brute force: over all mesh shapes, microbatch counts, schedules,
+stage cuts and strategies, on small instances (pure data, no processes)."""
+
+import itertools
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+import models
+from planner.plan import Plan
+from planner.plan3d import optimize_3d
+from planner.problem import Edge
+from planner.search import CostCache, build, rank_groups, search, shapes
+from planner.stages import (
+    LayerOptions, StageProblem, brute_force, evaluate, in_flight, lower_bound, solve_stages,
+)
+from profiler import profile, trace
+from strategies.cluster import parse_devices
+
+
+def _random_problem(rng, units=4, layers=5) -> StageProblem:
+    unit_of = sorted(rng.integers(0, units, size=layers).tolist())
+    unit_of = [min(u, i) for i, u in enumerate(unit_of)]
+    # every unit non-empty and in order
+    unit_of = np.searchsorted(np.unique(unit_of), unit_of).tolist()
+    n_units = max(unit_of) + 1
+    opts = []
+    for i in range(layers):
+        k = int(rng.integers(1, 4))
+        opts.append(LayerOptions(f"l{i}", unit_of[i], tuple(f"s{j}" for j in range(k)),
+                                 rng.uniform(0.1, 1.0, k), rng.uniform(0.0, 0.3, k),
+                                 rng.uniform(1e8, 1e9, k), rng.uniform(1e7, 4e8, k)))
+    edges = []
+    for dst in range(1, layers):
+        for src in {dst - 1, int(rng.integers(0, dst))}:
+            shape = (len(opts[src].strategies), len(opts[dst].strategies))
+            edges.append(Edge(src, dst, rng.uniform(0, 0.5, shape) * (rng.random(shape) < 0.6)))
+    cut_s = tuple(float(x) for x in rng.uniform(0, 0.2, n_units))
+    return StageProblem(tuple(opts), tuple(edges), tuple(f"u{u}" for u in range(n_units)), cut_s)
+
+
+def test_in_flight_matches_schedules():
+    assert [in_flight("1F1B", 4, 8, k) for k in range(4)] == [4, 3, 2, 1]
+    assert [in_flight("1F1B", 4, 2, k) for k in range(4)] == [2, 2, 2, 1]
+    assert [in_flight("GPipe", 4, 8, k) for k in range(4)] == [8, 8, 8, 8]
+
+
+def test_evaluate_hand_solved():
+    """Two one-option layers in two units, cut between them: stage k runs layer k."""
+    one = lambda t, g, w, a: (np.array([t]), np.array([g]), np.array([w]), np.array([a]))
+    layers = (LayerOptions("a", 0, ("s",), *one(1.0, 0.5, 10.0, 2.0)),
+              LayerOptions("b", 1, ("s",), *one(3.0, 0.2, 20.0, 1.0)))
+    p = StageProblem(layers, (Edge(0, 1, np.array([[0.25]])),), ("u0", "u1"), (0.0, 0.1))
+    t = evaluate(p, (0, 1), (0, 0), 4, "1F1B")
+    # stage 1: 3.0 + edge 0.25 + cut 0.1 = 3.35; (4 + 2 - 1) * 3.35 + max(0.5, 0.2)
+    assert t.microbatch_s == pytest.approx((1.1, 3.35))
+    assert t.step_s == pytest.approx(5 * 3.35 + 0.5)
+    assert t.memory_bytes == pytest.approx((10.0 + 2 * 2.0, 20.0 + 1 * 1.0))
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_stage_mip_equals_brute_force_random(seed):
+    rng = np.random.default_rng(seed)
+    p = _random_problem(rng)
+    for pp in range(1, len(p.units) + 1):
+        for m, schedule in [(1, "1F1B"), (3, "1F1B"), (2, "GPipe")]:
+            loose = brute_force(p, pp, m, schedule, None)
+            budgets = [None, 0.8 * max(loose[0].memory_bytes), 0.6 * max(loose[0].memory_bytes)]
+            for budget in budgets:
+                expected = brute_force(p, pp, m, schedule, budget)
+                got = solve_stages(p, pp, m, schedule, budget)
+                if expected is None:
+                    assert got is None
+                    continue
+                assert got is not None, (pp, m, schedule, budget)
+                assert got.times.step_s == pytest.approx(expected[0].step_s, rel=1e-7)
+                assert lower_bound(p, pp, m) <= expected[0].step_s * (1 + 1e-9)
+                if budget is not None:
+                    assert max(got.times.memory_bytes) <= budget * (1 + 1e-7)
+
+
+def _mlp_graph(batch):
+    model = models.mlp()
+    return profile(trace(model, (torch.randn(batch, 16),)), measure=False)
+
+
+def _brute_force_all(graph, cluster, budget):
+    cache = CostCache(graph, cluster, "adam")
+    best = None
+    for s in shapes(cluster.num_devices, graph.batch_size):
+        b = build(cache, s.pp, s.dp, s.tp, s.rows(graph.batch_size))
+        if s.pp > len(b.problem.units):
+            continue
+        found = brute_force(b.problem, s.pp, s.microbatches, s.schedule, budget)
+        if found and (best is None or found[0].step_s < best[0].step_s):
+            best = (found[0], s)
+    return best
+
+
+@pytest.mark.parametrize("devices", ["2x2xV100", "4xA100-80GB"])
+def test_search_equals_brute_force_over_shapes_cuts_and_strategies(devices):
+    graph = _mlp_graph(batch=8)
+    cluster = parse_devices(devices)
+    free = search(graph, cluster, "adam", None, relative_gap=1e-9)
+    # a budget that binds: just under the unconstrained best plan's peak memory
+    tight = 0.9 * max(free.best.solution.times.memory_bytes)
+    for budget in (None, tight):
+        expected = _brute_force_all(graph, cluster, budget)
+        got = search(graph, cluster, "adam", budget, relative_gap=1e-9)
+        assert got.best.solution.times.step_s == pytest.approx(expected[0].step_s, rel=1e-7)
+        assert got.solved + got.pruned == len(got.candidates)
+        if budget is not None:
+            assert max(got.best.solution.times.memory_bytes) <= budget * (1 + 1e-7)
+
+
+def test_rank_groups_put_tp_on_consecutive_ranks():
+    g = rank_groups(2, 2, 2)
+    assert g["tp"] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert g["dp"] == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert g["pp"] == [[0, 4], [1, 5], [2, 6], [3, 7]]
+
+
+def test_plan_round_trips_and_explains(tmp_path):
+    model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(),
+                          nn.Linear(256, 64))
+    plan = optimize_3d(model, "2x2xV100", (torch.randn(32, 64),), measure=False,
+                       memory_limit_bytes=1.2e6)
+    plan.save(tmp_path / "p.json")
+    again = Plan.load(tmp_path / "p.json")
+    assert again == plan and again.is_mesh_3d
+    text = plan.explain()
+    assert "Mesh: pipeline" in text and "Search:" in text
+    assert "parameters" in text and "activations" in text
+    b = plan.predicted.memory_breakdown
+    assert len(b) == 4 and all(x.total_bytes <= 1.2e6 * (1 + 1e-6) for x in b)
+    assert plan.search.solved + plan.search.pruned == plan.search.candidates
