@@ -179,7 +179,7 @@ def parallelize_3d(model: nn.Module, plan: Plan, *, leaf_modules=()) -> StageMod
     tp_mesh = mesh["tp"]
     _apply_tensor_parallel(module, tp_mesh, layers, gives)
     last = stage_index == pp - 1
-    _insert_reshards(module, tp_mesh, layers, gives, plan.global_batch, final=last,
+    _insert_reshards(module, tp_mesh, layers, gives, microbatch_rows(plan), final=last,
                      mean_over=dp * tp)
 
     model = StageModel(module, plan, mesh, stage_index, device, stage_groups[stage_index], None)

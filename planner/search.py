@@ -146,8 +146,9 @@ def units(graph: ModelGraph) -> list[str]:
 
 
 def _signature(layer: Layer) -> tuple:
+    # attrs hold lists and dicts (a call's arguments, input shapes): their repr is the key
     return (layer.op, layer.kind, layer.module_type, layer.output,
-            tuple(sorted(layer.attrs.items())), layer.param_bytes, layer.fwd_flops,
+            repr(sorted(layer.attrs.items())), layer.param_bytes, layer.fwd_flops,
             layer.bwd_flops, layer.measured_s, layer.measured_batch)
 
 
