@@ -195,6 +195,11 @@ def parallelize_modules(model: nn.Module, plan: Plan, mesh: DeviceMesh) -> nn.Mo
 
     for _, p in params_of("replicate"):
         dist.broadcast(p.data, src=0)
+    from executor.levers import apply_levers
+
+    apply_levers(model, [(paths[l.node], l.strategy, l.recompute) for l in plan.layers
+                         if paths[l.node] is not None and (l.recompute or l.strategy == "fsdp")],
+                 mesh)
     synced = {name for name, _ in params_of("data_parallel")}
     if not synced:
         return model

@@ -78,6 +78,7 @@ def parallelize(model: nn.Module, plan: Plan, *, mesh: DeviceMesh | None = None,
     _apply_tensor_parallel(gm, mesh, layers, gives)
     _insert_reshards(gm, mesh, layers, gives, plan.global_batch)
     _broadcast_replicated(gm, layers)
+    _apply_levers(gm, layers, mesh)
     return _data_parallel(gm, layers)
 
 
@@ -178,6 +179,17 @@ def _broadcast_replicated(gm: fx.GraphModule, layers: dict[str, LayerPlan]):
     """Replicated layers compute identically everywhere: start them from rank 0's weights."""
     for _, param in _layer_params(gm, layers, "replicate"):
         dist.broadcast(param.data, src=0)
+
+
+def _apply_levers(gm: fx.GraphModule, layers: dict[str, LayerPlan], mesh) -> None:
+    """fsdp layers: FSDP2 fully_shard; recomputed layers: checkpointed (executor.levers)."""
+    from executor.levers import apply_levers
+
+    targets = [(str(n.target), layers[n.name].strategy, layers[n.name].recompute)
+               for n in gm.graph.nodes if n.op == "call_module" and n.name in layers
+               and (layers[n.name].recompute or layers[n.name].strategy == "fsdp")]
+    if targets:
+        apply_levers(gm, targets, mesh)
 
 
 def _data_parallel(gm: fx.GraphModule, layers: dict[str, LayerPlan]) -> nn.Module:

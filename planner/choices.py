@@ -16,6 +16,7 @@ from strategies.catalog import Cost, CostContext, Strategy, candidates
 from strategies.cluster import Cluster
 from strategies.edges import edge_matrix
 from strategies.layouts import Layout
+from strategies.memory import pinned_recompute, with_memory_levers
 
 OUTPUT = "(output)"
 
@@ -81,10 +82,11 @@ def batch_free_takes(producer: Layer, takes: Layout, batch: int) -> Layout:
 
 def layer_choices(graph: ModelGraph, cluster: Cluster, optimizer: str,
                   memory_budget_bytes: float | None, only: set[str] | None = None,
-                  pin: dict[str, str] | None = None) -> Choices:
+                  pin: dict[str, str] | None = None, levers: bool = True) -> Choices:
     """Build the Problem. `only` keeps just the strategies named in it (and `replicate`
     where none of them applies): how baselines such as pure data parallelism are costed.
-    `pin` maps layer names to the strategy they must use."""
+    `pin` maps layer names to the strategy they must use. `levers`: offer the memory
+    levers of strategies.memory (fsdp, and "+recompute" variants) as well."""
     pin = dict(pin or {})
     ctx = CostContext(cluster=cluster, ranks=cluster.num_devices, batch=graph.batch_size,
                       optimizer=optimizer)
@@ -92,12 +94,15 @@ def layer_choices(graph: ModelGraph, cluster: Cluster, optimizer: str,
     rows: list[LayerChoices] = []
     for layer in graph.layers:
         options = candidates(layer, ctx)
+        if levers:
+            options = with_memory_levers(layer, options, ctx)
         if only is not None:
             kept = [s for s in options if s.name in only]
             options = kept or [s for s in options if s.name == "replicate"]
         if layer.name in pin:
             wanted = pin.pop(layer.name)
-            kept = [s for s in options if s.name == wanted]
+            kept = [s for s in options if s.name == wanted] or pinned_recompute(
+                layer, options, wanted, ctx)
             if not kept:
                 raise ValueError(f"pin: layer {layer.name!r} cannot use {wanted!r} on "
                                  f"{ctx.ranks} devices; it can use "

@@ -13,6 +13,7 @@ from collections.abc import Iterable, Sequence
 from torch import nn
 
 from planner.choices import OUTPUT, Choices, layer_choices
+from strategies.memory import lever_fields, split_name
 from planner.ilp import solve
 from planner.plan import (
     InputPlan, LayerPlan, MeshPlan, Plan, Predicted, SolverReport,
@@ -146,12 +147,13 @@ def _plan(graph, cluster: Cluster, optimizer: str, choices: Choices, solution: S
             continue
         layers.append(LayerPlan(
             name=layer.name, node=layer.node, kind=layer.kind,
-            output_shape=list(layer.output.shape), strategy=strategy.name,
+            output_shape=list(layer.output.shape), strategy=split_name(strategy.name)[0],
             input_layout=strategy.takes.value, output_layout=strategy.gives.value,
             model_parallel=strategy.model_parallel, compute_s=cost.compute_s,
             communication_s=cost.communication_s, update_s=cost.update_s,
             reshard_in_s=reshard_in[i] + reshard_out[i], memory_bytes=cost.memory_bytes,
-            param_bytes=layer.param_bytes, reason=why[i], inputs=list(layer.inputs)))
+            param_bytes=layer.param_bytes, reason=why[i], inputs=list(layer.inputs),
+            **lever_fields(strategy, cost)))
 
     compute = sum(l.compute_s for l in layers)
     update = sum(l.update_s for l in layers)

@@ -42,6 +42,11 @@ class LayerPlan(_Data):
     reason: str = ""
     inputs: list[str] = Field(default_factory=list, description="fx node names it reads")
     stage: int = Field(0, description="the pipeline stage that runs it (0 without a pipeline)")
+    recompute: bool = Field(False, description="activation checkpointing: keeps its input, "
+                            "recomputes its activations in backward")
+    saved_bytes: float = Field(0.0, description="memory its levers (fsdp, recompute) save "
+                               "per device against plain data parallelism or its split")
+    lever_s: float = Field(0.0, description="time its levers cost per step")
 
 
 class InputPlan(_Data):

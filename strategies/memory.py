@@ -1,0 +1,154 @@
+"""Memory levers: sharded data parallelism (ZeRO-3 / FSDP2) and activation recomputation.
+
+Both trade time for memory, and both are offered to the integer program as extra options
+of a layer, priced like every other option, so the solver takes them only where memory
+binds and they are the cheapest way to fit:
+
+- `ShardedDataParallel` ("fsdp"): like data parallelism it takes and gives the batch split
+  by rows, but the weights, their gradients and the optimizer state are split over the
+  ranks (1/P each). The price: the weights are all-gathered before forward and again
+  before backward (FSDP2 reshards after forward), and the gradients are reduce-scattered
+  instead of all-reduced. The gathered weights of one layer live only while it runs; that
+  transient is not in the per-layer sum (it is one layer's weights, not the model's).
+- `Recompute(inner)`: the layer runs `inner` under `torch.utils.checkpoint`: it keeps only
+  its input for backward instead of its own activations, and runs its forward once more
+  in backward. Memory: `inner`'s activation bytes are replaced by its input's bytes;
+  time: one more forward (FLOP share of forward in forward + backward).
+
+`with_memory_levers` adds them to a layer's candidates (strategies.catalog.candidates
+stays as it is); planner.choices calls it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import ClassVar
+
+from profiler.graph import Layer
+from strategies.catalog import (
+    Cost, CostContext, DataParallel, Strategy, compute_s, update_s, weights_memory,
+)
+from strategies.collectives import all_gather_s, all_reduce_s, reduce_scatter_s
+from strategies.layouts import Layout
+
+RECOMPUTE_SUFFIX = "+recompute"
+
+
+@dataclass(frozen=True)
+class ShardedDataParallel(DataParallel):
+    """ZeRO-3 / FSDP2 `fully_shard` on this layer over the data-parallel group."""
+
+    name: ClassVar[str] = "fsdp"
+
+    def applies(self, layer, ctx):
+        return layer.param_bytes > 0 and ctx.ranks > 1 and super().applies(layer, ctx)
+
+    def cost(self, layer, ctx):
+        p = layer.param_bytes
+        gather = all_gather_s(p, ctx.ranks, ctx.link)
+        scatter = reduce_scatter_s(p, ctx.ranks, ctx.link)
+        local = p / ctx.ranks
+        memory = weights_memory(local, ctx) + layer.output.nbytes / ctx.ranks
+        return Cost(compute_s(layer, 1 / ctx.ranks, ctx), 2 * gather + scatter, memory,
+                    update_s(local, ctx),
+                    {"param_all_gather_s": 2 * gather, "gradient_reduce_scatter_s": scatter,
+                     "saved_bytes": weights_memory(p, ctx) - weights_memory(local, ctx),
+                     "lever_s": 2 * gather + scatter - all_reduce_s(p, ctx.ranks, ctx.link)})
+
+
+def _weights_part(inner: Strategy, layer: Layer, ctx: CostContext) -> float:
+    """The part of `inner`'s memory that is weights, gradients and optimizer state."""
+    split = inner.model_parallel or inner.name == "fsdp"
+    return weights_memory(layer.param_bytes / (ctx.ranks if split else 1), ctx)
+
+
+def input_bytes(layer: Layer, inner: Strategy, ctx: CostContext) -> float:
+    """Bytes of the input a checkpointed layer keeps on each rank: its output's size scaled
+    by in/out features for a Linear-like layer, split by rows when it takes rows."""
+    out_features = layer.attrs.get("out_features", layer.attrs.get("nf"))
+    in_features = layer.attrs.get("in_features", layer.attrs.get("nx"))
+    whole = layer.output.nbytes
+    if out_features and in_features:
+        whole = whole * in_features / out_features
+    return whole / ctx.ranks if inner.takes == Layout.BATCH else whole
+
+
+@dataclass(frozen=True)
+class Recompute(Strategy):
+    """`inner` under activation checkpointing (torch.utils.checkpoint around the module)."""
+
+    inner: Strategy = DataParallel()
+
+    def __post_init__(self):
+        object.__setattr__(self, "takes", self.inner.takes)
+        object.__setattr__(self, "gives", self.inner.gives)
+
+    @property
+    def name(self) -> str:  # type: ignore[override]
+        return self.inner.name + RECOMPUTE_SUFFIX
+
+    @property
+    def model_parallel(self) -> bool:  # type: ignore[override]
+        return self.inner.model_parallel
+
+    def applies(self, layer, ctx):
+        return layer.op == "call_module" and self.inner.applies(layer, ctx)
+
+    def cost(self, layer, ctx):
+        base = self.inner.cost(layer, ctx)
+        activations = base.memory_bytes - _weights_part(self.inner, layer, ctx)
+        kept = input_bytes(layer, self.inner, ctx)
+        total = layer.fwd_flops + layer.bwd_flops
+        forward_share = layer.fwd_flops / total if total else 1 / 3
+        extra = base.compute_s * forward_share
+        notes = dict(base.notes, recompute_saved_bytes=activations - kept, recompute_s=extra,
+                     saved_bytes=base.notes.get("saved_bytes", 0.0) + activations - kept,
+                     lever_s=base.notes.get("lever_s", 0.0) + extra)
+        return replace(base, compute_s=base.compute_s + extra,
+                       memory_bytes=base.memory_bytes - activations + kept, notes=notes)
+
+
+def with_memory_levers(layer: Layer, options: list[Strategy], ctx: CostContext,
+                       recompute: bool = True) -> list[Strategy]:
+    """`options` plus fsdp (where the layer has weights and is data-parallel) and, when
+    `recompute`, each option under recomputation where that saves memory. An option under
+    recomputation that saves nothing is always worse, so it is not offered."""
+    if layer.is_input or ctx.ranks == 1:
+        return options
+    out = list(options)
+    if any(s.name == "data_parallel" for s in options):
+        sharded = ShardedDataParallel()
+        if sharded.applies(layer, ctx):
+            out.append(sharded)
+    if recompute and layer.op == "call_module":
+        for s in list(out):
+            if s.name == "replicate" or isinstance(s, Recompute):
+                continue
+            r = Recompute(inner=s)
+            if r.applies(layer, ctx) and r.cost(layer, ctx).notes["recompute_saved_bytes"] > 0:
+                out.append(r)
+    return out
+
+
+def split_name(strategy: str) -> tuple[str, bool]:
+    """("fsdp", True) for "fsdp+recompute": the strategy the executor applies and whether
+    the layer is checkpointed."""
+    if strategy.endswith(RECOMPUTE_SUFFIX):
+        return strategy[: -len(RECOMPUTE_SUFFIX)], True
+    return strategy, False
+
+
+def lever_fields(strategy: Strategy, cost: Cost) -> dict:
+    """The LayerPlan fields that say what a layer's levers save and cost."""
+    return {"recompute": split_name(strategy.name)[1],
+            "saved_bytes": float(cost.notes.get("saved_bytes", 0.0)),
+            "lever_s": float(cost.notes.get("lever_s", 0.0))}
+
+
+def pinned_recompute(layer: Layer, options: list[Strategy], wanted: str,
+                     ctx: CostContext) -> list[Strategy]:
+    """A pin may ask for recomputation where the cost model sees no saving (it is then
+    never chosen on its own): [Recompute(inner)] when `wanted` is "inner+recompute"."""
+    inner, recompute = split_name(wanted)
+    found = [Recompute(inner=s) for s in options if s.name == inner and recompute]
+    return [r for r in found if r.applies(layer, ctx)]
