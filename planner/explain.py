@@ -7,6 +7,7 @@ import io
 from rich.console import Console
 from rich.table import Table
 
+from planner.explain_levers import lever_lines
 from planner.plan import Plan
 
 
@@ -59,7 +60,8 @@ def table(plan: Plan) -> Table:
                             ("comm", "right"), ("reshard", "right"), ("memory", "right")]:
         t.add_column(header, justify=justify, no_wrap=True)
     for layer in plan.layers:
-        t.add_row(*([str(layer.stage)] if staged else []), layer.name, layer.kind, layer.strategy,
+        t.add_row(*([str(layer.stage)] if staged else []), layer.name, layer.kind,
+                  layer.strategy + (" +recompute" if layer.recompute else ""),
                   f"{layer.input_layout} -> {layer.output_layout}", _ms(layer.compute_s),
                   _ms(layer.communication_s), _ms(layer.reshard_in_s), _gb(layer.memory_bytes))
     return t
@@ -143,6 +145,7 @@ def explain(plan: Plan, width: int = 130) -> str:
     extra = []
     if plan.is_mesh_3d:
         extra = mesh_lines(plan) + pipeline_lines(plan) + search_lines(plan)
+    extra += lever_lines(plan)
     for line in summary(plan) + extra:
         console.print(line, highlight=False, soft_wrap=True)
     console.print(table(plan))

@@ -47,6 +47,8 @@ class LayerPlan(_Data):
     saved_bytes: float = Field(0.0, description="memory its levers (fsdp, recompute) save "
                                "per device against plain data parallelism or its split")
     lever_s: float = Field(0.0, description="time its levers cost per step")
+    recompute_s: float = Field(0.0, description="of lever_s: the extra forward of recompute")
+    recompute_saved_bytes: float = Field(0.0, description="of saved_bytes: by recompute")
 
 
 class InputPlan(_Data):

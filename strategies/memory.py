@@ -142,7 +142,9 @@ def lever_fields(strategy: Strategy, cost: Cost) -> dict:
     """The LayerPlan fields that say what a layer's levers save and cost."""
     return {"recompute": split_name(strategy.name)[1],
             "saved_bytes": float(cost.notes.get("saved_bytes", 0.0)),
-            "lever_s": float(cost.notes.get("lever_s", 0.0))}
+            "lever_s": float(cost.notes.get("lever_s", 0.0)),
+            "recompute_s": float(cost.notes.get("recompute_s", 0.0)),
+            "recompute_saved_bytes": float(cost.notes.get("recompute_saved_bytes", 0.0))}
 
 
 def pinned_recompute(layer: Layer, options: list[Strategy], wanted: str,
