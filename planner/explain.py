@@ -143,6 +143,10 @@ def explain(plan: Plan, width: int = 130) -> str:
     extra = []
     if plan.is_mesh_3d:
         extra = mesh_lines(plan) + pipeline_lines(plan) + search_lines(plan)
+    elif plan.search is not None:  # mesh="auto" kept the 1-D plan: what the search saw
+        extra = search_lines(plan)
+    if plan.mesh_choice:
+        extra = [f"Mesh choice: {plan.mesh_choice}"] + extra
     for line in summary(plan) + extra:
         console.print(line, highlight=False, soft_wrap=True)
     console.print(table(plan))
