@@ -47,6 +47,7 @@ class AlexNet(nn.Module):
 
 def build(batch: int = 128, device: str = "meta"):
     """(model, example inputs, loss) for hyplan. On "meta" nothing is allocated."""
-    model = AlexNet().to(device)
+    with torch.device(device):  # on meta the weights are never allocated
+        model = AlexNet()
     images = torch.randn(batch, 3, 224, 224, device=device)
     return model, (images,), nn.CrossEntropyLoss()

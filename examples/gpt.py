@@ -91,6 +91,7 @@ class NextTokenLoss(nn.Module):
 def build(batch: int = 8, device: str = "meta", *, layers: int = 12, width: int = 768,
           heads: int = 12, seq: int = 1024, vocab: int = 50304):
     """(model, example inputs, loss) for hyplan. On "meta" nothing is allocated."""
-    model = GPT(layers, width, heads, seq, vocab).to(device)
+    with torch.device(device):  # on meta the weights are never allocated, at any size
+        model = GPT(layers, width, heads, seq, vocab)
     ids = torch.randint(0, vocab, (batch, seq), device=device)
     return model, (ids,), NextTokenLoss()

@@ -24,6 +24,7 @@ class MLP(nn.Module):
 
 def build(batch: int = 64, device: str = "meta"):
     """(model, example inputs, loss) for hyplan. On "meta" nothing is allocated."""
-    model = MLP().to(device)
+    with torch.device(device):  # on meta the weights are never allocated
+        model = MLP()
     x = torch.randn(batch, 1024, device=device)
     return model, (x,), nn.CrossEntropyLoss()

@@ -2,5 +2,6 @@
 
 from planner.optimize import PlanDoesNotFit, optimize
 from planner.plan import Plan, PlanFileError
+from planner.plan3d import optimize_3d
 
-__all__ = ["Plan", "PlanDoesNotFit", "PlanFileError", "optimize"]
+__all__ = ["Plan", "PlanDoesNotFit", "PlanFileError", "optimize", "optimize_3d"]

@@ -169,7 +169,8 @@ def _plan(args) -> int:
     model, inputs = build_model(factory, args.batch, device)
     try:
         plan = planner.optimize(model, cluster, example_inputs=inputs,
-                                optimizer=args.optimizer, memory_limit_bytes=memory_limit)
+                                optimizer=args.optimizer, memory_limit_bytes=memory_limit,
+                                mesh=args.mesh)
     except planner.PlanDoesNotFit as error:  # name the flags, not the Python arguments
         message = str(error).replace("optimizer='sgd'", "--optimizer sgd")
         raise planner.PlanDoesNotFit(message.replace("memory_limit_bytes", "--memory-limit")) \
@@ -238,6 +239,11 @@ def parser() -> argparse.ArgumentParser:
     plan.add_argument("--dtype", default=None,
                       help="the compute dtype devices are rated at, e.g. float16 (default "
                       "float32); tensor sizes are the model's as built")
+    plan.add_argument("--mesh", default="1d", choices=["1d", "3d", "auto"],
+                      help="1d: all devices in one group, each layer data- or model-parallel "
+                      "(default); 3d: search pipeline x data x tensor meshes, stage cuts, "
+                      "microbatches and schedules; auto: both, keeping the 1-D plan unless a "
+                      "3-D one is predicted at least 1%% faster")
     plan.add_argument("--json", metavar="FILE", help="also save the plan as JSON to FILE")
     plan.add_argument("--plot", metavar="DIR", help="also draw the plan (strategy map, memory "
                       "per device, schedule timeline) as PNG and SVG into DIR")

@@ -145,6 +145,10 @@ def explain(plan: Plan, width: int = 130) -> str:
     extra = []
     if plan.is_mesh_3d:
         extra = mesh_lines(plan) + pipeline_lines(plan) + search_lines(plan)
+    elif plan.search is not None:  # mesh="auto" kept the 1-D plan: what the search saw
+        extra = search_lines(plan)
+    if plan.mesh_choice:
+        extra = [f"Mesh choice: {plan.mesh_choice}"] + extra
     extra += lever_lines(plan)
     for line in summary(plan) + extra:
         console.print(line, highlight=False, soft_wrap=True)

@@ -46,6 +46,7 @@ def optimize(
     measure: bool | None = None,
     time_limit_s: float = 60.0,
     tracer: str = "auto",
+    mesh: str = "1d",
 ) -> Plan:
     """Choose, layer by layer, how to spread `model` over `devices` for one training step on
     `example_inputs` (their dim 0 is the global batch).
@@ -58,6 +59,10 @@ def optimize(
     pin: {layer name: strategy} to fix some layers' strategies; the rest are optimized.
     tracer: "fx", "export" (torch.export, for models fx cannot follow, such as Hugging Face
     transformers), or "auto": fx, and torch.export where fx fails.
+    mesh: "1d" (one group of all devices, each layer data- or model-parallel), "3d" (search
+    pipeline x data x tensor meshes, stage cuts, microbatches and schedules:
+    planner.plan3d), or "auto" (both; the 1-D plan unless a 3-D one is predicted at least
+    1% faster or the 1-D one does not fit; `Plan.mesh_choice` says which and why).
     """
     started = time.perf_counter()
     if optimizer not in OPTIMIZER_STATE_FACTOR:
@@ -66,6 +71,8 @@ def optimize(
         raise ValueError("example_inputs: pass an example batch, e.g. example_inputs=(images,)")
     if memory_limit_bytes is not None and memory_limit_bytes <= 0:
         raise ValueError(f"memory_limit_bytes: must be positive, got {memory_limit_bytes}")
+    if mesh not in ("1d", "3d", "auto"):
+        raise ValueError(f"mesh: {mesh!r} is not one of '1d', '3d', 'auto'")
     cluster = parse_devices(devices)
     ranks = cluster.num_devices
 
@@ -76,6 +83,19 @@ def optimize(
                     threads=cpu_threads_per_device(ranks) if cluster.device.kind == "cpu" else None)
 
     budget = memory_limit_bytes or cluster.device.memory_bytes
+    if mesh != "1d":
+        from planner.plan3d import choose_mesh
+
+        return choose_mesh(mesh, graph, cluster, optimizer, budget, started,
+                           lambda: _plan_1d(graph, cluster, optimizer, budget, pin,
+                                            time_limit_s, started),
+                           pin=pin, time_limit_s=time_limit_s)
+    return _plan_1d(graph, cluster, optimizer, budget, pin, time_limit_s, started)
+
+
+def _plan_1d(graph, cluster: Cluster, optimizer: str, budget: float, pin, time_limit_s: float,
+             started: float) -> Plan:
+    """The integer program over one mesh dim of all devices, and its two baselines."""
     choices = layer_choices(graph, cluster, optimizer, budget, pin=pin)
     solution = _solve_within_memory(choices, budget, time_limit_s)
     data_parallel = solve(layer_choices(graph, cluster, optimizer, None,

@@ -207,6 +207,7 @@ class Plan(_Data):
     microbatches: int = Field(1, gt=0, description="microbatches per step: the pipeline's, "
                               "or gradient accumulation without one (3-D plans)")
     search: SearchReport | None = Field(None, description="the 3-D search (3-D plans)")
+    mesh_choice: str = Field("", description="optimize(mesh='auto'): which mesh won and why")
 
     @property
     def num_devices(self) -> int:

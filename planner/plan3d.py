@@ -61,6 +61,17 @@ def optimize_3d(
                     threads=cpu_threads_per_device(cluster.num_devices)
                     if cluster.device.kind == "cpu" else None)
     budget = memory_limit_bytes or cluster.device.memory_bytes
+    return plan_3d(graph, cluster, optimizer, budget, started,
+                   max_microbatches=max_microbatches, time_limit_s=time_limit_s,
+                   relative_gap=relative_gap, only=only, pin=pin)
+
+
+def plan_3d(graph, cluster: Cluster, optimizer: str, budget: float, started: float, *,
+            max_microbatches: int | None = None, time_limit_s: float = 60.0,
+            relative_gap: float = 1e-6, only: list[Shape] | None = None,
+            pin: dict[str, str] | None = None) -> Plan:
+    """The 3-D search on a traced, profiled graph (what optimize_3d and
+    planner.optimize(mesh="3d" or "auto") share); `started`: perf_counter at the call."""
     result = search(graph, cluster, optimizer, budget, max_microbatches=max_microbatches,
                     time_limit_s=time_limit_s, relative_gap=relative_gap, only=only,
                     pin=pin)
@@ -233,3 +244,58 @@ def _best_per_shape(result: SearchResult) -> list[CandidateReport]:
             outcome=c.outcome, step_time_s=c.solution.times.step_s if c.solution else None,
             bound_s=c.bound_s, note=c.note))
     return out
+
+
+MESHES = ("1d", "3d", "auto")
+AS_GOOD = 0.01  # "auto" keeps the 1-D plan unless a 3-D one is predicted this much faster
+
+
+def choose_mesh(mesh: str, graph, cluster: Cluster, optimizer: str, budget: float,
+                started: float, plan_1d, *, pin: dict[str, str] | None = None,
+                time_limit_s: float = 60.0) -> Plan:
+    """planner.optimize(mesh="3d"): the 3-D search's plan. mesh="auto": the 1-D plan
+    (`plan_1d()`, one group of all devices, each layer data- or model-parallel) unless the
+    3-D search predicts a step at least AS_GOOD faster, or the 1-D plan does not fit; the
+    plan returned says which won in `mesh_choice`. 1-D plans are simpler to run (no
+    stages, the user's loop unchanged), so a tie goes to them."""
+    if graph.tracer != "fx":
+        if mesh == "3d":
+            raise ValueError(f"mesh: '3d' needs a model torch.fx can trace ({graph.model_name} "
+                             f"was traced by torch.export); use mesh='1d'")
+        return plan_1d().model_copy(update={
+            "mesh_choice": "auto: 1-D (pipeline stages need a model torch.fx can trace)"})
+    if mesh == "3d":
+        return plan_3d(graph, cluster, optimizer, budget, started, pin=pin,
+                       time_limit_s=time_limit_s)
+    try:
+        one = plan_1d()
+    except PlanDoesNotFit:
+        one = None
+    try:
+        three = plan_3d(graph, cluster, optimizer, budget, started, pin=pin,
+                        time_limit_s=time_limit_s)
+    except PlanDoesNotFit:
+        if one is None:
+            raise
+        return one.model_copy(update={"mesh_choice": "auto: 1-D (no 3-D plan fits)"})
+    seconds = time.perf_counter() - started
+    if one is None:
+        why = "auto: 3-D (the 1-D plan does not fit)"
+        return _stamp(three, why, seconds)
+    t1, t3 = one.predicted.step_time_s, three.predicted.step_time_s
+    shape = "pp {} x dp {} x tp {}".format(*three.mesh.shape)
+    if t3 < (1 - AS_GOOD) * t1:
+        why = (f"auto: 3-D {shape} ({t3 * 1e3:.1f} ms) beats the 1-D plan "
+               f"({t1 * 1e3:.1f} ms) by {t1 / t3:.2f}x")
+        return _stamp(three, why, seconds)
+    why = (f"auto: 1-D ({t1 * 1e3:.1f} ms); the best 3-D plan, {shape}, predicts "
+           f"{t3 * 1e3:.1f} ms, not {AS_GOOD:.0%} faster")
+    return _stamp(one, why, seconds, search=three.search)
+
+
+def _stamp(plan: Plan, why: str, seconds: float, search=None) -> Plan:
+    solver = plan.solver.model_copy(update={"planning_seconds": seconds})
+    update = {"mesh_choice": why, "solver": solver}
+    if search is not None:
+        update["search"] = search
+    return plan.model_copy(update=update)

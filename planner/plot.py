@@ -3,8 +3,9 @@ the pipeline schedule as a timeline per device.
 
 Each picture is drawn from a small typed description (`LayerBar`, `DeviceMemory`,
 `PipelineTimeline`), and each description is read from a Plan by one adapter function
-(`layer_bars`, `memory_by_device`, `timeline_from_plan`). Plans that carry pipeline
-stages and a memory breakdown change only the adapters.
+(`layer_bars`, `memory_by_device`, `timeline_from_plan`). 3-D plans with pipeline stages
+(Plan.pipeline) and a memory breakdown (Predicted.memory_breakdown) give one timeline row
+per stage and memory by kind as the planner counted it; 1-D plans give one row.
 
     hyplan plan examples/alexnet.py --devices 8xK20 --batch 1024 --plot plots/
 """
@@ -29,7 +30,8 @@ MEMORY_COLORS = {"parameters": "#4C72B0", "gradients": "#DD8452", "optimizer": "
 MEMORY_LABELS = {"optimizer": "optimizer state", "other": "inputs and other"}
 ACTION_COLORS = {"forward": "#4C72B0", "backward": "#DD8452", "communication": "#2F2F2F",
                  "update": "#55A868"}
-ACTION_LABELS = {"communication": "gradient sync", "update": "optimizer update"}
+ACTION_LABELS = {"communication": "communication (collectives, sends, gradient sync)",
+                 "update": "optimizer update"}
 
 
 def _pyplot():
@@ -111,13 +113,46 @@ class DeviceMemory:
     optimizer: float
     activations: float
     other: float = 0.0
+    last_device: int | None = None  # the bar stands for devices device..last_device alike
+
+    @property
+    def label(self) -> str:
+        if self.last_device is None or self.last_device == self.device:
+            return f"dev {self.device}"
+        return f"devs {self.device}-{self.last_device}"
 
 
 def memory_by_device(plan: Plan) -> list[DeviceMemory]:
-    """Bytes per device by kind. Today's plans give one total per device and per layer; the
-    split follows the cost model (strategies.catalog: weights, as many gradient bytes, the
-    optimizer's state factor times the weights, the rest activations)."""
+    """Bytes per device by kind, consecutive devices that hold the same merged into one bar
+    (a pipeline stage's devices; all devices of a 1-D plan). 3-D plans carry the planner's
+    own split (Predicted.memory_breakdown); for 1-D plans, which give one total per device
+    and per layer, the split follows the cost model (strategies.catalog: weights, as many
+    gradient bytes, the optimizer's state factor times the weights, the rest activations)."""
+    return _merge_alike(_memory_per_device(plan))
+
+
+def _merge_alike(rows: list[DeviceMemory]) -> list[DeviceMemory]:
+    out: list[DeviceMemory] = []
+    for r in rows:
+        last = out[-1] if out else None
+        if last is not None and (last.parameters, last.gradients, last.optimizer,
+                                 last.activations, last.other) == (
+                r.parameters, r.gradients, r.optimizer, r.activations, r.other):
+            out[-1] = DeviceMemory(last.device, last.parameters, last.gradients,
+                                   last.optimizer, last.activations, last.other, r.device)
+        else:
+            out.append(r)
+    return out
+
+
+def _memory_per_device(plan: Plan) -> list[DeviceMemory]:
     from strategies.catalog import OPTIMIZER_STATE_FACTOR
+
+    if plan.predicted.memory_breakdown:
+        return [DeviceMemory(d, b.parameters_bytes, b.gradients_bytes, b.optimizer_state_bytes,
+                             b.activations_bytes,
+                             max(0.0, plan.predicted.memory_bytes[d] - b.total_bytes))
+                for d, b in enumerate(plan.predicted.memory_breakdown)]
 
     factor = OPTIMIZER_STATE_FACTOR.get(plan.optimizer, 2)
     params = acts = 0.0
@@ -139,7 +174,7 @@ def memory_chart(plan: Plan):
     rows = memory_by_device(plan)
     scale, unit = (1e9, "GB") if plan.predicted.memory_limit_bytes >= 1e9 else (1e6, "MB")
     fig, ax = plt.subplots(figsize=(max(5, 1.0 + 0.7 * len(rows)), 4.5))
-    x = [r.device for r in rows]
+    x = list(range(len(rows)))
     bottom = [0.0] * len(rows)
     for kind, color in MEMORY_COLORS.items():
         values = [getattr(r, kind) / scale for r in rows]
@@ -152,8 +187,9 @@ def memory_chart(plan: Plan):
     ax.axhline(limit, color="black", linestyle="--", linewidth=1)
     ax.text(x[-1] + 0.4, limit, f"limit {limit:.1f} {unit}", va="bottom", ha="right", fontsize=8)
     ax.set_ylim(0, max(limit, max(bottom)) * 1.12)
-    ax.set_xticks(x, [f"dev {d}" for d in x], fontsize=8)
+    ax.set_xticks(x, [r.label for r in rows], fontsize=8)
     ax.set_ylabel(f"memory per device ({unit})")
+    ax.set_xlim(-0.6, len(rows) - 0.4)
     ax.set_title(f"{plan.model} on {plan.cluster.describe()}: memory per device", fontsize=10)
     ax.legend(fontsize=8, frameon=False, loc="upper left", ncols=3)
     ax.spines[["top", "right"]].set_visible(False)
@@ -166,9 +202,13 @@ def memory_chart(plan: Plan):
 @dataclass(frozen=True)
 class PipelineTimeline:
     """What a schedule needs to be drawn: per stage, one microbatch's forward and backward
-    time, the send to the next stage, and after the last backward the gradient
-    synchronisation and the update. One stage and one microbatch is a plan without
-    pipelining."""
+    compute, the communication each adds (its collectives and point-to-point sends), the
+    send to the next stage, and after the last backward the gradient synchronisation and
+    the update. One stage and one microbatch is a plan without pipelining.
+
+    lockstep: every stage keeps the slowest stage's pace per microbatch (the planner's cost
+    model: step = (m + pp - 1) x the slowest stage's microbatch + the per-step part); a
+    faster stage then waits, and the wait is drawn as idle."""
 
     schedule: Literal["gpipe", "1f1b"]
     microbatches: int
@@ -178,10 +218,26 @@ class PipelineTimeline:
     sync_s: list[float] | None = None
     update_s: list[float] | None = None
     devices: list[str] | None = None  # a label per stage, e.g. "devices 0-3"
+    forward_comm_s: list[float] | None = None
+    backward_comm_s: list[float] | None = None
+    lockstep: bool = False
+    planned_bubble_s: float | None = None  # the plan's Predicted.bubble_s, for the title
 
     @property
     def stages(self) -> int:
         return len(self.forward_s)
+
+    def duration(self, kind: str, stage: int) -> tuple[float, float]:
+        """(compute, communication) of one microbatch's forward or backward on `stage`."""
+        comp = (self.forward_s if kind == "forward" else self.backward_s)[stage]
+        comm = self.forward_comm_s if kind == "forward" else self.backward_comm_s
+        return comp, (comm[stage] if comm else 0.0)
+
+    def pace(self, kind: str, stage: int) -> float:
+        """How long `stage` is taken by one forward or backward (the slowest's in lockstep)."""
+        if self.lockstep:
+            return max(sum(self.duration(kind, s)) for s in range(self.stages))
+        return sum(self.duration(kind, stage))
 
 
 @dataclass(frozen=True)
@@ -209,7 +265,9 @@ def stage_order(schedule: str, stages: int, microbatches: int, stage: int):
 
 def simulate(t: PipelineTimeline) -> list[Action]:
     """Start and end of every action: each waits for its stage to be free and for its input
-    (the previous stage's forward, or the next stage's backward, plus the send)."""
+    (the previous stage's forward, or the next stage's backward, plus the send). A forward
+    or backward with communication is two actions, compute then communication, with the
+    same microbatch."""
     if t.schedule not in ("gpipe", "1f1b"):
         raise ValueError(f"schedule: {t.schedule!r} is not gpipe or 1f1b")
     p, m = t.stages, t.microbatches
@@ -230,9 +288,11 @@ def simulate(t: PipelineTimeline) -> list[Action]:
             if kind == "backward":
                 ready = max(ready, done[("forward", s, i)])
             start = max(free[s], ready)
-            end = start + (t.forward_s[s] if kind == "forward" else t.backward_s[s])
-            done[(kind, s, i)] = free[s] = end
-            actions.append(Action(s, kind, i, start, end))
+            comp, comm = t.duration(kind, s)
+            actions.append(Action(s, kind, i, start, start + comp))
+            if comm > 0:
+                actions.append(Action(s, "communication", i, start + comp, start + comp + comm))
+            done[(kind, s, i)] = free[s] = start + t.pace(kind, s)
             nxt[s] += 1
             progressed = True
         assert progressed, "schedule deadlocked"
@@ -244,10 +304,33 @@ def simulate(t: PipelineTimeline) -> list[Action]:
     return actions
 
 
+def bubble_s(t: PipelineTimeline, actions: list[Action] | None = None) -> float:
+    """The pipeline bubble: the idle time, until the last backward ends, of the stage whose
+    microbatches are slowest (faster stages idle longer: they also wait for it)."""
+    actions = actions if actions is not None else simulate(t)
+    slow = max(range(t.stages), key=lambda s: sum(t.duration("forward", s))
+               + sum(t.duration("backward", s)))
+    work = [a for a in actions if a.microbatch is not None]
+    busy = sum(a.end_s - a.start_s for a in work if a.stage == slow)
+    end = max(a.start_s + t.pace(a.kind, a.stage) for a in work if a.kind != "communication")
+    return end - busy
+
+
+def _span(ranks: list[int]) -> str:
+    if len(ranks) > 1 and ranks == list(range(ranks[0], ranks[-1] + 1)):
+        return f"devices {ranks[0]}-{ranks[-1]}"
+    return "devices " + ", ".join(map(str, ranks)) if len(ranks) > 1 else f"device {ranks[0]}"
+
+
 def timeline_from_plan(plan: Plan) -> PipelineTimeline:
-    """The adapter from a Plan. A plan with pipeline stages would give one entry per stage;
-    today's plans run every layer on every device: one stage, one microbatch, its compute
-    split forward:backward as 1:2 (a backward computes two products per forward one)."""
+    """The adapter from a Plan. With pipeline stages: a row per stage, each microbatch's
+    forward and backward from the stage's predicted microbatch time (its layers' compute
+    split forward:backward as 1:2, since a backward computes two products per forward one,
+    the rest communication, split alike), gradient sync and update once per step, in
+    lockstep as the planner prices it, so the drawn bubble is the plan's. Without: every
+    layer on every device, one row, one microbatch."""
+    if plan.pipeline is not None:
+        return _pipelined(plan)
     compute = sum(l.compute_s + l.reshard_in_s for l in plan.layers)
     own = sum(l.communication_s for l in plan.layers)
     update = sum(l.update_s for l in plan.layers)
@@ -256,27 +339,45 @@ def timeline_from_plan(plan: Plan) -> PipelineTimeline:
                             [f"devices 0-{n - 1}" if n > 1 else "device 0"])
 
 
+def _pipelined(plan: Plan) -> PipelineTimeline:
+    pipe, m = plan.pipeline, plan.pipeline.microbatches
+    compute = [0.0] * len(pipe.stages)
+    update = [0.0] * len(pipe.stages)
+    for l in plan.layers:
+        compute[l.stage] += l.compute_s / m
+        update[l.stage] += l.update_s
+    comm = [max(0.0, st.microbatch_s - c) for st, c in zip(pipe.stages, compute)]
+    return PipelineTimeline(
+        "gpipe" if pipe.schedule == "GPipe" else "1f1b", m,
+        forward_s=[c / 3 for c in compute], backward_s=[2 * c / 3 for c in compute],
+        forward_comm_s=[c / 3 for c in comm], backward_comm_s=[2 * c / 3 for c in comm],
+        sync_s=[max(0.0, st.step_s - u) for st, u in zip(pipe.stages, update)],
+        update_s=update, devices=[_span(st.ranks) for st in pipe.stages], lockstep=True,
+        planned_bubble_s=plan.predicted.bubble_s)
+
+
 def timeline_chart(t: PipelineTimeline, title: str = ""):
-    """Gantt chart, a row per stage: forward and backward per microbatch (numbered),
-    gradient synchronisation, update; the idle time inside the step is the bubble."""
+    """Gantt chart, a row per stage: forward and backward per microbatch (numbered), the
+    communication each carries, gradient synchronisation, update; idle time is hatched
+    (the pipeline bubble, and waits for a slower stage)."""
     plt = _pyplot()
     from matplotlib.patches import Patch
 
     actions = simulate(t)
     end = max(a.end_s for a in actions)
-    height = 1.9 + 0.6 * t.stages
+    height = 2.1 + 0.6 * t.stages
     fig, ax = plt.subplots(figsize=(11, height))
-    idle_total = 0.0
     for s in range(t.stages):
-        busy = sorted((a.start_s, a.end_s) for a in actions if a.stage == s)
         ax.broken_barh([(0, _ms(end))], (s - 0.4, 0.8), facecolors="#FBFBFB",
                        edgecolor="#EBA0A0", hatch="//", linewidth=0)
-        idle_total += end - sum(b - a for a, b in busy)
+    slots = max(1, 2 * t.microbatches)  # label microbatches only where there is room
     for a in actions:
         ax.broken_barh([(_ms(a.start_s), _ms(a.end_s - a.start_s))], (a.stage - 0.4, 0.8),
-                       facecolors=ACTION_COLORS[a.kind], edgecolor="white", linewidth=0.5)
+                       facecolors=ACTION_COLORS[a.kind], edgecolor="white",
+                       linewidth=0.5 if slots <= 64 else 0)
         width = _ms(a.end_s - a.start_s)
-        if a.microbatch is not None and width > _ms(end) / 60:
+        if (a.microbatch is not None and a.kind != "communication"
+                and width > _ms(end) / 45 and slots <= 64):
             ax.text(_ms(a.start_s) + width / 2, a.stage, str(a.microbatch), ha="center",
                     va="center", color="white", fontsize=7)
     labels = t.devices or [f"stage {s}" for s in range(t.stages)]
@@ -285,18 +386,22 @@ def timeline_chart(t: PipelineTimeline, title: str = ""):
     ax.invert_yaxis()
     ax.set_xlim(0, _ms(end) * 1.01)
     ax.set_xlabel("time in one training step (ms)")
-    bubble = idle_total / (end * t.stages)
-    what = ("no pipeline (every layer on every device, one microbatch)"
-            if t.stages == 1 and t.microbatches == 1 else
-            f"{t.schedule.upper()} schedule, {t.stages} stages x {t.microbatches} microbatches")
-    ax.set_title((title + "\n" if title else "") + f"{what}: step {_ms(end):.1f} ms, "
-                 f"bubble {bubble:.0%}", fontsize=10)
+    if t.stages == 1 and t.microbatches == 1:
+        what = "no pipeline (every layer on every device, one microbatch)"
+    else:
+        bubble = bubble_s(t, actions)
+        what = (f"{t.schedule.upper()} schedule, {t.stages} stages x {t.microbatches} "
+                f"microbatches: bubble {_ms(bubble):.1f} ms ({bubble / end:.0%} of the step)")
+        if t.planned_bubble_s is not None:
+            what += f", plan {_ms(t.planned_bubble_s):.1f} ms"
+    ax.set_title((title + "\n" if title else "") + f"{what}; step {_ms(end):.1f} ms",
+                 fontsize=10)
     handles = [Patch(color=c, label=ACTION_LABELS.get(k, k)) for k, c in ACTION_COLORS.items()]
     handles.append(Patch(facecolor="#FBFBFB", edgecolor="#EBA0A0", hatch="//",
-                         label="bubble (idle)"))
-    fig.legend(handles=handles, fontsize=8, frameon=False, ncols=5, loc="lower center")
+                         label="idle (bubble)"))
+    fig.legend(handles=handles, fontsize=8, frameon=False, ncols=3, loc="lower center")
     ax.spines[["top", "right"]].set_visible(False)
-    fig.tight_layout(rect=(0, 0.3 / height, 1, 1))  # room below the axis for the legend
+    fig.tight_layout(rect=(0, 0.45 / height, 1, 1))  # room below the axis for the legend
     return fig
 
 

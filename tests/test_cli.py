@@ -81,3 +81,20 @@ def test_help_runs_as_a_command():
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert "plan" in result.stdout and "show" in result.stdout
+
+
+def test_examples_build_on_meta_without_allocating_weights():
+    """A 10 B-parameter GPT built on meta costs no memory (built under torch.device)."""
+    import subprocess
+    import sys
+
+    code = ("import resource, sys; sys.path.insert(0, 'examples'); import gpt, alexnet, mlp\n"
+            "before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss\n"
+            "m, _, _ = gpt.build(8, layers=48, width=4096, heads=32)\n"
+            "for mod in (alexnet, mlp): mod.build(8)\n"
+            "grew = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before\n"
+            "assert sum(p.numel() for p in m.parameters()) > 1e10\n"
+            "assert grew < 2_000_000, f'{grew} KiB'  # 40 GB when the weights were allocated\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         cwd=str(Path(__file__).resolve().parents[1]))
+    assert out.returncode == 0, out.stderr[-2000:]

@@ -44,3 +44,36 @@ def test_plan_and_show_write_the_pictures(tmp_path, capsys):
     t = timeline_from_plan(plan)  # today's plans: one stage, the plan's own step time
     assert t.stages == 1
     assert _step_and_bubble(t)[0] == pytest.approx(plan.predicted.step_time_s, rel=0.02)
+
+
+def test_uniform_pipeline_bubble_is_every_stage_waiting_pp_minus_one_microbatches():
+    from planner.plot import bubble_s
+
+    p, m, f, b = 4, 8, 1.0, 2.0
+    for schedule in ("gpipe", "1f1b"):
+        assert bubble_s(PipelineTimeline(schedule, m, [f] * p, [b] * p)) == \
+            pytest.approx((p - 1) * (f + b))
+
+
+def test_pipelined_transformer_plan_draws_the_plans_bubble(tmp_path, capsys):
+    """GPT-2 small on two nodes of two V100s with a slow link between them: `--mesh auto`
+    picks two pipeline stages (tensor parallel inside each node); the pictures are written
+    and the timeline's bubble is the plan's predicted bubble."""
+    gpt = "examples/gpt.py"
+    path = tmp_path / "plan.json"
+    assert main(["plan", gpt, "--devices", "2x2xV100", "--batch", "8", "--mesh", "auto",
+                 "--json", str(path), "--plot", str(tmp_path)]) == 0
+    plan = planner.Plan.load(path)
+    assert plan.pipeline is not None and len(plan.pipeline.stages) > 1
+    for name in ("strategy_map", "memory", "timeline"):
+        assert (tmp_path / f"{name}.png").stat().st_size > 5000
+    t = timeline_from_plan(plan)
+    assert t.stages == len(plan.pipeline.stages)
+    from planner.plot import bubble_s, memory_by_device
+
+    assert bubble_s(t) == pytest.approx(plan.predicted.bubble_s, rel=1e-6)
+    assert _step_and_bubble(t)[0] == pytest.approx(plan.predicted.step_time_s, rel=0.02)
+    breakdown = plan.predicted.memory_breakdown
+    assert sum(r.parameters * ((r.last_device or r.device) - r.device + 1)
+               for r in memory_by_device(plan)) == pytest.approx(
+        sum(b.parameters_bytes for b in breakdown))
