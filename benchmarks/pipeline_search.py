@@ -77,7 +77,7 @@ def main():
     plan = timed("planning", lambda: optimize_3d(m8, "8xA100-80GB", in8))
     print(f"-- 8xA100-80GB, global batch {small}:")
     show(plan, top=6)
-    print(f"-- the same with ample memory (memory_limit_bytes=1e13 per device):")
+    print("-- the same with ample memory (memory_limit_bytes=1e13 per device):")
     plan = timed("planning", lambda: optimize_3d(m8, "8xA100-80GB", in8,
                                                  memory_limit_bytes=1e13))
     show(plan, top=6)

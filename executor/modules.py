@@ -20,12 +20,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.parallel import parallelize_module
-from torch.nn.parallel import DistributedDataParallel
 from torch.utils import _pytree as pytree
 
-from executor.styles import MeanOverRanks, Reshard, placement, sum_gradients_hook, tensor_parallel_style
+from executor.styles import (MeanOverRanks, Reshard, data_parallel_over, placement,
+                             tensor_parallel_style)
 from planner.plan import LayerPlan, Plan
 from strategies.layouts import Layout
 
@@ -200,12 +200,4 @@ def parallelize_modules(model: nn.Module, plan: Plan, mesh: DeviceMesh) -> nn.Mo
     apply_levers(model, [(paths[l.node], l.strategy, l.recompute) for l in plan.layers
                          if paths[l.node] is not None and (l.recompute or l.strategy == "fsdp")],
                  mesh)
-    synced = {name for name, _ in params_of("data_parallel")}
-    if not synced:
-        return model
-    ignored = [n for n, _ in model.named_parameters() if n not in synced]
-    ignored += [n for n, _ in model.named_buffers()]
-    DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, ignored)
-    ddp = DistributedDataParallel(model, device_ids=None)
-    ddp.register_comm_hook(None, sum_gradients_hook)
-    return ddp
+    return data_parallel_over(model, {name for name, _ in params_of("data_parallel")})

@@ -20,9 +20,9 @@ import torch.fx as fx
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor.parallel import parallelize_module
-from torch.nn.parallel import DistributedDataParallel
 
-from executor.styles import MeanOverRanks, Reshard, placement, sum_gradients_hook, tensor_parallel_style
+from executor.styles import (MeanOverRanks, Reshard, data_parallel_over, placement,
+                             tensor_parallel_style)
 from planner.plan import LayerPlan, Plan
 from profiler.trace import fingerprint, fx_trace
 from strategies.catalog import leaf_types
@@ -193,12 +193,4 @@ def _apply_levers(gm: fx.GraphModule, layers: dict[str, LayerPlan], mesh) -> Non
 
 
 def _data_parallel(gm: fx.GraphModule, layers: dict[str, LayerPlan]) -> nn.Module:
-    synced = {name for name, _ in _layer_params(gm, layers, "data_parallel")}
-    if not synced:
-        return gm
-    ignored = [name for name, _ in gm.named_parameters() if name not in synced]
-    ignored += [name for name, _ in gm.named_buffers()]
-    DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(gm, ignored)
-    ddp = DistributedDataParallel(gm, device_ids=None)
-    ddp.register_comm_hook(None, sum_gradients_hook)
-    return ddp
+    return data_parallel_over(gm, {name for name, _ in _layer_params(gm, layers, "data_parallel")})

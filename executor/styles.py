@@ -1,6 +1,7 @@
 """How each planned strategy is applied to a module, and the layout changes between layers.
 
-Linear layers use PyTorch's own parallel styles (`ColwiseParallel`, `RowwiseParallel`), told
+Linear layers use PyTorch's own parallel styles (`ColwiseParallel`, `RowwiseParallel`, through
+executor.transformer_styles, whose subclasses also take GPT-2's Conv1D), told
 the layout their input arrives in so that DTensor issues the collective the plan costed
 (an all-gather forward and reduce-scatter backward for a row-split input, say). A Conv2d
 split by output channels has no PyTorch style; `ChannelParallelConv2d` is ours, built on
@@ -13,7 +14,7 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
-from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
+from torch.distributed.tensor.parallel import ParallelStyle, RowwiseParallel
 
 from strategies.layouts import Layout, Placement
 
@@ -164,3 +165,19 @@ def sum_gradients_hook(state, bucket):
 
     work = dist.all_reduce(bucket.buffer(), group=state, async_op=True)
     return work.get_future().then(lambda fut: fut.value()[0])
+
+
+def data_parallel_over(module: nn.Module, synced: set[str]) -> nn.Module:
+    """DDP over the parameters named in `synced` only (the data-parallel layers'), their
+    gradients summed; the rest (model-parallel, sharded, replicated) and every buffer are
+    left to their own strategies. Returns `module` itself when nothing is data-parallel."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    if not synced:
+        return module
+    ignored = [name for name, _ in module.named_parameters() if name not in synced]
+    ignored += [name for name, _ in module.named_buffers()]
+    DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(module, ignored)
+    ddp = DistributedDataParallel(module, device_ids=None)
+    ddp.register_comm_hook(None, sum_gradients_hook)
+    return ddp

@@ -179,7 +179,6 @@ def to_plan(graph, cluster: Cluster, optimizer: str, budget: float, result: Sear
                     device_type=cluster.device.kind, nodes=cluster.nodes,
                     devices_per_node=cluster.devices_per_node, groups=groups,
                     group_links=links)
-    solved = [c for c in result.candidates if c.solution is not None]
     unresolved = [c for c in result.candidates
                   if c.outcome == "time_limit" or (c.solution and c.solution.status != "optimal")]
     bound = min([solution.bound_s] + [c.bound_s for c in unresolved if c.bound_s is not None])

@@ -5,7 +5,6 @@ equal those `strategies.layouts` predicts; DDP all-reduces the data-parallel wei
 from collections import Counter
 
 import pytest
-import torch
 import torch.nn.functional as F
 
 import executor

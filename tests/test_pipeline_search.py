@@ -1,7 +1,6 @@
 """The 3-D search equals brute force: over all mesh shapes, microbatch counts, schedules,
 stage cuts and strategies, on small instances (pure data, no processes)."""
 
-import itertools
 
 import numpy as np
 import pytest

@@ -5,7 +5,7 @@ import pytest
 
 import planner
 from planner.cli import main
-from planner.plot import PipelineTimeline, simulate, stage_order, timeline_from_plan, write_plots
+from planner.plot import PipelineTimeline, simulate, stage_order, timeline_from_plan
 from test_cli import MLP
 
 
