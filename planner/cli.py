@@ -211,8 +211,9 @@ def _show(args) -> int:
 
 
 def parser() -> argparse.ArgumentParser:
-    top = _Parser(prog="hyplan", description="Plan how to parallelize a PyTorch model, layer "
-                  "by layer (data or model parallel), and show the plan before anything runs.")
+    top = _Parser(prog="hyplan", description="Plan how to parallelize a PyTorch model layer "
+                  "by layer (data, tensor or sharded data parallel, pipeline stages), show the "
+                  "plan before anything runs, and train with it under torchrun.")
     commands = top.add_subparsers(dest="command", required=True, metavar="COMMAND",
                                   parser_class=_Parser)
 
