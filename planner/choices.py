@@ -73,15 +73,18 @@ def layer_choices(graph: ModelGraph, cluster: Cluster, optimizer: str,
     nodes.append(Node(OUTPUT, (Option("output", 0.0, 0.0, Layout.BATCH.value, ""),)))
 
     link = cluster.link(ctx.ranks)
+    overhead = cluster.dtensor_reshard_overhead_s if ctx.ranks > 1 else 0.0
     edges = []
     for dst, row in enumerate(rows):
         takes = [s.takes for s in row.strategies]
+        own_style = [s.model_parallel for s in row.strategies]
         for name in row.layer.inputs:
             src = index[name]
             producer = rows[src]
             matrix = edge_matrix([s.gives for s in producer.strategies], takes,
                                  producer.layer.output.nbytes, ctx.ranks, link,
-                                 backward=not producer.layer.is_input)
+                                 backward=not producer.layer.is_input,
+                                 reshard_overhead_s=overhead, own_style=own_style)
             edges.append(Edge(src, dst, matrix))
     sink = len(rows)
     for name in graph.outputs:
@@ -89,7 +92,7 @@ def layer_choices(graph: ModelGraph, cluster: Cluster, optimizer: str,
         producer = rows[src]
         matrix = edge_matrix([s.gives for s in producer.strategies], [Layout.BATCH],
                              producer.layer.output.nbytes, ctx.ranks, link,
-                             backward=not producer.layer.is_input)
+                             backward=not producer.layer.is_input, reshard_overhead_s=overhead)
         edges.append(Edge(src, sink, matrix))
     problem = Problem(tuple(nodes), tuple(edges), memory_budget_bytes)
     return Choices(problem, tuple(rows), ctx)

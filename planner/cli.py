@@ -234,6 +234,10 @@ def parser() -> argparse.ArgumentParser:
                                description="Print a plan saved with `hyplan plan --json`.")
     show.add_argument("plan", metavar="PLAN.json")
     show.set_defaults(run=_show)
+
+    from planner.cli_calibrate import add_calibrate  # verbs that live in their own modules
+
+    add_calibrate(commands)
     return top
 
 

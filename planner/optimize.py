@@ -67,7 +67,8 @@ def optimize(
     if measure is None:
         measure = cluster.device.kind == "cpu"
     graph = profile(graph, measure=measure, measure_batch=max(1, graph.batch_size // ranks),
-                    threads=cpu_threads_per_device(ranks) if cluster.device.kind == "cpu" else None)
+                    threads=cpu_threads_per_device(ranks) if cluster.device.kind == "cpu" else None,
+                    ranks=ranks)
 
     budget = memory_limit_bytes or cluster.device.memory_bytes
     choices = layer_choices(graph, cluster, optimizer, budget, pin=pin)

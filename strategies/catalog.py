@@ -58,19 +58,36 @@ class Cost:
         return self.compute_s + self.communication_s + self.update_s
 
 
-def compute_s(layer: Layer, fraction: float, ctx: CostContext) -> float:
-    """Forward + backward time of `fraction` of the layer's work on one device: measured
-    when the layer was timed here, else a roofline over FLOPs and bytes moved."""
+def compute_s(layer: Layer, fraction: float, ctx: CostContext, split: str = "batch") -> float:
+    """Forward + backward time of `fraction` of the layer's work on one device, `split` the
+    way the work is divided ("batch" rows, "out" or "in" features, "feature" of a
+    parameter-free op). Measured where the layer was timed here at that very shape (the
+    data-parallel rows, a model-parallel shard, or whole), scaled from the nearest
+    measurement otherwise, else a roofline over FLOPs and bytes moved."""
     if layer.is_input:
         return 0.0
+    slowdown = ctx.cluster.compute_slowdown  # processes sharing too few cores
     if layer.measured_s is not None:
-        return layer.measured_s * fraction * ctx.batch / layer.measured_batch
+        parts = round(1 / fraction)
+        if parts == 1 and "whole" in layer.measured_shards:
+            return layer.measured_shards["whole"] * slowdown
+        if split == "batch" and ctx.batch * fraction == layer.measured_batch:
+            return layer.measured_s * slowdown
+        if split in layer.measured_shards and layer.measured_parts == parts:
+            return layer.measured_shards[split] * slowdown
+        return layer.measured_s * fraction * ctx.batch / layer.measured_batch * slowdown
     device = ctx.cluster.device
     flops = (layer.fwd_flops + layer.bwd_flops) * fraction
+    rate = device.op_flops.get(layer.kind.lower()) or device.achievable_flops(ctx.cluster.dtype)
     # forward writes the output once, backward reads it and writes its gradient
     moved = 3 * layer.output.nbytes * fraction
-    return max(flops / device.achievable_flops(ctx.cluster.dtype),
-               moved / device.memory_bandwidth_bytes_per_s)
+    return max(flops / rate, moved / device.memory_bandwidth_bytes_per_s) * slowdown
+
+
+def dtensor_overhead_s(ctx: CostContext) -> float:
+    """What running a layer through DTensor's parallel styles costs beyond its math and
+    collectives (measured by `hyplan calibrate`; 0 when not calibrated)."""
+    return ctx.cluster.dtensor_layer_overhead_s if ctx.ranks > 1 else 0.0
 
 
 def weights_memory(param_bytes: float, ctx: CostContext) -> float:
@@ -114,10 +131,15 @@ class DataParallel(Strategy):
 
     def cost(self, layer, ctx):
         sync = all_reduce_s(layer.param_bytes, ctx.ranks, ctx.link)
+        # DDP copies gradients into its flat buckets and back out: two passes over memory
+        copies = 0.0
+        if ctx.ranks > 1 and layer.param_bytes:
+            copies = 2 * 2 * layer.param_bytes / ctx.cluster.device.memory_bandwidth_bytes_per_s
         memory = weights_memory(layer.param_bytes, ctx) + layer.output.nbytes / ctx.ranks
-        return Cost(compute_s(layer, 1 / ctx.ranks, ctx), sync, memory,
+        return Cost(compute_s(layer, 1 / ctx.ranks, ctx), sync + copies, memory,
                     update_s(layer.param_bytes, ctx),
-                    {"gradient_bytes": layer.param_bytes, "gradient_all_reduce_s": sync})
+                    {"gradient_bytes": layer.param_bytes, "gradient_all_reduce_s": sync,
+                     "bucket_copies_s": copies})
 
 
 @dataclass(frozen=True)
@@ -146,7 +168,8 @@ class FeatureParallel(Strategy):
         return _featurewise(layer) and _features(layer) % ctx.ranks == 0
 
     def cost(self, layer, ctx):
-        return Cost(compute_s(layer, 1 / ctx.ranks, ctx), 0.0, layer.output.nbytes / ctx.ranks)
+        return Cost(compute_s(layer, 1 / ctx.ranks, ctx, "feature"), 0.0,
+                    layer.output.nbytes / ctx.ranks)
 
 
 @dataclass(frozen=True)
@@ -166,7 +189,8 @@ class ColumnParallel(Strategy):
     def cost(self, layer, ctx):
         local = layer.param_bytes / ctx.ranks
         memory = weights_memory(local, ctx) + layer.output.nbytes / ctx.ranks
-        return Cost(compute_s(layer, 1 / ctx.ranks, ctx), 0.0, memory, update_s(local, ctx))
+        compute = compute_s(layer, 1 / ctx.ranks, ctx, "out") + dtensor_overhead_s(ctx)
+        return Cost(compute, 0.0, memory, update_s(local, ctx))
 
 
 @dataclass(frozen=True)
@@ -202,7 +226,8 @@ class RowParallel(Strategy):
             kept = n
         local = layer.param_bytes / ctx.ranks
         memory = weights_memory(local, ctx) + kept
-        return Cost(compute_s(layer, 1 / ctx.ranks, ctx), comm, memory, update_s(local, ctx),
+        compute = compute_s(layer, 1 / ctx.ranks, ctx, "in") + dtensor_overhead_s(ctx)
+        return Cost(compute, comm, memory, update_s(local, ctx),
                     {"output_reduction_s": comm, "output_bytes": n})
 
 
