@@ -1,6 +1,7 @@
 """Choose how to parallelize a model, layer by layer, with an integer program."""
 
+from planner.baseline import baseline
 from planner.optimize import PlanDoesNotFit, optimize
 from planner.plan import Plan, PlanFileError
 
-__all__ = ["Plan", "PlanDoesNotFit", "PlanFileError", "optimize"]
+__all__ = ["Plan", "PlanDoesNotFit", "PlanFileError", "baseline", "optimize"]

@@ -40,10 +40,11 @@ class Choices:
 
 def layer_choices(graph: ModelGraph, cluster: Cluster, optimizer: str,
                   memory_budget_bytes: float | None, only: set[str] | None = None,
-                  pin: dict[str, str] | None = None) -> Choices:
+                  pin: dict[str, str] | None = None, keep=None) -> Choices:
     """Build the Problem. `only` keeps just the strategies named in it (and `replicate`
     where none of them applies): how baselines such as pure data parallelism are costed.
-    `pin` maps layer names to the strategy they must use."""
+    `pin` maps layer names to the strategy they must use. `keep(layer, options)` returns
+    the options a baseline allows for a layer (see planner.baseline)."""
     pin = dict(pin or {})
     ctx = CostContext(cluster=cluster, ranks=cluster.num_devices, batch=graph.batch_size,
                       optimizer=optimizer)
@@ -54,6 +55,8 @@ def layer_choices(graph: ModelGraph, cluster: Cluster, optimizer: str,
         if only is not None:
             kept = [s for s in options if s.name in only]
             options = kept or [s for s in options if s.name == "replicate"]
+        if keep is not None:
+            options = keep(layer, options)
         if layer.name in pin:
             wanted = pin.pop(layer.name)
             kept = [s for s in options if s.name == wanted]

@@ -236,7 +236,9 @@ def parser() -> argparse.ArgumentParser:
     show.set_defaults(run=_show)
 
     from planner.cli_calibrate import add_calibrate  # verbs that live in their own modules
+    from planner.compare import add_compare
 
+    add_compare(commands)
     add_calibrate(commands)
     return top
 

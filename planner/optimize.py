@@ -60,15 +60,8 @@ def optimize(
         raise ValueError("example_inputs: pass an example batch, e.g. example_inputs=(images,)")
     if memory_limit_bytes is not None and memory_limit_bytes <= 0:
         raise ValueError(f"memory_limit_bytes: must be positive, got {memory_limit_bytes}")
-    cluster = parse_devices(devices)
-    ranks = cluster.num_devices
-
-    graph = trace(model, example_inputs, example_kwargs, leaf_modules)
-    if measure is None:
-        measure = cluster.device.kind == "cpu"
-    graph = profile(graph, measure=measure, measure_batch=max(1, graph.batch_size // ranks),
-                    threads=cpu_threads_per_device(ranks) if cluster.device.kind == "cpu" else None,
-                    ranks=ranks)
+    graph, cluster = profiled_graph(model, devices, example_inputs, example_kwargs,
+                                    leaf_modules, measure)
 
     budget = memory_limit_bytes or cluster.device.memory_bytes
     choices = layer_choices(graph, cluster, optimizer, budget, pin=pin)
@@ -77,9 +70,39 @@ def optimize(
                                         only={"data_parallel"}).problem, time_limit_s)
     single = solve(layer_choices(graph, cluster.with_devices(1, 1), optimizer, None).problem,
                    time_limit_s)
-    return _plan(graph, cluster, optimizer, choices, solution, budget,
+    plan = _plan(graph, cluster, optimizer, choices, solution, budget,
                  data_parallel.objective_s, single.objective_s,
                  time.perf_counter() - started)
+    return _with_baselines(plan, graph, cluster, optimizer, time_limit_s)
+
+
+def _with_baselines(plan: Plan, graph, cluster: Cluster, optimizer: str,
+                    time_limit_s: float) -> Plan:
+    """The plan, its prediction carrying each available baseline's predicted step time."""
+    from planner.baseline import available, solve_baseline
+
+    if cluster.num_devices == 1:
+        return plan
+    times = {kind: solve_baseline(graph, cluster, optimizer, kind, time_limit_s)[1].objective_s
+             for kind in available()}
+    predicted = plan.predicted.model_copy(update={"baseline_step_time_s": times})
+    return plan.model_copy(update={"predicted": predicted})
+
+
+def profiled_graph(model: nn.Module, devices, example_inputs, example_kwargs=None,
+                   leaf_modules=(), measure: bool | None = None):
+    """(traced and profiled graph, Cluster): the first two steps of the flow, shared by
+    optimize() and the baselines (layer timings are cached by shape, so a second call on
+    the same model costs no measuring)."""
+    cluster = parse_devices(devices)
+    ranks = cluster.num_devices
+    graph = trace(model, example_inputs, example_kwargs, leaf_modules)
+    if measure is None:
+        measure = cluster.device.kind == "cpu"
+    graph = profile(graph, measure=measure, measure_batch=max(1, graph.batch_size // ranks),
+                    threads=cpu_threads_per_device(ranks) if cluster.device.kind == "cpu" else None,
+                    ranks=ranks)
+    return graph, cluster
 
 
 def _solve_within_memory(choices: Choices, budget: float, time_limit_s: float) -> Solution:

@@ -70,6 +70,8 @@ class Predicted(_Data):
     memory_limit_bytes: float
     data_parallel_step_time_s: float | None = None
     single_device_step_time_s: float | None = None
+    # each hand-written baseline's predicted step time ("ddp", "tensor", ...), same model
+    baseline_step_time_s: dict[str, float] = Field(default_factory=dict)
 
     @property
     def speedup_over_data_parallel(self) -> float | None:

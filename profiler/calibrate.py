@@ -207,6 +207,11 @@ def _collective_call(name: str, nbytes: int, rank: int, world: int, device):
         scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
         return lambda: scatter(part, full)
     if name == "all_to_all":
+        if dist.get_backend() == "gloo":
+            # DTensor's shard-to-shard redistribute on a CPU group is an all-gather and a
+            # chunk (gloo has no all-to-all it uses): measure what the executor will run
+            # (each rank's n/P gathered into n, then chunked)
+            return _collective_call("all_gather", nbytes, rank, world, device)
         out = torch.empty_like(full)
         return lambda: dist.all_to_all_single(out, full)
     if name == "send_recv":  # ping-pong between ranks 0 and 1, halved below
