@@ -8,12 +8,13 @@ pure data parallel (`planner.baseline(..., "ddp")`), pure model parallel (`"tens
 Megatron-style) and hyplan's chosen hybrid (`planner.optimize`), all costed on a cluster
 profile measured by `hyplan calibrate` (made here with --quick unless --profile is given),
 all run by `executor.parallelize` in one loop: SGD (lr 0.01, foreach=False), the model's
-loss, 3 warm-up steps, then --steps timed steps; a case's measured step time is the max
-over ranks of each rank's median.
+loss, 3 warm-up steps, then --steps timed steps; a round's step time is the max over ranks
+of each rank's median. --rounds rounds go over all cases in turn.
 
 Beside each figure: the CPU (in cores) that processes other than the ranks used during the
-case, from /proc/stat less the ranks' own CPU time. With P processes on a 2-core machine
-anything else running skews the timing; rerun on an idle machine for final figures.
+round, from /proc/stat less the ranks' own CPU time; each case reports its round with the
+least such load. With P processes on a 2-core machine anything else running skews the
+timing; rerun on an idle machine for final figures.
 
     python benchmarks/fidelity.py [--profile cpu-profile.json] [--worlds 2 4] [--steps 8]
 """
@@ -126,39 +127,51 @@ def _ticks_own() -> int:
     return int(fields[11]) + int(fields[12])
 
 
-def _run_case(model_key: str, plan_json: str, steps: int) -> tuple[list[float], float | None]:
-    plan = planner.Plan.from_json(plan_json)
-    build, batch = MODELS[model_key]
-    model, x, y, loss_fn = build(batch)
-    model = executor.parallelize(model, plan, leaf_modules=_leaves(model_key))
-    x, y = executor.shard_batch(plan, (x, y))
-    opt = torch.optim.SGD(model.parameters(), lr=LR, foreach=False)
+class Case:
+    """One plan of one model, parallelized on this rank, ready to time."""
 
-    def step():
-        loss = loss_fn(model(x), y)
-        opt.zero_grad()
+    def __init__(self, model_key: str, plan_json: str):
+        plan = planner.Plan.from_json(plan_json)
+        build, batch = MODELS[model_key]
+        model, x, y, self.loss_fn = build(batch)
+        self.model = executor.parallelize(model, plan, leaf_modules=_leaves(model_key))
+        self.x, self.y = executor.shard_batch(plan, (x, y))
+        self.opt = torch.optim.SGD(self.model.parameters(), lr=LR, foreach=False)
+
+    def step(self):
+        loss = self.loss_fn(self.model(self.x), self.y)
+        self.opt.zero_grad()
         loss.backward()
-        opt.step()
+        self.opt.step()
 
-    for _ in range(WARMUP):
-        step()
-    dist.barrier()
-    busy, own, start = _ticks_busy(), _ticks_own(), time.perf_counter()
-    times = []
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - t0)
-    elapsed = time.perf_counter() - start
-    busy, own = _ticks_busy() - busy, _ticks_own() - own
-    owns = [None] * dist.get_world_size()
-    dist.all_gather_object(owns, own)  # outside the timed steps
-    other = max(0, busy - sum(owns)) / os.sysconf("SC_CLK_TCK") / elapsed
-    return times, other
+    def timed(self, steps: int) -> tuple[list[float], float]:
+        """(seconds per step, cores other processes used meanwhile)."""
+        for _ in range(WARMUP):
+            self.step()
+        dist.barrier()
+        busy, own, start = _ticks_busy(), _ticks_own(), time.perf_counter()
+        times = []
+        for _ in range(steps):
+            t0 = time.perf_counter()
+            self.step()
+            times.append(time.perf_counter() - t0)
+        elapsed = time.perf_counter() - start
+        busy, own = _ticks_busy() - busy, _ticks_own() - own
+        owns = [None] * dist.get_world_size()
+        dist.all_gather_object(owns, own)  # outside the timed steps
+        return times, max(0, busy - sum(owns)) / os.sysconf("SC_CLK_TCK") / elapsed
 
 
-def _rank(rank: int, world: int, cases: list[tuple[str, str, str]], steps: int) -> list:
-    return [_run_case(model_key, plan_json, steps) for _, model_key, plan_json in cases]
+def _rank(rank: int, world: int, cases: list[tuple[str, str, str]], steps: int,
+          rounds: int) -> list[list[tuple[list[float], float]]]:
+    """[case][round] -> (step times, other CPU). Rounds go over all cases in turn, so a
+    burst of load elsewhere on the machine hits different cases in different rounds."""
+    built = [Case(model_key, plan_json) for _, model_key, plan_json in cases]
+    out: list[list] = [[] for _ in built]
+    for _ in range(rounds):
+        for i, case in enumerate(built):
+            out[i].append(case.timed(steps))
+    return out
 
 
 # --- the parent ------------------------------------------------------------------------------
@@ -179,7 +192,9 @@ def main() -> None:
     parser.add_argument("--profile", help="a cluster profile from `hyplan calibrate` "
                         "(default: measure one now, --quick)")
     parser.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
-    parser.add_argument("--steps", type=int, default=8, help="timed steps per case")
+    parser.add_argument("--steps", type=int, default=6, help="timed steps per case and round")
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="rounds over all cases; each case reports its least disturbed")
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
     args = parser.parse_args()
 
@@ -201,11 +216,15 @@ def main() -> None:
         for model_key in args.models:
             for kind, plan in plans_for(model_key, cluster).items():
                 cases.append((kind, model_key, plan.to_json()))
-        results = run_ranks(_rank, world, cases, args.steps, timeout_s=900)
+        results = run_ranks(_rank, world, cases, args.steps, args.rounds, timeout_s=900)
         for i, (kind, model_key, plan_json) in enumerate(cases):
             plan = planner.Plan.from_json(plan_json)
-            measured = max(statistics.median(r[i][0]) for r in results)
-            other = max((r[i][1] for r in results if r[i][1] is not None), default=None)
+            # the round with the least CPU used by other processes: avoid measuring under
+            # someone else's load rather than model it
+            rounds = [(max(r[i][k][1] for r in results),
+                       max(statistics.median(r[i][k][0]) for r in results))
+                      for k in range(args.rounds)]
+            other, measured = min(rounds)
             rows.append(dict(world=world, model=model_key, kind=kind, measured=measured,
                              predicted=plan.predicted.step_time_s, other=other,
                              strategies=_summary(plan)))

@@ -41,7 +41,7 @@ class Cluster(BaseModel):
     # and how much slower compute runs when processes outnumber this machine's cores.
     dtensor_layer_overhead_s: float = Field(0.0, ge=0)
     dtensor_reshard_overhead_s: float = Field(0.0, ge=0)
-    compute_slowdown: float = Field(1.0, ge=1.0)
+    compute_slowdown: float = Field(1.0, gt=0)  # multiplies compute times (a refit sets it)
     source: str = ""
 
     @model_validator(mode="after")
