@@ -40,7 +40,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import executor  # noqa: E402
 import planner  # noqa: E402
 from planner.baseline import baseline  # noqa: E402
-from profiler.launch import run_ranks  # noqa: E402
+from profiler.launch import run_ranks, wait_for_quiet  # noqa: E402
 
 WARMUP, LR = 3, 0.01
 
@@ -162,14 +162,22 @@ class Case:
         return times, max(0, busy - sum(owns)) / os.sysconf("SC_CLK_TCK") / elapsed
 
 
+def _wait_for_quiet(max_wait_s: float) -> None:
+    """Rank 0 waits for other load to pause (profiler.launch.wait_for_quiet); all go."""
+    if dist.get_rank() == 0 and max_wait_s > 0:
+        wait_for_quiet(max_wait_s)
+    dist.barrier()
+
+
 def _rank(rank: int, world: int, cases: list[tuple[str, str, str]], steps: int,
-          rounds: int) -> list[list[tuple[list[float], float]]]:
+          rounds: int, max_wait_s: float) -> list[list[tuple[list[float], float]]]:
     """[case][round] -> (step times, other CPU). Rounds go over all cases in turn, so a
     burst of load elsewhere on the machine hits different cases in different rounds."""
     built = [Case(model_key, plan_json) for _, model_key, plan_json in cases]
     out: list[list] = [[] for _ in built]
     for _ in range(rounds):
         for i, case in enumerate(built):
+            _wait_for_quiet(max_wait_s)
             out[i].append(case.timed(steps))
     return out
 
@@ -195,6 +203,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=6, help="timed steps per case and round")
     parser.add_argument("--rounds", type=int, default=3,
                         help="rounds over all cases; each case reports its least disturbed")
+    parser.add_argument("--wait", type=float, default=10.0,
+                        help="seconds to wait, before each case, for other load to pause")
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
     args = parser.parse_args()
 
@@ -204,7 +214,8 @@ def main() -> None:
     if args.profile:
         profile = load_profile(args.profile)
     else:
-        profile = calibrate(tuple(args.worlds), quick=True, log=lambda *_: None)
+        profile = calibrate(tuple(args.worlds), quick=True, log=lambda *_: None,
+                            quiet_wait_s=args.wait)
         profile.save(ROOT / "benchmarks" / "fidelity-profile.json")
     print(f"cluster profile: {profile.host} {profile.created}, {profile.cores} cores, "
           f"{profile.threads_per_process} thread(s) per process")
@@ -214,9 +225,11 @@ def main() -> None:
         cluster = profile.cluster(world)
         cases = []
         for model_key in args.models:
+            wait_for_quiet(args.wait)  # layers are timed while planning
             for kind, plan in plans_for(model_key, cluster).items():
                 cases.append((kind, model_key, plan.to_json()))
-        results = run_ranks(_rank, world, cases, args.steps, args.rounds, timeout_s=900)
+        results = run_ranks(_rank, world, cases, args.steps, args.rounds, args.wait,
+                            timeout_s=3600)
         for i, (kind, model_key, plan_json) in enumerate(cases):
             plan = planner.Plan.from_json(plan_json)
             # the round with the least CPU used by other processes: avoid measuring under

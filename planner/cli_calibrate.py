@@ -13,7 +13,8 @@ def _calibrate(args) -> int:
     if any(p < 2 for p in args.processes):
         raise ValueError(f"--processes: each count must be at least 2 (collectives need two "
                          f"ranks), got {args.processes}")
-    profile = calibrate(tuple(sorted(set(args.processes))), quick=args.quick)
+    profile = calibrate(tuple(sorted(set(args.processes))), quick=args.quick,
+                        quiet_wait_s=args.wait_for_quiet)
     profile.save(args.out)
     counts = "/".join(str(p) for p in sorted(profile.links))
     print(f"Cluster profile written to {args.out}; plan on it with `hyplan plan MODEL "
@@ -35,4 +36,7 @@ def add_calibrate(commands) -> None:
                      help="where to write the profile (default: hyplan-profile.json)")
     cal.add_argument("--quick", action="store_true",
                      help="fewer sizes and repeats (about 20 s on a small machine)")
+    cal.add_argument("--wait-for-quiet", type=float, default=0.0, metavar="SECONDS",
+                     help="on a shared machine: before each measurement, wait up to this "
+                     "long for other processes' load to pause (default: 0, do not wait)")
     cal.set_defaults(run=_calibrate)

@@ -28,7 +28,8 @@ def summary(plan: Plan) -> list[str]:
         f"({c.num_devices} devices, {link.name} {link.bandwidth_bytes_per_s / 1e9:g} GB/s), "
         f"optimizer {plan.optimizer}, {c.dtype}",
         f"Predicted step time: {_ms(p.step_time_s)} = compute {_ms(p.compute_s)} + "
-        f"communication {_ms(p.communication_s)} + optimizer {_ms(p.other_s)}",
+        f"communication {_ms(p.communication_s)} + optimizer {_ms(p.other_s)}"
+        + (f" + fixed per step {_ms(p.fixed_s)}" if p.fixed_s else ""),
     ]
     if p.data_parallel_step_time_s:
         lines.append(f"  pure data parallel on the same devices: {_ms(p.data_parallel_step_time_s)}"

@@ -71,7 +71,7 @@ def optimize(
     single = solve(layer_choices(graph, cluster.with_devices(1, 1), optimizer, None).problem,
                    time_limit_s)
     plan = _plan(graph, cluster, optimizer, choices, solution, budget,
-                 data_parallel.objective_s, single.objective_s,
+                 data_parallel.objective_s + cluster.step_overhead_s, single.objective_s,
                  time.perf_counter() - started)
     return _with_baselines(plan, graph, cluster, optimizer, time_limit_s)
 
@@ -84,6 +84,7 @@ def _with_baselines(plan: Plan, graph, cluster: Cluster, optimizer: str,
     if cluster.num_devices == 1:
         return plan
     times = {kind: solve_baseline(graph, cluster, optimizer, kind, time_limit_s)[1].objective_s
+             + cluster.step_overhead_s
              for kind in available()}
     predicted = plan.predicted.model_copy(update={"baseline_step_time_s": times})
     return plan.model_copy(update={"predicted": predicted})
@@ -153,9 +154,12 @@ def _plan(graph, cluster: Cluster, optimizer: str, choices: Choices, solution: S
     update = sum(l.update_s for l in layers)
     memory = problem.memory_of(choice)
     ranks = cluster.num_devices
+    # what every distributed step costs whatever the plan (calibrated; the same for every
+    # choice, so outside the integer program's objective)
+    fixed = cluster.step_overhead_s if ranks > 1 else 0.0
     predicted = Predicted(
-        step_time_s=solution.objective_s, compute_s=compute, other_s=update,
-        communication_s=solution.objective_s - compute - update,
+        step_time_s=solution.objective_s + fixed, compute_s=compute, other_s=update,
+        communication_s=solution.objective_s - compute - update, fixed_s=fixed,
         memory_bytes=[memory] * ranks, memory_limit_bytes=budget,
         data_parallel_step_time_s=data_parallel_s, single_device_step_time_s=single_s)
     mesh = MeshPlan(shape=[ranks], dim_names=["devices"], device_type=cluster.device.kind,

@@ -66,6 +66,8 @@ class Predicted(_Data):
     compute_s: float
     communication_s: float
     other_s: float = Field(description="the optimizer's update")
+    fixed_s: float = Field(0.0, description="per-step cost of the distributed engine itself, "
+                           "the same for every plan (hyplan calibrate measures it)")
     memory_bytes: list[float] = Field(description="one entry per device")
     memory_limit_bytes: float
     data_parallel_step_time_s: float | None = None

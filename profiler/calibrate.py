@@ -71,6 +71,10 @@ class ClusterProfile(BaseModel):
     links: dict[int, LinkSpec] = Field(description="fitted link per process count")
     dtensor_layer_overhead_s: dict[int, float] = Field(default_factory=dict)
     dtensor_reshard_overhead_s: dict[int, float] = Field(default_factory=dict)
+    # compute- and memory-bound ops run on every process at once, against alone
+    compute_slowdown: dict[int, float] = Field(default_factory=dict)
+    memory_slowdown: dict[int, float] = Field(default_factory=dict)
+    step_overhead_s: dict[int, float] = Field(default_factory=dict)
     samples: list[Sample] = Field(default_factory=list)
 
     def _nearest(self, table: dict[int, object], count: int):
@@ -83,15 +87,19 @@ class ClusterProfile(BaseModel):
         process count measured), with the link fitted at that count (or the nearest)."""
         per_node = devices_per_node or max(self.links)
         link = self._nearest(self.links, per_node)
-        slowdown = 1.0
-        if self.device.kind == "cpu":
-            slowdown = max(1.0, per_node * self.threads_per_process / self.cores)
+        slowdown = self._nearest(self.compute_slowdown, per_node)
+        if slowdown is None:  # not measured: processes beyond the cores time-share them
+            slowdown = 1.0
+            if self.device.kind == "cpu":
+                slowdown = max(1.0, per_node * self.threads_per_process / self.cores)
         return Cluster(
             device=self.device, nodes=nodes or 1, devices_per_node=per_node,
             intra_node=link, inter_node=link,
             dtensor_layer_overhead_s=self._nearest(self.dtensor_layer_overhead_s, per_node) or 0.0,
             dtensor_reshard_overhead_s=self._nearest(self.dtensor_reshard_overhead_s, per_node) or 0.0,
             compute_slowdown=slowdown,
+            memory_slowdown=self._nearest(self.memory_slowdown, per_node) or slowdown,
+            step_overhead_s=self._nearest(self.step_overhead_s, per_node) or 0.0,
             source=f"hyplan calibrate on {self.host}, {self.created}")
 
     def save(self, path: str | Path) -> None:
@@ -269,13 +277,73 @@ def _dtensor_overheads(rank: int, world: int, device, repeats: int) -> dict[str,
     }
 
 
-def _rank_measure(rank: int, world: int, sizes, repeats: int) -> dict:
+def contention_ops(device: torch.device, repeats: int = 15) -> dict[str, float]:
+    """Median seconds of a compute-bound op (a 2048-wide Linear, forward and backward, on
+    64 rows) and a memory-bound one (a 256 MB copy), each ~30 ms so that time slices
+    average out. Run alone and on every rank at once, their ratio is what sharing the
+    machine costs: cores, caches and memory bandwidth."""
+    from profiler.profile import median_time
+
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(2048, 2048).to(device)
+    x = torch.randn(64, 2048, device=device)
+    src = torch.ones(256 * 2**20 // 4, device=device)
+    dst = torch.zeros_like(src)
+
+    def step():
+        linear(x.detach().requires_grad_(True)).sum().backward()
+
+    return {"compute": median_time(step, repeats, budget_s=0.0),
+            "memory": median_time(lambda: dst.copy_(src), repeats, budget_s=0.0)}
+
+
+def _step_overhead(device, repeats: int = 21) -> dict[str, float]:
+    """A small training step run plainly and under DDP on every rank: their difference,
+    less the gradient all-reduce (subtracted by the caller with the fitted link), is what
+    a distributed step costs beyond its layers and collectives (hooks, bucket bookkeeping,
+    the ranks waiting on each other)."""
+    from torch import nn
+    from torch.nn.parallel import DistributedDataParallel
+
+    def build():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 256)).to(device)
+
+    x = torch.randn(16, 256, device=device)
+
+    def stepper(model):
+        opt = torch.optim.SGD(model.parameters(), lr=0.01, foreach=False)
+
+        def step():
+            model(x).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+        return step
+
+    plain = build()
+    ddp = DistributedDataParallel(build(), device_ids=None if device.type == "cpu" else [device])
+    return {"plain": _median_time(stepper(plain), device, repeats),
+            "ddp": _median_time(stepper(ddp), device, repeats),
+            "grad_bytes": float(sum(p.numel() * p.element_size() for p in plain.parameters()))}
+
+
+def _rank_measure(rank: int, world: int, sizes, repeats: int, quiet_wait_s: float = 0.0) -> dict:
+    from profiler.launch import wait_for_quiet
+
     device = torch.device("cuda", rank) if dist.get_backend() == "nccl" else torch.device("cpu")
+    if quiet_wait_s > 0 and rank == 0:
+        wait_for_quiet(quiet_wait_s)
+    dist.barrier()
+    together = contention_ops(device)  # every rank at once
     samples = []
     for name in MEASURED:
         if name == "send_recv" and world != 2:
             continue  # one pair is enough; it is measured on 2 ranks
         for nbytes in sizes:
+            if quiet_wait_s > 0:  # on a shared machine, measure between others' bursts
+                if rank == 0:
+                    wait_for_quiet(quiet_wait_s)
+                dist.barrier()
             try:
                 t = _median_time(_collective_call(name, nbytes, rank, world, device),
                                  device, repeats)
@@ -285,7 +353,8 @@ def _rank_measure(rank: int, world: int, sizes, repeats: int) -> dict:
                 raise
             samples.append((name, nbytes, t / 2 if name == "send_recv" else t))
     # tiny ops: many repeats are cheap, and the difference of two medians needs them
-    return {"samples": samples, "dtensor": _dtensor_overheads(rank, world, device, 31)}
+    return {"samples": samples, "dtensor": _dtensor_overheads(rank, world, device, 31),
+            "contention": together, "step": _step_overhead(device)}
 
 
 # --- compute ---------------------------------------------------------------------------------
@@ -333,10 +402,12 @@ def measure_compute(threads: int, device: str = "cpu") -> DeviceSpec:
 # --- the whole calibration -------------------------------------------------------------------
 
 def calibrate(processes=(2, 4), quick: bool = False, repeats: int | None = None,
-              log=print) -> ClusterProfile:
+              log=print, quiet_wait_s: float = 0.0) -> ClusterProfile:
     """Measure this machine: compute at the threads each of max(processes) gets, and the
-    collectives on every process count in `processes`."""
+    collectives on every process count in `processes`. `quiet_wait_s`: before each
+    measurement, wait up to that long for other processes' load to pause."""
     from profiler.launch import run_ranks
+    from profiler.machine import threads as thread_count
     from strategies.cluster import cpu_threads_per_device
 
     cuda = torch.cuda.is_available() and torch.cuda.device_count() >= max(processes)
@@ -347,16 +418,23 @@ def calibrate(processes=(2, 4), quick: bool = False, repeats: int | None = None,
     threads = torch.get_num_threads() if cuda else cpu_threads_per_device(max(processes))
 
     log(f"compute: matmul, conv2d and a 256 MB copy with {threads} thread(s)")
+    if quiet_wait_s > 0:
+        from profiler.launch import wait_for_quiet
+
+        wait_for_quiet(quiet_wait_s)
     device = measure_compute(threads, "cuda" if cuda else "cpu")
+    with thread_count(threads):
+        alone = contention_ops(torch.device("cuda" if cuda else "cpu"))
     log(f"  matmul {device.op_flops['matmul'] / 1e9:.1f} GFLOP/s, conv2d "
         f"{device.op_flops['conv2d'] / 1e9:.1f} GFLOP/s, copy "
         f"{device.memory_bandwidth_bytes_per_s / 1e9:.1f} GB/s")
 
     links, layer_overhead, reshard_overhead, all_samples = {}, {}, {}, []
+    compute_slowdown, memory_slowdown, step_overhead = {}, {}, {}
     for world in processes:
         log(f"collectives on {world} {backend} ranks: {', '.join(MEASURED)}, "
             f"{len(sizes)} sizes x {repeats} repeats")
-        per_rank = run_ranks(_rank_measure, world, sizes, repeats, backend=backend,
+        per_rank = run_ranks(_rank_measure, world, sizes, repeats, quiet_wait_s, backend=backend,
                              threads=1 if backend == "gloo" else threads)
         # a collective ends when its slowest rank does
         timings: dict[tuple[str, int], float] = {}
@@ -373,6 +451,13 @@ def calibrate(processes=(2, 4), quick: bool = False, repeats: int | None = None,
             log(f"  {name:<15} alpha {fit.latency_s * 1e3:7.3f} ms   beta "
                 f"{fit.bandwidth_bytes_per_s / 1e9:6.2f} GB/s")
         layer_overhead[world], reshard_overhead[world] = _overheads(per_rank, world, link)
+        for key, table in (("compute", compute_slowdown), ("memory", memory_slowdown)):
+            together = statistics.median(r["contention"][key] for r in per_rank)
+            table[world] = max(1.0, together / alone[key])
+        step_overhead[world] = _fixed_step(per_rank, world, link)
+        log(f"  a distributed step's fixed cost: {step_overhead[world] * 1e3:.2f} ms")
+        log(f"  all {world} at once: compute {compute_slowdown[world]:.2f}x, memory "
+            f"{memory_slowdown[world]:.2f}x slower than one process alone")
         log(f"  DTensor: {layer_overhead[world] * 1e3:.2f} ms per parallel layer, "
             f"{reshard_overhead[world] * 1e3:.2f} ms per redistribute (fwd + bwd)")
     return ClusterProfile(
@@ -380,7 +465,8 @@ def calibrate(processes=(2, 4), quick: bool = False, repeats: int | None = None,
         host=platform.node(), torch_version=torch.__version__, backend=backend, cores=cores,
         threads_per_process=threads, device=device, links=links,
         dtensor_layer_overhead_s=layer_overhead, dtensor_reshard_overhead_s=reshard_overhead,
-        samples=all_samples)
+        compute_slowdown=compute_slowdown, memory_slowdown=memory_slowdown,
+        step_overhead_s=step_overhead, samples=all_samples)
 
 
 def _overheads(per_rank: list[dict], world: int, link: LinkSpec) -> tuple[float, float]:
@@ -395,3 +481,11 @@ def _overheads(per_rank: list[dict], world: int, link: LinkSpec) -> tuple[float,
     row = d["row"] - d["plain"] - all_reduce_s(d["row_bytes"], world, link)
     reshard = d["reshard"] - all_gather_s(d["tiny_bytes"], world, link)
     return max(0.0, (column + row) / 2), max(0.0, reshard)
+
+
+def _fixed_step(per_rank: list[dict], world: int, link: LinkSpec) -> float:
+    """A DDP step less the plain step and its gradient all-reduce (fitted link)."""
+    from strategies.collectives import all_reduce_s
+
+    d = {k: max(r["step"][k] for r in per_rank) for k in per_rank[0]["step"]}
+    return max(0.0, d["ddp"] - d["plain"] - all_reduce_s(d["grad_bytes"], world, link))

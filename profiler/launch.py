@@ -79,3 +79,28 @@ def run_ranks(fn, world_size: int, *args, backend: str = "gloo", threads: int = 
             if p.is_alive():
                 p.kill()
     return [out[r] for r in range(world_size)]
+
+
+def _busy_ticks() -> int:
+    with open("/proc/stat") as f:
+        v = [int(x) for x in f.readline().split()[1:9]]
+    return sum(v) - v[3] - v[4]  # all but idle and iowait
+
+
+def wait_for_quiet(max_wait_s: float, cores: float = 0.15, window_s: float = 0.5) -> float | None:
+    """Wait (up to `max_wait_s`) until this machine is busy with less than `cores` cores
+    over `window_s`, the caller being idle meanwhile; returns the last load seen (None
+    without /proc). A shared machine's load comes in bursts (others' test suites): timing
+    between them avoids measuring under it. Under torch.distributed, call it on one rank
+    and then barrier."""
+    deadline = time.perf_counter() + max_wait_s
+    load = None
+    try:
+        while True:
+            busy = _busy_ticks()
+            time.sleep(window_s)
+            load = (_busy_ticks() - busy) / os.sysconf("SC_CLK_TCK") / window_s
+            if load < cores or time.perf_counter() >= deadline:
+                return load
+    except OSError:
+        return None

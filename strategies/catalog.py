@@ -66,7 +66,9 @@ def compute_s(layer: Layer, fraction: float, ctx: CostContext, split: str = "bat
     measurement otherwise, else a roofline over FLOPs and bytes moved."""
     if layer.is_input:
         return 0.0
-    slowdown = ctx.cluster.compute_slowdown  # processes sharing too few cores
+    # processes sharing the machine: parameter-free ops are memory-bound, the rest compute
+    slowdown = (ctx.cluster.memory_slowdown if not layer.param_count
+                else ctx.cluster.compute_slowdown)
     if layer.measured_s is not None:
         parts = round(1 / fraction)
         if parts == 1 and "whole" in layer.measured_shards:
@@ -95,11 +97,16 @@ def weights_memory(param_bytes: float, ctx: CostContext) -> float:
     return param_bytes * (2 + ctx.state_factor)
 
 
+def memory_s(moved_bytes: float, ctx: CostContext) -> float:
+    """Seconds to stream `moved_bytes` through memory, all processes streaming at once."""
+    bandwidth = ctx.cluster.device.memory_bandwidth_bytes_per_s
+    return moved_bytes / bandwidth * ctx.cluster.memory_slowdown
+
+
 def update_s(param_bytes: float, ctx: CostContext) -> float:
     """The optimizer's step is memory-bound: it reads weights, gradients and state and
     writes weights and state back."""
-    moved = param_bytes * (3 + 2 * ctx.state_factor)
-    return moved / ctx.cluster.device.memory_bandwidth_bytes_per_s
+    return memory_s(param_bytes * (3 + 2 * ctx.state_factor), ctx)
 
 
 @dataclass(frozen=True)
@@ -134,7 +141,7 @@ class DataParallel(Strategy):
         # DDP copies gradients into its flat buckets and back out: two passes over memory
         copies = 0.0
         if ctx.ranks > 1 and layer.param_bytes:
-            copies = 2 * 2 * layer.param_bytes / ctx.cluster.device.memory_bandwidth_bytes_per_s
+            copies = memory_s(2 * 2 * layer.param_bytes, ctx)
         memory = weights_memory(layer.param_bytes, ctx) + layer.output.nbytes / ctx.ranks
         return Cost(compute_s(layer, 1 / ctx.ranks, ctx), sync + copies, memory,
                     update_s(layer.param_bytes, ctx),

@@ -42,6 +42,8 @@ class Cluster(BaseModel):
     dtensor_layer_overhead_s: float = Field(0.0, ge=0)
     dtensor_reshard_overhead_s: float = Field(0.0, ge=0)
     compute_slowdown: float = Field(1.0, gt=0)  # multiplies compute times (a refit sets it)
+    memory_slowdown: float = Field(1.0, gt=0)  # the same for memory-bound work
+    step_overhead_s: float = Field(0.0, ge=0)  # a distributed step's own fixed cost
     source: str = ""
 
     @model_validator(mode="after")
@@ -97,9 +99,10 @@ def _named_cluster(count_a: int | None, count_b: int | None, name: str) -> Clust
     if name.lower() == "cpu":
         threads = cpu_threads_per_device(per_node)
         device = _cpu_device(threads)
+        slowdown = cpu_slowdown(per_node, threads)
         return Cluster(device=device, nodes=nodes, devices_per_node=per_node,
                        intra_node=CPU_LINK, inter_node=CPU_LINK,
-                       compute_slowdown=cpu_slowdown(per_node, threads))
+                       compute_slowdown=slowdown, memory_slowdown=slowdown)
     key = next((k for k in DEVICES if k.lower() == name.lower()), None)
     if key is None:
         raise ValueError(
