@@ -199,6 +199,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--profile", help="a cluster profile from `hyplan calibrate` "
                         "(default: measure one now, --quick)")
+    parser.add_argument("--save-profile", metavar="FILE",
+                        help="keep the profile measured here (to rerun on the same one)")
     parser.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--steps", type=int, default=6, help="timed steps per case and round")
     parser.add_argument("--rounds", type=int, default=3,
@@ -216,7 +218,8 @@ def main() -> None:
     else:
         profile = calibrate(tuple(args.worlds), quick=True, log=lambda *_: None,
                             quiet_wait_s=args.wait)
-        profile.save(ROOT / "benchmarks" / "fidelity-profile.json")
+        if args.save_profile:
+            profile.save(args.save_profile)
     print(f"cluster profile: {profile.host} {profile.created}, {profile.cores} cores, "
           f"{profile.threads_per_process} thread(s) per process")
 
@@ -240,7 +243,8 @@ def main() -> None:
             other, measured = min(rounds)
             rows.append(dict(world=world, model=model_key, kind=kind, measured=measured,
                              predicted=plan.predicted.step_time_s, other=other,
-                             strategies=_summary(plan)))
+                             strategies=_summary(plan),
+                             choice=tuple(l.strategy for l in plan.layers)))
     _report(rows, args, time.perf_counter() - started)
 
 
@@ -271,9 +275,12 @@ def _report(rows: list[dict], args, seconds: float) -> None:
             by = {r["kind"]: r for r in rows if r["world"] == world and r["model"] == model}
             best_kind = min(("ddp", "tensor"), key=lambda k: by[k]["measured"])
             ours, best = by["hyplan"]["measured"], by[best_kind]["measured"]
+            same = [k for k in ("ddp", "tensor") if by[k]["choice"] == by["hyplan"]["choice"]]
             print(f"  {model:<10} hyplan {ours * 1e3:6.1f} ms vs fastest baseline "
                   f"({best_kind}) {best * 1e3:6.1f} ms: {ours / best:.2f}x its time; "
-                  f"DDP / hyplan {by['ddp']['measured'] / ours:.2f}x")
+                  f"DDP / hyplan {by['ddp']['measured'] / ours:.2f}x"
+                  + (f" (hyplan's plan is the {same[0]} plan: the difference is noise)"
+                     if same else ""))
     others = [r["other"] for r in rows if r["other"] is not None]
     if others:
         print(f"\nother processes used up to {max(others):.2f} cores during a case "

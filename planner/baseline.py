@@ -65,14 +65,21 @@ def available(kinds: Sequence[str] | None = None) -> list[str]:
     return [k for k in (kinds or BASELINES) if _missing(k) is None]
 
 
-def _missing(kind: str) -> str | None:
-    from strategies.catalog import _REGISTRY
+def _strategy_names() -> set[str]:
+    """Names of every Strategy class defined (imported) in this build."""
+    seen, todo = set(), [Strategy]
+    while todo:
+        cls = todo.pop()
+        seen.add(cls.name)
+        todo.extend(cls.__subclasses__())
+    return seen
 
+
+def _missing(kind: str) -> str | None:
     needs = BASELINES[kind][1]
     if needs is None:
         return None
-    names = {s.name for extra in _REGISTRY.values() for s in extra}
-    return None if needs in names else BASELINES[kind][2]
+    return None if needs in _strategy_names() else BASELINES[kind][2]
 
 
 def _check(kind: str) -> Rule:
