@@ -327,14 +327,32 @@ def _step_overhead(device, repeats: int = 21) -> dict[str, float]:
             "grad_bytes": float(sum(p.numel() * p.element_size() for p in plain.parameters()))}
 
 
+def _contention(rank: int, device, quiet_wait_s: float, trials: int = 3) -> dict[str, float]:
+    """Rank 0 alone (the others idle in a barrier), then every rank at once, in turn
+    `trials` times: the median of the ratios, so that load elsewhere on the machine, which
+    drifts, weighs on both sides alike."""
+    from profiler.launch import wait_for_quiet
+
+    ratios: dict[str, list[float]] = {"compute": [], "memory": []}
+    for _ in range(trials):
+        if quiet_wait_s > 0 and rank == 0:
+            wait_for_quiet(quiet_wait_s)
+        dist.barrier()
+        alone = contention_ops(device, 9) if rank == 0 else None
+        dist.barrier()
+        together = contention_ops(device, 9)
+        dist.barrier()
+        if rank == 0:
+            for key in ratios:
+                ratios[key].append(together[key] / alone[key])
+    return {key: statistics.median(r) if r else 1.0 for key, r in ratios.items()}
+
+
 def _rank_measure(rank: int, world: int, sizes, repeats: int, quiet_wait_s: float = 0.0) -> dict:
     from profiler.launch import wait_for_quiet
 
     device = torch.device("cuda", rank) if dist.get_backend() == "nccl" else torch.device("cpu")
-    if quiet_wait_s > 0 and rank == 0:
-        wait_for_quiet(quiet_wait_s)
-    dist.barrier()
-    together = contention_ops(device)  # every rank at once
+    together = _contention(rank, device, quiet_wait_s)
     samples = []
     for name in MEASURED:
         if name == "send_recv" and world != 2:
@@ -407,7 +425,6 @@ def calibrate(processes=(2, 4), quick: bool = False, repeats: int | None = None,
     collectives on every process count in `processes`. `quiet_wait_s`: before each
     measurement, wait up to that long for other processes' load to pause."""
     from profiler.launch import run_ranks
-    from profiler.machine import threads as thread_count
     from strategies.cluster import cpu_threads_per_device
 
     cuda = torch.cuda.is_available() and torch.cuda.device_count() >= max(processes)
@@ -423,8 +440,6 @@ def calibrate(processes=(2, 4), quick: bool = False, repeats: int | None = None,
 
         wait_for_quiet(quiet_wait_s)
     device = measure_compute(threads, "cuda" if cuda else "cpu")
-    with thread_count(threads):
-        alone = contention_ops(torch.device("cuda" if cuda else "cpu"))
     log(f"  matmul {device.op_flops['matmul'] / 1e9:.1f} GFLOP/s, conv2d "
         f"{device.op_flops['conv2d'] / 1e9:.1f} GFLOP/s, copy "
         f"{device.memory_bandwidth_bytes_per_s / 1e9:.1f} GB/s")
@@ -452,8 +467,7 @@ def calibrate(processes=(2, 4), quick: bool = False, repeats: int | None = None,
                 f"{fit.bandwidth_bytes_per_s / 1e9:6.2f} GB/s")
         layer_overhead[world], reshard_overhead[world] = _overheads(per_rank, world, link)
         for key, table in (("compute", compute_slowdown), ("memory", memory_slowdown)):
-            together = statistics.median(r["contention"][key] for r in per_rank)
-            table[world] = max(1.0, together / alone[key])
+            table[world] = max(1.0, per_rank[0]["contention"][key])
         step_overhead[world] = _fixed_step(per_rank, world, link)
         log(f"  a distributed step's fixed cost: {step_overhead[world] * 1e3:.2f} ms")
         log(f"  all {world} at once: compute {compute_slowdown[world]:.2f}x, memory "
