@@ -21,7 +21,7 @@ from torch import nn
 
 from profiler.graph import Layer
 from strategies.cluster import Cluster
-from strategies.collectives import all_gather_s, all_reduce_s, reduce_scatter_s
+from strategies.collectives import COEFFICIENTS, all_gather_s, all_reduce_s, reduce_scatter_s
 from strategies.layouts import Layout
 
 OPTIMIZER_STATE_FACTOR = {"sgd": 0, "sgd_momentum": 1, "adam": 2, "adamw": 2}
@@ -125,6 +125,23 @@ class Strategy:
         raise NotImplementedError
 
 
+# DistributedDataParallel's first bucket (later ones hold up to bucket_cap_mb, 25 MB)
+DDP_BUCKET_BYTES = 2**20
+
+
+def _bucketed_all_reduce_s(param_bytes: float, ctx: CostContext) -> float:
+    """A layer's share of DDP's gradient all-reduces. DDP packs gradients into buckets
+    (1 MB first, then 25 MB) and issues one all-reduce per bucket, so a layer pays the
+    bandwidth term for its own bytes and the per-message latency in proportion to the
+    bucket it fills, at most once. The 1 MB figure counts the few buckets of a small model
+    right and charges a mid-sized layer (1-25 MB) a whole latency it may share."""
+    if ctx.ranks <= 1 or param_bytes <= 0:
+        return 0.0
+    a, b = COEFFICIENTS["all_reduce"](ctx.ranks)
+    alpha, beta = ctx.link.alpha_beta("all_reduce")
+    return a * alpha * min(1.0, param_bytes / DDP_BUCKET_BYTES) + b * param_bytes / beta
+
+
 @dataclass(frozen=True)
 class DataParallel(Strategy):
     """Weights replicated, batch split by rows, gradients all-reduced after backward."""
@@ -137,7 +154,7 @@ class DataParallel(Strategy):
         return ctx.batch % ctx.ranks == 0 and _rowwise(layer, ctx.batch)
 
     def cost(self, layer, ctx):
-        sync = all_reduce_s(layer.param_bytes, ctx.ranks, ctx.link)
+        sync = _bucketed_all_reduce_s(layer.param_bytes, ctx)
         # DDP copies gradients into its flat buckets and back out: two passes over memory
         copies = 0.0
         if ctx.ranks > 1 and layer.param_bytes:
