@@ -63,7 +63,7 @@ def table(rows: list[Row]) -> Table:
               f"{chosen.cluster.describe()}: predicted per step", title_justify="left")
     for header, justify in [("plan", "left"), ("weighted layers", "left"), ("step", "right"),
                             ("compute", "right"), ("comm", "right"), ("update", "right"),
-                            ("memory/device", "right"), ("x hyplan", "right")]:
+                            ("memory/device", "right"), ("ratio", "right")]:
         t.add_column(header, justify=justify, no_wrap=True)
     for row in rows:
         if row.plan is None:
@@ -89,8 +89,10 @@ def render(rows: list[Row], width: int = 130) -> str:
     if ok:
         best = min(ok, key=lambda r: r.plan.predicted.step_time_s)
         ratio = best.plan.predicted.step_time_s / rows[0].plan.predicted.step_time_s
-        console.print(f"The fastest baseline is {best.label}: hyplan's plan is predicted "
-                      f"{ratio:.2f}x faster.", highlight=False)
+        verdict = (f"predicted {ratio:.2f}x faster" if ratio >= 1.005 else
+                   "the same plan or as fast (the baseline is already optimal here)")
+        console.print(f"The fastest baseline is {best.label}: hyplan's plan is {verdict}. "
+                      f"ratio = step time / hyplan's.", highlight=False)
     return buffer.getvalue()
 
 
