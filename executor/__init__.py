@@ -1,11 +1,13 @@
 """Run a Plan: rewrite the module for this rank, feed it its part of the batch, train."""
 
 from executor.batch import RankBatch, shard_batch
+from executor.monitor import Drift, StepMonitor, check_step_time
 from executor.parallelize import PlanMismatch, parallelize
 from executor.step import train_step
 from executor.styles import register_style
 from executor.train import TrainResult, train  # binds executor.train to the function
 from executor.transformer_styles import full_parameters
 
-__all__ = ["PlanMismatch", "RankBatch", "TrainResult", "full_parameters", "parallelize",
-           "register_style", "shard_batch", "train", "train_step"]
+__all__ = ["Drift", "PlanMismatch", "RankBatch", "StepMonitor", "TrainResult",
+           "check_step_time", "full_parameters", "parallelize", "register_style",
+           "shard_batch", "train", "train_step"]

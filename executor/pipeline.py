@@ -33,6 +33,7 @@ from executor.parallelize import (
 )
 from planner.plan import Plan
 from profiler.trace import fingerprint, fx_trace
+from strategies.catalog import leaf_types
 from strategies.layouts import Layout
 
 SCHEDULE_CLASSES = {"1F1B": Schedule1F1B, "GPipe": ScheduleGPipe}
@@ -155,7 +156,7 @@ class StageModel(nn.Module):
 
 def parallelize_3d(model: nn.Module, plan: Plan, *, leaf_modules=()) -> StageModel:
     """This rank's StageModel under a 3-D `plan`; every rank calls it with the same model."""
-    gm = fx_trace(model, leaf_modules)
+    gm = fx_trace(model, tuple(leaf_modules) + leaf_types(model))  # as the planner traced
     if fingerprint(gm) != plan.fingerprint:
         raise PlanMismatch(
             f"plan mismatch: the plan was made for a {plan.model} whose graph fingerprint is "

@@ -82,11 +82,13 @@ def batch_free_takes(producer: Layer, takes: Layout, batch: int) -> Layout:
 
 def layer_choices(graph: ModelGraph, cluster: Cluster, optimizer: str,
                   memory_budget_bytes: float | None, only: set[str] | None = None,
-                  pin: dict[str, str] | None = None, levers: bool = True) -> Choices:
+                  pin: dict[str, str] | None = None, levers: bool = True,
+                  keep=None) -> Choices:
     """Build the Problem. `only` keeps just the strategies named in it (and `replicate`
     where none of them applies): how baselines such as pure data parallelism are costed.
     `pin` maps layer names to the strategy they must use. `levers`: offer the memory
-    levers of strategies.memory (fsdp, and "+recompute" variants) as well."""
+    levers of strategies.memory (fsdp, and "+recompute" variants) as well. `keep(layer,
+    options)` returns the options a baseline allows for a layer (see planner.baseline)."""
     pin = dict(pin or {})
     ctx = CostContext(cluster=cluster, ranks=cluster.num_devices, batch=graph.batch_size,
                       optimizer=optimizer)
@@ -99,6 +101,8 @@ def layer_choices(graph: ModelGraph, cluster: Cluster, optimizer: str,
         if only is not None:
             kept = [s for s in options if s.name in only]
             options = kept or [s for s in options if s.name == "replicate"]
+        if keep is not None:
+            options = keep(layer, options)
         if layer.name in pin:
             wanted = pin.pop(layer.name)
             kept = [s for s in options if s.name == wanted] or pinned_recompute(
@@ -121,8 +125,10 @@ def layer_choices(graph: ModelGraph, cluster: Cluster, optimizer: str,
     nodes.append(Node(OUTPUT, (Option("output", 0.0, 0.0, Layout.BATCH.value, ""),)))
 
     link = cluster.link(ctx.ranks)
+    overhead = cluster.dtensor_reshard_overhead_s if ctx.ranks > 1 else 0.0
     edges = []
     for dst, row in enumerate(rows):
+        own_style = [s.model_parallel for s in row.strategies]
         for name in row.layer.inputs:
             src = index[name]
             producer = rows[src]
@@ -130,7 +136,8 @@ def layer_choices(graph: ModelGraph, cluster: Cluster, optimizer: str,
                      for s in row.strategies]
             matrix = edge_matrix([s.gives for s in producer.strategies], takes,
                                  producer.layer.output.nbytes, ctx.ranks, link,
-                                 backward=not producer.layer.is_input)
+                                 backward=not producer.layer.is_input,
+                                 reshard_overhead_s=overhead, own_style=own_style)
             if graph.tracer == "export":
                 matrix = matrix + unrealizable(producer, row, takes)
             edges.append(Edge(src, dst, matrix))
@@ -140,7 +147,7 @@ def layer_choices(graph: ModelGraph, cluster: Cluster, optimizer: str,
         producer = rows[src]
         matrix = edge_matrix([s.gives for s in producer.strategies], [Layout.BATCH],
                              producer.layer.output.nbytes, ctx.ranks, link,
-                             backward=not producer.layer.is_input)
+                             backward=not producer.layer.is_input, reshard_overhead_s=overhead)
         edges.append(Edge(src, sink, matrix))
     problem = Problem(tuple(nodes), tuple(edges), memory_budget_bytes)
     return Choices(problem, tuple(rows), ctx)

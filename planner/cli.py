@@ -256,8 +256,12 @@ def parser() -> argparse.ArgumentParser:
     show.add_argument("--plot", metavar="DIR", help="also draw the plan as PNG and SVG into DIR")
     show.set_defaults(run=_show)
 
-    from planner import cli_train
+    from planner import cli_train  # verbs that live in their own modules
+    from planner.cli_calibrate import add_calibrate
+    from planner.compare import add_compare
 
+    add_compare(commands)
+    add_calibrate(commands)
     cli_train.add_parser(commands)
     return top
 

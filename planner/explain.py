@@ -30,11 +30,19 @@ def summary(plan: Plan) -> list[str]:
         f"optimizer {plan.optimizer}, {c.dtype}",
         f"Predicted step time: {_ms(p.step_time_s)} = compute {_ms(p.compute_s)} + "
         f"communication {_ms(p.communication_s)} + optimizer {_ms(p.other_s)}"
-        + (f" + pipeline bubble {_ms(p.bubble_s)}" if p.bubble_s else ""),
+        + (f" + pipeline bubble {_ms(p.bubble_s)}" if p.bubble_s else "")
+        + (f" + fixed per step {_ms(p.fixed_s)}" if p.fixed_s else ""),
     ]
     if p.data_parallel_step_time_s:
         lines.append(f"  pure data parallel on the same devices: {_ms(p.data_parallel_step_time_s)}"
                      f" -> this plan is {p.speedup_over_data_parallel:.2f}x faster")
+    for kind, t in p.baseline_step_time_s.items():
+        if kind == "ddp":
+            continue  # the data-parallel line above
+        from planner.baseline import LABELS
+
+        lines.append(f"  {LABELS.get(kind, kind)} on the same devices: {_ms(t)} -> this plan "
+                     f"is {t / p.step_time_s:.2f}x faster")
     if p.single_device_step_time_s:
         lines.append(f"  one {c.device.name} (same global batch): {_ms(p.single_device_step_time_s)}"
                      f" -> speedup {p.speedup_over_single_device:.2f}x on {c.num_devices} devices")

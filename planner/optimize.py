@@ -65,22 +65,11 @@ def optimize(
     1% faster or the 1-D one does not fit; `Plan.mesh_choice` says which and why).
     """
     started = time.perf_counter()
-    if optimizer not in OPTIMIZER_STATE_FACTOR:
-        raise ValueError(f"optimizer: {optimizer!r} is not one of {sorted(OPTIMIZER_STATE_FACTOR)}")
-    if example_inputs is None:
-        raise ValueError("example_inputs: pass an example batch, e.g. example_inputs=(images,)")
-    if memory_limit_bytes is not None and memory_limit_bytes <= 0:
-        raise ValueError(f"memory_limit_bytes: must be positive, got {memory_limit_bytes}")
+    check_arguments(optimizer, example_inputs, memory_limit_bytes)
     if mesh not in ("1d", "3d", "auto"):
         raise ValueError(f"mesh: {mesh!r} is not one of '1d', '3d', 'auto'")
-    cluster = parse_devices(devices)
-    ranks = cluster.num_devices
-
-    graph = trace_model(model, example_inputs, example_kwargs, leaf_modules, tracer)
-    if measure is None:
-        measure = cluster.device.kind == "cpu"
-    graph = profile(graph, measure=measure, measure_batch=max(1, graph.batch_size // ranks),
-                    threads=cpu_threads_per_device(ranks) if cluster.device.kind == "cpu" else None)
+    graph, cluster = profiled_graph(model, devices, example_inputs, example_kwargs,
+                                    leaf_modules, measure, tracer)
 
     budget = memory_limit_bytes or cluster.device.memory_bytes
     if mesh != "1d":
@@ -102,9 +91,50 @@ def _plan_1d(graph, cluster: Cluster, optimizer: str, budget: float, pin, time_l
                                         only={"data_parallel"}).problem, time_limit_s)
     single = solve(layer_choices(graph, cluster.with_devices(1, 1), optimizer, None).problem,
                    time_limit_s)
-    return _plan(graph, cluster, optimizer, choices, solution, budget,
-                 data_parallel.objective_s, single.objective_s,
+    plan = _plan(graph, cluster, optimizer, choices, solution, budget,
+                 data_parallel.objective_s + cluster.step_overhead_s, single.objective_s,
                  time.perf_counter() - started)
+    return _with_baselines(plan, graph, cluster, optimizer, time_limit_s)
+
+
+def _with_baselines(plan: Plan, graph, cluster: Cluster, optimizer: str,
+                    time_limit_s: float) -> Plan:
+    """The plan, its prediction carrying each available baseline's predicted step time."""
+    from planner.baseline import available, solve_baseline
+
+    if cluster.num_devices == 1:
+        return plan
+    times = {kind: solve_baseline(graph, cluster, optimizer, kind, time_limit_s)[1].objective_s
+             + cluster.step_overhead_s
+             for kind in available()}
+    predicted = plan.predicted.model_copy(update={"baseline_step_time_s": times})
+    return plan.model_copy(update={"predicted": predicted})
+
+
+def check_arguments(optimizer: str, example_inputs, memory_limit_bytes: float | None) -> None:
+    """The checks every planning entry point makes before it traces anything."""
+    if optimizer not in OPTIMIZER_STATE_FACTOR:
+        raise ValueError(f"optimizer: {optimizer!r} is not one of {sorted(OPTIMIZER_STATE_FACTOR)}")
+    if example_inputs is None:
+        raise ValueError("example_inputs: pass an example batch, e.g. example_inputs=(images,)")
+    if memory_limit_bytes is not None and memory_limit_bytes <= 0:
+        raise ValueError(f"memory_limit_bytes: must be positive, got {memory_limit_bytes}")
+
+
+def profiled_graph(model: nn.Module, devices, example_inputs, example_kwargs=None,
+                   leaf_modules=(), measure: bool | None = None, tracer: str = "auto"):
+    """(traced and profiled graph, Cluster): the first two steps of the flow, shared by
+    optimize() and the baselines (layer timings are cached by shape, so a second call on
+    the same model costs no measuring)."""
+    cluster = parse_devices(devices)
+    ranks = cluster.num_devices
+    graph = trace_model(model, example_inputs, example_kwargs, leaf_modules, tracer)
+    if measure is None:
+        measure = cluster.device.kind == "cpu"
+    graph = profile(graph, measure=measure, measure_batch=max(1, graph.batch_size // ranks),
+                    threads=cpu_threads_per_device(ranks) if cluster.device.kind == "cpu" else None,
+                    ranks=ranks)
+    return graph, cluster
 
 
 def trace_model(model: nn.Module, example_inputs, example_kwargs=None, leaf_modules=(),
@@ -179,9 +209,12 @@ def _plan(graph, cluster: Cluster, optimizer: str, choices: Choices, solution: S
     update = sum(l.update_s for l in layers)
     memory = problem.memory_of(choice)
     ranks = cluster.num_devices
+    # what every distributed step costs whatever the plan (calibrated; the same for every
+    # choice, so outside the integer program's objective)
+    fixed = cluster.step_overhead_s if ranks > 1 else 0.0
     predicted = Predicted(
-        step_time_s=solution.objective_s, compute_s=compute, other_s=update,
-        communication_s=solution.objective_s - compute - update,
+        step_time_s=solution.objective_s + fixed, compute_s=compute, other_s=update,
+        communication_s=solution.objective_s - compute - update, fixed_s=fixed,
         memory_bytes=[memory] * ranks, memory_limit_bytes=budget,
         data_parallel_step_time_s=data_parallel_s, single_device_step_time_s=single_s)
     mesh = MeshPlan(shape=[ranks], dim_names=["devices"], device_type=cluster.device.kind,

@@ -153,6 +153,8 @@ class Predicted(_Data):
     compute_s: float
     communication_s: float
     other_s: float = Field(description="the optimizer's update")
+    fixed_s: float = Field(0.0, description="per-step cost of the distributed engine itself, "
+                           "the same for every plan (hyplan calibrate measures it)")
     memory_bytes: list[float] = Field(description="one entry per device")
     memory_limit_bytes: float
     data_parallel_step_time_s: float | None = None
@@ -161,6 +163,8 @@ class Predicted(_Data):
     memory_breakdown: list[MemoryBreakdown] | None = Field(
         None, description="one entry per device (rank order): parameters, gradients, "
         "optimizer state, activations (3-D plans)")
+    # each hand-written baseline's predicted step time ("ddp", "tensor", ...), same model
+    baseline_step_time_s: dict[str, float] = Field(default_factory=dict)
 
     @property
     def speedup_over_data_parallel(self) -> float | None:

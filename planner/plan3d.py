@@ -12,16 +12,15 @@ from collections.abc import Iterable, Sequence
 
 from torch import nn
 
-from planner.optimize import GB, PlanDoesNotFit
+from planner.optimize import GB, PlanDoesNotFit, check_arguments, profiled_graph
 from planner.plan import (
     CandidateReport, InputPlan, LayerPlan, MemoryBreakdown, MeshPlan, PipelinePlan, Plan,
     Predicted, SearchReport, SolverReport, StagePlan,
 )
 from planner.search import SearchResult, Shape, build, group_link, rank_groups, search
 from planner.stages import evaluate, in_flight
-from profiler import profile, trace
 from strategies.catalog import OPTIMIZER_STATE_FACTOR
-from strategies.cluster import Cluster, cpu_threads_per_device, parse_devices
+from strategies.cluster import Cluster
 
 
 def optimize_3d(
@@ -46,20 +45,10 @@ def optimize_3d(
     restricts the search to the given shapes (e.g. to compare one shape with the best);
     `pin` {layer: strategy} fixes a layer's strategy on shapes where it applies."""
     started = time.perf_counter()
-    if optimizer not in OPTIMIZER_STATE_FACTOR:
-        raise ValueError(f"optimizer: {optimizer!r} is not one of {sorted(OPTIMIZER_STATE_FACTOR)}")
-    if example_inputs is None:
-        raise ValueError("example_inputs: pass an example batch, e.g. example_inputs=(ids,)")
-    if memory_limit_bytes is not None and memory_limit_bytes <= 0:
-        raise ValueError(f"memory_limit_bytes: must be positive, got {memory_limit_bytes}")
-    cluster = parse_devices(devices)
-    graph = trace(model, example_inputs, example_kwargs, leaf_modules)
-    if measure is None:
-        measure = cluster.device.kind == "cpu"
-    graph = profile(graph, measure=measure,
-                    measure_batch=max(1, graph.batch_size // cluster.num_devices),
-                    threads=cpu_threads_per_device(cluster.num_devices)
-                    if cluster.device.kind == "cpu" else None)
+    check_arguments(optimizer, example_inputs, memory_limit_bytes)
+    # the pipeline executor splits an fx graph, so the 3-D search plans fx-traced models
+    graph, cluster = profiled_graph(model, devices, example_inputs, example_kwargs,
+                                    leaf_modules, measure, tracer="fx")
     budget = memory_limit_bytes or cluster.device.memory_bytes
     return plan_3d(graph, cluster, optimizer, budget, started,
                    max_microbatches=max_microbatches, time_limit_s=time_limit_s,

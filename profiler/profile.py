@@ -2,40 +2,55 @@
 targets this machine, the measured time of each layer's forward plus backward.
 
 Each layer is run on its own, its inputs detached, so the counts and times belong to that
-layer alone. FLOPs are counted on meta tensors: nothing is allocated.
+layer alone. FLOPs are counted on meta tensors: nothing is allocated. Times are medians
+(a best-of-N is optimistic next to a training loop's typical step), cached by shape, and
+Linear / Conv2d layers are also timed at the shapes their model-parallel shards have:
+a half-width matmul is not half the time of a full one on a CPU, so scaling one linearly
+misprices model parallelism.
 """
 
 from __future__ import annotations
 
+import statistics
 import time
 import warnings
 from dataclasses import replace
 
 import torch
 import torch.fx as fx
+from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from profiler.graph import Layer, ModelGraph
 from profiler.machine import threads as thread_count
 from profiler.trace import to_meta, materialize, meta_params, run_node
 
+# (what ran, at which shapes, with how many threads) -> seconds of forward + backward
+_TIMES: dict[tuple, float] = {}
+
 
 def profile(graph: ModelGraph, measure: bool = False, measure_batch: int | None = None,
-            threads: int | None = None) -> ModelGraph:
+            threads: int | None = None, ranks: int = 1) -> ModelGraph:
     """Add FLOPs to every layer and, with `measure`, time each layer on this machine's CPU
-    at `measure_batch` rows (default: the graph's batch) with `threads` intra-op threads.
-    A graph from torch.export already carries its FLOPs and is returned as it is."""
+    at `measure_batch` rows (default: the graph's batch) with `threads` intra-op threads,
+    and Linear / Conv2d layers also at the shapes a `ranks`-way split gives them. A graph
+    from torch.export already carries its FLOPs and is returned as it is."""
     if graph.tracer == "export":
         return graph
     flops = count_flops(graph)
     times: dict[str, float] = {}
+    shards: dict[str, dict[str, float]] = {}
     batch = measure_batch or graph.batch_size
     if measure:
         with thread_count(threads):
             times = measure_times(graph, batch)
+            if times:
+                shards = measure_shards(graph, ranks)
     layers = tuple(
         replace(layer, fwd_flops=flops[layer.node][0], bwd_flops=flops[layer.node][1],
-                measured_s=times.get(layer.node), measured_batch=batch if times else None)
+                measured_s=times.get(layer.node), measured_batch=batch if times else None,
+                measured_shards=shards.get(layer.node, {}),
+                measured_parts=ranks if layer.node in shards else None)
         for layer in graph.layers
     )
     return replace(graph, layers=layers)
@@ -125,14 +140,36 @@ def count_flops(graph: ModelGraph) -> dict[str, tuple[int, int]]:
     return result
 
 
-def _best_of(fn, repeats: int = 3) -> float:
+def median_time(fn, repeats: int = 5, budget_s: float = 0.3) -> float:
+    """Median seconds of `fn` after one warm-up call: `repeats` calls, more (up to 25) while
+    they fit in `budget_s`, so that quick ops are not decided by one noisy sample."""
     fn()
-    best = float("inf")
-    for _ in range(repeats):
+    times: list[float] = []
+    spent = 0.0
+    while len(times) < repeats or (spent < budget_s and len(times) < 25):
         start = time.perf_counter()
         fn()
-        best = min(best, time.perf_counter() - start)
-    return best
+        times.append(time.perf_counter() - start)
+        spent += times[-1]
+    return statistics.median(times)
+
+
+def _shape_key(value):
+    if isinstance(value, torch.Tensor):
+        return ("tensor", tuple(value.shape), str(value.dtype), value.requires_grad)
+    if isinstance(value, (list, tuple)):
+        return tuple(_shape_key(v) for v in value)
+    if isinstance(value, fx.Node):
+        return ("node", value.name)
+    return repr(value)
+
+
+def _node_key(node: fx.Node, modules: dict, local: dict, needs_grad: dict) -> tuple:
+    """What decides a node's time: its op, its module's configuration, its inputs' shapes."""
+    what = repr(modules[node.target]) if node.op == "call_module" else str(node.target)
+    args = fx.node.map_arg((node.args, node.kwargs), lambda n: _shape_key(local.get(n.name)))
+    grads = tuple(bool(needs_grad.get(n.name)) for n in node.all_input_nodes)
+    return (node.op, what, _shape_key(args), grads, torch.get_num_threads())
 
 
 def measure_times(graph: ModelGraph, batch: int) -> dict[str, float]:
@@ -170,7 +207,10 @@ def measure_times(graph: ModelGraph, batch: int) -> dict[str, float]:
                     torch.autograd.grad(y, targets, torch.ones_like(y), allow_unused=True)
 
             if layer is not None:
-                times[node.name] = _best_of(step)
+                key = _node_key(node, modules, local, needs_grad)
+                if key not in _TIMES:
+                    _TIMES[key] = median_time(step)
+                times[node.name] = _TIMES[key]
             needs_grad[node.name] = isinstance(out, torch.Tensor) and out.requires_grad
             values[node.name] = out.detach() if isinstance(out, torch.Tensor) else out
     except Exception as error:  # e.g. a hard-coded batch size in a view()
@@ -178,3 +218,69 @@ def measure_times(graph: ModelGraph, batch: int) -> dict[str, float]:
                       f"using FLOP rates instead", stacklevel=2)
         return {}
     return times
+
+
+def _shard_module(module: nn.Module, split: str, parts: int) -> nn.Module | None:
+    """A fresh module of the shape one of `parts` shards of `module` has under `split`."""
+    if isinstance(module, nn.Linear):
+        fin, fout = module.in_features, module.out_features
+        if split == "out" and fout % parts == 0:
+            fout //= parts
+        elif split == "in" and fin % parts == 0:
+            fin //= parts
+        elif split != "whole":
+            return None
+        return nn.Linear(fin, fout, bias=module.bias is not None)
+    if isinstance(module, nn.Conv2d) and module.groups == 1:
+        cout = module.out_channels
+        if split == "out" and cout % parts == 0:
+            cout //= parts
+        elif split != "whole":
+            return None
+        return nn.Conv2d(module.in_channels, cout, module.kernel_size, module.stride,
+                         module.padding, module.dilation, bias=module.bias is not None,
+                         padding_mode=module.padding_mode)
+    return None
+
+
+def _time_module(module: nn.Module, shape: tuple[int, ...], input_grad: bool) -> float:
+    x = torch.randn(shape)
+
+    def step():
+        inp = x.detach().requires_grad_(input_grad)
+        y = module(inp)
+        targets = [inp] * input_grad + list(module.parameters())
+        torch.autograd.grad(y, targets, torch.ones_like(y))
+
+    return median_time(step)
+
+
+def measure_shards(graph: ModelGraph, parts: int) -> dict[str, dict[str, float]]:
+    """{fx node name: {"whole" | "out" | "in": seconds}} for Linear and Conv2d layers over
+    the whole batch: unsplit, and one of `parts` shards split by output or input features
+    (the shapes replicate, column / channel and row parallelism run at)."""
+    gm = graph.module
+    modules = dict(gm.named_modules())
+    out: dict[str, dict[str, float]] = {}
+    for layer in graph.layers:
+        module = modules.get(layer.name) if layer.op == "call_module" else None
+        if not isinstance(module, (nn.Linear, nn.Conv2d)) or len(layer.inputs) != 1:
+            continue
+        shape = graph.layer(layer.inputs[0]).output.shape
+        if not shape or shape[0] != graph.batch_size:
+            continue
+        input_grad = not graph.layer(layer.inputs[0]).is_input
+        times = {}
+        for split in ("whole", "out", "in") if parts > 1 else ("whole",):
+            shard = _shard_module(module, split, parts)
+            if shard is None:
+                continue
+            in_shape = list(shape)
+            if split == "in":
+                in_shape[-1] //= parts
+            key = ("shard", repr(shard), tuple(in_shape), input_grad, torch.get_num_threads())
+            if key not in _TIMES:
+                _TIMES[key] = _time_module(shard, tuple(in_shape), input_grad)
+            times[split] = _TIMES[key]
+        out[layer.node] = times
+    return out

@@ -21,7 +21,7 @@ from torch import nn
 
 from profiler.graph import Layer
 from strategies.cluster import Cluster
-from strategies.collectives import all_gather_s, all_reduce_s, reduce_scatter_s
+from strategies.collectives import COEFFICIENTS, all_gather_s, all_reduce_s, reduce_scatter_s
 from strategies.layouts import Layout
 from strategies.rowwise import featurewise_binary, keeps_rows
 
@@ -59,19 +59,38 @@ class Cost:
         return self.compute_s + self.communication_s + self.update_s
 
 
-def compute_s(layer: Layer, fraction: float, ctx: CostContext) -> float:
-    """Forward + backward time of `fraction` of the layer's work on one device: measured
-    when the layer was timed here, else a roofline over FLOPs and bytes moved."""
+def compute_s(layer: Layer, fraction: float, ctx: CostContext, split: str = "batch") -> float:
+    """Forward + backward time of `fraction` of the layer's work on one device, `split` the
+    way the work is divided ("batch" rows, "out" or "in" features, "feature" of a
+    parameter-free op). Measured where the layer was timed here at that very shape (the
+    data-parallel rows, a model-parallel shard, or whole), scaled from the nearest
+    measurement otherwise, else a roofline over FLOPs and bytes moved."""
     if layer.is_input:
         return 0.0
+    # processes sharing the machine: parameter-free ops are memory-bound, the rest compute
+    slowdown = (ctx.cluster.memory_slowdown if not layer.param_count
+                else ctx.cluster.compute_slowdown)
     if layer.measured_s is not None:
-        return layer.measured_s * fraction * ctx.batch / layer.measured_batch
+        parts = round(1 / fraction)
+        if parts == 1 and "whole" in layer.measured_shards:
+            return layer.measured_shards["whole"] * slowdown
+        if split == "batch" and ctx.batch * fraction == layer.measured_batch:
+            return layer.measured_s * slowdown
+        if split in layer.measured_shards and layer.measured_parts == parts:
+            return layer.measured_shards[split] * slowdown
+        return layer.measured_s * fraction * ctx.batch / layer.measured_batch * slowdown
     device = ctx.cluster.device
     flops = (layer.fwd_flops + layer.bwd_flops) * fraction
+    rate = device.op_flops.get(layer.kind.lower()) or device.achievable_flops(ctx.cluster.dtype)
     # forward writes the output once, backward reads it and writes its gradient
     moved = 3 * layer.output.nbytes * fraction
-    return max(flops / device.achievable_flops(ctx.cluster.dtype),
-               moved / device.memory_bandwidth_bytes_per_s)
+    return max(flops / rate, moved / device.memory_bandwidth_bytes_per_s) * slowdown
+
+
+def dtensor_overhead_s(ctx: CostContext) -> float:
+    """What running a layer through DTensor's parallel styles costs beyond its math and
+    collectives (measured by `hyplan calibrate`; 0 when not calibrated)."""
+    return ctx.cluster.dtensor_layer_overhead_s if ctx.ranks > 1 else 0.0
 
 
 def weights_memory(param_bytes: float, ctx: CostContext) -> float:
@@ -79,11 +98,16 @@ def weights_memory(param_bytes: float, ctx: CostContext) -> float:
     return param_bytes * (2 + ctx.state_factor)
 
 
+def memory_s(moved_bytes: float, ctx: CostContext) -> float:
+    """Seconds to stream `moved_bytes` through memory, all processes streaming at once."""
+    bandwidth = ctx.cluster.device.memory_bandwidth_bytes_per_s
+    return moved_bytes / bandwidth * ctx.cluster.memory_slowdown
+
+
 def update_s(param_bytes: float, ctx: CostContext) -> float:
     """The optimizer's step is memory-bound: it reads weights, gradients and state and
     writes weights and state back."""
-    moved = param_bytes * (3 + 2 * ctx.state_factor)
-    return moved / ctx.cluster.device.memory_bandwidth_bytes_per_s
+    return memory_s(param_bytes * (3 + 2 * ctx.state_factor), ctx)
 
 
 @dataclass(frozen=True)
@@ -102,6 +126,23 @@ class Strategy:
         raise NotImplementedError
 
 
+# DistributedDataParallel's first bucket (later ones hold up to bucket_cap_mb, 25 MB)
+DDP_BUCKET_BYTES = 2**20
+
+
+def _bucketed_all_reduce_s(param_bytes: float, ctx: CostContext) -> float:
+    """A layer's share of DDP's gradient all-reduces. DDP packs gradients into buckets
+    (1 MB first, then 25 MB) and issues one all-reduce per bucket, so a layer pays the
+    bandwidth term for its own bytes and the per-message latency in proportion to the
+    bucket it fills, at most once. The 1 MB figure counts the few buckets of a small model
+    right and charges a mid-sized layer (1-25 MB) a whole latency it may share."""
+    if ctx.ranks <= 1 or param_bytes <= 0:
+        return 0.0
+    a, b = COEFFICIENTS["all_reduce"](ctx.ranks)
+    alpha, beta = ctx.link.alpha_beta("all_reduce")
+    return a * alpha * min(1.0, param_bytes / DDP_BUCKET_BYTES) + b * param_bytes / beta
+
+
 @dataclass(frozen=True)
 class DataParallel(Strategy):
     """Weights replicated, batch split by rows, gradients all-reduced after backward."""
@@ -114,11 +155,16 @@ class DataParallel(Strategy):
         return ctx.batch % ctx.ranks == 0 and _rowwise(layer, ctx.batch)
 
     def cost(self, layer, ctx):
-        sync = all_reduce_s(layer.param_bytes, ctx.ranks, ctx.link)
+        sync = _bucketed_all_reduce_s(layer.param_bytes, ctx)
+        # DDP copies gradients into its flat buckets and back out: two passes over memory
+        copies = 0.0
+        if ctx.ranks > 1 and layer.param_bytes:
+            copies = memory_s(2 * 2 * layer.param_bytes, ctx)
         memory = weights_memory(layer.param_bytes, ctx) + layer.output.nbytes / ctx.ranks
-        return Cost(compute_s(layer, 1 / ctx.ranks, ctx), sync, memory,
+        return Cost(compute_s(layer, 1 / ctx.ranks, ctx), sync + copies, memory,
                     update_s(layer.param_bytes, ctx),
-                    {"gradient_bytes": layer.param_bytes, "gradient_all_reduce_s": sync})
+                    {"gradient_bytes": layer.param_bytes, "gradient_all_reduce_s": sync,
+                     "bucket_copies_s": copies})
 
 
 @dataclass(frozen=True)
@@ -147,7 +193,8 @@ class FeatureParallel(Strategy):
         return _featurewise(layer) and _features(layer) % ctx.ranks == 0
 
     def cost(self, layer, ctx):
-        return Cost(compute_s(layer, 1 / ctx.ranks, ctx), 0.0, layer.output.nbytes / ctx.ranks)
+        return Cost(compute_s(layer, 1 / ctx.ranks, ctx, "feature"), 0.0,
+                    layer.output.nbytes / ctx.ranks)
 
 
 @dataclass(frozen=True)
@@ -167,7 +214,8 @@ class ColumnParallel(Strategy):
     def cost(self, layer, ctx):
         local = layer.param_bytes / ctx.ranks
         memory = weights_memory(local, ctx) + layer.output.nbytes / ctx.ranks
-        return Cost(compute_s(layer, 1 / ctx.ranks, ctx), 0.0, memory, update_s(local, ctx))
+        compute = compute_s(layer, 1 / ctx.ranks, ctx, "out") + dtensor_overhead_s(ctx)
+        return Cost(compute, 0.0, memory, update_s(local, ctx))
 
 
 @dataclass(frozen=True)
@@ -203,7 +251,8 @@ class RowParallel(Strategy):
             kept = n
         local = layer.param_bytes / ctx.ranks
         memory = weights_memory(local, ctx) + kept
-        return Cost(compute_s(layer, 1 / ctx.ranks, ctx), comm, memory, update_s(local, ctx),
+        compute = compute_s(layer, 1 / ctx.ranks, ctx, "in") + dtensor_overhead_s(ctx)
+        return Cost(compute, comm, memory, update_s(local, ctx),
                     {"output_reduction_s": comm, "output_bytes": n})
 
 

@@ -35,6 +35,16 @@ class Cluster(BaseModel):
     intra_node: LinkSpec
     inter_node: LinkSpec
     dtype: str = "float32"
+    # Measured by `hyplan calibrate` (0 / 1 when not calibrated): the fixed cost of running
+    # a layer through DTensor's parallel styles (forward + backward), and of one
+    # `Reshard` (DTensor redistribute) between layers, beyond the collectives they issue;
+    # and how much slower compute runs when processes outnumber this machine's cores.
+    dtensor_layer_overhead_s: float = Field(0.0, ge=0)
+    dtensor_reshard_overhead_s: float = Field(0.0, ge=0)
+    compute_slowdown: float = Field(1.0, gt=0)  # multiplies compute times (a refit sets it)
+    memory_slowdown: float = Field(1.0, gt=0)  # the same for memory-bound work
+    step_overhead_s: float = Field(0.0, ge=0)  # a distributed step's own fixed cost
+    source: str = ""
 
     @model_validator(mode="after")
     def _dtype_known(self):
@@ -58,6 +68,7 @@ class Cluster(BaseModel):
         return self.model_copy(update={"nodes": nodes, "devices_per_node": devices_per_node})
 
 
+_PROFILE = re.compile(r"^\s*(?:(\d+)\s*x\s*)?(.+\.json)\s*$", re.IGNORECASE)
 _SPEC = re.compile(r"^\s*(?:(\d+)\s*x\s*)?(?:(\d+)\s*x\s*)?([A-Za-z][\w.\-]*)\s*$")
 
 
@@ -71,15 +82,28 @@ def cpu_threads_per_device(num_devices: int) -> int:
     return max(1, (os.cpu_count() or 1) // num_devices)
 
 
+def cpu_slowdown(processes: int, threads: int) -> float:
+    """How much slower each process computes when `processes` x `threads` outnumber this
+    machine's cores (all ranks compute at once under data parallelism)."""
+    return max(1.0, processes * threads / (os.cpu_count() or 1))
+
+
 def _named_cluster(count_a: int | None, count_b: int | None, name: str) -> Cluster:
     nodes, per_node = (count_a, count_b) if count_b is not None else (
         1, 1 if count_a is None else count_a)  # "0xV100" is zero devices, not one
     if nodes < 1 or per_node < 1:
         raise ValueError(f"devices: counts must be positive, got {nodes} nodes x {per_node}")
+    if name.lower().endswith(".json"):
+        from profiler.calibrate import load_profile  # a measured cluster profile
+
+        return load_profile(name).cluster(per_node, nodes)
     if name.lower() == "cpu":
-        device = _cpu_device(cpu_threads_per_device(per_node))
+        threads = cpu_threads_per_device(per_node)
+        device = _cpu_device(threads)
+        slowdown = cpu_slowdown(per_node, threads)
         return Cluster(device=device, nodes=nodes, devices_per_node=per_node,
-                       intra_node=CPU_LINK, inter_node=CPU_LINK)
+                       intra_node=CPU_LINK, inter_node=CPU_LINK,
+                       compute_slowdown=slowdown, memory_slowdown=slowdown)
     key = next((k for k in DEVICES if k.lower() == name.lower()), None)
     if key is None:
         raise ValueError(
@@ -101,6 +125,10 @@ def parse_devices(devices) -> Cluster:
     if isinstance(devices, int):
         return _local(devices)
     if isinstance(devices, str):
+        profile = _PROFILE.match(devices)
+        if profile:  # "[COUNTx]path/to/profile.json": a cluster measured by `hyplan calibrate`
+            count, path = profile.groups()
+            return _named_cluster(int(count) if count else None, None, path)
         match = _SPEC.match(devices)
         if not match:
             raise ValueError(

@@ -9,38 +9,54 @@ bandwidth β (bytes/s per rank, one direction) and latency α per message:
     reduce_scatter  (P-1)·α  +  (P-1)/P · n/β       (n = the input being reduced)
     all_to_all      (P-1)·α  +  (P-1)/P² · n/β      (each rank keeps 1/P of its n/P)
     send_recv       α + n/β
+
+Every formula is `a(P)·α + b(P)·n/β`; `COEFFICIENTS` holds (a, b), which is also what
+`profiler.calibrate` fits measured timings against. α and β come from the link, per
+collective where `hyplan calibrate` measured them (see LinkSpec.alpha_beta).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from strategies.devices import LinkSpec
+
+COEFFICIENTS: dict[str, Callable[[int], tuple[float, float]]] = {
+    "all_reduce": lambda p: (2 * (p - 1), 2 * (p - 1) / p),
+    "all_gather": lambda p: (p - 1, (p - 1) / p),
+    "reduce_scatter": lambda p: (p - 1, (p - 1) / p),
+    "all_to_all": lambda p: (p - 1, (p - 1) / p**2),
+    "send_recv": lambda p: (1, 1),
+}
+
+
+def collective_time_s(name: str, n: float, ranks: int, link: LinkSpec) -> float:
+    """a(P)·α + b(P)·n/β for the collective `name` over `n` bytes on `ranks` ranks."""
+    if n <= 0 or (ranks <= 1 and name != "send_recv"):
+        return 0.0
+    alpha, beta = link.alpha_beta(name)
+    a, b = COEFFICIENTS[name](ranks)
+    return a * alpha + b * n / beta
 
 
 def all_reduce_s(n: float, ranks: int, link: LinkSpec) -> float:
-    if ranks <= 1 or n <= 0:
-        return 0.0
-    return 2 * (ranks - 1) * (link.latency_s + n / ranks / link.bandwidth_bytes_per_s)
+    return collective_time_s("all_reduce", n, ranks, link)
 
 
 def all_gather_s(n: float, ranks: int, link: LinkSpec) -> float:
-    if ranks <= 1 or n <= 0:
-        return 0.0
-    return (ranks - 1) * (link.latency_s + n / ranks / link.bandwidth_bytes_per_s)
+    return collective_time_s("all_gather", n, ranks, link)
 
 
-reduce_scatter_s = all_gather_s
+def reduce_scatter_s(n: float, ranks: int, link: LinkSpec) -> float:
+    return collective_time_s("reduce_scatter", n, ranks, link)
 
 
 def all_to_all_s(n: float, ranks: int, link: LinkSpec) -> float:
-    if ranks <= 1 or n <= 0:
-        return 0.0
-    return (ranks - 1) * (link.latency_s + n / ranks**2 / link.bandwidth_bytes_per_s)
+    return collective_time_s("all_to_all", n, ranks, link)
 
 
 def send_recv_s(n: float, link: LinkSpec) -> float:
-    if n <= 0:
-        return 0.0
-    return link.latency_s + n / link.bandwidth_bytes_per_s
+    return collective_time_s("send_recv", n, 2, link)
 
 
 COLLECTIVES = {

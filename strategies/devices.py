@@ -29,6 +29,8 @@ class DeviceSpec(BaseModel):
     memory_bandwidth_bytes_per_s: float = Field(gt=0)
     kind: str = "cuda"  # the torch device type that runs it
     source: str = ""
+    # achieved FLOP/s per op class ("matmul", "conv2d"), where measured (hyplan calibrate)
+    op_flops: dict[str, float] = Field(default_factory=dict)
 
     def achievable_flops(self, dtype: str = "float32") -> float:
         if dtype not in self.peak_flops:
@@ -39,8 +41,22 @@ class DeviceSpec(BaseModel):
         return self.peak_flops[dtype] * self.efficiency
 
 
+class CollectiveFit(BaseModel):
+    """One collective's own alpha (latency per message) and beta (bandwidth per rank), as
+    `hyplan calibrate` fits them: a library may implement a collective unlike its ring
+    model (gloo's reduce-scatter is an all-reduce), so each gets its own pair."""
+
+    model_config = ConfigDict(frozen=True)
+
+    latency_s: float = Field(ge=0)
+    bandwidth_bytes_per_s: float = Field(gt=0)
+
+
 class LinkSpec(BaseModel):
-    """A link between devices: bandwidth per device (one direction) and latency per message."""
+    """A link between devices: bandwidth per device (one direction) and latency per message.
+
+    `collectives` holds measured per-collective figures (from `hyplan calibrate`); a
+    collective without one uses the link's own bandwidth and latency."""
 
     model_config = ConfigDict(frozen=True)
 
@@ -48,6 +64,14 @@ class LinkSpec(BaseModel):
     bandwidth_bytes_per_s: float = Field(gt=0)
     latency_s: float = Field(ge=0)
     source: str = ""
+    collectives: dict[str, CollectiveFit] = Field(default_factory=dict)
+
+    def alpha_beta(self, collective: str) -> tuple[float, float]:
+        """(latency per message, bandwidth per rank) the cost of `collective` uses."""
+        fit = self.collectives.get(collective)
+        if fit is None:
+            return self.latency_s, self.bandwidth_bytes_per_s
+        return fit.latency_s, fit.bandwidth_bytes_per_s
 
 
 def _gpu(name, fp32, fp16, bf16, mem_gib, bw_gbs, source, efficiency=0.6, tf32=None):

@@ -26,8 +26,14 @@ def reshard_s(src: Layout, dst: Layout, nbytes: float, ranks: int, link: LinkSpe
 
 
 def edge_matrix(gives: list[Layout], takes: list[Layout], nbytes: float, ranks: int,
-                link: LinkSpec, backward: bool = True) -> np.ndarray:
+                link: LinkSpec, backward: bool = True, reshard_overhead_s: float = 0.0,
+                own_style: list[bool] | None = None) -> np.ndarray:
     """cost[i, j]: the producer's option i gives gives[i], the consumer's option j takes
-    takes[j]."""
-    return np.array([[reshard_s(g, t, nbytes, ranks, link, backward) for t in takes]
+    takes[j]. A layout change costs `reshard_overhead_s` more (DTensor's redistribute)
+    unless the consumer option j changes its input itself (`own_style[j]`: a parallel
+    style, whose fixed cost the strategy already counts)."""
+    own_style = own_style or [False] * len(takes)
+    return np.array([[reshard_s(g, t, nbytes, ranks, link, backward)
+                      + (reshard_overhead_s if g != t and not own else 0.0)
+                      for t, own in zip(takes, own_style)]
                      for g in gives])

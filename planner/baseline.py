@@ -1,0 +1,118 @@
+"""The plans a practitioner would write by hand, costed by the same model as hyplan's own.
+
+`baseline(model, devices, "ddp")` is pure data parallelism (every layer replicated, batch
+split, gradients all-reduced); `"tensor"` is Megatron-style tensor parallelism (every layer
+that has a model-parallel strategy uses one, the rest run on the whole batch on every
+device). Each kind is one entry of `BASELINES`: a rule that says which of a layer's
+candidate strategies the baseline allows; the integer program then picks among those
+(e.g. column vs row split), so each baseline is the best plan of its kind. `fsdp` and
+`pipeline` become entries once their strategies exist in strategies.catalog.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+
+from torch import nn
+
+from planner.choices import Choices, layer_choices
+from planner.ilp import solve
+from planner.plan import Plan
+from planner.problem import Solution
+from profiler.graph import Layer, ModelGraph
+from strategies.catalog import Strategy
+from strategies.cluster import Cluster
+
+Rule = Callable[[Layer, list[Strategy]], list[Strategy]]
+
+
+def _ddp(layer: Layer, options: list[Strategy]) -> list[Strategy]:
+    kept = [s for s in options if s.name == "data_parallel"]
+    return kept or [s for s in options if s.name == "replicate"]
+
+
+def _tensor(layer: Layer, options: list[Strategy]) -> list[Strategy]:
+    split = [s for s in options if s.model_parallel]
+    if split:
+        return split
+    # no weights to split: follow a feature split, or run whole; never split the batch
+    return [s for s in options if s.name != "data_parallel"] or options
+
+
+def _named(name: str) -> Rule:
+    """Every layer uses strategy `name` where it applies (replicate elsewhere)."""
+    def rule(layer: Layer, options: list[Strategy]) -> list[Strategy]:
+        kept = [s for s in options if s.name == name]
+        return kept or [s for s in options if s.name == "replicate"] or options
+    return rule
+
+
+# kind -> (rule, the strategy that must exist for it, what to tell the user otherwise)
+BASELINES: dict[str, tuple[Rule, str | None, str]] = {
+    "ddp": (_ddp, None, ""),
+    "tensor": (_tensor, None, ""),
+    "fsdp": (_named("fsdp"), "fsdp", "needs the FSDP strategy (issue 4), not in this build"),
+    "pipeline": (_named("pipeline"), "pipeline",
+                 "needs pipeline stages (issue 3), not in this build"),
+}
+LABELS = {"ddp": "DDP (pure data parallel)", "tensor": "tensor parallel (Megatron-style)",
+          "fsdp": "FSDP (sharded data parallel)", "pipeline": "pipeline"}
+
+
+def available(kinds: Sequence[str] | None = None) -> list[str]:
+    """The baseline kinds this build can cost (all of `kinds`, default every kind)."""
+    return [k for k in (kinds or BASELINES) if _missing(k) is None]
+
+
+def _strategy_names() -> set[str]:
+    """Names of every Strategy class defined (imported) in this build."""
+    seen, todo = set(), [Strategy]
+    while todo:
+        cls = todo.pop()
+        seen.add(cls.name)
+        todo.extend(cls.__subclasses__())
+    return seen
+
+
+def _missing(kind: str) -> str | None:
+    needs = BASELINES[kind][1]
+    if needs is None:
+        return None
+    return None if needs in _strategy_names() else BASELINES[kind][2]
+
+
+def _check(kind: str) -> Rule:
+    if kind not in BASELINES:
+        raise ValueError(f"baseline: unknown kind {kind!r}; known: {', '.join(BASELINES)}")
+    why = _missing(kind)
+    if why is not None:
+        raise ValueError(f"baseline: {kind!r} is not available yet ({why}); use one of "
+                         f"{', '.join(available())}")
+    return BASELINES[kind][0]
+
+
+def solve_baseline(graph: ModelGraph, cluster: Cluster, optimizer: str, kind: str,
+                   time_limit_s: float = 60.0) -> tuple[Choices, Solution]:
+    """The best plan of `kind` for a profiled graph (no memory limit: a baseline that does
+    not fit says so in its predicted memory)."""
+    rule = _check(kind)
+    choices = layer_choices(graph, cluster, optimizer, None, keep=rule)
+    return choices, solve(choices.problem, time_limit_s)
+
+
+def baseline(model: nn.Module, devices, kind: str, example_inputs: Sequence | None = None,
+             example_kwargs: dict | None = None, *, optimizer: str = "adam",
+             leaf_modules=(), measure: bool | None = None, time_limit_s: float = 60.0) -> Plan:
+    """The `kind` baseline ("ddp", "tensor"; "fsdp", "pipeline" once they exist) for
+    `model` on `devices`, as a Plan the executor runs like any other."""
+    from planner.optimize import _plan, profiled_graph
+
+    started = time.perf_counter()
+    _check(kind)
+    graph, cluster = profiled_graph(model, devices, example_inputs, example_kwargs,
+                                    leaf_modules, measure)
+    choices, solution = solve_baseline(graph, cluster, optimizer, kind, time_limit_s)
+    budget = cluster.device.memory_bytes
+    return _plan(graph, cluster, optimizer, choices, solution, budget, None, None,
+                 time.perf_counter() - started)

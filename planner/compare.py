@@ -1,0 +1,131 @@
+"""`hyplan compare`: the chosen plan beside the hand-written baselines, in one table.
+
+Every row is costed by the same model on the same profiled graph (layer timings are cached
+by shape, so the baselines cost no extra measuring). A baseline this build cannot cost yet
+(FSDP, pipeline) gets a row that says why.
+
+    hyplan compare examples/mlp.py --devices 2xcpu --batch 64
+"""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from rich.console import Console
+from rich.table import Table
+from torch import nn
+
+from planner.baseline import BASELINES, LABELS, _missing, baseline
+from planner.explain import _gb, _ms
+from planner.optimize import optimize
+from planner.plan import Plan
+
+
+@dataclass(frozen=True)
+class Row:
+    kind: str  # "hyplan" or a baseline kind
+    label: str
+    plan: Plan | None  # None: not available in this build
+    note: str = ""
+
+
+def compare(model: nn.Module, devices, example_inputs: Sequence, *, optimizer: str = "adam",
+            memory_limit_bytes: float | None = None, leaf_modules=(),
+            kinds: Sequence[str] | None = None) -> list[Row]:
+    """hyplan's plan and each baseline (default: every kind) for `model` on `devices`."""
+    chosen = optimize(model, devices, example_inputs=example_inputs, optimizer=optimizer,
+                      memory_limit_bytes=memory_limit_bytes, leaf_modules=leaf_modules)
+    rows = [Row("hyplan", "hyplan (chosen per layer)", chosen)]
+    for kind in kinds or BASELINES:
+        why = _missing(kind)
+        if why is not None:
+            rows.append(Row(kind, LABELS[kind], None, f"not available yet: {why}"))
+            continue
+        plan = baseline(model, chosen.cluster, kind, example_inputs, optimizer=optimizer,
+                        leaf_modules=leaf_modules)
+        rows.append(Row(kind, LABELS[kind], plan))
+    return rows
+
+
+def _split(plan: Plan) -> str:
+    weighted = [l for l in plan.layers if l.param_bytes]
+    mp = sum(l.model_parallel for l in weighted)
+    dp = sum(l.strategy == "data_parallel" for l in weighted)
+    return f"{dp} DP, {mp} MP, {len(weighted) - dp - mp} whole"
+
+
+def table(rows: list[Row]) -> Table:
+    chosen = rows[0].plan
+    limit = chosen.predicted.memory_limit_bytes
+    t = Table(title=f"{chosen.model}, global batch {chosen.global_batch}, on "
+              f"{chosen.cluster.describe()}: predicted per step", title_justify="left")
+    for header, justify in [("plan", "left"), ("weighted layers", "left"), ("step", "right"),
+                            ("compute", "right"), ("comm", "right"), ("update", "right"),
+                            ("memory/device", "right"), ("ratio", "right")]:
+        t.add_column(header, justify=justify, no_wrap=True)
+    for row in rows:
+        if row.plan is None:
+            t.add_row(row.label, "not available yet (below)", *["-"] * 6)
+            continue
+        p = row.plan.predicted
+        memory = max(p.memory_bytes)
+        fits = "" if memory <= limit else " (does not fit)"
+        t.add_row(row.label, _split(row.plan), _ms(p.step_time_s), _ms(p.compute_s),
+                  _ms(p.communication_s), _ms(p.other_s), _gb(memory) + fits,
+                  f"{p.step_time_s / chosen.predicted.step_time_s:.2f}x")
+    return t
+
+
+def render(rows: list[Row], width: int = 130) -> str:
+    buffer = io.StringIO()
+    console = Console(file=buffer, width=width, color_system=None)
+    console.print(table(rows))
+    for row in rows:
+        if row.plan is None:
+            console.print(f"{row.label}: {row.note}", highlight=False, soft_wrap=True)
+    ok = [r for r in rows[1:] if r.plan is not None]
+    if ok:
+        best = min(ok, key=lambda r: r.plan.predicted.step_time_s)
+        ratio = best.plan.predicted.step_time_s / rows[0].plan.predicted.step_time_s
+        verdict = (f"predicted {ratio:.2f}x faster" if ratio >= 1.005 else
+                   "the same plan or as fast (the baseline is already optimal here)")
+        console.print(f"The fastest baseline is {best.label}: hyplan's plan is {verdict}. "
+                      f"ratio = step time / hyplan's.", highlight=False)
+    return buffer.getvalue()
+
+
+def _compare_command(args) -> int:
+    """The body of `hyplan compare` (registered in planner.cli)."""
+    from planner.cli import _cluster, build_model, load_factory, parse_memory
+
+    if args.batch <= 0:
+        raise ValueError(f"--batch: the global batch must be positive, got {args.batch}")
+    memory_limit = parse_memory(args.memory_limit) if args.memory_limit else None
+    cluster = _cluster(args.devices, args.dtype)
+    model, inputs = build_model(load_factory(args.model), args.batch,
+                                "cpu" if cluster.device.kind == "cpu" else "meta")
+    rows = compare(model, cluster, inputs, optimizer=args.optimizer,
+                   memory_limit_bytes=memory_limit)
+    print(render(rows), end="")
+    return 0
+
+
+def add_compare(commands) -> None:
+    """Register the `compare` verb on the CLI's subcommands."""
+    cmp = commands.add_parser(
+        "compare", help="the chosen plan against the DDP / FSDP / tensor / pipeline baselines",
+        description="Plan MODEL as `hyplan plan` does, cost the hand-written baselines (pure "
+        "data parallel, Megatron-style tensor parallel, FSDP, pipeline) with the same model, "
+        "and print them side by side.")
+    cmp.add_argument("model", metavar="MODEL",
+                     help="a Python file or package.module[:factory], as for `hyplan plan`")
+    cmp.add_argument("--devices", required=True,
+                     help="COUNTxNAME, NODESxCOUNTxNAME or [COUNTx]PROFILE.json")
+    cmp.add_argument("--batch", required=True, type=int, help="the global batch")
+    cmp.add_argument("--optimizer", default="adam",
+                     choices=["adam", "adamw", "sgd", "sgd_momentum"])
+    cmp.add_argument("--memory-limit", metavar="SIZE", help="per device, e.g. 40GB")
+    cmp.add_argument("--dtype", default=None, help="the compute dtype, e.g. float16")
+    cmp.set_defaults(run=_compare_command)

@@ -1,0 +1,505 @@
+"""`hyplan calibrate`: measure this machine and save a cluster profile the planner accepts.
+
+Three measurements, each the figure the cost model divides by:
+
+- compute: achieved FLOP/s of matmul and conv2d and copy bandwidth per op class, with
+  `torch.utils.benchmark` (median of blocked runs), at the threads each process gets;
+- collectives: all-reduce, all-gather, reduce-scatter, all-to-all and send/recv over a
+  real process group of P spawned ranks (gloo on CPU; NCCL timed with CUDA events where
+  there are P GPUs), at sizes from 1 KB to tens of MB, then alpha (latency per message)
+  and beta (bandwidth per rank) fitted per collective by least squares against the ring
+  formulas of `strategies.collectives` (relative error weighted, so 1 KB counts as much
+  as 32 MB);
+- DTensor's fixed costs: a tiny Linear run through ColwiseParallel / RowwiseParallel, and
+  a tiny DTensor redistribute, against the plain op and the fitted collective they issue.
+
+The profile is pydantic JSON: `--devices profile.json` (or `4xprofile.json`) plans on it.
+
+    hyplan calibrate --processes 2 4 --out cpu-profile.json
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+import statistics
+import time
+from pathlib import Path
+from typing import Literal
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from strategies.cluster import Cluster
+from strategies.collectives import COEFFICIENTS
+from strategies.devices import CollectiveFit, DeviceSpec, LinkSpec
+
+PROFILE_SCHEMA = "hyplan.cluster-profile/1"
+SIZES = (1 << 10, 16 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 32 << 20)
+QUICK_SIZES = (1 << 10, 64 << 10, 1 << 20, 8 << 20, 32 << 20)
+MEASURED = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv")
+
+
+class Sample(BaseModel):
+    """One measured timing: `collective` over `nbytes` (the global tensor) on `ranks`."""
+
+    model_config = ConfigDict(frozen=True)
+
+    collective: str
+    ranks: int
+    nbytes: int
+    seconds: float
+
+
+class ClusterProfile(BaseModel):
+    """A measured machine: its device, its links per process count, DTensor's overheads,
+    and the raw samples the fits came from (so a fit can be checked or redone)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    schema_id: Literal["hyplan.cluster-profile/1"] = Field(PROFILE_SCHEMA, alias="schema")
+    created: str
+    host: str
+    torch_version: str
+    backend: str
+    cores: int
+    threads_per_process: int
+    device: DeviceSpec
+    links: dict[int, LinkSpec] = Field(description="fitted link per process count")
+    dtensor_layer_overhead_s: dict[int, float] = Field(default_factory=dict)
+    dtensor_reshard_overhead_s: dict[int, float] = Field(default_factory=dict)
+    # compute- and memory-bound ops run on every process at once, against alone
+    compute_slowdown: dict[int, float] = Field(default_factory=dict)
+    memory_slowdown: dict[int, float] = Field(default_factory=dict)
+    step_overhead_s: dict[int, float] = Field(default_factory=dict)
+    samples: list[Sample] = Field(default_factory=list)
+
+    def _nearest(self, table: dict[int, object], count: int):
+        if not table:
+            return None
+        return table[min(table, key=lambda k: (abs(k - count), -k))]
+
+    def cluster(self, devices_per_node: int | None = None, nodes: int | None = None) -> Cluster:
+        """A Cluster of `devices_per_node` of the measured devices (default: the largest
+        process count measured), with the link fitted at that count (or the nearest)."""
+        per_node = devices_per_node or max(self.links)
+        link = self._nearest(self.links, per_node)
+        slowdown = self._nearest(self.compute_slowdown, per_node)
+        if slowdown is None:  # not measured: processes beyond the cores time-share them
+            slowdown = 1.0
+            if self.device.kind == "cpu":
+                slowdown = max(1.0, per_node * self.threads_per_process / self.cores)
+        return Cluster(
+            device=self.device, nodes=nodes or 1, devices_per_node=per_node,
+            intra_node=link, inter_node=link,
+            dtensor_layer_overhead_s=self._nearest(self.dtensor_layer_overhead_s, per_node) or 0.0,
+            dtensor_reshard_overhead_s=self._nearest(self.dtensor_reshard_overhead_s, per_node) or 0.0,
+            compute_slowdown=slowdown,
+            memory_slowdown=self._nearest(self.memory_slowdown, per_node) or slowdown,
+            step_overhead_s=self._nearest(self.step_overhead_s, per_node) or 0.0,
+            source=f"hyplan calibrate on {self.host}, {self.created}")
+
+    def save(self, path: str | Path) -> None:
+        path = Path(path)
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(self.model_dump_json(indent=2, by_alias=True))
+        tmp.replace(path)
+
+
+def load_profile(path: str | Path) -> ClusterProfile:
+    """Read a profile written by `hyplan calibrate`; a bad file is a one-line error."""
+    try:
+        text = Path(path).read_text()
+    except OSError as error:
+        raise ValueError(f"devices: cannot read cluster profile {str(path)!r} "
+                         f"({error.strerror}); write one with `hyplan calibrate --out "
+                         f"{path}`") from None
+    try:
+        return ClusterProfile.model_validate_json(text)
+    except ValidationError as error:
+        first = error.errors()[0]
+        where = ".".join(str(p) for p in first["loc"]) or "(top level)"
+        raise ValueError(f"devices: {path} is not a hyplan cluster profile (field {where}: "
+                         f"{first['msg']}); re-create it with `hyplan calibrate`") from None
+
+
+# --- the fit ------------------------------------------------------------------------------
+
+def fit_alpha_beta(samples: list[Sample]) -> CollectiveFit:
+    """alpha and beta of one collective from timings (any mix of sizes and rank counts).
+
+    Each sample reads t = a(P)·α + b(P)·n·(1/β) (`strategies.collectives.COEFFICIENTS`):
+    linear in (α, 1/β). Rows are divided by t, so the fit minimizes relative error and a
+    1 KB message weighs as much as a 32 MB one; α or 1/β that come out negative (noise on a
+    link with no visible latency) are clamped at zero and the other refitted alone.
+    """
+    if not samples:
+        raise ValueError("fit_alpha_beta: no samples")
+    names = {s.collective for s in samples}
+    if len(names) != 1:
+        raise ValueError(f"fit_alpha_beta: samples of one collective only, got {sorted(names)}")
+    coefficients = COEFFICIENTS[names.pop()]
+    rows, targets = [], []
+    for s in samples:
+        if s.seconds <= 0:
+            raise ValueError(f"fit_alpha_beta: non-positive time {s.seconds} for {s}")
+        a, b = coefficients(s.ranks)
+        rows.append([a / s.seconds, b * s.nbytes / s.seconds])
+        targets.append(1.0)
+    x, y = np.array(rows), np.array(targets)
+    (alpha, inv_beta), *_ = np.linalg.lstsq(x, y, rcond=None)
+    if alpha < 0:
+        alpha, inv_beta = 0.0, float(np.linalg.lstsq(x[:, 1:], y, rcond=None)[0][0])
+    if inv_beta <= 0:
+        inv_beta = 1e-15  # no measurable size dependence: an effectively infinite link
+        alpha = max(0.0, float(np.linalg.lstsq(x[:, :1], y, rcond=None)[0][0]))
+    return CollectiveFit(latency_s=float(alpha), bandwidth_bytes_per_s=float(1.0 / inv_beta))
+
+
+def fit_link(samples: list[Sample], name: str, source: str) -> LinkSpec:
+    """A LinkSpec with one fit per collective; its own figures are all-reduce's."""
+    fits = {c: fit_alpha_beta([s for s in samples if s.collective == c])
+            for c in sorted({s.collective for s in samples})}
+    base = fits.get("all_reduce") or next(iter(fits.values()))
+    return LinkSpec(name=name, bandwidth_bytes_per_s=base.bandwidth_bytes_per_s,
+                    latency_s=base.latency_s, source=source, collectives=fits)
+
+
+# --- measuring, inside each rank ------------------------------------------------------------
+
+def _timer(device: torch.device):
+    """seconds(fn): one timed call, with CUDA events on a GPU."""
+    if device.type == "cuda":
+        def seconds(fn):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            return start.elapsed_time(end) / 1e3
+        return seconds
+
+    def seconds(fn):
+        begin = time.perf_counter()
+        fn()
+        return time.perf_counter() - begin
+    return seconds
+
+
+def _median_time(fn, device, repeats: int) -> float:
+    """Median of `repeats` calls, each started together on all ranks (a barrier first)."""
+    seconds = _timer(device)
+    fn()  # warm up: connections, buffers
+    times = []
+    for _ in range(repeats):
+        dist.barrier()
+        times.append(seconds(fn))
+    return statistics.median(times)
+
+
+def _collective_call(name: str, nbytes: int, rank: int, world: int, device):
+    """A closure running collective `name` on a tensor of `nbytes` (global) bytes."""
+    elements = max(world, nbytes // 4 // world * world)
+    full = torch.randn(elements, device=device)
+    part = torch.empty(elements // world, device=device)
+    if name == "all_reduce":
+        return lambda: dist.all_reduce(full)
+    # torch 2.13 renamed the tensor forms (*_single); older releases have only the old names
+    if name == "all_gather":
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        return lambda: gather(full, part)
+    if name == "reduce_scatter":
+        scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+        return lambda: scatter(part, full)
+    if name == "all_to_all":
+        if dist.get_backend() == "gloo":
+            # DTensor's shard-to-shard redistribute on a CPU group is an all-gather and a
+            # chunk (gloo has no all-to-all it uses): measure what the executor will run
+            # (each rank's n/P gathered into n, then chunked)
+            return _collective_call("all_gather", nbytes, rank, world, device)
+        out = torch.empty_like(full)
+        return lambda: dist.all_to_all_single(out, full)
+    if name == "send_recv":  # ping-pong between ranks 0 and 1, halved below
+        def ping_pong():
+            if rank == 0:
+                dist.send(full, 1)
+                dist.recv(full, 1)
+            elif rank == 1:
+                dist.recv(full, 0)
+                dist.send(full, 0)
+        return ping_pong
+    raise ValueError(f"collective: unknown {name!r}; known: {', '.join(MEASURED)}")
+
+
+def _dtensor_overheads(rank: int, world: int, device, repeats: int) -> dict[str, float]:
+    """Forward + backward of a tiny Linear through DTensor's parallel styles, and of one
+    tiny redistribute, against the plain op: the seconds DTensor adds beyond the
+    collectives themselves (those are subtracted by the caller with the fitted link)."""
+    from torch import nn
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel, RowwiseParallel, parallelize_module,
+    )
+
+    mesh = init_device_mesh(device.type, (world,))
+    width, rows = 64, 8
+    x = torch.randn(rows, width, device=device)
+
+    def step_of(module, inp):
+        def step():
+            y = module(inp.detach().requires_grad_(True))
+            y.sum().backward()
+        return step
+
+    torch.manual_seed(0)
+    plain = nn.Linear(width, width).to(device)
+    col = parallelize_module(nn.Linear(width, width).to(device), mesh, ColwiseParallel())
+    row = parallelize_module(nn.Linear(width, width).to(device), mesh,
+                             RowwiseParallel(input_layouts=Shard(-1)))
+    x_shard = x[:, : width // world].contiguous()
+
+    def redistribute():
+        d = DTensor.from_local(x.detach().requires_grad_(True), mesh, [Shard(0)],
+                               run_check=False)
+        d.redistribute(mesh, [Replicate()]).to_local().sum().backward()
+
+    return {
+        "plain": _median_time(step_of(plain, x), device, repeats),
+        "column": _median_time(step_of(col, x), device, repeats),
+        "row": _median_time(step_of(row, x_shard), device, repeats),
+        "reshard": _median_time(redistribute, device, repeats),
+        "tiny_bytes": float(x.numel() * x.element_size() * world),
+        "row_bytes": float(rows * width * 4),
+    }
+
+
+def contention_ops(device: torch.device, repeats: int = 15) -> dict[str, float]:
+    """Median seconds of a compute-bound op (a 2048-wide Linear, forward and backward, on
+    64 rows) and a memory-bound one (a 256 MB copy), each ~30 ms so that time slices
+    average out. Run alone and on every rank at once, their ratio is what sharing the
+    machine costs: cores, caches and memory bandwidth."""
+    from profiler.profile import median_time
+
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(2048, 2048).to(device)
+    x = torch.randn(64, 2048, device=device)
+    src = torch.ones(256 * 2**20 // 4, device=device)
+    dst = torch.zeros_like(src)
+
+    def step():
+        linear(x.detach().requires_grad_(True)).sum().backward()
+
+    return {"compute": median_time(step, repeats, budget_s=0.0),
+            "memory": median_time(lambda: dst.copy_(src), repeats, budget_s=0.0)}
+
+
+def _step_overhead(device, repeats: int = 21) -> dict[str, float]:
+    """A small training step run plainly and under DDP on every rank: their difference,
+    less the gradient all-reduce (subtracted by the caller with the fitted link), is what
+    a distributed step costs beyond its layers and collectives (hooks, bucket bookkeeping,
+    the ranks waiting on each other)."""
+    from torch import nn
+    from torch.nn.parallel import DistributedDataParallel
+
+    def build():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 256)).to(device)
+
+    x = torch.randn(16, 256, device=device)
+
+    def stepper(model):
+        opt = torch.optim.SGD(model.parameters(), lr=0.01, foreach=False)
+
+        def step():
+            model(x).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+        return step
+
+    plain = build()
+    ddp = DistributedDataParallel(build(), device_ids=None if device.type == "cpu" else [device])
+    return {"plain": _median_time(stepper(plain), device, repeats),
+            "ddp": _median_time(stepper(ddp), device, repeats),
+            "grad_bytes": float(sum(p.numel() * p.element_size() for p in plain.parameters()))}
+
+
+def _contention(rank: int, device, quiet_wait_s: float, trials: int = 3) -> dict[str, float]:
+    """Rank 0 alone (the others idle in a barrier), then every rank at once, in turn
+    `trials` times: the median of the ratios, so that load elsewhere on the machine, which
+    drifts, weighs on both sides alike."""
+    from profiler.launch import wait_for_quiet
+
+    ratios: dict[str, list[float]] = {"compute": [], "memory": []}
+    for _ in range(trials):
+        if quiet_wait_s > 0 and rank == 0:
+            wait_for_quiet(quiet_wait_s)
+        dist.barrier()
+        alone = contention_ops(device, 9) if rank == 0 else None
+        dist.barrier()
+        together = contention_ops(device, 9)
+        dist.barrier()
+        if rank == 0:
+            for key in ratios:
+                ratios[key].append(together[key] / alone[key])
+    return {key: statistics.median(r) if r else 1.0 for key, r in ratios.items()}
+
+
+def _rank_measure(rank: int, world: int, sizes, repeats: int, quiet_wait_s: float = 0.0) -> dict:
+    from profiler.launch import wait_for_quiet
+
+    device = torch.device("cuda", rank) if dist.get_backend() == "nccl" else torch.device("cpu")
+    together = _contention(rank, device, quiet_wait_s)
+    samples = []
+    for name in MEASURED:
+        if name == "send_recv" and world != 2:
+            continue  # one pair is enough; it is measured on 2 ranks
+        for nbytes in sizes:
+            if quiet_wait_s > 0:  # on a shared machine, measure between others' bursts
+                if rank == 0:
+                    wait_for_quiet(quiet_wait_s)
+                dist.barrier()
+            try:
+                t = _median_time(_collective_call(name, nbytes, rank, world, device),
+                                 device, repeats)
+            except RuntimeError as error:  # e.g. a collective the backend lacks
+                if "not supported" in str(error).lower() or "unsupported" in str(error).lower():
+                    break
+                raise
+            samples.append((name, nbytes, t / 2 if name == "send_recv" else t))
+    # tiny ops: many repeats are cheap, and the difference of two medians needs them
+    return {"samples": samples, "dtensor": _dtensor_overheads(rank, world, device, 31),
+            "contention": together, "step": _step_overhead(device)}
+
+
+# --- compute ---------------------------------------------------------------------------------
+
+def measure_compute(threads: int, device: str = "cpu") -> DeviceSpec:
+    """Achieved FLOP/s of matmul and conv2d, and copy bandwidth (256 MB, out of cache),
+    on `device` with `threads` intra-op threads, by torch.utils.benchmark medians."""
+    from torch.utils import benchmark
+
+    from profiler.machine import threads as thread_count
+
+    dev = torch.device(device)
+
+    def median_s(stmt: str, env: dict, min_run_time: float = 0.3) -> float:
+        timer = benchmark.Timer(stmt=stmt, globals=env, num_threads=threads)
+        return timer.blocked_autorange(min_run_time=min_run_time).median
+
+    with thread_count(threads), torch.no_grad():
+        n = 1024
+        a, b = torch.randn(n, n, device=dev), torch.randn(n, n, device=dev)
+        matmul = 2 * n**3 / median_s("a @ b", {"a": a, "b": b})
+        x = torch.randn(16, 64, 32, 32, device=dev)
+        w = torch.randn(64, 64, 3, 3, device=dev)
+        conv_flops = 2 * 16 * 64 * 32 * 32 * 64 * 9
+        conv = conv_flops / median_s("F.conv2d(x, w, padding=1)",
+                                     {"x": x, "w": w, "F": torch.nn.functional})
+        src = torch.ones(256 * 2**20 // 4, device=dev)  # touched: untouched pages read as
+        dst = torch.zeros_like(src)  # one shared zero page, which sits in cache
+        bandwidth = 2 * src.numel() * 4 / median_s("dst.copy_(src)", {"dst": dst, "src": src})
+    if dev.type == "cuda":
+        memory = float(torch.cuda.get_device_properties(dev).total_memory)
+        name = torch.cuda.get_device_name(dev)
+    else:
+        memory = float(os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+        name = "cpu"
+    return DeviceSpec(
+        name=name, kind=dev.type, efficiency=1.0,
+        peak_flops={"float32": matmul, "bfloat16": matmul / 2, "float16": matmul / 4}
+        if dev.type == "cpu" else {"float32": matmul},
+        op_flops={"matmul": matmul, "conv2d": conv},
+        memory_bytes=memory, memory_bandwidth_bytes_per_s=bandwidth,
+        source=f"measured by hyplan calibrate ({threads} threads, torch.utils.benchmark)")
+
+
+# --- the whole calibration -------------------------------------------------------------------
+
+def calibrate(processes=(2, 4), quick: bool = False, repeats: int | None = None,
+              log=print, quiet_wait_s: float = 0.0) -> ClusterProfile:
+    """Measure this machine: compute at the threads each of max(processes) gets, and the
+    collectives on every process count in `processes`. `quiet_wait_s`: before each
+    measurement, wait up to that long for other processes' load to pause."""
+    from profiler.launch import run_ranks
+    from strategies.cluster import cpu_threads_per_device
+
+    cuda = torch.cuda.is_available() and torch.cuda.device_count() >= max(processes)
+    backend = "nccl" if cuda else "gloo"
+    sizes = QUICK_SIZES if quick else SIZES
+    repeats = repeats or (5 if quick else 9)
+    cores = os.cpu_count() or 1
+    threads = torch.get_num_threads() if cuda else cpu_threads_per_device(max(processes))
+
+    log(f"compute: matmul, conv2d and a 256 MB copy with {threads} thread(s)")
+    if quiet_wait_s > 0:
+        from profiler.launch import wait_for_quiet
+
+        wait_for_quiet(quiet_wait_s)
+    device = measure_compute(threads, "cuda" if cuda else "cpu")
+    log(f"  matmul {device.op_flops['matmul'] / 1e9:.1f} GFLOP/s, conv2d "
+        f"{device.op_flops['conv2d'] / 1e9:.1f} GFLOP/s, copy "
+        f"{device.memory_bandwidth_bytes_per_s / 1e9:.1f} GB/s")
+
+    links, layer_overhead, reshard_overhead, all_samples = {}, {}, {}, []
+    compute_slowdown, memory_slowdown, step_overhead = {}, {}, {}
+    for world in processes:
+        log(f"collectives on {world} {backend} ranks: {', '.join(MEASURED)}, "
+            f"{len(sizes)} sizes x {repeats} repeats")
+        per_rank = run_ranks(_rank_measure, world, sizes, repeats, quiet_wait_s, backend=backend,
+                             threads=1 if backend == "gloo" else threads)
+        # a collective ends when its slowest rank does
+        timings: dict[tuple[str, int], float] = {}
+        for result in per_rank:
+            for name, nbytes, t in result["samples"]:
+                timings[name, nbytes] = max(timings.get((name, nbytes), 0.0), t)
+        samples = [Sample(collective=n, ranks=world, nbytes=b, seconds=t)
+                   for (n, b), t in timings.items()]
+        all_samples += samples
+        link = fit_link(samples, f"{backend} ({world} processes)",
+                        f"fitted by hyplan calibrate on {platform.node()}")
+        links[world] = link
+        for name, fit in link.collectives.items():
+            log(f"  {name:<15} alpha {fit.latency_s * 1e3:7.3f} ms   beta "
+                f"{fit.bandwidth_bytes_per_s / 1e9:6.2f} GB/s")
+        layer_overhead[world], reshard_overhead[world] = _overheads(per_rank, world, link)
+        for key, table in (("compute", compute_slowdown), ("memory", memory_slowdown)):
+            table[world] = max(1.0, per_rank[0]["contention"][key])
+        step_overhead[world] = _fixed_step(per_rank, world, link)
+        log(f"  a distributed step's fixed cost: {step_overhead[world] * 1e3:.2f} ms")
+        log(f"  all {world} at once: compute {compute_slowdown[world]:.2f}x, memory "
+            f"{memory_slowdown[world]:.2f}x slower than one process alone")
+        log(f"  DTensor: {layer_overhead[world] * 1e3:.2f} ms per parallel layer, "
+            f"{reshard_overhead[world] * 1e3:.2f} ms per redistribute (fwd + bwd)")
+    return ClusterProfile(
+        created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        host=platform.node(), torch_version=torch.__version__, backend=backend, cores=cores,
+        threads_per_process=threads, device=device, links=links,
+        dtensor_layer_overhead_s=layer_overhead, dtensor_reshard_overhead_s=reshard_overhead,
+        compute_slowdown=compute_slowdown, memory_slowdown=memory_slowdown,
+        step_overhead_s=step_overhead, samples=all_samples)
+
+
+def _overheads(per_rank: list[dict], world: int, link: LinkSpec) -> tuple[float, float]:
+    """DTensor's own seconds per parallel layer and per redistribute: the measured step
+    less the plain op and the collective it issues (priced by the fitted link)."""
+    from strategies.collectives import all_gather_s, all_reduce_s
+
+    d = {k: max(r["dtensor"][k] for r in per_rank) for k in per_rank[0]["dtensor"]}
+    # column: backward all-reduces the partial input gradient; row: forward all-reduces
+    # the partial output
+    column = d["column"] - d["plain"] - all_reduce_s(d["row_bytes"], world, link)
+    row = d["row"] - d["plain"] - all_reduce_s(d["row_bytes"], world, link)
+    reshard = d["reshard"] - all_gather_s(d["tiny_bytes"], world, link)
+    return max(0.0, (column + row) / 2), max(0.0, reshard)
+
+
+def _fixed_step(per_rank: list[dict], world: int, link: LinkSpec) -> float:
+    """A DDP step less the plain step and its gradient all-reduce (fitted link)."""
+    from strategies.collectives import all_reduce_s
+
+    d = {k: max(r["step"][k] for r in per_rank) for k in per_rank[0]["step"]}
+    return max(0.0, d["ddp"] - d["plain"] - all_reduce_s(d["grad_bytes"], world, link))

@@ -1,0 +1,106 @@
+"""Start N local ranks (spawned processes on one process group) and collect their results.
+
+What `hyplan calibrate` and the executor's checks use to run real collectives on this
+machine: a free port, CUDA hidden for gloo (gloo and FSDP misbehave when it is visible),
+`threads` intra-op threads per rank, and the failing rank's traceback raised.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import queue
+import socket
+import time
+import traceback
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(fn, rank, world_size, port, backend, threads, results, args):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+    if backend == "gloo":
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    else:
+        torch.cuda.set_device(rank)
+    torch.set_num_threads(threads)
+    try:
+        dist.init_process_group(backend, rank=rank, world_size=world_size)
+        results.put((rank, True, pickle.dumps(fn(rank, world_size, *args))))
+    except BaseException:
+        results.put((rank, False, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_ranks(fn, world_size: int, *args, backend: str = "gloo", threads: int = 1,
+              timeout_s: float = 300.0) -> list:
+    """[fn(rank, world_size, *args) for each rank], each in its own spawned process."""
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_entry,
+                         args=(fn, r, world_size, port, backend, threads, results, args))
+             for r in range(world_size)]
+    for p in procs:
+        p.start()
+    out: dict[int, object] = {}
+    deadline = time.monotonic() + timeout_s
+    try:
+        while len(out) < world_size:
+            try:
+                rank, ok, value = results.get(timeout=1.0)
+            except queue.Empty:
+                dead = [r for r, p in enumerate(procs) if r not in out and p.exitcode]
+                if dead:  # died before reporting (e.g. killed, or failed to start)
+                    raise RuntimeError(f"ranks {dead} exited with status "
+                                       f"{[procs[r].exitcode for r in dead]} before "
+                                       f"reporting") from None
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"ranks {sorted(set(range(world_size)) - set(out))} "
+                                       f"gave no result within {timeout_s} s") from None
+                continue
+            if not ok:
+                raise RuntimeError(f"rank {rank} failed:\n{value}")
+            out[rank] = pickle.loads(value)
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+    return [out[r] for r in range(world_size)]
+
+
+def _busy_ticks() -> int:
+    with open("/proc/stat") as f:
+        v = [int(x) for x in f.readline().split()[1:9]]
+    return sum(v) - v[3] - v[4]  # all but idle and iowait
+
+
+def wait_for_quiet(max_wait_s: float, cores: float = 0.15, window_s: float = 0.5) -> float | None:
+    """Wait (up to `max_wait_s`) until this machine is busy with less than `cores` cores
+    over `window_s`, the caller being idle meanwhile; returns the last load seen (None
+    without /proc). A shared machine's load comes in bursts (others' test suites): timing
+    between them avoids measuring under it. Under torch.distributed, call it on one rank
+    and then barrier."""
+    deadline = time.perf_counter() + max_wait_s
+    load = None
+    try:
+        while True:
+            busy = _busy_ticks()
+            time.sleep(window_s)
+            load = (_busy_ticks() - busy) / os.sysconf("SC_CLK_TCK") / window_s
+            if load < cores or time.perf_counter() >= deadline:
+                return load
+    except OSError:
+        return None

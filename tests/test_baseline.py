@@ -1,0 +1,51 @@
+"""Baselines are the plans of their kind, costed like hyplan's own, and never beat it."""
+
+import pytest
+import torch
+
+import planner
+from planner.baseline import available
+from planner.cli import main
+from tests.models import mlp
+
+
+def _x():
+    return (torch.randn(64, 16),)
+
+
+def test_ddp_baseline_is_pure_data_parallel():
+    plan = planner.baseline(mlp(), "4xV100", "ddp", _x())
+    assert {l.strategy for l in plan.layers if l.param_bytes} == {"data_parallel"}
+    chosen = planner.optimize(mlp(), "4xV100", example_inputs=_x())
+    assert plan.predicted.step_time_s == pytest.approx(chosen.predicted.data_parallel_step_time_s)
+
+
+def test_tensor_baseline_splits_every_linear():
+    plan = planner.baseline(mlp(), "4xV100", "tensor", _x())
+    assert all(l.model_parallel for l in plan.layers if l.param_bytes)
+    assert not any(l.strategy == "data_parallel" for l in plan.layers)
+
+
+@pytest.mark.parametrize("devices", ["2xV100", "8xK20", "4xH100"])
+def test_chosen_plan_is_never_predicted_slower_than_a_baseline(devices):
+    chosen = planner.optimize(mlp(), devices, example_inputs=_x())
+    assert set(chosen.predicted.baseline_step_time_s) == set(available())
+    for kind, t in chosen.predicted.baseline_step_time_s.items():
+        assert chosen.predicted.step_time_s <= t * (1 + 1e-6), kind
+    assert "tensor parallel (Megatron-style)" in chosen.explain()
+
+
+def test_unavailable_or_unknown_baseline_is_a_clear_error():
+    if "fsdp" not in available():
+        with pytest.raises(ValueError, match="'fsdp' is not available yet"):
+            planner.baseline(mlp(), "2xV100", "fsdp", _x())
+    with pytest.raises(ValueError, match="unknown kind 'zero'"):
+        planner.baseline(mlp(), "2xV100", "zero", _x())
+
+
+def test_compare_prints_every_kind(capsys):
+    assert main(["compare", "examples/mlp.py", "--devices", "8xV100", "--batch", "64"]) == 0
+    out = capsys.readouterr().out
+    for label in ("hyplan (chosen per layer)", "DDP (pure data parallel)",
+                  "tensor parallel (Megatron-style)", "FSDP", "pipeline"):
+        assert label in out

@@ -1,0 +1,91 @@
+"""The calibration fit recovers known alpha and beta; a saved profile plans like a Cluster."""
+
+import random
+
+import pytest
+
+from profiler.calibrate import ClusterProfile, Sample, fit_alpha_beta, fit_link, load_profile
+from strategies import parse_devices
+from strategies.collectives import COEFFICIENTS, collective_time_s
+from strategies.devices import DeviceSpec, LinkSpec
+
+SIZES = [1 << 10, 16 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20]
+
+
+def _synthetic(collective, alpha, beta, ranks=(2, 4), noise=0.0, seed=0):
+    rng = random.Random(seed)
+    out = []
+    for p in ranks:
+        a, b = COEFFICIENTS[collective](p)
+        for n in SIZES:
+            t = (a * alpha + b * n / beta) * (1 + rng.uniform(-noise, noise))
+            out.append(Sample(collective=collective, ranks=p, nbytes=n, seconds=t))
+    return out
+
+
+@pytest.mark.parametrize("collective", sorted(COEFFICIENTS))
+def test_fit_recovers_alpha_and_beta_exactly(collective):
+    fit = fit_alpha_beta(_synthetic(collective, alpha=0.5e-3, beta=1.2e9))
+    assert fit.latency_s == pytest.approx(0.5e-3, rel=1e-6)
+    assert fit.bandwidth_bytes_per_s == pytest.approx(1.2e9, rel=1e-6)
+
+
+@pytest.mark.parametrize("alpha,beta", [(5e-6, 300e9), (30e-6, 25e9), (1.1e-3, 0.4e9)])
+def test_fit_recovers_alpha_and_beta_under_noise(alpha, beta):
+    # 5% multiplicative noise on every timing: both figures come back within 5%
+    fit = fit_alpha_beta(_synthetic("all_reduce", alpha, beta, noise=0.05, seed=7))
+    assert fit.latency_s == pytest.approx(alpha, rel=0.05)
+    assert fit.bandwidth_bytes_per_s == pytest.approx(beta, rel=0.05)
+
+
+def test_fit_clamps_a_link_without_latency():
+    samples = _synthetic("all_gather", alpha=0.0, beta=2e9, ranks=(2,))
+    fit = fit_alpha_beta(samples)
+    assert fit.latency_s == pytest.approx(0.0, abs=1e-9)
+    assert fit.bandwidth_bytes_per_s == pytest.approx(2e9, rel=1e-6)
+
+
+def test_fitted_link_prices_each_collective_with_its_own_figures():
+    samples = (_synthetic("all_reduce", 0.5e-3, 1.2e9)
+               + _synthetic("reduce_scatter", 1.5e-3, 0.4e9))
+    link = fit_link(samples, "gloo", "synthetic")
+    n = 8 << 20
+    assert collective_time_s("reduce_scatter", n, 2, link) == pytest.approx(
+        1 * 1.5e-3 + 0.5 * n / 0.4e9, rel=1e-6)
+    # a collective it was not measured on falls back to the link's (all-reduce's) figures
+    assert collective_time_s("all_gather", n, 2, link) == pytest.approx(
+        1 * 0.5e-3 + 0.5 * n / 1.2e9, rel=1e-6)
+
+
+def test_profile_round_trips_and_plans_as_devices(tmp_path):
+    device = DeviceSpec(name="cpu", kind="cpu", peak_flops={"float32": 50e9}, efficiency=1.0,
+                        memory_bytes=24e9, memory_bandwidth_bytes_per_s=8e9)
+    link2 = fit_link(_synthetic("all_reduce", 0.5e-3, 1.2e9, ranks=(2,)), "gloo (2)", "t")
+    link4 = fit_link(_synthetic("all_reduce", 0.8e-3, 0.9e9, ranks=(4,)), "gloo (4)", "t")
+    profile = ClusterProfile(created="2026-01-01T00:00:00+00:00", host="test",
+                             torch_version="x", backend="gloo", cores=2, threads_per_process=1,
+                             device=device, links={2: link2, 4: link4},
+                             dtensor_layer_overhead_s={2: 1e-3, 4: 5e-3})
+    path = tmp_path / "profile.json"
+    profile.save(path)
+    assert load_profile(path) == profile
+    two, four = parse_devices(f"2x{path}"), parse_devices(f"4x{path}")
+    assert (two.num_devices, four.num_devices) == (2, 4)
+    assert two.intra_node.alpha_beta("all_reduce") == pytest.approx((0.5e-3, 1.2e9))
+    assert four.intra_node.alpha_beta("all_reduce") == pytest.approx((0.8e-3, 0.9e9))
+    assert (two.dtensor_layer_overhead_s, four.dtensor_layer_overhead_s) == (1e-3, 5e-3)
+    assert (two.compute_slowdown, four.compute_slowdown) == (1.0, 2.0)  # 4 processes, 2 cores
+
+
+def test_bad_profile_is_one_line(tmp_path):
+    path = tmp_path / "bad.json"
+    path.write_text('{"schema": "something else"}')
+    with pytest.raises(ValueError, match="not a hyplan cluster profile"):
+        parse_devices(str(path))
+    with pytest.raises(ValueError, match="cannot read cluster profile"):
+        parse_devices(str(tmp_path / "missing.json"))
+
+
+def test_unfitted_link_keeps_its_own_figures():
+    link = LinkSpec(name="l", bandwidth_bytes_per_s=1e9, latency_s=1e-3)
+    assert link.alpha_beta("all_to_all") == (1e-3, 1e9)
