@@ -3,10 +3,13 @@
 `baseline(model, devices, "ddp")` is pure data parallelism (every layer replicated, batch
 split, gradients all-reduced); `"tensor"` is Megatron-style tensor parallelism (every layer
 that has a model-parallel strategy uses one, the rest run on the whole batch on every
-device). Each kind is one entry of `BASELINES`: a rule that says which of a layer's
-candidate strategies the baseline allows; the integer program then picks among those
-(e.g. column vs row split), so each baseline is the best plan of its kind. `fsdp` and
-`pipeline` become entries once their strategies exist in strategies.catalog.
+device); `"fsdp"` shards every layer's weights, gradients and optimizer state over the
+devices (FSDP2). Each of these is one entry of `BASELINES`: a rule that says which of a
+layer's candidate strategies the baseline allows; the integer program then picks among
+those (e.g. column vs row split), so each baseline is the best plan of its kind.
+`"pipeline"` is the best pipeline without tensor parallelism (pp >= 2 stages, data-parallel
+replicas of the pipeline on the rest of the devices), found by the 3-D search restricted to
+those mesh shapes.
 """
 
 from __future__ import annotations
@@ -53,9 +56,11 @@ BASELINES: dict[str, tuple[Rule, str | None, str]] = {
     "ddp": (_ddp, None, ""),
     "tensor": (_tensor, None, ""),
     "fsdp": (_named("fsdp"), "fsdp", "needs the FSDP strategy (issue 4), not in this build"),
-    "pipeline": (_named("pipeline"), "pipeline",
-                 "needs pipeline stages (issue 3), not in this build"),
+    "pipeline": (None, None, ""),  # not a per-layer rule: mesh shapes of the 3-D search
 }
+# the kinds that are one integer program over a 1-D mesh: cheap enough that optimize()
+# prices each of them beside every plan it makes
+ONE_D_KINDS = ("ddp", "tensor", "fsdp")
 LABELS = {"ddp": "DDP (pure data parallel)", "tensor": "tensor parallel (Megatron-style)",
           "fsdp": "FSDP (sharded data parallel)", "pipeline": "pipeline"}
 
@@ -97,6 +102,8 @@ def solve_baseline(graph: ModelGraph, cluster: Cluster, optimizer: str, kind: st
     """The best plan of `kind` for a profiled graph (no memory limit: a baseline that does
     not fit says so in its predicted memory)."""
     rule = _check(kind)
+    if rule is None:
+        raise ValueError(f"baseline: {kind!r} is not a 1-D plan; use planner.baseline()")
     choices = layer_choices(graph, cluster, optimizer, None, keep=rule)
     return choices, solve(choices.problem, time_limit_s)
 
@@ -104,15 +111,35 @@ def solve_baseline(graph: ModelGraph, cluster: Cluster, optimizer: str, kind: st
 def baseline(model: nn.Module, devices, kind: str, example_inputs: Sequence | None = None,
              example_kwargs: dict | None = None, *, optimizer: str = "adam",
              leaf_modules=(), measure: bool | None = None, time_limit_s: float = 60.0) -> Plan:
-    """The `kind` baseline ("ddp", "tensor"; "fsdp", "pipeline" once they exist) for
-    `model` on `devices`, as a Plan the executor runs like any other."""
+    """The `kind` baseline ("ddp", "tensor", "fsdp" or "pipeline") for `model` on
+    `devices`, as a Plan the executor runs like any other."""
     from planner.optimize import _plan, profiled_graph
 
     started = time.perf_counter()
-    _check(kind)
+    if _check(kind) is None:
+        return _pipeline(model, devices, example_inputs, example_kwargs, optimizer,
+                         leaf_modules, measure, time_limit_s, started)
     graph, cluster = profiled_graph(model, devices, example_inputs, example_kwargs,
                                     leaf_modules, measure)
     choices, solution = solve_baseline(graph, cluster, optimizer, kind, time_limit_s)
     budget = cluster.device.memory_bytes
     return _plan(graph, cluster, optimizer, choices, solution, budget, None, None,
                  time.perf_counter() - started)
+
+
+def _pipeline(model, devices, example_inputs, example_kwargs, optimizer, leaf_modules, measure,
+              time_limit_s, started) -> Plan:
+    """The best plan with pipeline stages and no tensor parallelism, within device memory
+    (fitting a model is what pipelines are for)."""
+    from planner.optimize import profiled_graph
+    from planner.plan3d import plan_3d
+    from planner.search import shapes
+
+    graph, cluster = profiled_graph(model, devices, example_inputs, example_kwargs,
+                                    leaf_modules, measure, tracer="fx")
+    only = [s for s in shapes(cluster.num_devices, graph.batch_size) if s.pp > 1 and s.tp == 1]
+    if not only:
+        raise ValueError(f"baseline: 'pipeline' needs at least 2 devices, "
+                         f"{cluster.describe()} has {cluster.num_devices}")
+    return plan_3d(graph, cluster, optimizer, cluster.device.memory_bytes, started,
+                   time_limit_s=time_limit_s, only=only)

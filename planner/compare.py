@@ -1,8 +1,8 @@
 """`hyplan compare`: the chosen plan beside the hand-written baselines, in one table.
 
 Every row is costed by the same model on the same profiled graph (layer timings are cached
-by shape, so the baselines cost no extra measuring). A baseline this build cannot cost yet
-(FSDP, pipeline) gets a row that says why.
+by shape, so the baselines cost no extra measuring). A baseline this build cannot cost gets
+a row that says why.
 
     hyplan compare examples/mlp.py --devices 2xcpu --batch 64
 """
@@ -50,10 +50,15 @@ def compare(model: nn.Module, devices, example_inputs: Sequence, *, optimizer: s
 
 
 def _split(plan: Plan) -> str:
-    weighted = [l for l in plan.layers if l.param_bytes]
-    mp = sum(l.model_parallel for l in weighted)
-    dp = sum(l.strategy == "data_parallel" for l in weighted)
-    return f"{dp} DP, {mp} MP, {len(weighted) - dp - mp} whole"
+    """How the layers with weights run: data parallel, sharded (FSDP), model parallel or
+    whole, and the pipeline stages if any."""
+    kinds = ["MP" if l.model_parallel else {"data_parallel": "DP", "fsdp": "FSDP"}.get(
+        l.strategy, "whole") for l in plan.layers if l.param_bytes]
+    text = ", ".join(f"{kinds.count(k)} {k}" for k in ("DP", "FSDP", "MP", "whole")
+                     if kinds.count(k) or k in ("DP", "MP"))
+    if plan.pipeline is not None:
+        text += f"; {len(plan.pipeline.stages)} stages"
+    return text
 
 
 def table(rows: list[Row]) -> Table:

@@ -100,13 +100,13 @@ def _plan_1d(graph, cluster: Cluster, optimizer: str, budget: float, pin, time_l
 def _with_baselines(plan: Plan, graph, cluster: Cluster, optimizer: str,
                     time_limit_s: float) -> Plan:
     """The plan, its prediction carrying each available baseline's predicted step time."""
-    from planner.baseline import available, solve_baseline
+    from planner.baseline import ONE_D_KINDS, available, solve_baseline
 
     if cluster.num_devices == 1:
         return plan
     times = {kind: solve_baseline(graph, cluster, optimizer, kind, time_limit_s)[1].objective_s
              + cluster.step_overhead_s
-             for kind in available()}
+             for kind in available(ONE_D_KINDS)}
     predicted = plan.predicted.model_copy(update={"baseline_step_time_s": times})
     return plan.model_copy(update={"predicted": predicted})
 

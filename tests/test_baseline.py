@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import planner
-from planner.baseline import available
+from planner.baseline import ONE_D_KINDS, available
 from planner.cli import main
 from tests.models import mlp
 
@@ -29,7 +29,7 @@ def test_tensor_baseline_splits_every_linear():
 @pytest.mark.parametrize("devices", ["2xV100", "8xK20", "4xH100"])
 def test_chosen_plan_is_never_predicted_slower_than_a_baseline(devices):
     chosen = planner.optimize(mlp(), devices, example_inputs=_x())
-    assert set(chosen.predicted.baseline_step_time_s) == set(available())
+    assert set(chosen.predicted.baseline_step_time_s) == set(available(ONE_D_KINDS))
     for kind, t in chosen.predicted.baseline_step_time_s.items():
         assert chosen.predicted.step_time_s <= t * (1 + 1e-6), kind
     assert "tensor parallel (Megatron-style)" in chosen.explain()
@@ -49,3 +49,11 @@ def test_compare_prints_every_kind(capsys):
     for label in ("hyplan (chosen per layer)", "DDP (pure data parallel)",
                   "tensor parallel (Megatron-style)", "FSDP", "pipeline"):
         assert label in out
+
+
+def test_pipeline_baseline_is_the_best_pipeline_without_tensor_parallelism():
+    pipeline = planner.baseline(mlp(), "4xV100", "pipeline", _x())
+    assert pipeline.pipeline is not None and len(pipeline.pipeline.stages) >= 2
+    assert pipeline.mesh.dim_names == ["pp", "dp", "tp"] and pipeline.mesh.shape[2] == 1
+    searched = planner.optimize(mlp(), "4xV100", example_inputs=_x(), mesh="3d")
+    assert searched.predicted.step_time_s <= pipeline.predicted.step_time_s * (1 + 1e-6)
