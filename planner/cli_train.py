@@ -132,6 +132,9 @@ def run_train(args) -> int:
     from planner.cli import load_factory
 
     plan = read_plan(args.plan)
+    if plan.is_mesh_3d:
+        raise ValueError("plan: hyplan train runs plans without pipeline stages (--mesh 1d); "
+                         "train a pipelined plan with executor.train_step in your own loop")
     if args.steps < 0:
         raise ValueError(f"--steps: must be at least 0, got {args.steps}")
     if args.lr <= 0:
