@@ -279,6 +279,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as error:  # PlanFileError, PlanDoesNotFit, TraceError are ValueErrors
         message = " ".join(str(error).split())
         print(f"hyplan: error: {message}", file=sys.stderr)
+    except BrokenPipeError:  # `hyplan plan ... | head`: the reader has all it wanted
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
     return EXIT_USAGE
 
 
