@@ -27,20 +27,16 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _ranks import OtherLoad, run_ranks  # noqa: E402
-
-import executor  # noqa: E402
-import planner  # noqa: E402
+import executor
+import planner
+from profiler.launch import OtherLoad, run_ranks
 
 WARMUP, LR, CLASSES = 3, 0.01, 10
 # hyplan / DDP step time of a hand-written hybrid measured on this machine (reference).

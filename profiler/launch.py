@@ -1,7 +1,7 @@
 """Start N local ranks (spawned processes on one process group) and collect their results.
 
-What `hyplan calibrate` and the executor's checks use to run real collectives on this
-machine: a free port, CUDA hidden for gloo (gloo and FSDP misbehave when it is visible),
+What `hyplan calibrate`, the benchmarks and the multi-process tests use to run real
+collectives on this machine: a free port, CUDA hidden for gloo (gloo and FSDP misbehave when it is visible),
 `threads` intra-op threads per rank, and the failing rank's traceback raised.
 """
 
@@ -104,3 +104,31 @@ def wait_for_quiet(max_wait_s: float, cores: float = 0.15, window_s: float = 0.5
                 return load
     except OSError:
         return None
+
+
+def _own_ticks() -> int:
+    with open("/proc/self/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return sum(int(x) for x in fields[11:15])  # utime stime cutime cstime
+
+
+class OtherLoad:
+    """Context manager: `.cores` is the CPU (in cores, averaged over the block) used by
+    processes outside this one and its waited-for children; None where /proc is missing.
+    Printed beside a timing, it tells a clean figure from one taken on a busy machine."""
+
+    cores: float | None = None
+
+    def __enter__(self):
+        try:
+            self._start = (_busy_ticks(), _own_ticks(), time.perf_counter())
+        except OSError:
+            self._start = None
+        return self
+
+    def __exit__(self, *exc):
+        if self._start is not None:
+            busy, own, t = self._start
+            ticks = (_busy_ticks() - busy) - (_own_ticks() - own)
+            self.cores = max(0, ticks) / os.sysconf("SC_CLK_TCK") / (time.perf_counter() - t)
+        return False
