@@ -62,13 +62,7 @@ def parallelize(model: nn.Module, plan: Plan, *, mesh: DeviceMesh | None = None,
         return parallelize_3d(model, plan, leaf_modules=leaf_modules)
     if plan.tracer == "export":
         return _parallelize_exported(model, plan, mesh)
-    gm = fx_trace(model, tuple(leaf_modules) + leaf_types(model))
-    if fingerprint(gm) != plan.fingerprint:
-        raise PlanMismatch(
-            f"plan mismatch: the plan was made for a {plan.model} whose graph fingerprint is "
-            f"{plan.fingerprint}, this {type(model).__name__} has {fingerprint(gm)}; make the "
-            f"plan for this model (planner.optimize or `hyplan plan`)")
-    gm = gm.to(_device(plan))
+    gm = traced_as_planned(model, plan, leaf_modules).to(_device(plan))
     mesh = mesh or init_device_mesh(plan.mesh.device_type, (plan.num_devices,))
 
     layers = {l.node: l for l in plan.layers}
@@ -80,6 +74,18 @@ def parallelize(model: nn.Module, plan: Plan, *, mesh: DeviceMesh | None = None,
     _broadcast_replicated(gm, layers)
     _apply_levers(gm, layers, mesh)
     return _data_parallel(gm, layers)
+
+
+def traced_as_planned(model: nn.Module, plan: Plan, leaf_modules=()) -> fx.GraphModule:
+    """The model traced as the planner traced it, refused if its graph is not the one the
+    plan was made for (a plan for another model, or for this one edited since)."""
+    gm = fx_trace(model, tuple(leaf_modules) + leaf_types(model))
+    if fingerprint(gm) != plan.fingerprint:
+        raise PlanMismatch(
+            f"plan mismatch: the plan was made for a {plan.model} whose graph fingerprint is "
+            f"{plan.fingerprint}, this {type(model).__name__} has {fingerprint(gm)}; make the "
+            f"plan for this model (planner.optimize or `hyplan plan`)")
+    return gm
 
 
 def _parallelize_exported(model: nn.Module, plan: Plan, mesh) -> nn.Module:

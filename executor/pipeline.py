@@ -29,11 +29,9 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 from torch.distributed.tensor import DTensor
 
 from executor.parallelize import (
-    PlanMismatch, _apply_tensor_parallel, _device, _insert_reshards,
+    _apply_tensor_parallel, _device, _insert_reshards, traced_as_planned,
 )
 from planner.plan import Plan
-from profiler.trace import fingerprint, fx_trace
-from strategies.catalog import leaf_types
 from strategies.layouts import Layout
 
 SCHEDULE_CLASSES = {"1F1B": Schedule1F1B, "GPipe": ScheduleGPipe}
@@ -156,12 +154,7 @@ class StageModel(nn.Module):
 
 def parallelize_3d(model: nn.Module, plan: Plan, *, leaf_modules=()) -> StageModel:
     """This rank's StageModel under a 3-D `plan`; every rank calls it with the same model."""
-    gm = fx_trace(model, tuple(leaf_modules) + leaf_types(model))  # as the planner traced
-    if fingerprint(gm) != plan.fingerprint:
-        raise PlanMismatch(
-            f"plan mismatch: the plan was made for a {plan.model} whose graph fingerprint is "
-            f"{plan.fingerprint}, this {type(model).__name__} has {fingerprint(gm)}; make the "
-            f"plan for this model (planner.optimize_3d)")
+    gm = traced_as_planned(model, plan, leaf_modules)
     device = _device(plan)
     pp, dp, tp = (plan.mesh.size(d) for d in ("pp", "dp", "tp"))
     mesh = init_device_mesh(plan.mesh.device_type, (pp, dp, tp), mesh_dim_names=("pp", "dp", "tp"))
