@@ -273,14 +273,6 @@ _POINTWISE_FUNCTIONS = {
     "relu", "relu_", "gelu", "silu", "tanh", "sigmoid", "dropout", "contiguous",
     "leaky_relu", "hardswish", "clone",
 }
-# a row-split output must keep the batch in dim 0 (checked on the shape as well)
-_ROWWISE_FUNCTIONS = _POINTWISE_FUNCTIONS | {
-    "add", "sub", "mul", "truediv", "flatten", "view", "reshape", "max_pool2d",
-    "avg_pool2d", "adaptive_avg_pool2d", "softmax", "log_softmax", "layer_norm", "linear",
-    "conv2d", "cat",
-}
-
-
 def _rowwise(layer: Layer, batch: int) -> bool:
     """Rows of the batch stay independent and in place (so splitting by rows is exact)."""
     if layer.module_type is None:
