@@ -8,12 +8,16 @@ pure data parallel (`planner.baseline(..., "ddp")`), pure model parallel (`"tens
 Megatron-style) and hyplan's chosen hybrid (`planner.optimize`), all costed on a cluster
 profile measured by `hyplan calibrate` (made here with --quick unless --profile is given),
 all run by `executor.parallelize` in one loop: SGD (lr 0.01, foreach=False), the model's
-loss, 3 warm-up steps, then --steps timed steps; a round's step time is the max over ranks
-of each rank's median. --rounds rounds go over all cases in turn.
+loss, 4 warm-up steps, then --steps timed steps. --rounds rounds go over all cases in turn, so
+a slow spell hits different cases in different rounds; a case's figure is the slowest
+rank's median over all its timed steps of all rounds (single steps of one plan vary by
+-30%..+60% here: gloo wake-ups, the scheduler, the other rank), and "spread" is the range of
+its per-round medians over that figure. The ranks keep freed memory (profiler.allocator)
+as layer timing does.
 
 Beside each figure: the CPU (in cores) that processes other than the ranks used during the
 round, from /proc/stat less the ranks' own CPU time; each case reports its round with the
-least such load. With P processes on a 2-core machine anything else running skews the
+most such load. With P processes on a 2-core machine anything else running skews the
 timing; rerun on an idle machine for final figures.
 
     python benchmarks/fidelity.py [--profile cpu-profile.json] [--worlds 2 4] [--steps 8]
@@ -42,7 +46,7 @@ import planner  # noqa: E402
 from planner.baseline import baseline  # noqa: E402
 from profiler.launch import run_ranks, wait_for_quiet  # noqa: E402
 
-WARMUP, LR = 3, 0.01
+WARMUP, LR = 4, 0.01
 
 
 # --- the models: (model, inputs, targets, loss) from a seed -----------------------------------
@@ -202,9 +206,9 @@ def main() -> None:
     parser.add_argument("--save-profile", metavar="FILE",
                         help="keep the profile measured here (to rerun on the same one)")
     parser.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
-    parser.add_argument("--steps", type=int, default=6, help="timed steps per case and round")
+    parser.add_argument("--steps", type=int, default=8, help="timed steps per case and round")
     parser.add_argument("--rounds", type=int, default=3,
-                        help="rounds over all cases; each case reports its least disturbed")
+                        help="rounds over all cases; a case's figure is the median of all its steps")
     parser.add_argument("--wait", type=float, default=10.0,
                         help="seconds to wait, before each case, for other load to pause")
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
@@ -235,14 +239,16 @@ def main() -> None:
                             timeout_s=3600)
         for i, (kind, model_key, plan_json) in enumerate(cases):
             plan = planner.Plan.from_json(plan_json)
-            # the round with the least CPU used by other processes: avoid measuring under
-            # someone else's load rather than model it
-            rounds = [(max(r[i][k][1] for r in results),
-                       max(statistics.median(r[i][k][0]) for r in results))
-                      for k in range(args.rounds)]
-            other, measured = min(rounds)
+            # every timed step of every round, pooled: a rank's median over them, the
+            # slowest rank's figure (a step ends when the last rank is done)
+            measured = max(statistics.median([t for rnd in r[i] for t in rnd[0]])
+                           for r in results)
+            per_round = [max(statistics.median(r[i][k][0]) for r in results)
+                         for k in range(args.rounds)]
+            spread = (max(per_round) - min(per_round)) / measured
+            other = max(r[i][k][1] for r in results for k in range(args.rounds))
             rows.append(dict(world=world, model=model_key, kind=kind, measured=measured,
-                             predicted=plan.predicted.step_time_s, other=other,
+                             predicted=plan.predicted.step_time_s, other=other, spread=spread,
                              strategies=_summary(plan),
                              choice=tuple(l.strategy for l in plan.layers)))
     _report(rows, args, time.perf_counter() - started)
@@ -260,11 +266,12 @@ def _cores(other: float | None) -> str:
 
 def _report(rows: list[dict], args, seconds: float) -> None:
     print(f"\n{'P':>2} {'model':<10} {'plan':<7} {'weights':<12}{'predicted':>11}"
-          f"{'measured':>11}{'error':>8}{'other CPU':>11}")
+          f"{'measured':>11}{'spread':>8}{'error':>8}{'other CPU':>11}")
     for r in rows:
         r["error"] = (r["predicted"] - r["measured"]) / r["measured"]
         print(f"{r['world']:>2} {r['model']:<10} {r['kind']:<7} {r['strategies']:<12}"
               f"{r['predicted'] * 1e3:>8.1f} ms{r['measured'] * 1e3:>8.1f} ms"
+              f"{r['spread'] * 100:>7.0f}%"
               f"{r['error'] * 100:>+7.0f}%" + _cores(r["other"]))
     for world in args.worlds:
         errors = [abs(r["error"]) for r in rows if r["world"] == world]

@@ -18,6 +18,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from profiler.allocator import keep_freed_memory
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -33,6 +35,8 @@ def _entry(fn, rank, world_size, port, backend, threads, results, args):
     else:
         torch.cuda.set_device(rank)
     torch.set_num_threads(threads)
+    if backend == "gloo":
+        keep_freed_memory()  # as layer timing does (profiler.allocator)
     try:
         dist.init_process_group(backend, rank=rank, world_size=world_size)
         results.put((rank, True, pickle.dumps(fn(rank, world_size, *args))))

@@ -22,6 +22,7 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from profiler.graph import Layer, ModelGraph
+from profiler.allocator import keep_freed_memory
 from profiler.machine import threads as thread_count
 from profiler.trace import to_meta, materialize, meta_params, run_node
 
@@ -42,6 +43,7 @@ def profile(graph: ModelGraph, measure: bool = False, measure_batch: int | None 
     shards: dict[str, dict[str, float]] = {}
     batch = measure_batch or graph.batch_size
     if measure:
+        keep_freed_memory()  # as the ranks run (profiler.allocator)
         with thread_count(threads):
             times = measure_times(graph, batch)
             if times:
