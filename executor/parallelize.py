@@ -56,6 +56,10 @@ def parallelize(model: nn.Module, plan: Plan, *, mesh: DeviceMesh | None = None,
         raise RuntimeError("parallelize: no process group; launch with torchrun and call "
                            "torch.distributed.init_process_group() first")
     check_world(plan, dist.get_world_size())
+    if plan.mesh.device_type == "cpu":
+        from profiler.allocator import keep_freed_memory
+
+        keep_freed_memory()  # the memory policy the plan's layer times were measured under
     if plan.is_mesh_3d:  # pipeline x data x tensor: this rank's stage
         from executor.pipeline import parallelize_3d
 

@@ -237,9 +237,6 @@ def worker(argv: Sequence[str] | None = None) -> int:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     else:
         torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", 1)))
-        from profiler.allocator import keep_freed_memory
-
-        keep_freed_memory()  # as layer timing does (profiler.allocator)
     dist.init_process_group("nccl" if cuda else "gloo")
     try:
         model, inputs, loss_fn = build_for_training(factory, plan.global_batch, args.seed)

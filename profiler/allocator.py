@@ -9,8 +9,9 @@ memory kept, the FC-heavy CNN's hybrid 154 ms and 90 ms. A GPU's caching allocat
 its blocks the same way, and PyTorch's CPU performance guide recommends jemalloc or
 tcmalloc for the same reason; `mallopt` does it without preloading another allocator.
 
-Layer timing (profiler.profile) and the ranks (profiler.launch, `hyplan train`) both call
-`keep_freed_memory()`, so what the cost model was measured under is what a run gets.
+Layer timing (profiler.profile), the ranks hyplan starts (profiler.launch) and every CPU run
+(executor.parallelize) call `keep_freed_memory()`, so what the cost model was measured under
+is what a run gets.
 """
 
 from __future__ import annotations
