@@ -39,3 +39,12 @@ def batch(name: str, rows: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
     x = torch.randn(rows, *MODELS[name][1], generator=g)
     y = torch.randint(0, 8, (rows,), generator=g)
     return x, y
+
+
+def assert_ranks_match(results: list[dict], expected: dict, rtol=1e-5, atol=1e-6) -> None:
+    """Every rank's parameters (name -> full tensor) equal the single-process ones."""
+    for rank, params in enumerate(results):
+        assert params.keys() == expected.keys()
+        for key, value in expected.items():
+            torch.testing.assert_close(params[key], value, rtol=rtol, atol=atol,
+                                       msg=lambda m: f"rank {rank}, {key}: {m}")

@@ -4,7 +4,6 @@ whose weights and Adam state do not fit one device gets a plan that fits, by the
 costs."""
 
 import pytest
-import torch
 
 import planner
 from distributed import run_ranks
@@ -29,11 +28,7 @@ def test_fsdp_and_checkpointed_layers_equal_single_process(name, world, pin):
         assert chosen[layer] == (wanted.split("+")[0], wanted.endswith("+recompute"))
     results = run_ranks(_train_planned, world, plan.to_json(), name)
     expected = _train_single(name)
-    for rank, params in enumerate(results):
-        assert params.keys() == expected.keys()
-        for key, value in expected.items():
-            torch.testing.assert_close(params[key], value, rtol=1e-5, atol=1e-6,
-                                       msg=lambda m: f"rank {rank}, {key}: {m}")
+    models.assert_ranks_match(results, expected)
 
 
 def test_llama_7b_adam_fp32_fits_8xa100_40gb_by_levers():

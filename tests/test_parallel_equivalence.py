@@ -68,8 +68,4 @@ def test_mixed_plan_parameters_equal_single_process(name, world, pin):
     assert {strategies[k] for k in pin} >= {"data_parallel"} | ({"column_parallel"} & set(pin.values()))
     results = run_ranks(_train_planned, world, plan.to_json(), name)
     expected = _train_single(name)
-    for rank, params in enumerate(results):
-        assert params.keys() == expected.keys()
-        for key, value in expected.items():
-            torch.testing.assert_close(params[key], value, rtol=1e-5, atol=1e-6,
-                                       msg=lambda m: f"rank {rank}, {key}: {m}")
+    models.assert_ranks_match(results, expected)

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 import executor
 import planner
 from distributed import run_ranks
+from models import assert_ranks_match
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 import gpt  # noqa: E402
@@ -65,11 +66,7 @@ def test_gpt_tensor_parallel_matches_single_process():
     assert {k: got[k] for k in PIN} == PIN
     results = run_ranks(_train_planned, 2, plan.to_json())
     expected = {k: v.detach() for k, v in _train(_model(), lambda b: b).named_parameters()}
-    for rank, params in enumerate(results):
-        assert params.keys() == expected.keys()
-        for key, value in expected.items():
-            torch.testing.assert_close(params[key], value, rtol=1e-5, atol=1e-6,
-                                       msg=lambda m: f"rank {rank}, {key}: {m}")
+    assert_ranks_match(results, expected)
 
 
 # --- Hugging Face GPT-2: torch.export front end, executor by module path ------------------
@@ -124,8 +121,4 @@ def test_hf_gpt2_traced_by_export_tensor_parallel_matches_single_process():
     assert plan.predicted.step_time_s < 100  # no layout change the executor cannot make
     results = run_ranks(_train_hf_planned, 2, plan.to_json())
     expected = {k: v.detach() for k, v in _train_hf(_gpt2(), lambda b: b).named_parameters()}
-    for rank, params in enumerate(results):
-        assert params.keys() == expected.keys()
-        for key, value in expected.items():
-            torch.testing.assert_close(params[key], value, rtol=1e-5, atol=1e-6,
-                                       msg=lambda m: f"rank {rank}, {key}: {m}")
+    assert_ranks_match(results, expected)
