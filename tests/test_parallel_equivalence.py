@@ -35,7 +35,9 @@ def _train_planned(rank, world, plan_json, name):
     return _full_parameters(model)
 
 
-def _train_single(name):
+def _train_single(name, losses: list | None = None):
+    """Single-process SGD on the whole batch: the reference; each step's loss goes into
+    `losses` when given."""
     model = models.build(name)
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     for step in range(STEPS):
@@ -44,6 +46,8 @@ def _train_single(name):
         opt.zero_grad()
         loss.backward()
         opt.step()
+        if losses is not None:
+            losses.append(loss.item())
     return {k: v.detach() for k, v in model.named_parameters()}
 
 

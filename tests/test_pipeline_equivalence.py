@@ -8,12 +8,13 @@ import torch.nn.functional as F
 
 import executor
 import models
+import test_parallel_equivalence
 from distributed import run_ranks
 from planner.plan import Plan
 from planner.plan3d import optimize_3d
 from planner.search import Shape
 
-STEPS, ROWS, LR = 3, 16, 0.05
+STEPS, ROWS, LR = test_parallel_equivalence.STEPS, test_parallel_equivalence.ROWS, test_parallel_equivalence.LR
 
 
 def _full(module) -> dict[str, torch.Tensor]:
@@ -33,17 +34,8 @@ def _train_planned(rank, world, plan_json, name):
 
 
 def _train_single(name):
-    model = models.build(name)
-    opt = torch.optim.SGD(model.parameters(), lr=LR)
     losses = []
-    for step in range(STEPS):
-        x, y = models.batch(name, ROWS, step)
-        loss = F.cross_entropy(model(x), y)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-    return {k: v.detach() for k, v in model.named_parameters()}, losses
+    return test_parallel_equivalence._train_single(name, losses), losses
 
 
 def _check(name, shape, pin=None):
