@@ -24,7 +24,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Collection
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 from ortools.linear_solver import pywraplp
@@ -52,6 +52,7 @@ def solve(
     time_limit_s: float = 60.0,
     *,
     reductions: Collection[str] = REDUCTIONS,
+    cutoff_s: float | None = None,
 ) -> Solution:
     """Pick one option per node minimising total time within the memory budget.
 
@@ -62,21 +63,73 @@ def solve(
         solution.status, solution.objective_s, solution.bound_s  # "optimal": bound == objective
 
     Raises `Infeasible` (family "memory") when even the smallest-memory option of every
-    node exceeds the budget. `reductions` is for measuring them; leave the default.
+    node exceeds the budget. With `cutoff_s` only plans faster than it are of interest
+    (a search that holds a better plan elsewhere): raises `Infeasible` (family "cutoff")
+    as soon as the LP bound, or the search, proves there is none. `reductions` is for
+    measuring them; leave the default.
     """
     start = time.perf_counter()
     _validate(problem, reductions)
     if not problem.nodes:
         return Solution((), 0.0, 0.0, "optimal", time.perf_counter() - start, "none")
     _check_memory_fits(problem)
+    unit_s = _time_unit_s(problem)
+    cutoff = None if cutoff_s is None else cutoff_s / unit_s
+    solution = _solve_in_units(_in_units(problem, unit_s), time_limit_s, frozenset(reductions),
+                               start, cutoff)
+    return _from_units(solution, problem, unit_s)
 
-    reductions = frozenset(reductions)
+
+# --- time units --------------------------------------------------------------------------
+# SCIP treats coefficients below 1e-9 as zero (numerics/epsilon). A layer of a small model
+# takes a microsecond, a pointwise op a nanosecond: in seconds the solver would ignore them
+# and report objectives that disagree with the plan. The solver therefore works in units of
+# the largest single time in the problem; the answer comes back in seconds.
+
+_SECONDS_KEYS = ("lp_bound_s", "heuristic_s", "solver_objective_s")
+
+
+def _time_unit_s(problem: Problem) -> float:
+    largest = max((abs(o.time_s) for n in problem.nodes for o in n.options), default=0.0)
+    for edge in problem.edges:
+        largest = max(largest, float(np.abs(edge.cost_s).max(initial=0.0)))
+    return largest if largest > 0.0 else 1.0
+
+
+def _in_units(problem: Problem, unit_s: float) -> Problem:
+    if unit_s == 1.0:
+        return problem
+    nodes = tuple(replace(n, options=tuple(replace(o, time_s=o.time_s / unit_s)
+                                           for o in n.options)) for n in problem.nodes)
+    edges = tuple(replace(e, cost_s=np.asarray(e.cost_s, float) / unit_s)
+                  for e in problem.edges)
+    return replace(problem, nodes=nodes, edges=edges)
+
+
+def _from_units(solution: Solution, problem: Problem, unit_s: float) -> Solution:
+    stats = dict(solution.stats)
+    for key in _SECONDS_KEYS:
+        if stats.get(key) is not None:
+            stats[key] *= unit_s
+    stats["time_unit_s"] = unit_s
+    objective_s = problem.cost_of(solution.choice)
+    bound_s = objective_s if solution.status == "optimal" else min(
+        solution.bound_s * unit_s, objective_s)
+    return replace(solution, objective_s=objective_s, bound_s=bound_s, stats=stats)
+
+
+def _solve_in_units(problem: Problem, time_limit_s: float, reductions: frozenset[str],
+                    start: float, cutoff: float | None = None) -> Solution:
+    """solve() on a problem whose times are already scaled to the solver's units."""
     reduced = _reduce(problem, reductions)
     incumbent = _heuristic_choice(reduced)
     if "reduced_cost_fixing" in reductions and reduced.free_nodes():
         incumbent = _reduced_cost_fixing(reduced, problem, incumbent)
         _simplify(reduced, reductions)
         incumbent = _within_kept(reduced, incumbent)
+        lp_bound = reduced.stats.get("lp_bound_s", -math.inf)
+        if cutoff is not None and lp_bound > cutoff * (1 + RELATIVE_GAP):
+            raise _cut_off(lp_bound, cutoff)
 
     solver, backend = _create_solver()
     model = _Model(solver, reduced)
@@ -85,6 +138,7 @@ def solve(
     _edge_consistency(model)
     _memory_limit(model)
     _objective(model)
+    _cutoff(model, cutoff)
     _hint(model, incumbent)
     status = _solve(model, time_limit_s - (time.perf_counter() - start))
     return _read(model, status, problem, incumbent, backend, start)
@@ -610,6 +664,25 @@ def _objective(m: _Model) -> None:
     objective.SetMinimization()
 
 
+def _cutoff(m: _Model, cutoff: float | None) -> None:
+    """objective ≤ cutoff: lets the solver discard every branch that cannot beat it."""
+    if cutoff is None:
+        return
+    objective = m.solver.Objective()
+    row = m.solver.Constraint(-m.solver.infinity(), cutoff - m.reduced.constant_s, "cutoff")
+    for var in m.solver.variables():
+        coefficient = objective.GetCoefficient(var)
+        if coefficient:
+            row.SetCoefficient(var, coefficient)
+    m.rows["cutoff"] = row
+
+
+def _cut_off(bound: float, cutoff: float) -> Infeasible:
+    # in the solver's units: only the fact matters to the caller, which knows its cutoff
+    return Infeasible(f"no plan is faster than the cutoff (bound {bound:.6g} >= cutoff "
+                      f"{cutoff:.6g}, in units of the largest time)", family="cutoff")
+
+
 def _hint(m: _Model, choice: tuple[int, ...]) -> None:
     r = m.reduced
     at = {n: int(np.searchsorted(r.keep[n], choice[n])) for n in m.x}
@@ -642,6 +715,8 @@ def _read(
 ) -> Solution:
     r = m.reduced
     solver = m.solver
+    if status == pywraplp.Solver.INFEASIBLE and "cutoff" in m.rows:
+        raise _cut_off(math.inf, m.rows["cutoff"].ub() + r.constant_s)
     if status == pywraplp.Solver.INFEASIBLE:
         # _check_memory_fits passed, so the smallest-memory assignment satisfies every row.
         raise Infeasible(

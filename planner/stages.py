@@ -31,7 +31,9 @@ The integer program (SCIP through pywraplp, edge variables continuous as in plan
     min (m + pp - 1)·C + S
 
 The big-M constants are each expression's own maximum, and Σ_k v[u,k] ≥ A_u hands the LP
-the balanced-stage bound C ≥ Σ_u A_u / pp.
+the balanced-stage bound C ≥ Σ_u A_u / pp. With one stage there is no cut to choose and
+the step is additive over layers and edges: that is planner.ilp's problem, solved there
+with its reductions (seconds to minutes faster on large models).
 """
 
 from __future__ import annotations
@@ -39,12 +41,13 @@ from __future__ import annotations
 import itertools
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 from ortools.linear_solver import pywraplp
 
-from planner.problem import Edge
+from planner import ilp
+from planner.problem import Edge, Infeasible, Node, Option, Problem
 
 SCHEDULES = ("1F1B", "GPipe")
 _GB = 1e9
@@ -185,6 +188,13 @@ def solve_stages(problem: StageProblem, pp: int, microbatches: int, schedule: st
     U = len(problem.units)
     if pp > U:
         return None
+    if pp == 1:
+        return _solve_one_stage(problem, microbatches, schedule, budget_bytes, time_limit_s,
+                                cutoff_s, start)
+    given = problem
+    # in units of the largest single time: SCIP drops coefficients below 1e-9 (planner.ilp)
+    unit_s = _time_unit_s(problem)
+    problem = _in_units(problem, unit_s)
     solver = pywraplp.Solver.CreateSolver("SCIP") or pywraplp.Solver.CreateSolver("CBC")
     inf = solver.infinity()
     units = problem.unit_layers()
@@ -251,78 +261,119 @@ def solve_stages(problem: StageProblem, pp: int, microbatches: int, schedule: st
     budget = None if budget_bytes is None else budget_bytes / _GB
     flight = [in_flight(schedule, pp, microbatches, k) for k in range(pp)]
 
-    if pp == 1:
-        solver.Add(C >= sum(A), "stage_time[0]")
-        solver.Add(S >= sum(G), "stage_once[0]")
-        if budget is not None:
-            solver.Add(sum(W) + flight[0] * sum(V) <= budget, "memory[0]")
-    else:
-        # --- stage cut: z[u][k] = unit u in stage >= k (k = 1..pp-1) --------------------
-        z = [[1.0] + [solver.BoolVar(f"z[{u},{k}]") for k in range(1, pp)] + [0.0]
-             for u in range(U)]
-        for k in range(1, pp):
-            solver.Add(z[0][k] == 0, f"first_unit_in_stage0[{k}]")
-            solver.Add(z[U - 1][k] == 1, f"last_unit_in_last_stage[{k}]")
-            for u in range(U - 1):
-                solver.Add(z[u][k] <= z[u + 1][k], f"contiguous[{u},{k}]")
-            if k + 1 < pp:
-                for u in range(U):
-                    solver.Add(z[u][k + 1] <= z[u][k], f"nested[{u},{k}]")
-                solver.Add(sum(z[u][k] for u in range(U))
-                           >= sum(z[u][k + 1] for u in range(U)) + 1, f"stage_nonempty[{k}]")
-        y = [[z[u][k] - z[u][k + 1] for k in range(pp)] for u in range(U)]
-        # cut k sits before the unit u where z[u][k] - z[u-1][k] = 1
-        cut = [0.0] + [sum(problem.cut_s[u] * (z[u][k] - z[u - 1][k])
-                           for u in range(1, U) if problem.cut_s[u]) for k in range(1, pp)]
+    # --- stage cut: z[u][k] = unit u in stage >= k (k = 1..pp-1) --------------------
+    z = [[1.0] + [solver.BoolVar(f"z[{u},{k}]") for k in range(1, pp)] + [0.0]
+         for u in range(U)]
+    for k in range(1, pp):
+        solver.Add(z[0][k] == 0, f"first_unit_in_stage0[{k}]")
+        solver.Add(z[U - 1][k] == 1, f"last_unit_in_last_stage[{k}]")
+        for u in range(U - 1):
+            solver.Add(z[u][k] <= z[u + 1][k], f"contiguous[{u},{k}]")
+        if k + 1 < pp:
+            for u in range(U):
+                solver.Add(z[u][k + 1] <= z[u][k], f"nested[{u},{k}]")
+            solver.Add(sum(z[u][k] for u in range(U))
+                       >= sum(z[u][k + 1] for u in range(U)) + 1, f"stage_nonempty[{k}]")
+    y = [[z[u][k] - z[u][k + 1] for k in range(pp)] for u in range(U)]
+    # cut k sits before the unit u where z[u][k] - z[u-1][k] = 1
+    cut = [0.0] + [sum(problem.cut_s[u] * (z[u][k] - z[u - 1][k])
+                       for u in range(1, U) if problem.cut_s[u]) for k in range(1, pp)]
 
-        v = [[solver.NumVar(0, inf, f"v[{u},{k}]") for k in range(pp)] for u in range(U)]
-        w = [[solver.NumVar(0, inf, f"w[{u},{k}]") for k in range(pp)] for u in range(U)]
-        for u in range(U):
-            for k in range(pp):
-                solver.Add(v[u][k] >= A[u] - A_max[u] * (1 - y[u][k]), f"unit_time[{u},{k}]")
-                solver.Add(w[u][k] >= G[u] - G_max[u] * (1 - y[u][k]), f"unit_once[{u},{k}]")
-            solver.Add(sum(v[u]) >= A[u], f"unit_time_sum[{u}]")
-            solver.Add(sum(w[u]) >= G[u], f"unit_once_sum[{u}]")
+    v = [[solver.NumVar(0, inf, f"v[{u},{k}]") for k in range(pp)] for u in range(U)]
+    w = [[solver.NumVar(0, inf, f"w[{u},{k}]") for k in range(pp)] for u in range(U)]
+    for u in range(U):
         for k in range(pp):
-            sends = (cut[k] if k > 0 else 0.0) + (cut[k + 1] if k + 1 < pp else 0.0)
-            solver.Add(C >= sum(v[u][k] for u in range(U)) + sends, f"stage_time[{k}]")
-            solver.Add(S >= sum(w[u][k] for u in range(U)), f"stage_once[{k}]")
-        if budget is not None:
-            for k in range(pp):
-                q = [solver.NumVar(0, inf, f"q[{u},{k}]") for u in range(U)]
-                for u in range(U):
-                    big = W_max[u] + flight[k] * V_max[u]
-                    solver.Add(q[u] >= W[u] + flight[k] * V[u] - big * (1 - y[u][k]),
-                               f"unit_memory[{u},{k}]")
-                solver.Add(sum(q) <= budget, f"memory[{k}]")
+            solver.Add(v[u][k] >= A[u] - A_max[u] * (1 - y[u][k]), f"unit_time[{u},{k}]")
+            solver.Add(w[u][k] >= G[u] - G_max[u] * (1 - y[u][k]), f"unit_once[{u},{k}]")
+        solver.Add(sum(v[u]) >= A[u], f"unit_time_sum[{u}]")
+        solver.Add(sum(w[u]) >= G[u], f"unit_once_sum[{u}]")
+    for k in range(pp):
+        sends = (cut[k] if k > 0 else 0.0) + (cut[k + 1] if k + 1 < pp else 0.0)
+        solver.Add(C >= sum(v[u][k] for u in range(U)) + sends, f"stage_time[{k}]")
+        solver.Add(S >= sum(w[u][k] for u in range(U)), f"stage_once[{k}]")
+    if budget is not None:
+        for k in range(pp):
+            q = [solver.NumVar(0, inf, f"q[{u},{k}]") for u in range(U)]
+            for u in range(U):
+                big = W_max[u] + flight[k] * V_max[u]
+                solver.Add(q[u] >= W[u] + flight[k] * V[u] - big * (1 - y[u][k]),
+                           f"unit_memory[{u},{k}]")
+            solver.Add(sum(q) <= budget, f"memory[{k}]")
 
     objective = (microbatches + pp - 1) * C + S
     solver.Minimize(objective)
     if cutoff_s is not None:
-        solver.Add(objective <= cutoff_s, "cutoff")
+        solver.Add(objective <= cutoff_s / unit_s, "cutoff")
     solver.SetSolverSpecificParametersAsString(
         f"limits/gap = {relative_gap}\n")
     solver.SetTimeLimit(max(1, int((time_limit_s - (time.perf_counter() - start)) * 1000)))
     status = solver.Solve()
     if status == pywraplp.Solver.NOT_SOLVED:
-        raise TimeLimit(solver.Objective().BestBound())
+        raise TimeLimit(solver.Objective().BestBound() * unit_s)
     if status not in (pywraplp.Solver.OPTIMAL, pywraplp.Solver.FEASIBLE):
         return None
 
     choice = tuple(0 if len(row) == 1 else int(np.argmax([r.solution_value() for r in row]))
                    for row in x)
-    if pp == 1:
-        starts = (0,)
-    else:
-        starts = (0, *(next(u for u in range(U) if z[u][k].solution_value() > 0.5)
-                       for k in range(1, pp)))
-    times = evaluate(problem, starts, choice, microbatches, schedule)
+    starts = (0, *(next(u for u in range(U) if z[u][k].solution_value() > 0.5)
+                   for k in range(1, pp)))
+    times = evaluate(given, starts, choice, microbatches, schedule)
     return StageSolution(
         starts=starts, choice=choice, times=times,
         status="optimal" if status == pywraplp.Solver.OPTIMAL else "feasible",
-        bound_s=min(solver.Objective().BestBound(), times.step_s),
+        bound_s=min(solver.Objective().BestBound() * unit_s, times.step_s),
         seconds=time.perf_counter() - start, num_variables=solver.NumVariables(),
         num_constraints=solver.NumConstraints())
+
+
+def _time_unit_s(problem: StageProblem) -> float:
+    largest = max((float(max(l.microbatch_s.max(), l.step_s.max())) for l in problem.layers),
+                  default=0.0)
+    for e in problem.edges:
+        largest = max(largest, float(np.abs(e.cost_s).max(initial=0.0)))
+    largest = max(largest, *problem.cut_s, 0.0)
+    return largest if largest > 0.0 else 1.0
+
+
+def _in_units(problem: StageProblem, unit_s: float) -> StageProblem:
+    if unit_s == 1.0:
+        return problem
+    layers = tuple(replace(l, microbatch_s=l.microbatch_s / unit_s, step_s=l.step_s / unit_s)
+                   for l in problem.layers)
+    edges = tuple(replace(e, cost_s=np.asarray(e.cost_s, float) / unit_s)
+                  for e in problem.edges)
+    return replace(problem, layers=layers, edges=edges,
+                   cut_s=tuple(c / unit_s for c in problem.cut_s))
+
+
+def _solve_one_stage(problem: StageProblem, microbatches: int, schedule: str,
+                     budget_bytes: float | None, time_limit_s: float,
+                     cutoff_s: float | None, start: float) -> StageSolution | None:
+    """One stage: no cut to choose, so the step is m·(Σ per-microbatch time) + Σ per-step
+    time, additive over layers and edges. That is planner.ilp's problem exactly, whose
+    reductions (dominance, additive-edge folding, reduced-cost fixing) prove it in well
+    under a second where the stage MIP above took minutes on large models."""
+    flight = in_flight(schedule, 1, microbatches, 0)
+    nodes = tuple(
+        Node(layer.name, tuple(
+            Option(name, microbatches * float(layer.microbatch_s[i]) + float(layer.step_s[i]),
+                   float(layer.weight_bytes[i]) + flight * float(layer.activation_bytes[i]))
+            for i, name in enumerate(layer.strategies)))
+        for layer in problem.layers)
+    edges = tuple(Edge(e.src, e.dst, microbatches * np.asarray(e.cost_s, float))
+                  for e in problem.edges)
+    try:
+        solution = ilp.solve(Problem(nodes, edges, budget_bytes), time_limit_s,
+                             cutoff_s=cutoff_s)
+    except Infeasible:  # nothing fits the budget, or nothing beats the cutoff
+        return None
+    times = evaluate(problem, (0,), solution.choice, microbatches, schedule)
+    if cutoff_s is not None and times.step_s > cutoff_s:
+        return None
+    return StageSolution(
+        starts=(0,), choice=solution.choice, times=times, status=solution.status,
+        bound_s=min(solution.bound_s, times.step_s), seconds=time.perf_counter() - start,
+        num_variables=solution.num_variables, num_constraints=solution.num_constraints)
 
 
 def lower_bound(problem: StageProblem, pp: int, microbatches: int) -> float:

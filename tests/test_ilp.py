@@ -170,6 +170,37 @@ def test_matches_brute_force_on_random_instances(seed, shape, budget):
     assert all(0 <= c < len(n.options) for c, n in zip(solution.choice, problem.nodes))
 
 
+@pytest.mark.parametrize("seed", range(8))
+def test_nanosecond_times_are_not_lost_to_solver_tolerances(seed):
+    # Layers of a small model take microseconds, pointwise ops nanoseconds: SCIP treats
+    # coefficients below 1e-9 as zero, so the solver works in units of the largest time.
+    rng = np.random.default_rng([seed, 99])
+    problem = random_problem(rng, ("chain", "diamond", "join")[seed % 3], "binding")
+    tiny = Problem(
+        tuple(Node(n.name, tuple(Option(o.strategy, o.time_s * 1e-9, o.memory_bytes)
+                                 for o in n.options)) for n in problem.nodes),
+        tuple(Edge(e.src, e.dst, e.cost_s * 1e-9) for e in problem.edges),
+        problem.memory_budget_bytes)
+    _, best_cost = brute_force(tiny)
+    for reductions in (REDUCTIONS, frozenset()):
+        solution = solve(tiny, reductions=reductions)
+        assert solution.status == "optimal"
+        assert solution.objective_s == pytest.approx(best_cost, rel=1e-9, abs=0)
+        assert solution.bound_s == solution.objective_s
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_a_cutoff_keeps_the_optimum_above_it_and_refuses_below_it(seed):
+    problem = random_problem(np.random.default_rng([seed, 42]), "join", "binding")
+    _, best_cost = brute_force(problem)
+    for reductions in (REDUCTIONS, frozenset()):
+        above = solve(problem, reductions=reductions, cutoff_s=best_cost * 1.001)
+        assert above.objective_s == pytest.approx(best_cost, rel=1e-9)
+        with pytest.raises(Infeasible) as refused:
+            solve(problem, reductions=reductions, cutoff_s=best_cost * 0.999)
+        assert refused.value.family == "cutoff"
+
+
 def test_optimum_that_fills_the_budget_to_the_byte_is_found():
     # With presolve probing on, SCIP 10.0.0 returned a worse plan as "optimal" for
     # diamonds 72 and 210 here, on the unreduced model; planner/ilp.py turns probing off.
