@@ -5,10 +5,14 @@ Models: the MLP of examples/mlp.py (batch 32), the FC-heavy CNN of benchmarks/fc
 (batch 32), a small all-convolutional-ish CNN (batch 32) and a tiny GPT from examples/gpt.py
 (2 layers, width 128, 4 heads, 64 tokens, vocabulary 512; batch 8). Plan kinds:
 pure data parallel (`planner.baseline(..., "ddp")`), pure model parallel (`"tensor"`,
-Megatron-style) and hyplan's chosen hybrid (`planner.optimize`), all costed on a cluster
+Megatron-style), sharded data parallel (`"fsdp"`, FSDP2 on every layer) and hyplan's
+chosen hybrid (`planner.optimize`), all costed on a cluster
 profile measured by `hyplan calibrate` (made here with --quick unless --profile is given),
 all run by `executor.parallelize` in one loop: SGD (lr 0.01, foreach=False), the model's
-loss, 4 warm-up steps, then --steps timed steps. --rounds rounds go over all cases in turn, so
+loss, 4 warm-up steps, then --steps timed steps. Plans that are the same plan (hyplan's
+choice is often one of the baselines) are one program: they are run once and share the
+figure, so that a difference between them is never noise.
+--rounds rounds go over all cases in turn, so
 a slow spell hits different cases in different rounds; a case's figure is the slowest
 rank's median over all its timed steps of all rounds (single steps of one plan vary by
 -30%..+60% here: gloo wake-ups, the scheduler, the other rank), and "spread" is the range of
@@ -114,7 +118,8 @@ def _leaves(model_key: str) -> tuple:
 
         return (CausalSelfAttention,)
     return ()
-KINDS = ("ddp", "tensor", "hyplan")
+BASELINE_KINDS = ("ddp", "tensor", "fsdp")
+KINDS = BASELINE_KINDS + ("hyplan",)
 
 
 # --- inside each rank ----------------------------------------------------------------------
@@ -193,7 +198,7 @@ def plans_for(model_key: str, cluster) -> dict[str, planner.Plan]:
     model, x, _, _ = build(batch)
     leaves = _leaves(model_key)
     out = {kind: baseline(model, cluster, kind, (x,), optimizer="sgd", leaf_modules=leaves)
-           for kind in ("ddp", "tensor")}
+           for kind in BASELINE_KINDS}
     out["hyplan"] = planner.optimize(model, cluster, example_inputs=(x,), optimizer="sgd",
                                      leaf_modules=leaves)
     return out
@@ -230,15 +235,18 @@ def main() -> None:
     rows = []
     for world in args.worlds:
         cluster = profile.cluster(world)
-        cases = []
+        cases, runs, run_of = [], [], {}
         for model_key in args.models:
             wait_for_quiet(args.wait)  # layers are timed while planning
             for kind, plan in plans_for(model_key, cluster).items():
-                cases.append((kind, model_key, plan.to_json()))
-        results = run_ranks(_rank, world, cases, args.steps, args.rounds, args.wait,
+                program = (model_key, _program(plan))
+                if program not in run_of:  # the same plan twice is one program: run once
+                    run_of[program] = len(runs)
+                    runs.append((kind, model_key, plan.to_json()))
+                cases.append((kind, model_key, plan, run_of[program]))
+        results = run_ranks(_rank, world, runs, args.steps, args.rounds, args.wait,
                             timeout_s=3600)
-        for i, (kind, model_key, plan_json) in enumerate(cases):
-            plan = planner.Plan.from_json(plan_json)
+        for kind, model_key, plan, i in cases:
             # every timed step of every round, pooled: a rank's median over them, the
             # slowest rank's figure (a step ends when the last rank is done)
             measured = max(statistics.median([t for rnd in r[i] for t in rnd[0]])
@@ -249,15 +257,22 @@ def main() -> None:
             other = max(r[i][k][1] for r in results for k in range(args.rounds))
             rows.append(dict(world=world, model=model_key, kind=kind, measured=measured,
                              predicted=plan.predicted.step_time_s, other=other, spread=spread,
-                             strategies=_summary(plan),
-                             choice=tuple(l.strategy for l in plan.layers)))
+                             strategies=_summary(plan), run=i))
     _report(rows, args, time.perf_counter() - started)
 
 
+def _program(plan: planner.Plan) -> tuple:
+    """What the executor runs: each layer's strategy and recompute flag, each input's layout."""
+    return (tuple((l.name, l.strategy, l.recompute) for l in plan.layers),
+            tuple((i.name, i.layout) for i in plan.inputs))
+
+
 def _summary(plan: planner.Plan) -> str:
-    mp = sum(l.model_parallel for l in plan.layers if l.param_bytes)
-    dp = sum(l.strategy == "data_parallel" for l in plan.layers if l.param_bytes)
-    return f"{dp} DP / {mp} MP"
+    weighted = [l for l in plan.layers if l.param_bytes]
+    mp = sum(l.model_parallel for l in weighted)
+    dp = sum(l.strategy == "data_parallel" for l in weighted)
+    fsdp = sum(l.strategy == "fsdp" for l in weighted)
+    return f"{dp} DP / {mp} MP" + (f" / {fsdp} FS" if fsdp else "")
 
 
 def _cores(other: float | None) -> str:
@@ -280,14 +295,13 @@ def _report(rows: list[dict], args, seconds: float) -> None:
               f"worst {abs(worst['error']) * 100:.0f}% ({worst['model']} {worst['kind']})")
         for model in args.models:
             by = {r["kind"]: r for r in rows if r["world"] == world and r["model"] == model}
-            best_kind = min(("ddp", "tensor"), key=lambda k: by[k]["measured"])
+            best_kind = min(BASELINE_KINDS, key=lambda k: by[k]["measured"])
             ours, best = by["hyplan"]["measured"], by[best_kind]["measured"]
-            same = [k for k in ("ddp", "tensor") if by[k]["choice"] == by["hyplan"]["choice"]]
+            same = [k for k in BASELINE_KINDS if by[k]["run"] == by["hyplan"]["run"]]
             print(f"  {model:<10} hyplan {ours * 1e3:6.1f} ms vs fastest baseline "
                   f"({best_kind}) {best * 1e3:6.1f} ms: {ours / best:.2f}x its time; "
                   f"DDP / hyplan {by['ddp']['measured'] / ours:.2f}x"
-                  + (f" (hyplan's plan is the {same[0]} plan: the difference is noise)"
-                     if same else ""))
+                  + (f" (hyplan's plan is the {same[0]} plan, run once)" if same else ""))
     others = [r["other"] for r in rows if r["other"] is not None]
     if others:
         print(f"\nother processes used up to {max(others):.2f} cores during a case "

@@ -141,6 +141,15 @@ def build_model(factory: Callable, batch: int, device: str):
 
 # --- commands -----------------------------------------------------------------------------
 
+def _prefer_standard(args) -> dict:
+    """--prefer-standard, when given (else optimize()'s default)."""
+    if args.prefer_standard is None:
+        return {}
+    if not 0 <= args.prefer_standard < 1:
+        raise ValueError(f"--prefer-standard: a fraction in [0, 1), got {args.prefer_standard}")
+    return {"prefer_standard": args.prefer_standard}
+
+
 def _cluster(devices: str, dtype: str | None):
     from pydantic import ValidationError
 
@@ -170,7 +179,7 @@ def _plan(args) -> int:
     try:
         plan = planner.optimize(model, cluster, example_inputs=inputs,
                                 optimizer=args.optimizer, memory_limit_bytes=memory_limit,
-                                mesh=args.mesh)
+                                mesh=args.mesh, **_prefer_standard(args))
     except planner.PlanDoesNotFit as error:  # name the flags, not the Python arguments
         message = str(error).replace("optimizer='sgd'", "--optimizer sgd")
         raise planner.PlanDoesNotFit(message.replace("memory_limit_bytes", "--memory-limit")) \
@@ -245,6 +254,10 @@ def parser() -> argparse.ArgumentParser:
                       "(default); 3d: search pipeline x data x tensor meshes, stage cuts, "
                       "microbatches and schedules; auto: both, keeping the 1-D plan unless a "
                       "3-D one is predicted at least 1%% faster")
+    plan.add_argument("--prefer-standard", metavar="FRACTION", type=float,
+                      help="keep the best standard plan (DDP, tensor parallel, FSDP) when it is "
+                      "predicted within this fraction of the optimum (default 0.03, "
+                      "planner.optimize's; 0 keeps the optimum)")
     plan.add_argument("--json", metavar="FILE", help="also save the plan as JSON to FILE")
     plan.add_argument("--plot", metavar="DIR", help="also draw the plan (strategy map, memory "
                       "per device, schedule timeline) as PNG and SVG into DIR")

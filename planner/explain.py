@@ -157,6 +157,8 @@ def explain(plan: Plan, width: int = 130) -> str:
         extra = search_lines(plan)
     if plan.mesh_choice:
         extra = [f"Mesh choice: {plan.mesh_choice}"] + extra
+    if plan.standard_choice:
+        extra = [f"Standard plan: {plan.standard_choice}"] + extra
     extra += lever_lines(plan)
     for line in summary(plan) + extra:
         console.print(line, highlight=False, soft_wrap=True)

@@ -212,6 +212,8 @@ class Plan(_Data):
                               "or gradient accumulation without one (3-D plans)")
     search: SearchReport | None = Field(None, description="the 3-D search (3-D plans)")
     mesh_choice: str = Field("", description="optimize(mesh='auto'): which mesh won and why")
+    standard_choice: str = Field("", description="optimize(prefer_standard=...): a standard "
+                                 "plan kept in place of a barely faster optimum, and why")
 
     @property
     def num_devices(self) -> int:

@@ -6,7 +6,9 @@ Three measurements, each the figure the cost model divides by:
   `torch.utils.benchmark` (median of blocked runs), at the threads each process gets;
 - collectives: all-reduce, all-gather, reduce-scatter, all-to-all and send/recv over a
   real process group of P spawned ranks (gloo on CPU; NCCL timed with CUDA events where
-  there are P GPUs), at sizes from 1 KB to tens of MB, then alpha (latency per message)
+  there are P GPUs), at sizes from 1 KB to tens of MB, each as a training step meets it:
+  after a burst of compute on every rank (blocking collectives: one rank waits for the
+  other), and DDP's bucket all-reduce with the ranks started together; then alpha (latency per message)
   and beta (bandwidth per rank) fitted per collective by least squares against the ring
   formulas of `strategies.collectives` (relative error weighted, so 1 KB counts as much
   as 32 MB);
@@ -35,12 +37,13 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from strategies.cluster import Cluster
 from strategies.collectives import COEFFICIENTS
-from strategies.devices import CollectiveFit, DeviceSpec, LinkSpec
+from strategies.devices import CollectiveFit, DeviceSpec, LinkSpec, shared_cache_bytes
 
 PROFILE_SCHEMA = "hyplan.cluster-profile/1"
 SIZES = (1 << 10, 16 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 32 << 20)
 QUICK_SIZES = (1 << 10, 64 << 10, 1 << 20, 8 << 20, 32 << 20)
-MEASURED = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv")
+MEASURED = ("all_reduce", "bucket_all_reduce", "all_gather", "reduce_scatter", "all_to_all",
+            "send_recv")
 
 
 class Sample(BaseModel):
@@ -189,15 +192,56 @@ def _timer(device: torch.device):
     return seconds
 
 
-def _median_time(fn, device, repeats: int) -> float:
-    """Median of `repeats` calls, each started together on all ranks (a barrier first)."""
+def _compute_burst(device, seconds: float = 8e-3):
+    """A closure that keeps this rank computing for about `seconds` (matmuls)."""
+    a = torch.randn(256, 256, device=device)
+    timer = _timer(device)
+    one = min(timer(lambda: a @ a) for _ in range(5))
+    count = max(1, round(seconds / max(one, 1e-6)))
+
+    def burst():
+        for _ in range(count):
+            a @ a
+    return burst
+
+
+def _in_step_time(fn, device, repeats: int) -> float:
+    """Seconds of `fn` as a training step meets it: every rank computes for a moment
+    (a ~2 ms burst) and then calls it, `repeats` times; the mean of the middle 80%.
+
+    Why not back-to-back calls after a barrier: there the ranks arrive together and their
+    communication threads are awake. In a step one rank arrives first and sleeps in the
+    collective until the other's data wakes it; on this 2-core VM that costs a median 2 ms
+    per collective, against 0.2-0.5 ms after a barrier (a 1 KB gloo all-reduce), which made
+    tensor-parallel plans of small models look 2x faster than they ran. And the mean, not
+    the median: such latencies are bimodal, and a step is a sum of many of them."""
     seconds = _timer(device)
+    burst = _compute_burst(device)
     fn()  # warm up: connections, buffers
+    dist.barrier()
+    times = []
+    for _ in range(repeats):
+        burst()
+        times.append(seconds(fn))
+    return _trimmed_mean(times)
+
+
+def _together_time(fn, device, repeats: int) -> float:
+    """Seconds of `fn` when every rank calls it at the same moment (a barrier first), as
+    DDP's bucket all-reduces are issued: the mean of the middle 80%."""
+    seconds = _timer(device)
+    fn()
     times = []
     for _ in range(repeats):
         dist.barrier()
         times.append(seconds(fn))
-    return statistics.median(times)
+    return _trimmed_mean(times)
+
+
+def _trimmed_mean(times: list[float]) -> float:
+    times = sorted(times)
+    cut = len(times) // 10
+    return statistics.fmean(times[cut:len(times) - cut])
 
 
 def _collective_call(name: str, nbytes: int, rank: int, world: int, device):
@@ -205,7 +249,7 @@ def _collective_call(name: str, nbytes: int, rank: int, world: int, device):
     elements = max(world, nbytes // 4 // world * world)
     full = torch.randn(elements, device=device)
     part = torch.empty(elements // world, device=device)
-    if name == "all_reduce":
+    if name in ("all_reduce", "bucket_all_reduce"):
         return lambda: dist.all_reduce(full)
     # torch 2.13 renamed the tensor forms (*_single); older releases have only the old names
     if name == "all_gather":
@@ -268,10 +312,10 @@ def _dtensor_overheads(rank: int, world: int, device, repeats: int) -> dict[str,
         d.redistribute(mesh, [Replicate()]).to_local().sum().backward()
 
     return {
-        "plain": _median_time(step_of(plain, x), device, repeats),
-        "column": _median_time(step_of(col, x), device, repeats),
-        "row": _median_time(step_of(row, x_shard), device, repeats),
-        "reshard": _median_time(redistribute, device, repeats),
+        "plain": _in_step_time(step_of(plain, x), device, repeats),
+        "column": _in_step_time(step_of(col, x), device, repeats),
+        "row": _in_step_time(step_of(row, x_shard), device, repeats),
+        "reshard": _in_step_time(redistribute, device, repeats),
         "tiny_bytes": float(x.numel() * x.element_size() * world),
         "row_bytes": float(rows * width * 4),
     }
@@ -322,12 +366,12 @@ def _step_overhead(device, repeats: int = 21) -> dict[str, float]:
 
     plain = build()
     ddp = DistributedDataParallel(build(), device_ids=None if device.type == "cpu" else [device])
-    return {"plain": _median_time(stepper(plain), device, repeats),
-            "ddp": _median_time(stepper(ddp), device, repeats),
+    return {"plain": _in_step_time(stepper(plain), device, repeats),
+            "ddp": _in_step_time(stepper(ddp), device, repeats),
             "grad_bytes": float(sum(p.numel() * p.element_size() for p in plain.parameters()))}
 
 
-def _contention(rank: int, device, quiet_wait_s: float, trials: int = 3) -> dict[str, float]:
+def _contention(rank: int, device, quiet_wait_s: float, trials: int = 5) -> dict[str, float]:
     """Rank 0 alone (the others idle in a barrier), then every rank at once, in turn
     `trials` times: the median of the ratios, so that load elsewhere on the machine, which
     drifts, weighs on both sides alike."""
@@ -363,8 +407,9 @@ def _rank_measure(rank: int, world: int, sizes, repeats: int, quiet_wait_s: floa
                     wait_for_quiet(quiet_wait_s)
                 dist.barrier()
             try:
-                t = _median_time(_collective_call(name, nbytes, rank, world, device),
-                                 device, repeats)
+                timing = _together_time if name == "bucket_all_reduce" else _in_step_time
+                t = timing(_collective_call(name, nbytes, rank, world, device), device,
+                           repeats)
             except RuntimeError as error:  # e.g. a collective the backend lacks
                 if "not supported" in str(error).lower() or "unsupported" in str(error).lower():
                     break
@@ -414,6 +459,7 @@ def measure_compute(threads: int, device: str = "cpu") -> DeviceSpec:
         if dev.type == "cpu" else {"float32": matmul},
         op_flops={"matmul": matmul, "conv2d": conv},
         memory_bytes=memory, memory_bandwidth_bytes_per_s=bandwidth,
+        cache_bytes=shared_cache_bytes() if dev.type == "cpu" else 0.0,
         source=f"measured by hyplan calibrate ({threads} threads, torch.utils.benchmark)")
 
 
@@ -430,7 +476,7 @@ def calibrate(processes=(2, 4), quick: bool = False, repeats: int | None = None,
     cuda = torch.cuda.is_available() and torch.cuda.device_count() >= max(processes)
     backend = "nccl" if cuda else "gloo"
     sizes = QUICK_SIZES if quick else SIZES
-    repeats = repeats or (5 if quick else 9)
+    repeats = repeats or (15 if quick else 25)
     cores = os.cpu_count() or 1
     threads = torch.get_num_threads() if cuda else cpu_threads_per_device(max(processes))
 
@@ -499,7 +545,8 @@ def _overheads(per_rank: list[dict], world: int, link: LinkSpec) -> tuple[float,
 
 def _fixed_step(per_rank: list[dict], world: int, link: LinkSpec) -> float:
     """A DDP step less the plain step and its gradient all-reduce (fitted link)."""
-    from strategies.collectives import all_reduce_s
+    from strategies.collectives import collective_time_s
 
     d = {k: max(r["step"][k] for r in per_rank) for k in per_rank[0]["step"]}
-    return max(0.0, d["ddp"] - d["plain"] - all_reduce_s(d["grad_bytes"], world, link))
+    sync = collective_time_s("bucket_all_reduce", d["grad_bytes"], world, link)
+    return max(0.0, d["ddp"] - d["plain"] - sync)

@@ -196,14 +196,17 @@ def measure_times(graph: ModelGraph, batch: int) -> dict[str, float]:
                 if layer is not None:
                     times[node.name] = 0.0
                 continue
-            local, leaves = _inputs_for(node, values, needs_grad)
+            local, _ = _inputs_for(node, values, needs_grad)
             module = modules.get(node.target) if node.op == "call_module" else None
             params = dict(module.named_parameters()) if module is not None else {}
-            targets = _grad_targets(leaves, params)
             out = run_node(node, local, modules, gm)
 
             def step():
-                fresh, _ = _inputs_for(node, values, needs_grad)  # in-place ops consume it
+                # fresh inputs each call (in-place ops consume them), and the gradient
+                # asked of these very leaves: autograd skips the input gradient, often a
+                # third of a layer's time, for leaves that are not in this graph
+                fresh, leaves = _inputs_for(node, values, needs_grad)
+                targets = _grad_targets(leaves, params)
                 y = run_node(node, fresh, modules, gm)
                 if isinstance(y, torch.Tensor) and y.requires_grad and targets:
                     torch.autograd.grad(y, targets, torch.ones_like(y), allow_unused=True)

@@ -67,8 +67,10 @@ def compute_s(layer: Layer, fraction: float, ctx: CostContext, split: str = "bat
     measurement otherwise, else a roofline over FLOPs and bytes moved."""
     if layer.is_input:
         return 0.0
+    # forward writes the output once, backward reads it and writes its gradient
+    moved = 3 * layer.output.nbytes * fraction
     # processes sharing the machine: parameter-free ops are memory-bound, the rest compute
-    slowdown = (ctx.cluster.memory_slowdown if not layer.param_count
+    slowdown = (memory_contention(moved, ctx) if not layer.param_count
                 else ctx.cluster.compute_slowdown)
     if layer.measured_s is not None:
         parts = round(1 / fraction)
@@ -82,8 +84,6 @@ def compute_s(layer: Layer, fraction: float, ctx: CostContext, split: str = "bat
     device = ctx.cluster.device
     flops = (layer.fwd_flops + layer.bwd_flops) * fraction
     rate = device.op_flops.get(layer.kind.lower()) or device.achievable_flops(ctx.cluster.dtype)
-    # forward writes the output once, backward reads it and writes its gradient
-    moved = 3 * layer.output.nbytes * fraction
     return max(flops / rate, moved / device.memory_bandwidth_bytes_per_s) * slowdown
 
 
@@ -98,10 +98,21 @@ def weights_memory(param_bytes: float, ctx: CostContext) -> float:
     return param_bytes * (2 + ctx.state_factor)
 
 
+def memory_contention(moved_bytes: float, ctx: CostContext) -> float:
+    """How much slower streaming `moved_bytes` runs while every process on the machine
+    streams as much: the measured memory slowdown once their data together spills the
+    shared cache (DeviceSpec.cache_bytes), none while it fits."""
+    cluster = ctx.cluster
+    cache = cluster.device.cache_bytes
+    if cache and moved_bytes * cluster.devices_per_node <= cache:
+        return 1.0
+    return cluster.memory_slowdown
+
+
 def memory_s(moved_bytes: float, ctx: CostContext) -> float:
     """Seconds to stream `moved_bytes` through memory, all processes streaming at once."""
     bandwidth = ctx.cluster.device.memory_bandwidth_bytes_per_s
-    return moved_bytes / bandwidth * ctx.cluster.memory_slowdown
+    return moved_bytes / bandwidth * memory_contention(moved_bytes, ctx)
 
 
 def update_s(param_bytes: float, ctx: CostContext) -> float:
@@ -139,7 +150,7 @@ def _bucketed_all_reduce_s(param_bytes: float, ctx: CostContext) -> float:
     if ctx.ranks <= 1 or param_bytes <= 0:
         return 0.0
     a, b = COEFFICIENTS["all_reduce"](ctx.ranks)
-    alpha, beta = ctx.link.alpha_beta("all_reduce")
+    alpha, beta = ctx.link.alpha_beta("bucket_all_reduce")
     return a * alpha * min(1.0, param_bytes / DDP_BUCKET_BYTES) + b * param_bytes / beta
 
 

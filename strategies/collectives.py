@@ -10,6 +10,12 @@ bandwidth β (bytes/s per rank, one direction) and latency α per message:
     all_to_all      (P-1)·α  +  (P-1)/P² · n/β      (each rank keeps 1/P of its n/P)
     send_recv       α + n/β
 
+`bucket_all_reduce` is DDP's gradient all-reduce, one per bucket: the formula of
+all_reduce, but every rank issues it at the same point of backward, so it meets no peer
+that is still computing. `hyplan calibrate` times it that way (ranks started together),
+apart from the blocking collectives of tensor-parallel layers and layout changes (timed
+after a burst of compute, as a step meets them); uncalibrated links price both alike.
+
 Every formula is `a(P)·α + b(P)·n/β`; `COEFFICIENTS` holds (a, b), which is also what
 `profiler.calibrate` fits measured timings against. α and β come from the link, per
 collective where `hyplan calibrate` measured them (see LinkSpec.alpha_beta).
@@ -28,6 +34,7 @@ COEFFICIENTS: dict[str, Callable[[int], tuple[float, float]]] = {
     "all_to_all": lambda p: (p - 1, (p - 1) / p**2),
     "send_recv": lambda p: (1, 1),
 }
+COEFFICIENTS["bucket_all_reduce"] = COEFFICIENTS["all_reduce"]
 
 
 def collective_time_s(name: str, n: float, ranks: int, link: LinkSpec) -> float:

@@ -8,6 +8,7 @@ bandwidth" in nccl-tests' terms).
 
 from __future__ import annotations
 
+import glob
 import os
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -31,6 +32,11 @@ class DeviceSpec(BaseModel):
     source: str = ""
     # achieved FLOP/s per op class ("matmul", "conv2d"), where measured (hyplan calibrate)
     op_flops: dict[str, float] = Field(default_factory=dict)
+    # the last-level cache the processes on one machine share (0: unknown). Memory-bound
+    # work slows down when processes share the machine only once what they stream
+    # together spills it (measured here: 1-8 MB copies no slower on 2 processes at once,
+    # 64-256 MB copies 1.8-2.0x slower)
+    cache_bytes: float = Field(0.0, ge=0)
 
     def achievable_flops(self, dtype: str = "float32") -> float:
         if dtype not in self.peak_flops:
@@ -166,7 +172,23 @@ def local_cpu(threads: int | None = None) -> DeviceSpec:
         memory_bytes=float(pages),
         memory_bandwidth_bytes_per_s=bandwidth,
         source=f"measured on this machine ({threads or 'default'} threads)",
+        cache_bytes=shared_cache_bytes(),
     )
+
+
+def shared_cache_bytes() -> float:
+    """This machine's largest CPU cache (the shared last level), from sysfs; 0 if unknown."""
+    sizes = []
+    for path in glob.glob("/sys/devices/system/cpu/cpu0/cache/index*/size"):
+        try:
+            text = open(path).read().strip().upper()
+        except OSError:
+            continue
+        unit = {"K": 2**10, "M": 2**20, "G": 2**30}.get(text[-1:], 1)
+        digits = text.rstrip("KMG")
+        if digits.isdigit():
+            sizes.append(int(digits) * unit)
+    return float(max(sizes, default=0))
 
 
 # gloo over loopback TCP between processes on one machine, measured on the 2-core

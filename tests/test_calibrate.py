@@ -89,3 +89,47 @@ def test_bad_profile_is_one_line(tmp_path):
 def test_unfitted_link_keeps_its_own_figures():
     link = LinkSpec(name="l", bandwidth_bytes_per_s=1e9, latency_s=1e-3)
     assert link.alpha_beta("all_to_all") == (1e-3, 1e9)
+
+
+def _cpu_cluster(link: LinkSpec | None = None, cache_bytes: float = 32 * 2**20):
+    from strategies.cluster import Cluster
+
+    device = DeviceSpec(name="cpu", kind="cpu", peak_flops={"float32": 1e11}, efficiency=1.0,
+                        memory_bytes=1e10, memory_bandwidth_bytes_per_s=1e10,
+                        cache_bytes=cache_bytes)
+    link = link or LinkSpec(name="l", bandwidth_bytes_per_s=1e9, latency_s=1e-3)
+    return Cluster(device=device, devices_per_node=2, intra_node=link, inter_node=link,
+                   memory_slowdown=2.0)
+
+
+def test_memory_contention_starts_where_the_processes_spill_the_shared_cache():
+    # measured here: 1-8 MB copies run as fast on 2 processes at once as alone, 64-256 MB
+    # copies 1.8-2x slower; two processes streaming 8 MB each fit a 32 MB cache
+    from strategies.catalog import CostContext, memory_s
+
+    ctx = CostContext(cluster=_cpu_cluster(), ranks=2, batch=8)
+    assert memory_s(8 * 2**20, ctx) == pytest.approx(8 * 2**20 / 1e10)
+    assert memory_s(64 * 2**20, ctx) == pytest.approx(2.0 * 64 * 2**20 / 1e10)
+    unknown = CostContext(cluster=_cpu_cluster(cache_bytes=0.0), ranks=2, batch=8)
+    assert memory_s(8 * 2**20, unknown) == pytest.approx(2.0 * 8 * 2**20 / 1e10)
+
+
+def test_ddp_gradient_sync_is_priced_with_the_bucket_all_reduce_fit():
+    # DDP's buckets are all-reduced with every rank arriving together, so they pay the
+    # latency measured that way, not that of a blocking collective after compute
+    from torch import nn
+
+    from profiler.graph import Layer, TensorMeta
+    from strategies.catalog import CostContext, DataParallel
+    from strategies.devices import CollectiveFit
+
+    link = LinkSpec(name="gloo", bandwidth_bytes_per_s=1e9, latency_s=2e-3, collectives={
+        "all_reduce": CollectiveFit(latency_s=2e-3, bandwidth_bytes_per_s=1e9),
+        "bucket_all_reduce": CollectiveFit(latency_s=0.2e-3, bandwidth_bytes_per_s=1e9)})
+    ctx = CostContext(cluster=_cpu_cluster(link), ranks=2, batch=8)
+    grads = float(2**20)  # one full first bucket
+    layer = Layer(name="fc", node="fc", op="call_module", kind="Linear", inputs=(),
+                  output=TensorMeta(shape=(8, 16), dtype="float32", nbytes=512),
+                  module_type=nn.Linear, param_bytes=int(grads), param_count=int(grads) // 4)
+    cost = DataParallel().cost(layer, ctx)
+    assert cost.notes["gradient_all_reduce_s"] == pytest.approx(2 * 0.2e-3 + grads / 1e9)
