@@ -5,8 +5,9 @@ Models: the MLP of examples/mlp.py (batch 32), the FC-heavy CNN of benchmarks/fc
 (batch 32), a small all-convolutional-ish CNN (batch 32) and a tiny GPT from examples/gpt.py
 (2 layers, width 128, 4 heads, 64 tokens, vocabulary 512; batch 8). Plan kinds:
 pure data parallel (`planner.baseline(..., "ddp")`), pure model parallel (`"tensor"`,
-Megatron-style), sharded data parallel (`"fsdp"`, FSDP2 on every layer) and hyplan's
-chosen hybrid (`planner.optimize`), all costed on a cluster
+Megatron-style), sharded data parallel (`"fsdp"`, FSDP2 on every layer), pipeline stages
+(`"pipeline"`, run through `executor.train_step`) and hyplan's chosen hybrid
+(`planner.optimize`), all costed on a cluster
 profile measured by `hyplan calibrate` (made here with --quick unless --profile is given),
 all run by `executor.parallelize` in one loop: SGD (lr 0.01, foreach=False), the model's
 loss, 4 warm-up steps, then --steps timed steps. Plans that are the same plan (hyplan's
@@ -118,8 +119,7 @@ def _leaves(model_key: str) -> tuple:
 
         return (CausalSelfAttention,)
     return ()
-BASELINE_KINDS = ("ddp", "tensor", "fsdp")
-KINDS = BASELINE_KINDS + ("hyplan",)
+BASELINE_KINDS = ("ddp", "tensor", "fsdp")  # hyplan's plan is compared with the fastest
 
 
 # --- inside each rank ----------------------------------------------------------------------
@@ -143,11 +143,18 @@ class Case:
         plan = planner.Plan.from_json(plan_json)
         build, batch = MODELS[model_key]
         model, x, y, self.loss_fn = build(batch)
+        self.plan = plan
         self.model = executor.parallelize(model, plan, leaf_modules=_leaves(model_key))
-        self.x, self.y = executor.shard_batch(plan, (x, y))
+        # a pipelined plan's schedule owns forward and backward: executor.train_step runs
+        # it on the global batch; the rest run the user's own loop on this rank's rows
+        self.x, self.y = (x, y) if plan.is_mesh_3d else executor.shard_batch(plan, (x, y))
         self.opt = torch.optim.SGD(self.model.parameters(), lr=LR, foreach=False)
 
     def step(self):
+        if self.plan.is_mesh_3d:
+            executor.train_step(self.model, self.plan, (self.x, self.y), self.loss_fn,
+                                self.opt)
+            return
         loss = self.loss_fn(self.model(self.x), self.y)
         self.opt.zero_grad()
         loss.backward()
@@ -199,6 +206,11 @@ def plans_for(model_key: str, cluster) -> dict[str, planner.Plan]:
     leaves = _leaves(model_key)
     out = {kind: baseline(model, cluster, kind, (x,), optimizer="sgd", leaf_modules=leaves)
            for kind in BASELINE_KINDS}
+    try:  # pipeline stages (pp >= 2, no tensor parallelism): where the model can be cut
+        out["pipeline"] = baseline(model, cluster, "pipeline", (x,), optimizer="sgd",
+                                   leaf_modules=leaves)
+    except (ValueError, planner.PlanDoesNotFit) as error:
+        print(f"{model_key}: no pipeline plan ({error})")
     out["hyplan"] = planner.optimize(model, cluster, example_inputs=(x,), optimizer="sgd",
                                      leaf_modules=leaves)
     return out
@@ -262,12 +274,16 @@ def main() -> None:
 
 
 def _program(plan: planner.Plan) -> tuple:
-    """What the executor runs: each layer's strategy and recompute flag, each input's layout."""
-    return (tuple((l.name, l.strategy, l.recompute) for l in plan.layers),
+    """What the executor runs: the mesh and pipeline, each layer's strategy and recompute
+    flag, each input's layout."""
+    return (tuple(plan.mesh.shape), plan.pipeline and plan.pipeline.model_dump_json(),
+            tuple((l.name, l.strategy, l.recompute) for l in plan.layers),
             tuple((i.name, i.layout) for i in plan.inputs))
 
 
 def _summary(plan: planner.Plan) -> str:
+    if plan.pipeline is not None:
+        return f"pp{plan.mesh.shape[0]} dp{plan.mesh.shape[1]} m{plan.pipeline.microbatches}"
     weighted = [l for l in plan.layers if l.param_bytes]
     mp = sum(l.model_parallel for l in weighted)
     dp = sum(l.strategy == "data_parallel" for l in weighted)

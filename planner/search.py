@@ -87,7 +87,9 @@ def _divisors(n: int) -> list[int]:
 
 def shapes(num_devices: int, batch: int, max_microbatches: int | None = None) -> list[Shape]:
     """Every (pp, dp, tp) with pp·dp·tp = devices, every m with dp·m dividing the batch,
-    both schedules."""
+    both schedules; 1F1B only with at least as many microbatches as stages (what
+    torch.distributed.pipelining's Schedule1F1B accepts: fewer leave it nothing to
+    interleave), GPipe with any."""
     out = []
     for pp in _divisors(num_devices):
         for tp in _divisors(num_devices // pp):
@@ -98,6 +100,8 @@ def shapes(num_devices: int, batch: int, max_microbatches: int | None = None) ->
                 if max_microbatches is not None and m > max_microbatches:
                     continue
                 for schedule in SCHEDULES:
+                    if schedule == "1F1B" and m < pp:
+                        continue
                     out.append(Shape(pp, dp, tp, m, schedule))
     return out
 

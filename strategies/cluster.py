@@ -44,6 +44,9 @@ class Cluster(BaseModel):
     compute_slowdown: float = Field(1.0, gt=0)  # multiplies compute times (a refit sets it)
     memory_slowdown: float = Field(1.0, gt=0)  # the same for memory-bound work
     step_overhead_s: float = Field(0.0, ge=0)  # a distributed step's own fixed cost
+    # FSDP2's cost per byte of a sharded layer's weights beyond its collectives (copies
+    # into and out of its flat buffers); measured by `hyplan calibrate`, 0 elsewhere
+    fsdp_overhead_s_per_byte: float = Field(0.0, ge=0)
     source: str = ""
 
     @model_validator(mode="after")

@@ -47,13 +47,16 @@ class ShardedDataParallel(DataParallel):
         p = layer.param_bytes
         gather = all_gather_s(p, ctx.ranks, ctx.link)
         scatter = reduce_scatter_s(p, ctx.ranks, ctx.link)
+        copies = ctx.cluster.fsdp_overhead_s_per_byte * p  # flat-buffer copies (calibrated)
         local = p / ctx.ranks
         memory = weights_memory(local, ctx) + layer.output.nbytes / ctx.ranks
-        return Cost(compute_s(layer, 1 / ctx.ranks, ctx), 2 * gather + scatter, memory,
-                    update_s(local, ctx),
+        return Cost(compute_s(layer, 1 / ctx.ranks, ctx), 2 * gather + scatter + copies,
+                    memory, update_s(local, ctx),
                     {"param_all_gather_s": 2 * gather, "gradient_reduce_scatter_s": scatter,
+                     "buffer_copies_s": copies,
                      "saved_bytes": weights_memory(p, ctx) - weights_memory(local, ctx),
-                     "lever_s": 2 * gather + scatter - all_reduce_s(p, ctx.ranks, ctx.link)})
+                     "lever_s": 2 * gather + scatter + copies
+                     - all_reduce_s(p, ctx.ranks, ctx.link)})
 
 
 def _weights_part(inner: Strategy, layer: Layer, ctx: CostContext) -> float:
