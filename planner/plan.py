@@ -118,7 +118,9 @@ class PipelinePlan(_Data):
     schedule: Literal["1F1B", "GPipe"]
     microbatches: int = Field(gt=0)
     microbatch_rows: int = Field(gt=0, description="rows per microbatch per dp replica")
-    bubble_fraction: float = Field(description="(pp - 1) / (microbatches + pp - 1): idle share")
+    bubble_fraction: float = Field(description="the slowest stage's idle share of the "
+                                   "pipelined part of the step: (pp - 1) / (microbatches + "
+                                   "pp - 1) when stages are balanced")
     stages: list[StagePlan]
 
 

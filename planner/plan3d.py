@@ -138,19 +138,22 @@ def to_plan(graph, cluster: Cluster, optimizer: str, budget: float, result: Sear
             ranks=sorted(r for g in groups["tp"][k * dp:(k + 1) * dp] for r in g),
             microbatch_s=times.microbatch_s[k], send_s=times.send_s[k],
             step_s=times.once_s[k], memory=breakdown[k]))
-    pipeline = None
-    if pp > 1:
-        pipeline = PipelinePlan(schedule=shape.schedule, microbatches=m,
-                                microbatch_rows=shape.rows(graph.batch_size),
-                                bubble_fraction=(pp - 1) / (m + pp - 1), stages=stages)
-
-    # the step split: the slowest stage's microbatches, the bubble, the per-step part
+    # the step split: the slowest stage's microbatches, the bubble (the slowest stage waits
+    # for the first microbatch to reach it and for its gradient to come back: the other
+    # stages' microbatch times, planner.stages), the per-step part
     slow = max(range(pp), key=lambda k: times.microbatch_s[k])
     once = max(range(pp), key=lambda k: times.once_s[k])
     step = times.step_s
     compute_s = m * compute[slow]
     other_s = update[once]
-    bubble_s = (pp - 1) * times.microbatch_s[slow]
+    bubble_s = sum(times.microbatch_s) - times.microbatch_s[slow]
+    pipeline = None
+    if pp > 1:
+        busy = m * times.microbatch_s[slow]
+        pipeline = PipelinePlan(schedule=shape.schedule, microbatches=m,
+                                microbatch_rows=shape.rows(graph.batch_size),
+                                bubble_fraction=bubble_s / (bubble_s + busy) if busy else 0.0,
+                                stages=stages)
     per_device = [breakdown[r // (dp * tp)] for r in range(pp * dp * tp)]
     data_parallel, single = _baselines(result, graph, cluster, optimizer)
     predicted = Predicted(
@@ -168,8 +171,10 @@ def to_plan(graph, cluster: Cluster, optimizer: str, budget: float, result: Sear
                     device_type=cluster.device.kind, nodes=cluster.nodes,
                     devices_per_node=cluster.devices_per_node, groups=groups,
                     group_links=links)
+    # a candidate left unproven matters only while its bound is below the chosen plan
     unresolved = [c for c in result.candidates
-                  if c.outcome == "time_limit" or (c.solution and c.solution.status != "optimal")]
+                  if (c.outcome == "time_limit" or (c.solution and c.solution.status != "optimal"))
+                  and (c.bound_s is None or c.bound_s < step * (1 - 1e-9))]
     bound = min([solution.bound_s] + [c.bound_s for c in unresolved if c.bound_s is not None])
     report = SolverReport(
         status="optimal" if not unresolved else "feasible", objective_s=step, bound_s=bound,

@@ -206,9 +206,10 @@ class PipelineTimeline:
     send to the next stage, and after the last backward the gradient synchronisation and
     the update. One stage and one microbatch is a plan without pipelining.
 
-    lockstep: every stage keeps the slowest stage's pace per microbatch (the planner's cost
-    model: step = (m + pp - 1) x the slowest stage's microbatch + the per-step part); a
-    faster stage then waits, and the wait is drawn as idle."""
+    lockstep: every stage keeps the slowest stage's pace per microbatch; a faster stage
+    then waits, and the wait is drawn as idle. (The planner prices a schedule without it:
+    step = Σ of the stages' microbatch times + (m - 1) x the slowest one's, as the
+    schedule runs.)"""
 
     schedule: Literal["gpipe", "1f1b"]
     microbatches: int
@@ -326,8 +327,8 @@ def timeline_from_plan(plan: Plan) -> PipelineTimeline:
     """The adapter from a Plan. With pipeline stages: a row per stage, each microbatch's
     forward and backward from the stage's predicted microbatch time (its layers' compute
     split forward:backward as 1:2, since a backward computes two products per forward one,
-    the rest communication, split alike), gradient sync and update once per step, in
-    lockstep as the planner prices it, so the drawn bubble is the plan's. Without: every
+    the rest communication, split alike), gradient sync and update once per step, as the
+    schedule runs them, which is how the planner prices it: the drawn bubble is the plan's. Without: every
     layer on every device, one row, one microbatch."""
     if plan.pipeline is not None:
         return _pipelined(plan)
@@ -352,7 +353,7 @@ def _pipelined(plan: Plan) -> PipelineTimeline:
         forward_s=[c / 3 for c in compute], backward_s=[2 * c / 3 for c in compute],
         forward_comm_s=[c / 3 for c in comm], backward_comm_s=[2 * c / 3 for c in comm],
         sync_s=[max(0.0, st.step_s - u) for st, u in zip(pipe.stages, update)],
-        update_s=update, devices=[_span(st.ranks) for st in pipe.stages], lockstep=True,
+        update_s=update, devices=[_span(st.ranks) for st in pipe.stages],
         planned_bubble_s=plan.predicted.bubble_s)
 
 

@@ -12,10 +12,12 @@ Keeping it fast as the space widens:
 - per-layer costs are computed once per (tp, rows per microbatch) and shared by identical
   layers (a transformer's blocks), edge matrices likewise;
 - GPipe has the same step time as 1F1B in this model and keeps more activations: it is
-  dominated and never solved;
+  dominated and never solved where 1F1B runs (1F1B needs m >= pp);
 - a shape whose smallest possible memory exceeds the budget is dropped unsolved;
 - the rest are solved in order of a lower bound, each with the incumbent as cutoff, and a
-  shape whose bound is no better than the incumbent is pruned unsolved.
+  shape whose bound is no better than the incumbent is pruned unsolved; each gets a few
+  seconds first, and only what is still open and could beat the best gets the full time
+  limit afterwards, cut off at the best (so a hard shape met early costs seconds).
 """
 
 from __future__ import annotations
@@ -37,6 +39,8 @@ from strategies.cluster import Cluster
 from strategies.collectives import all_reduce_s, send_recv_s
 from strategies.edges import edge_matrix
 from strategies.layouts import Layout
+
+FIRST_PASS_S = 5.0  # seconds per candidate in the search's first pass
 
 
 @dataclass(frozen=True)
@@ -344,33 +348,52 @@ def search(graph: ModelGraph, cluster: Cluster, optimizer: str, budget_bytes: fl
     ranked.sort(key=lambda t: (t[0], t[1].shape.pp, t[1].shape.tp))
     best: Candidate | None = None
     solve_seconds = 0.0
-    for bound, c in ranked:
+
+    def attempt(c: Candidate, limit_s: float) -> None:
+        """Solve candidate c within `limit_s`, cut off at the incumbent; keep the best."""
+        nonlocal best, solve_seconds
         incumbent = best.solution.times.step_s if best else None
-        if incumbent is not None and bound >= incumbent * (1 - 1e-9):
-            c.note = f"bound {bound * 1e3:.3g} ms >= best {incumbent * 1e3:.3g} ms"
-            continue
         s = c.shape
         t0 = time.perf_counter()
         try:
             solution = solve_stages(
                 problem_of(s).problem, s.pp, s.microbatches, s.schedule, budget_bytes,
-                time_limit_s, relative_gap,
+                limit_s, relative_gap,
                 cutoff_s=None if incumbent is None else incumbent * (1 + 1e-9))
         except TimeLimit as limit:
-            c.seconds = time.perf_counter() - t0
-            solve_seconds += c.seconds
-            c.outcome, c.bound_s = "time_limit", max(bound, limit.bound_s)
-            continue
-        c.seconds = time.perf_counter() - t0
-        solve_seconds += c.seconds
+            c.outcome, c.bound_s = "time_limit", max(c.bound_s, limit.bound_s)
+            return
+        finally:
+            c.seconds += time.perf_counter() - t0
+            solve_seconds += time.perf_counter() - t0
         if solution is None:
-            c.outcome = "infeasible"
+            c.outcome, c.solution = "infeasible", None
             c.note = "does not fit" if incumbent is None else "nothing beats the incumbent"
-            continue
+            if incumbent is not None:
+                c.bound_s = max(c.bound_s, incumbent)
+            return
+        # both are lower bounds on this candidate's optimum: the tighter one holds
         c.outcome, c.solution = "solved", solution
-        c.bound_s = min(bound, solution.bound_s)
+        c.bound_s = max(c.bound_s, solution.bound_s)
         if best is None or solution.times.step_s < best.solution.times.step_s:
             best = c
+
+    # First pass, best bound first, each candidate briefly: a hard one met before any
+    # incumbent exists would otherwise spend the whole limit proving a plan far from best.
+    for bound, c in ranked:
+        incumbent = best.solution.times.step_s if best else None
+        if incumbent is not None and bound >= incumbent * (1 - 1e-9):
+            c.note = f"bound {bound * 1e3:.3g} ms >= best {incumbent * 1e3:.3g} ms"
+            continue
+        attempt(c, min(time_limit_s, FIRST_PASS_S))
+    # Second pass: what is left open and might still beat the best, now cut off at it
+    # (an integer program whose LP bound is above the cutoff ends at once).
+    for _, c in ranked:
+        incumbent = best.solution.times.step_s if best else None
+        open_ = c.outcome == "time_limit" or (c.solution is not None and c is not best
+                                              and c.solution.status != "optimal")
+        if open_ and (incumbent is None or c.bound_s < incumbent * (1 - 1e-9)):
+            attempt(c, time_limit_s)
     if best is not None:
         best.outcome = "best"
     stats = {"layer_costs_computed": cache.misses, "layer_costs_reused": cache.hits,

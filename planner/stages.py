@@ -6,12 +6,18 @@ with brute force. Layers come in `units` (runs of layers owned by one top-level 
 topological order); a stage is a contiguous run of units. For a schedule with `m`
 microbatches over `pp` stages (GPipe and 1F1B alike: the same bubble, different memory):
 
-    step  =  (m + pp - 1) · max_k T_k   +   max_k S_k
+    step  =  Σ_k T_k  +  (m - 1) · max_k T_k   +   max_k S_k
 
     T_k   per-microbatch time of stage k: its layers' forward + backward on one microbatch,
           the collectives inside its tp group, the layout changes on edges into its layers,
           and the point-to-point transfers at its cuts (forward activation + its gradient)
     S_k   once per step: the gradient all-reduce over the dp group and the optimizer
+
+The first microbatch crosses every stage, forward and back (Σ_k T_k); the other m - 1
+follow at the pace of the slowest stage. With balanced stages this is the textbook
+(m + pp - 1)·T; with unbalanced ones it is what the schedule takes, where pricing every
+stage at the slowest one's pace over-priced a 2-stage MLP (one 16 M-parameter layer against
+4 M) by 60% on 2 processes.
 
 Memory per device of stage k: weights, gradients and optimizer state of its layers plus
 each layer's activations times the microbatches the schedule keeps in flight there
@@ -28,7 +34,7 @@ The integer program (SCIP through pywraplp, edge variables continuous as in plan
     v[u,k] ≥ A_u - Mᴬ_u (1 - y[u,k]),  Σ_k v[u,k] ≥ A_u     (the same for G with w)
     T_k = Σ_u v[u,k] + cut times;  C ≥ T_k;  S ≥ Σ_u w[u,k]
     Σ_u q[u,k] ≤ budget,  q[u,k] ≥ W_u + f_k·V_u - Mᵐ_uk (1 - y[u,k])
-    min (m + pp - 1)·C + S
+    min (m - 1)·C + Σ_k T_k + S
 
 The big-M constants are each expression's own maximum, and Σ_k v[u,k] ≥ A_u hands the LP
 the balanced-stage bound C ≥ Σ_u A_u / pp. With one stage there is no cut to choose and
@@ -137,7 +143,7 @@ def evaluate(problem: StageProblem, starts: tuple[int, ...], choice, microbatche
         send[k - 1] += t
         send[k] += t
     total = [a + b for a, b in zip(mb, send)]
-    step = (microbatches + pp - 1) * max(total) + max(once)
+    step = sum(total) + (microbatches - 1) * max(total) + max(once)
     return StageTimes(step, tuple(total), tuple(send), tuple(once), tuple(weights), tuple(acts))
 
 
@@ -287,9 +293,11 @@ def solve_stages(problem: StageProblem, pp: int, microbatches: int, schedule: st
             solver.Add(w[u][k] >= G[u] - G_max[u] * (1 - y[u][k]), f"unit_once[{u},{k}]")
         solver.Add(sum(v[u]) >= A[u], f"unit_time_sum[{u}]")
         solver.Add(sum(w[u]) >= G[u], f"unit_once_sum[{u}]")
+    stage_time = []  # T_k
     for k in range(pp):
         sends = (cut[k] if k > 0 else 0.0) + (cut[k + 1] if k + 1 < pp else 0.0)
-        solver.Add(C >= sum(v[u][k] for u in range(U)) + sends, f"stage_time[{k}]")
+        stage_time.append(sum(v[u][k] for u in range(U)) + sends)
+        solver.Add(C >= stage_time[k], f"stage_time[{k}]")
         solver.Add(S >= sum(w[u][k] for u in range(U)), f"stage_once[{k}]")
     if budget is not None:
         for k in range(pp):
@@ -300,7 +308,7 @@ def solve_stages(problem: StageProblem, pp: int, microbatches: int, schedule: st
                            f"unit_memory[{u},{k}]")
             solver.Add(sum(q) <= budget, f"memory[{k}]")
 
-    objective = (microbatches + pp - 1) * C + S
+    objective = sum(stage_time) + (microbatches - 1) * C + S
     solver.Minimize(objective)
     if cutoff_s is not None:
         solver.Add(objective <= cutoff_s / unit_s, "cutoff")
@@ -408,7 +416,8 @@ def lower_bound(problem: StageProblem, pp: int, microbatches: int) -> float:
                 value = max(best[k - 1][i], stage)
                 if value < best[k][j]:
                     best[k][j] = value
-    return (microbatches + pp - 1) * float(best[pp][U]) + once
+    # Σ_k T_k is at least every unit's cheapest time; max_k T_k at least the best split's
+    return float(a.sum()) + (microbatches - 1) * float(best[pp][U]) + once
 
 
 def min_memory_bytes(problem: StageProblem, pp: int, microbatches: int, schedule: str) -> float:

@@ -53,9 +53,10 @@ def test_evaluate_hand_solved():
               LayerOptions("b", 1, ("s",), *one(3.0, 0.2, 20.0, 1.0)))
     p = StageProblem(layers, (Edge(0, 1, np.array([[0.25]])),), ("u0", "u1"), (0.0, 0.1))
     t = evaluate(p, (0, 1), (0, 0), 4, "1F1B")
-    # stage 1: 3.0 + edge 0.25 + cut 0.1 = 3.35; (4 + 2 - 1) * 3.35 + max(0.5, 0.2)
+    # stage 1: 3.0 + edge 0.25 + cut 0.1 = 3.35. The first microbatch crosses both stages
+    # (1.1 + 3.35), the other three follow at the slow stage's pace, then max(0.5, 0.2)
     assert t.microbatch_s == pytest.approx((1.1, 3.35))
-    assert t.step_s == pytest.approx(5 * 3.35 + 0.5)
+    assert t.step_s == pytest.approx(1.1 + 3.35 + 3 * 3.35 + 0.5)
     assert t.memory_bytes == pytest.approx((10.0 + 2 * 2.0, 20.0 + 1 * 1.0))
 
 
