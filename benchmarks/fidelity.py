@@ -136,6 +136,16 @@ def _ticks_own() -> int:
     return int(fields[11]) + int(fields[12])
 
 
+class _NothingToUpdate:
+    """The optimizer of a rank that holds no parameters (torch's refuse an empty list)."""
+
+    def zero_grad(self):
+        pass
+
+    def step(self):
+        pass
+
+
 class Case:
     """One plan of one model, parallelized on this rank, ready to time."""
 
@@ -148,7 +158,10 @@ class Case:
         # a pipelined plan's schedule owns forward and backward: executor.train_step runs
         # it on the global batch; the rest run the user's own loop on this rank's rows
         self.x, self.y = (x, y) if plan.is_mesh_3d else executor.shard_batch(plan, (x, y))
-        self.opt = torch.optim.SGD(self.model.parameters(), lr=LR, foreach=False)
+        params = list(self.model.parameters())
+        # a pipeline stage of parameter-free layers has nothing to update on its ranks
+        self.opt = (torch.optim.SGD(params, lr=LR, foreach=False) if params
+                    else _NothingToUpdate())
 
     def step(self):
         if self.plan.is_mesh_3d:

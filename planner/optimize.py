@@ -109,26 +109,29 @@ def _plan_1d(graph, cluster: Cluster, optimizer: str, budget: float, pin, time_l
     dp_s = data_parallel.objective_s + cluster.step_overhead_s
     plan = _plan(graph, cluster, optimizer, choices, solution, budget, dp_s,
                  single.objective_s, time.perf_counter() - started)
-    plan = _with_baselines(plan, graph, cluster, optimizer, time_limit_s)
-    if pin or cluster.num_devices == 1:
+    if cluster.num_devices == 1:
         return plan
-    return _prefer_standard(plan, graph, cluster, optimizer, budget, prefer_standard,
-                            time_limit_s, dp_s, single.objective_s, started)
+    solved = _baselines(graph, cluster, optimizer, time_limit_s)
+    plan = _with_baselines(plan, solved, cluster)
+    if pin:
+        return plan
+    return _prefer_standard(plan, solved, graph, cluster, optimizer, budget, prefer_standard,
+                            dp_s, single.objective_s, started)
 
 
-def _prefer_standard(plan: Plan, graph, cluster: Cluster, optimizer: str, budget: float,
-                     tolerance: float, time_limit_s: float, dp_s: float, single_s: float,
+def _prefer_standard(plan: Plan, solved: dict, graph, cluster: Cluster, optimizer: str,
+                     budget: float, tolerance: float, dp_s: float, single_s: float,
                      started: float) -> Plan:
     """The optimum, or the fastest standard plan that fits when it is within `tolerance`
     of it (ties at the model's resolution go to the plan people know)."""
-    from planner.baseline import LABELS, solve_baseline
+    from planner.baseline import LABELS
 
     best_s = plan.predicted.step_time_s
     times = plan.predicted.baseline_step_time_s or {}
     for kind in sorted(times, key=times.get):
         if times[kind] > best_s * (1 + tolerance):
             break
-        choices, solution = solve_baseline(graph, cluster, optimizer, kind, time_limit_s)
+        choices, solution = solved[kind]
         standard = _plan(graph, cluster, optimizer, choices, solution, budget, dp_s, single_s,
                          time.perf_counter() - started)
         if max(standard.predicted.memory_bytes) > budget:
@@ -146,16 +149,18 @@ def _prefer_standard(plan: Plan, graph, cluster: Cluster, optimizer: str, budget
     return plan
 
 
-def _with_baselines(plan: Plan, graph, cluster: Cluster, optimizer: str,
-                    time_limit_s: float) -> Plan:
-    """The plan, its prediction carrying each available baseline's predicted step time."""
+def _baselines(graph, cluster: Cluster, optimizer: str, time_limit_s: float) -> dict:
+    """{kind: (choices, solution)} of every available 1-D baseline."""
     from planner.baseline import ONE_D_KINDS, available, solve_baseline
 
-    if cluster.num_devices == 1:
-        return plan
-    times = {kind: solve_baseline(graph, cluster, optimizer, kind, time_limit_s)[1].objective_s
-             + cluster.step_overhead_s
-             for kind in available(ONE_D_KINDS)}
+    return {kind: solve_baseline(graph, cluster, optimizer, kind, time_limit_s)
+            for kind in available(ONE_D_KINDS)}
+
+
+def _with_baselines(plan: Plan, solved: dict, cluster: Cluster) -> Plan:
+    """The plan, its prediction carrying each baseline's predicted step time."""
+    times = {kind: solution.objective_s + cluster.step_overhead_s
+             for kind, (_, solution) in solved.items()}
     predicted = plan.predicted.model_copy(update={"baseline_step_time_s": times})
     return plan.model_copy(update={"predicted": predicted})
 
