@@ -350,33 +350,39 @@ def contention_ops(device: torch.device, repeats: int = 15) -> dict[str, float]:
             "memory": median_time(lambda: dst.copy_(src), repeats, budget_s=0.0)}
 
 
+def _two_linears(width: int, device):
+    """(two `width`-wide Linears with a ReLU between, step_of(model)): the small training
+    step the fixed-cost measurements run plainly and wrapped (DDP, FSDP2); step_of gives
+    one SGD step of the model it is handed on 16 rows."""
+    from torch import nn
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(width, width), nn.ReLU(), nn.Linear(width, width)).to(device)
+    x = torch.randn(16, width, device=device)
+
+    def step_of(wrapped):
+        opt = torch.optim.SGD(wrapped.parameters(), lr=0.01, foreach=False)
+
+        def step():
+            wrapped(x).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+        return step
+    return model, step_of
+
+
 def _step_overhead(device, repeats: int = 21) -> dict[str, float]:
     """A small training step run plainly and under DDP on every rank: their difference,
     less the gradient all-reduce (subtracted by the caller with the fitted link), is what
     a distributed step costs beyond its layers and collectives (hooks, bucket bookkeeping,
     the ranks waiting on each other)."""
-    from torch import nn
     from torch.nn.parallel import DistributedDataParallel
 
-    def build():
-        torch.manual_seed(0)
-        return nn.Sequential(nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 256)).to(device)
-
-    x = torch.randn(16, 256, device=device)
-
-    def stepper(model):
-        opt = torch.optim.SGD(model.parameters(), lr=0.01, foreach=False)
-
-        def step():
-            model(x).square().mean().backward()
-            opt.step()
-            opt.zero_grad()
-        return step
-
-    plain = build()
-    ddp = DistributedDataParallel(build(), device_ids=None if device.type == "cpu" else [device])
-    return {"plain": _in_step_time(stepper(plain), device, repeats),
-            "ddp": _in_step_time(stepper(ddp), device, repeats),
+    plain, step_of = _two_linears(256, device)
+    ddp = DistributedDataParallel(_two_linears(256, device)[0],
+                                  device_ids=None if device.type == "cpu" else [device])
+    return {"plain": _in_step_time(step_of(plain), device, repeats),
+            "ddp": _in_step_time(step_of(ddp), device, repeats),
             "grad_bytes": float(sum(p.numel() * p.element_size() for p in plain.parameters()))}
 
 
@@ -389,32 +395,16 @@ def _fsdp_step(device, repeats: int = 9) -> dict[str, float]:
     on gloo its reduce-scatter's concatenation. Measured here: about nothing at these
     16 MB layers; at 64 MB layers FSDP steps ran 2.7 ms per MB over, most of it in the
     collectives themselves past the shared cache (see SIZES), which this does not catch."""
-    from torch import nn
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    def build():
-        torch.manual_seed(0)
-        return nn.Sequential(nn.Linear(2048, 2048), nn.ReLU(), nn.Linear(2048, 2048)).to(device)
-
-    x = torch.randn(16, 2048, device=device)
-
-    def stepper(model):
-        opt = torch.optim.SGD(model.parameters(), lr=0.01, foreach=False)
-
-        def step():
-            model(x).square().mean().backward()
-            opt.step()
-            opt.zero_grad()
-        return step
-
-    plain = build()
-    sharded = build()
+    plain, step_of = _two_linears(2048, device)
+    sharded = _two_linears(2048, device)[0]
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     for layer in (sharded[0], sharded[2]):
         fully_shard(layer, mesh=mesh)
-    return {"plain": _in_step_time(stepper(plain), device, repeats),
-            "fsdp": _in_step_time(stepper(sharded), device, repeats),
+    return {"plain": _in_step_time(step_of(plain), device, repeats),
+            "fsdp": _in_step_time(step_of(sharded), device, repeats),
             "layer_bytes": float(2048 * 2049 * 4), "layers": 2.0}
 
 
