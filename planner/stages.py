@@ -373,7 +373,9 @@ def _solve_one_stage(problem: StageProblem, microbatches: int, schedule: str,
     try:
         solution = ilp.solve(Problem(nodes, edges, budget_bytes), time_limit_s,
                              cutoff_s=cutoff_s)
-    except Infeasible:  # nothing fits the budget, or nothing beats the cutoff
+    except Infeasible as error:  # nothing fits the budget, or nothing beats the cutoff
+        if error.family not in ("memory", "cutoff"):
+            raise  # a numerical problem in the model is a bug, not an answer
         return None
     times = evaluate(problem, (0,), solution.choice, microbatches, schedule)
     if cutoff_s is not None and times.step_s > cutoff_s:
