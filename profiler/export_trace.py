@@ -21,11 +21,12 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.fx as fx
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils import _pytree as pytree
 from torch.utils.flop_counter import FlopCounterMode
 
 from profiler.graph import Layer, ModelGraph, TensorMeta
-from profiler.trace import TraceError, _module_attrs, call_facts, to_meta
+from profiler.trace import TraceError, _module_attrs, call_facts
 
 
 def _is_torch_leaf(module: nn.Module) -> bool:
@@ -206,25 +207,23 @@ def _with_flops(layer: Layer, fwd: int) -> Layer:
 
 
 def _count_flops(program, args, kwargs, group: dict, node_of: dict) -> dict[str, int]:
-    """{output node of each layer: forward FLOPs}, running the exported graph on meta."""
+    """{output node of each layer: forward FLOPs}, running the exported graph on fake
+    tensors. Fake tensors keep each tensor's device as metadata, so a graph that moves a
+    buffer with `.to(device)` (a rotary `inv_freq`, inside a higher-order op's subgraph
+    too) runs whether the model was built on the CPU, on meta or under torch.device(...),
+    and nothing is allocated."""
     sig = program.graph_signature
     state = {**program.state_dict, **program.constants}
     user = iter(pytree.tree_leaves((args, kwargs)))
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
     feeds = []
     for spec in sig.input_specs:
-        if spec.kind.name == "USER_INPUT":
-            feeds.append(to_meta(next(user)))
-        else:
-            feeds.append(to_meta(state[spec.target]))
+        value = next(user) if spec.kind.name == "USER_INPUT" else state[spec.target]
+        feeds.append(mode.from_tensor(value) if isinstance(value, torch.Tensor) else value)
     per_layer: dict[str, int] = {}
     counter = FlopCounterMode(display=False)
 
     class Counting(fx.Interpreter):
-        def call_function(self, target, args, kwargs):
-            if "device" in kwargs:  # everything stays on meta: nothing is allocated
-                kwargs = {**kwargs, "device": torch.device("meta")}
-            return super().call_function(target, args, kwargs)
-
         def run_node(self, n):
             before = counter.get_total_flops()
             result = super().run_node(n)
@@ -234,6 +233,6 @@ def _count_flops(program, args, kwargs, group: dict, node_of: dict) -> dict[str,
                     counter.get_total_flops() - before)
             return result
 
-    with counter, torch.no_grad():
+    with mode, counter, torch.no_grad():
         Counting(program.graph_module).run(*feeds)
     return per_layer
