@@ -24,8 +24,8 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.parallel import parallelize_module
 from torch.utils import _pytree as pytree
 
-from executor.styles import (MeanOverRanks, Reshard, data_parallel_over, placement,
-                             tensor_parallel_style)
+from executor.styles import (MeanOverRanks, Reshard, broadcast_replicated,
+                             data_parallel_over, params_of, placement, tensor_parallel_style)
 from planner.plan import LayerPlan, Plan
 from strategies.layouts import Layout
 
@@ -186,18 +186,10 @@ def parallelize_modules(model: nn.Module, plan: Plan, mesh: DeviceMesh) -> nn.Mo
         parallelize_module(model, mesh, tp_styles)
     model.register_forward_hook(_scale_outputs(mesh.size()))
 
-    def params_of(strategy: str):
-        for layer in plan.layers:
-            path = paths[layer.node]
-            if path is not None and layer.strategy == strategy:
-                for name, p in model.get_submodule(path).named_parameters():
-                    yield f"{path}.{name}", p
-
-    for _, p in params_of("replicate"):
-        dist.broadcast(p.data, src=0)
+    broadcast_replicated(model, params_of(plan, "replicate"))
     from executor.levers import apply_levers
 
     apply_levers(model, [(paths[l.node], l.strategy, l.recompute) for l in plan.layers
                          if paths[l.node] is not None and (l.recompute or l.strategy == "fsdp")],
                  mesh)
-    return data_parallel_over(model, {name for name, _ in params_of("data_parallel")})
+    return data_parallel_over(model, params_of(plan, "data_parallel"))

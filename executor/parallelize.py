@@ -21,8 +21,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor.parallel import parallelize_module
 
-from executor.styles import (MeanOverRanks, Reshard, data_parallel_over, placement,
-                             tensor_parallel_style)
+from executor.styles import (MeanOverRanks, Reshard, broadcast_replicated,
+                             data_parallel_over, params_of, placement, tensor_parallel_style)
 from planner.plan import LayerPlan, Plan
 from profiler.trace import fingerprint, fx_trace
 from strategies.catalog import leaf_types
@@ -75,9 +75,9 @@ def parallelize(model: nn.Module, plan: Plan, *, mesh: DeviceMesh | None = None,
 
     _apply_tensor_parallel(gm, mesh, layers, gives)
     _insert_reshards(gm, mesh, layers, gives, plan.global_batch)
-    _broadcast_replicated(gm, layers)
+    broadcast_replicated(gm, params_of(plan, "replicate"))
     _apply_levers(gm, layers, mesh)
-    return _data_parallel(gm, layers)
+    return data_parallel_over(gm, params_of(plan, "data_parallel"))
 
 
 def traced_as_planned(model: nn.Module, plan: Plan, leaf_modules=()) -> fx.GraphModule:
@@ -175,22 +175,6 @@ def _insert_reshards(gm: fx.GraphModule, mesh, layers: dict[str, LayerPlan], giv
     gm.recompile()
 
 
-def _layer_params(gm: fx.GraphModule, layers: dict[str, LayerPlan], strategy: str):
-    """(qualified name, parameter) of the layers whose strategy is `strategy`."""
-    targets = {str(n.target) for n in gm.graph.nodes
-               if n.op == "call_module" and n.name in layers and layers[n.name].strategy == strategy}
-    for name, param in gm.named_parameters():
-        parts = name.split(".")
-        if any(".".join(parts[:i]) in targets for i in range(1, len(parts))):
-            yield name, param
-
-
-def _broadcast_replicated(gm: fx.GraphModule, layers: dict[str, LayerPlan]):
-    """Replicated layers compute identically everywhere: start them from rank 0's weights."""
-    for _, param in _layer_params(gm, layers, "replicate"):
-        dist.broadcast(param.data, src=0)
-
-
 def _apply_levers(gm: fx.GraphModule, layers: dict[str, LayerPlan], mesh) -> None:
     """fsdp layers: FSDP2 fully_shard; recomputed layers: checkpointed (executor.levers)."""
     from executor.levers import apply_levers
@@ -201,6 +185,3 @@ def _apply_levers(gm: fx.GraphModule, layers: dict[str, LayerPlan], mesh) -> Non
     if targets:
         apply_levers(gm, targets, mesh)
 
-
-def _data_parallel(gm: fx.GraphModule, layers: dict[str, LayerPlan]) -> nn.Module:
-    return data_parallel_over(gm, {name for name, _ in _layer_params(gm, layers, "data_parallel")})

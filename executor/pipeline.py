@@ -31,6 +31,7 @@ from torch.distributed.tensor import DTensor
 from executor.parallelize import (
     _apply_tensor_parallel, _device, _insert_reshards, traced_as_planned,
 )
+from executor.styles import params_of
 from planner.plan import Plan
 from strategies.layouts import Layout
 
@@ -123,14 +124,12 @@ class StageModel(nn.Module):
         self.dp_rank = mesh.get_local_rank("dp")
         self._loss = loss_holder
         self.schedule = None
-        strategies = {l.node: l.strategy for l in plan.layers}
-        targets = {str(n.target): strategies.get(n.name) for n in stage.graph.nodes
-                   if n.op == "call_module"}
+        # rows split over dp x tp: data-parallel layers' parameters (their module's or
+        # bare ones) hold partial gradients over the whole stage group
+        split_rows = params_of(plan, "data_parallel") if self.tp > 1 else set()
         self.sum_over_stage, self.sum_over_dp = [], []
         for name, param in stage.named_parameters():
-            owner = name.rsplit(".", 1)[0]
-            dp_inside_tp = targets.get(owner) == "data_parallel" and self.tp > 1
-            (self.sum_over_stage if dp_inside_tp else self.sum_over_dp).append(param)
+            (self.sum_over_stage if name in split_rows else self.sum_over_dp).append(param)
 
     def forward(self, *args):
         return self.stage(*args)

@@ -167,6 +167,22 @@ def sum_gradients_hook(state, bucket):
     return work.get_future().then(lambda fut: fut.value()[0])
 
 
+def params_of(plan, strategy: str) -> set[str]:
+    """Names of the parameters read by the plan's layers that run `strategy`: a layer's
+    own module's and bare ones alike. Layers sharing a parameter run one strategy (the
+    planner ties them), so each parameter lands in one set."""
+    return {name for layer in plan.layers if layer.strategy == strategy for name in layer.params}
+
+
+def broadcast_replicated(module: nn.Module, names: set[str]) -> None:
+    """Replicated layers compute identically everywhere: start them from rank 0's weights."""
+    import torch.distributed as dist
+
+    for name, param in module.named_parameters():
+        if name in names:
+            dist.broadcast(param.data, src=0)
+
+
 def data_parallel_over(module: nn.Module, synced: set[str]) -> nn.Module:
     """DDP over the parameters named in `synced` only (the data-parallel layers'), their
     gradients summed; the rest (model-parallel, sharded, replicated) and every buffer are

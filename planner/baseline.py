@@ -136,7 +136,14 @@ def _pipeline(model, devices, example_inputs, example_kwargs, optimizer, leaf_mo
     from planner.search import shapes
 
     graph, cluster = profiled_graph(model, devices, example_inputs, example_kwargs,
-                                    leaf_modules, measure, tracer="fx")
+                                    leaf_modules, measure)
+    if graph.tracer == "export":
+        raise ValueError(f"baseline: 'pipeline' needs a model torch.fx can trace; "
+                         f"{graph.model_name} is traced by torch.export, whose plans have no "
+                         f"pipeline stages yet")
+    if graph.tied_groups():
+        raise ValueError(f"baseline: 'pipeline' cannot cut {graph.model_name}: layers share "
+                         f"a parameter (tied weights), which must stay in one stage")
     only = [s for s in shapes(cluster.num_devices, graph.batch_size) if s.pp > 1 and s.tp == 1]
     if not only:
         raise ValueError(f"baseline: 'pipeline' needs at least 2 devices, "

@@ -16,7 +16,7 @@ from strategies.catalog import Cost, CostContext, Strategy, candidates
 from strategies.cluster import Cluster
 from strategies.edges import edge_matrix
 from strategies.layouts import Layout
-from strategies.memory import pinned_recompute, with_memory_levers
+from strategies.memory import pinned_recompute, split_name, with_memory_levers
 
 OUTPUT = "(output)"
 
@@ -39,7 +39,10 @@ class Choices:
     context: CostContext
 
 
-UNREALIZABLE_S = 1e3  # a layout change the module executor cannot make: never chosen
+# a layout change the module executor cannot make: an infinite cost, which the solver
+# turns into a bound on its edge variable (planner.ilp: a finite penalty would set the
+# solver's time unit and drown microsecond costs in its tolerances)
+UNREALIZABLE_S = float("inf")
 
 
 def module_executor_options(layer: Layer, options: list[Strategy]) -> list[Strategy]:
@@ -93,15 +96,20 @@ def layer_choices(graph: ModelGraph, cluster: Cluster, optimizer: str,
     ctx = CostContext(cluster=cluster, ranks=cluster.num_devices, batch=graph.batch_size,
                       optimizer=optimizer)
     index = {layer.node: i for i, layer in enumerate(graph.layers)}
+    sharing = {node for group in graph.tied_groups() for node in group}
     rows: list[LayerChoices] = []
     for layer in graph.layers:
         options = candidates(layer, ctx)
         if levers:
             options = with_memory_levers(layer, options, ctx)
-        if only is not None:
+        if layer.node in sharing:
+            # a shared parameter is held whole in every plan kind: a baseline's rule (all
+            # split, all sharded) does not apply to the layers that read it
+            options = [s for s in options if split_name(s.name)[0] in TIED_STRATEGIES]
+        elif only is not None:
             kept = [s for s in options if s.name in only]
             options = kept or [s for s in options if s.name == "replicate"]
-        if keep is not None:
+        if keep is not None and layer.node not in sharing:
             options = keep(layer, options)
         if layer.name in pin:
             wanted = pin.pop(layer.name)
@@ -119,6 +127,7 @@ def layer_choices(graph: ModelGraph, cluster: Cluster, optimizer: str,
     if pin:
         raise ValueError(f"pin: no layer named {sorted(pin)}; layers: "
                          f"{[r.layer.name for r in rows if not r.layer.is_input]}")
+    ties = tied(graph, rows, index)
     nodes = [Node(r.layer.name, tuple(
         Option(s.name, c.time_s, c.memory_bytes, s.takes.value, s.gives.value)
         for s, c in zip(r.strategies, r.costs))) for r in rows]
@@ -149,5 +158,34 @@ def layer_choices(graph: ModelGraph, cluster: Cluster, optimizer: str,
                              producer.layer.output.nbytes, ctx.ranks, link,
                              backward=not producer.layer.is_input, reshard_overhead_s=overhead)
         edges.append(Edge(src, sink, matrix))
-    problem = Problem(tuple(nodes), tuple(edges), memory_budget_bytes)
+    problem = Problem(tuple(nodes), tuple(edges), memory_budget_bytes, ties)
     return Choices(problem, tuple(rows), ctx)
+
+
+# What layers sharing a parameter may run: every reader holds it whole, and its gradient
+# is a per-rank partial that one all-reduce sums (data parallel) or complete everywhere
+# (replicate). A split or sharded placement would need every reader split alike.
+TIED_STRATEGIES = ("data_parallel", "replicate")
+
+
+def tied(graph: ModelGraph, rows: list[LayerChoices], index: dict[str, int]):
+    """The problem's tie groups (planner.ties), restricting each group's layers in `rows`
+    to the strategies of TIED_STRATEGIES that all of them offer."""
+    ties = []
+    for group in graph.tied_groups():
+        members = [index[node] for node in group]
+        names = [{s.name for s in rows[i].strategies} for i in members]
+        common = set.intersection(*names)
+        allowed = {n for n in common if split_name(n)[0] in TIED_STRATEGIES}
+        if not allowed:
+            layers = ", ".join(rows[i].layer.name for i in members)
+            raise ValueError(
+                f"layers {layers} share a parameter and have no strategy in common among "
+                f"{TIED_STRATEGIES} (pinned differently?); pin them alike or not at all")
+        for i in members:
+            row = rows[i]
+            keep = [k for k, s in enumerate(row.strategies) if s.name in allowed]
+            rows[i] = LayerChoices(row.layer, tuple(row.strategies[k] for k in keep),
+                                   tuple(row.costs[k] for k in keep))
+        ties.append(tuple(members))
+    return tuple(ties)

@@ -30,6 +30,7 @@ import numpy as np
 from ortools.linear_solver import pywraplp
 
 from planner.problem import Infeasible, Problem, Solution
+from planner.ties import expand, merge_ties
 
 # Each keeps an optimal answer; leaving one out only makes the integer program bigger.
 REDUCTIONS = frozenset(
@@ -69,15 +70,24 @@ def solve(
     measuring them; leave the default.
     """
     start = time.perf_counter()
+    if problem.ties:  # solved as one node per tie group, answered per original node
+        merged, picks = merge_ties(problem)
+        solution = solve(merged, time_limit_s, reductions=reductions, cutoff_s=cutoff_s)
+        choice = expand(solution.choice, picks, len(problem.nodes))
+        return replace(solution, choice=choice, objective_s=problem.cost_of(choice))
     _validate(problem, reductions)
     if not problem.nodes:
         return Solution((), 0.0, 0.0, "optimal", time.perf_counter() - start, "none")
     _check_memory_fits(problem)
     unit_s = _time_unit_s(problem)
     cutoff = None if cutoff_s is None else cutoff_s / unit_s
-    solution = _solve_in_units(_in_units(problem, unit_s), time_limit_s, frozenset(reductions),
-                               start, cutoff)
-    return _from_units(solution, problem, unit_s)
+    solution = _solve_in_units(_in_units(_forbidden_as_penalty(problem, unit_s), unit_s),
+                               time_limit_s, frozenset(reductions), start, cutoff)
+    solution = _from_units(solution, problem, unit_s)
+    if not math.isfinite(solution.objective_s):
+        raise Infeasible("every assignment needs a layout change that cannot be made "
+                         "(an edge of infinite cost)", family="layout")
+    return solution
 
 
 # --- time units --------------------------------------------------------------------------
@@ -92,8 +102,24 @@ _SECONDS_KEYS = ("lp_bound_s", "heuristic_s", "solver_objective_s")
 def _time_unit_s(problem: Problem) -> float:
     largest = max((abs(o.time_s) for n in problem.nodes for o in n.options), default=0.0)
     for edge in problem.edges:
-        largest = max(largest, float(np.abs(edge.cost_s).max(initial=0.0)))
+        finite = np.abs(edge.cost_s)[np.isfinite(edge.cost_s)]
+        largest = max(largest, float(finite.max(initial=0.0)))
     return largest if largest > 0.0 else 1.0
+
+
+# An infinite edge cost marks a pair of options that cannot meet (a layout change the
+# executor cannot make). The solver sees a penalty this many time units high: more than
+# any plan of a million layers costs, so never chosen while another plan exists.
+_FORBIDDEN_UNITS = 1e6
+
+
+def _forbidden_as_penalty(problem: Problem, unit_s: float) -> Problem:
+    if all(np.isfinite(e.cost_s).all() for e in problem.edges):
+        return problem
+    edges = tuple(replace(e, cost_s=np.where(np.isfinite(e.cost_s), e.cost_s,
+                                             _FORBIDDEN_UNITS * unit_s))
+                  for e in problem.edges)
+    return replace(problem, edges=edges)
 
 
 def _in_units(problem: Problem, unit_s: float) -> Problem:
@@ -167,8 +193,10 @@ def _validate(problem: Problem, reductions: Collection[str]) -> None:
         shape = (len(problem.nodes[edge.src].options), len(problem.nodes[edge.dst].options))
         if np.shape(edge.cost_s) != shape:
             raise ValueError(f"edge {k} has cost_s of shape {np.shape(edge.cost_s)}, needs {shape}")
-        if not np.all(np.isfinite(edge.cost_s)):
-            raise ValueError(f"edge {k} has a non-finite entry in cost_s")
+        cost = np.asarray(edge.cost_s, float)
+        if np.isnan(cost).any() or (cost == -np.inf).any():
+            raise ValueError(f"edge {k} has a NaN or -inf entry in cost_s; +inf (a pair "
+                             f"that cannot meet) is the only non-finite cost allowed")
     budget = problem.memory_budget_bytes
     if budget is not None and math.isnan(budget):
         raise ValueError("memory_budget_bytes is NaN; give bytes per device or None")

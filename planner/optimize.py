@@ -256,7 +256,7 @@ def _plan(graph, cluster: Cluster, optimizer: str, choices: Choices, solution: S
             model_parallel=strategy.model_parallel, compute_s=cost.compute_s,
             communication_s=cost.communication_s, update_s=cost.update_s,
             reshard_in_s=reshard_in[i] + reshard_out[i], memory_bytes=cost.memory_bytes,
-            param_bytes=layer.param_bytes, reason=why[i], inputs=list(layer.inputs),
+            param_bytes=layer.param_bytes, params=list(layer.params), reason=why[i], inputs=list(layer.inputs),
             **lever_fields(strategy, cost)))
 
     compute = sum(l.compute_s for l in layers)

@@ -11,7 +11,7 @@ import json
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from strategies.cluster import Cluster
 
@@ -38,7 +38,10 @@ class LayerPlan(_Data):
     update_s: float = 0.0
     reshard_in_s: float = Field(0.0, description="layout changes on the edges into it")
     memory_bytes: float
-    param_bytes: int
+    param_bytes: int = Field(description="bytes of the parameters it owns (a parameter "
+                             "several layers read is owned by the first)")
+    params: list[str] = Field(default_factory=list, description="names of the parameters "
+                              "it reads (model.named_parameters()), its module's or bare ones")
     reason: str = ""
     inputs: list[str] = Field(default_factory=list, description="fx node names it reads")
     stage: int = Field(0, description="the pipeline stage that runs it (0 without a pipeline)")
@@ -216,6 +219,22 @@ class Plan(_Data):
     mesh_choice: str = Field("", description="optimize(mesh='auto'): which mesh won and why")
     standard_choice: str = Field("", description="optimize(prefer_standard=...): a standard "
                                  "plan kept in place of a barely faster optimum, and why")
+
+    @model_validator(mode="after")
+    def _one_strategy_per_parameter(self) -> "Plan":
+        """A parameter several layers read is one unit: its readers run one strategy (and,
+        in a pipeline, one stage), or its placement and gradient sync would disagree."""
+        seen: dict[str, LayerPlan] = {}
+        for layer in self.layers:
+            for name in layer.params:
+                first = seen.setdefault(name, layer)
+                if (first.strategy, first.stage) != (layer.strategy, layer.stage):
+                    raise ValueError(
+                        f"layers {first.name!r} ({first.strategy}, stage {first.stage}) and "
+                        f"{layer.name!r} ({layer.strategy}, stage {layer.stage}) share "
+                        f"parameter {name!r} but not a strategy and stage; re-plan with "
+                        f"this hyplan")
+        return self
 
     @property
     def num_devices(self) -> int:

@@ -124,7 +124,7 @@ def to_plan(graph, cluster: Cluster, optimizer: str, budget: float, result: Sear
             communication_s=per_mb_comm * m + sync, update_s=cost.update_s,
             reshard_in_s=edge_in[i] * m,
             memory_bytes=float(opts.weight_bytes[c]) + float(opts.activation_bytes[c]) * flight,
-            param_bytes=layer.param_bytes, stage=k,
+            param_bytes=layer.param_bytes, params=list(layer.params), stage=k,
             reason=_reason(strategy, k, pp, tp, cost, opts, c)))
     breakdown = [MemoryBreakdown(**b) for b in memory]
 

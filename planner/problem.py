@@ -47,6 +47,9 @@ class Problem:
     nodes: tuple[Node, ...]
     edges: tuple[Edge, ...] = ()
     memory_budget_bytes: float | None = None
+    # groups of nodes that must pick options of the same strategy name: layers sharing a
+    # parameter (planner.ties)
+    ties: tuple[tuple[int, ...], ...] = ()
 
     def cost_of(self, choice: tuple[int, ...] | list[int]) -> float:
         """The objective of a full assignment (used by explain() and brute force)."""

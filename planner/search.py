@@ -156,7 +156,8 @@ def units(graph: ModelGraph) -> list[str]:
 def _signature(layer: Layer) -> tuple:
     # attrs hold lists and dicts (a call's arguments, input shapes): their repr is the key
     return (layer.op, layer.kind, layer.module_type, layer.output,
-            repr(sorted(layer.attrs.items())), layer.param_bytes, layer.fwd_flops,
+            repr(sorted(layer.attrs.items())), layer.param_bytes, bool(layer.params),
+            layer.fwd_flops,
             layer.bwd_flops, layer.measured_s, layer.measured_batch)
 
 
@@ -171,6 +172,14 @@ def _scaled(layer: Layer, batch: int, rows: int) -> Layer:
                    bwd_flops=int(layer.bwd_flops * f))
 
 
+def tied_options(options: list) -> list:
+    """What a layer sharing a parameter may run in the 3-D search, the same for every
+    member of its group: data parallel where it applies, else replicated (the stage
+    problem has no tie rows; planner.ties gives the 1-D search the full choice)."""
+    dp = [s for s in options if s.name == "data_parallel"]
+    return dp or [s for s in options if s.name == "replicate"]
+
+
 class CostCache:
     """Per-layer and per-edge costs, computed once per distinct layer and shared by every
     shape that needs them (the reuse that keeps the search interactive)."""
@@ -178,13 +187,15 @@ class CostCache:
     def __init__(self, graph: ModelGraph, cluster: Cluster, optimizer: str):
         self.graph, self.cluster, self.optimizer = graph, cluster, optimizer
         self.unit_keys = units(graph)
+        self.tied = {node for group in graph.tied_groups() for node in group}
         self._layer: dict = {}
         self._edge: dict = {}
         self.hits = self.misses = 0
 
     def layer(self, layer: Layer, tp: int, rows: int):
         """(strategies, costs) of `layer` on `rows` rows over a tp group."""
-        key = (_signature(layer), tp, rows)
+        tied = layer.node in self.tied
+        key = (_signature(layer), tp, rows, tied)
         hit = self._layer.get(key)
         if hit is not None:
             self.hits += 1
@@ -196,6 +207,8 @@ class CostCache:
             cluster = cluster.model_copy(update={"intra_node": cluster.inter_node})
         ctx = CostContext(cluster=cluster, ranks=tp, batch=rows, optimizer=self.optimizer)
         options = candidates(scaled, ctx)
+        if tied:
+            options = tied_options(options)
         value = (scaled, tuple(options), tuple(s.cost(scaled, ctx) for s in options), ctx)
         self._layer[key] = value
         return value
@@ -315,6 +328,8 @@ def search(graph: ModelGraph, cluster: Cluster, optimizer: str, budget_bytes: fl
     cache = cache or CostCache(graph, cluster, optimizer)
     batch = graph.batch_size
     todo = only if only is not None else shapes(cluster.num_devices, batch, max_microbatches)
+    if graph.tied_groups():  # a shared parameter lives in one stage: no pipeline cuts
+        todo = [s for s in todo if s.pp == 1]
     built: dict[tuple, Built] = {}
 
     def problem_of(shape: Shape) -> Built:

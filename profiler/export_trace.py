@@ -25,7 +25,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils import _pytree as pytree
 from torch.utils.flop_counter import FlopCounterMode
 
-from profiler.graph import Layer, ModelGraph, TensorMeta
+from profiler.graph import Layer, ModelGraph, TensorMeta, canonical_names, count_once
 from profiler.trace import TraceError, _module_attrs, call_facts
 
 
@@ -119,6 +119,11 @@ def export_trace(model: nn.Module, example_inputs: Sequence, example_kwargs: dic
     def value(n: fx.Node):
         return n.meta.get("val")
 
+    names = canonical_names(model)
+    # parameter placeholders -> the model's own name for that parameter (one per tensor)
+    read = {ph: names[id(model.get_parameter(fqn))]
+            for ph, fqn in program.graph_signature.inputs_to_parameters.items()
+            if id(model.get_parameter(fqn)) in names}
     # a tuple-valued op (split) is no layer: its items' readers read what it read
     layers: list[Layer] = []
     node_of: dict[str, str] = {}  # layer key -> the fx node that carries its output
@@ -133,7 +138,8 @@ def export_trace(model: nn.Module, example_inputs: Sequence, example_kwargs: dic
         node_of[key] = out.name
         srcs = [src for n in nodes for src in n.all_input_nodes
                 if src.name not in inside and not (src.op == "placeholder" and src.name not in user_inputs)]
-        layers.append(_export_layer(key, nodes, out, srcs, modules, batch))
+        layer = _export_layer(key, nodes, out, srcs, modules, batch)
+        layers.append(replace(layer, params=_params_read(key, nodes, modules, read, names)))
 
     by_key = {l.name: l for l in layers}
     produced = {node_of[k]: k for k in node_of}
@@ -162,7 +168,7 @@ def export_trace(model: nn.Module, example_inputs: Sequence, example_kwargs: dic
         if isinstance(n, fx.Node) and n.name in (program.graph_signature.user_outputs or ()):
             outputs.extend(resolve(n))
     flops = _count_flops(program, args, kwargs, group, node_of)
-    layers = [_with_flops(l, flops.get(l.node, 0)) for l in layers]
+    layers = [_with_flops(l, flops.get(l.node, 0)) for l in count_once(layers, model)]
     del by_key
     return ModelGraph(type(model).__name__, tuple(layers), tuple(dict.fromkeys(outputs)), batch,
                       fingerprint_modules(model), module=None, example_kwargs=kwargs,
@@ -183,12 +189,9 @@ def _export_layer(key: str, nodes: list[fx.Node], out: fx.Node, srcs: list[fx.No
     path = key.split("#")[0]
     if path in modules and nodes[0].op != "placeholder":
         module = modules[path]
-        params = list(module.parameters())
         return Layer(name=key, node=out.name, op="call_module", kind=type(module).__name__,
                      inputs=inputs, output=TensorMeta.of(value), module_type=type(module),
-                     attrs=_module_attrs(module),
-                     param_bytes=sum(p.numel() * p.element_size() for p in params),
-                     param_count=sum(p.numel() for p in params))
+                     attrs=_module_attrs(module))
     if nodes[0].op == "placeholder":
         return Layer(name=key, node=out.name, op="placeholder", kind="input", inputs=(),
                      output=TensorMeta.of(value))
@@ -200,9 +203,20 @@ def _export_layer(key: str, nodes: list[fx.Node], out: fx.Node, srcs: list[fx.No
                  output=TensorMeta.of(value), attrs=attrs)
 
 
+def _params_read(key: str, nodes: list[fx.Node], modules: dict, read: dict[str, str],
+                 names: dict[int, str]) -> tuple[str, ...]:
+    """The parameters a layer reads: a unit module's own, and the parameter placeholders
+    its ops read (bare parameters such as a cls_token, or a tied weight)."""
+    path = key.split("#")[0]
+    own = modules[path].parameters() if path in modules and path else ()
+    found = [names[id(p)] for p in own if id(p) in names]
+    found += [read[src.name] for n in nodes for src in n.all_input_nodes if src.name in read]
+    return tuple(dict.fromkeys(found))
+
+
 def _with_flops(layer: Layer, fwd: int) -> Layer:
     # backward of a matmul costs two (input and weight gradients), of other ops about one
-    bwd = 2 * fwd if layer.param_count else fwd
+    bwd = 2 * fwd if layer.params else fwd
     return replace(layer, fwd_flops=fwd, bwd_flops=bwd)
 
 

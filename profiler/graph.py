@@ -7,7 +7,7 @@ is the fx node's name, e.g. "flatten"), or a model input ("placeholder").
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.fx
@@ -40,8 +40,14 @@ class Layer:
     output: TensorMeta
     module_type: type | None = None  # for call_module: the class, for the strategy registry
     attrs: dict = field(default_factory=dict)  # shape facts strategies need (features, ...)
+    # parameters: `params` names (as the root model's named_parameters() does) every
+    # trainable parameter this layer reads, its own module's or a bare one (a cls_token, a
+    # position table); `param_bytes` / `param_count` count those it *owns*, the ones no
+    # earlier layer read, so that a parameter several layers use (tied embeddings) is
+    # counted once in memory and its gradient reduced once
     param_bytes: int = 0
     param_count: int = 0
+    params: tuple[str, ...] = ()
     # filled by profiler.profile:
     fwd_flops: int = 0
     bwd_flops: int = 0
@@ -56,6 +62,27 @@ class Layer:
     @property
     def is_input(self) -> bool:
         return self.op == "placeholder"
+
+
+def count_once(layers: list[Layer], model: torch.nn.Module) -> list[Layer]:
+    """The layers with `param_bytes` / `param_count` of the parameters each owns: the
+    first layer (in execution order) that reads a parameter owns it."""
+    sizes = {name: (p.numel(), p.numel() * p.element_size())
+             for name, p in model.named_parameters()}
+    seen: set[str] = set()
+    out = []
+    for layer in layers:
+        owned = [n for n in layer.params if n not in seen and n in sizes]
+        seen.update(owned)
+        out.append(replace(layer, param_count=sum(sizes[n][0] for n in owned),
+                           param_bytes=sum(sizes[n][1] for n in owned)))
+    return out
+
+
+def canonical_names(model: torch.nn.Module) -> dict[int, str]:
+    """{id(parameter): its name in model.named_parameters()}: one name per parameter,
+    however many modules hold it (a tied embedding is named where it is first held)."""
+    return {id(p): name for name, p in model.named_parameters()}
 
 
 @dataclass(frozen=True)
@@ -79,3 +106,26 @@ class ModelGraph:
     @property
     def param_bytes(self) -> int:
         return sum(layer.param_bytes for layer in self.layers)
+
+    def tied_groups(self) -> list[tuple[str, ...]]:
+        """Layers (by node) that share a parameter, joined transitively: each group must
+        treat its parameters as one unit (one strategy, one gradient reduction)."""
+        parent: dict[str, str] = {}
+
+        def root(node: str) -> str:
+            while parent.get(node, node) != node:
+                node = parent[node]
+            return node
+
+        first: dict[str, str] = {}  # parameter -> the first layer reading it
+        for layer in self.layers:
+            for name in layer.params:
+                if name in first:
+                    parent[root(layer.node)] = root(first[name])
+                else:
+                    first[name] = layer.node
+        groups: dict[str, list[str]] = {}
+        for layer in self.layers:
+            if layer.node in parent or any(parent.get(n) == layer.node for n in parent):
+                groups.setdefault(root(layer.node), []).append(layer.node)
+        return [tuple(g) for g in groups.values() if len(g) > 1]

@@ -16,7 +16,7 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from profiler.graph import Layer, ModelGraph, TensorMeta
+from profiler.graph import Layer, ModelGraph, TensorMeta, canonical_names, count_once
 
 
 class TraceError(ValueError):
@@ -145,6 +145,7 @@ def trace(
 
     values: dict[str, object] = {}
     layers: list[Layer] = []
+    names = canonical_names(gm)
     placeholders = iter(meta_args)
     outputs: tuple[str, ...] = ()
     for node in gm.graph.nodes:
@@ -157,14 +158,28 @@ def trace(
             value = _run_meta(node, values, modules, gm)
         values[node.name] = value
         if isinstance(value, torch.Tensor) and node.op != "get_attr":
-            layers.append(_layer(node, value, modules, values))
+            layers.append(replace(_layer(node, value, modules, values),
+                                  params=_params_read(node, gm, modules, names)))
     known = {layer.node for layer in layers}
     through = _tuple_sources(gm, values, known)
     layers = [replace(l, inputs=tuple(dict.fromkeys(
         j for i in l.inputs for j in ((i,) if i in known else through.get(i, ()))))) for l in layers]
     batch = tensors[0].shape[0]
+    layers = count_once(layers, gm)
     return ModelGraph(type(model).__name__, tuple(layers), outputs, batch, fingerprint(gm),
                       module=gm, example_kwargs=dict(example_kwargs or {}))
+
+
+def _params_read(node: fx.Node, gm: fx.GraphModule, modules: dict,
+                 names: dict[int, str]) -> tuple[str, ...]:
+    """The parameters a node reads: its module's, or bare ones fetched by get_attr."""
+    if node.op == "call_module":
+        found = modules[node.target].parameters()
+    else:
+        found = [operator.attrgetter(n.target)(gm) for n in node.all_input_nodes
+                 if n.op == "get_attr"]
+    return tuple(dict.fromkeys(names[id(p)] for p in found
+                               if isinstance(p, nn.Parameter) and id(p) in names))
 
 
 def meta_params(module: nn.Module) -> dict[str, torch.Tensor]:
@@ -274,14 +289,10 @@ def _layer(node: fx.Node, value: torch.Tensor, modules: dict, values: dict | Non
     inputs = tuple(n.name for n in node.all_input_nodes)
     if node.op == "call_module":
         module = modules[node.target]
-        params = list(module.parameters())
         return Layer(
             name=str(node.target), node=node.name, op=node.op, kind=type(module).__name__,
             inputs=inputs, output=TensorMeta.of(value), module_type=type(module),
-            attrs=_module_attrs(module),
-            param_bytes=sum(p.numel() * p.element_size() for p in params),
-            param_count=sum(p.numel() for p in params),
-        )
+            attrs=_module_attrs(module))
     kind = "input" if node.op == "placeholder" else _target_name(node)
     attrs = {}
     if node.op in ("call_function", "call_method"):

@@ -70,7 +70,7 @@ def compute_s(layer: Layer, fraction: float, ctx: CostContext, split: str = "bat
     # forward writes the output once, backward reads it and writes its gradient
     moved = 3 * layer.output.nbytes * fraction
     # processes sharing the machine: parameter-free ops are memory-bound, the rest compute
-    slowdown = (memory_contention(moved, ctx) if not layer.param_count
+    slowdown = (memory_contention(moved, ctx) if not layer.params
                 else ctx.cluster.compute_slowdown)
     if layer.measured_s is not None:
         parts = round(1 / fraction)
@@ -277,8 +277,12 @@ _CHANNEL_MODULES = (nn.MaxPool1d, nn.MaxPool2d, nn.AvgPool1d, nn.AvgPool2d,
                     nn.AdaptiveAvgPool1d, nn.AdaptiveAvgPool2d, nn.AdaptiveMaxPool2d)
 _ROWWISE_MODULES = _POINTWISE_MODULES + _CHANNEL_MODULES + (
     nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.Flatten, nn.LayerNorm, nn.GroupNorm,
-    nn.Embedding, nn.Softmax, nn.LogSoftmax, nn.BatchNorm1d, nn.BatchNorm2d,
+    nn.Embedding, nn.Softmax, nn.LogSoftmax,
 )
+# Not here: BatchNorm. In training it normalizes over the whole batch and updates its
+# running statistics from it, so splitting rows changes the math. It runs replicated (the
+# whole batch on every rank, the same statistics everywhere). torch's SyncBatchNorm would
+# split it exactly, but it runs on GPUs only, and the executor is tested on CPU.
 # unary ops only: a binary op may meet a whole (unsplit) tensor such as a bias
 _POINTWISE_FUNCTIONS = {
     "relu", "relu_", "gelu", "silu", "tanh", "sigmoid", "dropout", "contiguous",
@@ -294,7 +298,7 @@ def _rowwise(layer: Layer, batch: int) -> bool:
 
 def _featurewise(layer: Layer) -> bool:
     """A parameter-free op that treats each feature (channel) on its own."""
-    if layer.param_count:
+    if layer.params:
         return False
     if layer.module_type is not None:
         return (issubclass(layer.module_type, _POINTWISE_MODULES + _CHANNEL_MODULES + (nn.Flatten,))
@@ -382,6 +386,10 @@ def candidates(layer: Layer, ctx: CostContext) -> list[Strategy]:
         options.append(FeatureParallel())
     usable = [s for s in options
               if (_batch_ok(layer, ctx) if isinstance(s, DataParallel) else s.applies(layer, ctx))]
+    if layer.params and layer.op != "call_module":
+        # an op reading a bare parameter (a cls_token, a position table) holds it whole:
+        # its gradient is then a per-rank partial (rows split) or complete (replicated)
+        usable = [s for s in usable if type(s) in (DataParallel, Replicate)]
     return usable[:1] if ctx.ranks == 1 else usable
 
 

@@ -41,7 +41,9 @@ class ShardedDataParallel(DataParallel):
     name: ClassVar[str] = "fsdp"
 
     def applies(self, layer, ctx):
-        return layer.param_bytes > 0 and ctx.ranks > 1 and super().applies(layer, ctx)
+        # fully_shard wraps a module: a bare parameter read by an op has none to wrap
+        return (layer.param_bytes > 0 and layer.op == "call_module" and ctx.ranks > 1
+                and super().applies(layer, ctx))
 
     def cost(self, layer, ctx):
         p = layer.param_bytes

@@ -1,0 +1,102 @@
+"""Conformance: every plan kind hyplan offers for models no one here wrote (tests/zoo.py)
+trains exactly like one process: 2 gloo ranks, 3 SGD steps, every parameter equal to the
+single-process run on the whole batch (rtol 1e-5). A plan kind the planner cannot offer
+for a model is refused up front with a one-line reason, and the refusals are listed here,
+so a new refusal (or a lost one) fails the test.
+
+All plans are made first, in this process; then one launch of 2 ranks runs them all
+(starting processes is the slow part on this machine).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import executor
+import planner
+from distributed import run_ranks
+from zoo import ZOO, reference, train
+
+KINDS = ("ddp", "fsdp", "tensor", "pipeline", "optimum")
+# kind -> models for which the planner refuses it, and a word of the reason it gives
+REFUSED = {
+    "pipeline": {name: "torch.export" for name in ZOO if name != "torch_encoder"},
+}
+RTOL, ATOL = 1e-5, 1e-6
+
+
+def make_plan(name: str, kind: str, devices: str = "2xcpu") -> planner.Plan:
+    entry = ZOO[name]
+    inputs = entry.batch(0)[:entry.inputs]
+    model = entry.make()
+    if kind == "optimum":
+        return planner.optimize(model, devices, example_inputs=inputs, optimizer="sgd",
+                                measure=False, prefer_standard=0)
+    return planner.baseline(model, devices, kind, example_inputs=inputs, optimizer="sgd",
+                            measure=False)
+
+
+def run_plans(rank: int, world: int, jobs: list) -> dict:
+    """Each job (model, kind, plan JSON): this rank's parameters after 3 steps, or the
+    error it raised (as text, so one failure does not hide the others)."""
+    out = {}
+    for name, kind, plan_json in jobs:
+        entry = ZOO[name]
+        plan = planner.Plan.from_json(plan_json)
+        try:
+            model = executor.parallelize(entry.make(), plan)
+            model = train(model, entry, lambda m, b, loss, opt: executor.train_step(
+                m, plan, b, loss, opt))
+            out[(name, kind)] = executor.full_parameters(model, dict(entry.make().named_parameters()))
+        except Exception as error:  # noqa: BLE001 - reported per job by the test
+            out[(name, kind)] = f"{type(error).__name__}: {error}"
+    return out
+
+
+def max_relative_difference(got: dict, expected: dict) -> tuple[float, str]:
+    worst, where = 0.0, ""
+    for key, value in got.items():
+        scale = expected[key].abs().max().clamp_min(1e-12)
+        diff = ((value - expected[key]).abs().max() / scale).item()
+        if diff > worst:
+            worst, where = diff, key
+    return worst, where
+
+
+@pytest.fixture(scope="module")
+def zoo_runs():
+    plans, refusals = {}, {}
+    for name in ZOO:
+        for kind in KINDS:
+            try:
+                plans[(name, kind)] = make_plan(name, kind)
+            except ValueError as error:
+                refusals[(name, kind)] = str(error)
+    jobs = [(name, kind, plan.to_json()) for (name, kind), plan in plans.items()]
+    results = run_ranks(run_plans, 2, jobs)
+    return plans, refusals, results
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("name", list(ZOO))
+def test_plan_trains_like_one_process(zoo_runs, name, kind):
+    plans, refusals, results = zoo_runs
+    refused_word = REFUSED.get(kind, {}).get(name)
+    if refused_word is not None:
+        assert (name, kind) in refusals, f"{kind} is no longer refused for {name}: update REFUSED"
+        reason = refusals[(name, kind)]
+        assert refused_word in reason and "\n" not in reason, reason
+        return
+    assert (name, kind) not in refusals, refusals.get((name, kind))
+    expected = reference(ZOO[name])
+    seen: set[str] = set()
+    for rank, result in enumerate(results):
+        got = result[(name, kind)]
+        assert not isinstance(got, str), f"rank {rank}: {got}"
+        assert set(got) <= set(expected), set(got) - set(expected)
+        seen |= set(got)
+        for key, value in got.items():
+            torch.testing.assert_close(value, expected[key], rtol=RTOL, atol=ATOL,
+                                       msg=lambda m: f"rank {rank}, {key}: {m}")
+    assert seen == set(expected), f"no rank holds {sorted(set(expected) - seen)}"

@@ -1,0 +1,181 @@
+"""Models no one here wrote: tiny Hugging Face configs (random init, dropout 0, nothing
+downloaded) and torch's own transformer layer, each with a batch and a loss, for the
+conformance tests (tests/test_zoo.py) and the random-plan benchmark
+(benchmarks/random_plans.py).
+
+Each entry covers a way real models break planners: tied embeddings (GPT-2, BERT, T5,
+Qwen2), one layer's weights used by every block (ALBERT), rotary buffers, RMSNorm and
+grouped-query attention (Llama, Qwen2), a mixture of experts (Mixtral), bare parameters
+(ViT's cls_token and position table, ConvNeXt's layer scale), an encoder-decoder (T5),
+LayerNorm and BatchNorm CNNs (ConvNeXt, ResNet), and a model torch.fx traces (torch's
+TransformerEncoderLayer).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+VOCAB, SEQ, ROWS, CLASSES, IMAGE = 64, 8, 4, 8, 16
+
+
+@dataclass(frozen=True)
+class ZooModel:
+    """A model to plan and run: `make()` builds it seeded (the same weights every call),
+    `batch(step)` is that step's global batch (inputs..., target), `loss(output, target)`
+    a mean over rows, `kwargs` the keyword inputs its training forward takes."""
+
+    name: str
+    make: Callable[[], nn.Module]
+    batch: Callable[[int], tuple]
+    loss: Callable
+    kwargs: dict = field(default_factory=dict)
+    inputs: int = 1  # how many of batch()'s leading entries are model inputs
+
+
+def _seeded(build: Callable[[], nn.Module]) -> Callable[[], nn.Module]:
+    def make():
+        torch.manual_seed(0)
+        return build()
+    return make
+
+
+def _tokens(step: int, vocab: int = VOCAB) -> tuple:
+    g = torch.Generator().manual_seed(100 + step)
+    ids = torch.randint(0, vocab, (ROWS, SEQ), generator=g)
+    return ids, torch.randint(0, vocab, (ROWS, SEQ), generator=g)
+
+
+def _seq2seq(step: int) -> tuple:
+    g = torch.Generator().manual_seed(100 + step)
+    ids = torch.randint(0, VOCAB, (ROWS, SEQ), generator=g)
+    decoder_ids = torch.randint(0, VOCAB, (ROWS, SEQ), generator=g)
+    # T5's forward takes (input_ids, attention_mask, decoder_input_ids) by position
+    mask = torch.ones(ROWS, SEQ, dtype=torch.long)
+    return ids, mask, decoder_ids, torch.randint(0, VOCAB, (ROWS, SEQ), generator=g)
+
+
+def _images(step: int) -> tuple:
+    g = torch.Generator().manual_seed(100 + step)
+    return (torch.randn(ROWS, 3, IMAGE, IMAGE, generator=g),
+            torch.randint(0, CLASSES, (ROWS,), generator=g))
+
+
+def _features(step: int) -> tuple:
+    g = torch.Generator().manual_seed(100 + step)
+    return torch.randn(ROWS, SEQ, 32, generator=g), torch.randint(0, CLASSES, (ROWS,), generator=g)
+
+
+def token_loss(output, target):
+    logits = getattr(output, "logits", output)
+    return F.cross_entropy(logits.flatten(0, 1).float(), target.flatten())
+
+
+def class_loss(output, target):
+    return F.cross_entropy(getattr(output, "logits", output).float(), target)
+
+
+def _hf(config_name: str, model_name: str, **config):
+    """A transformers model class built from its config class, dropout off."""
+    def build():
+        import transformers
+
+        cfg = getattr(transformers, config_name)(**config)
+        for key in ("hidden_dropout_prob", "attention_probs_dropout_prob", "resid_pdrop",
+                    "embd_pdrop", "attn_pdrop", "dropout_rate", "attention_dropout",
+                    "classifier_dropout_prob", "drop_path_rate", "router_jitter_noise"):
+            if hasattr(cfg, key):
+                setattr(cfg, key, 0.0)
+        cfg.use_cache = False
+        return getattr(transformers, model_name)(cfg).train()
+    return build
+
+
+_DECODER = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ * 2,
+                bos_token_id=0, eos_token_id=0, pad_token_id=0)
+
+
+class TorchEncoderClassifier(nn.Module):
+    """torch's own TransformerEncoderLayer (fx keeps it whole), a learned position table (a
+    bare parameter) and a head: the plain-torch entry, traced by torch.fx."""
+
+    def __init__(self):
+        super().__init__()
+        self.position = nn.Parameter(torch.randn(1, SEQ, 32) * 0.02)
+        self.encoder = nn.TransformerEncoder(
+            nn.TransformerEncoderLayer(32, 4, 64, dropout=0.0, batch_first=True), 2,
+            enable_nested_tensor=False)
+        self.norm = nn.LayerNorm(32)
+        self.head = nn.Linear(32, CLASSES)
+
+    def forward(self, x):
+        return self.head(self.norm(self.encoder(x + self.position)).mean(1))
+
+
+ZOO: dict[str, ZooModel] = {m.name: m for m in [
+    ZooModel("gpt2", _seeded(_hf("GPT2Config", "GPT2LMHeadModel", n_layer=2, n_embd=32,
+                                 n_head=4, vocab_size=VOCAB, n_positions=SEQ * 2,
+                                 bos_token_id=0, eos_token_id=0)),
+             _tokens, token_loss),
+    ZooModel("llama", _seeded(_hf("LlamaConfig", "LlamaForCausalLM", **_DECODER)),
+             _tokens, token_loss),
+    ZooModel("qwen2", _seeded(_hf("Qwen2Config", "Qwen2ForCausalLM", tie_word_embeddings=True,
+                                  **_DECODER)),
+             _tokens, token_loss),
+    ZooModel("mixtral", _seeded(_hf("MixtralConfig", "MixtralForCausalLM", num_local_experts=4,
+                                    num_experts_per_tok=2, **_DECODER)),
+             _tokens, token_loss),
+    ZooModel("bert", _seeded(_hf("BertConfig", "BertForMaskedLM", vocab_size=VOCAB,
+                                 hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                 intermediate_size=64, max_position_embeddings=SEQ * 2)),
+             _tokens, token_loss),
+    ZooModel("albert", _seeded(_hf("AlbertConfig", "AlbertForMaskedLM", vocab_size=VOCAB,
+                                   embedding_size=16, hidden_size=32, num_hidden_layers=3,
+                                   num_attention_heads=4, intermediate_size=64,
+                                   max_position_embeddings=SEQ * 2)),
+             _tokens, token_loss),
+    ZooModel("t5", _seeded(_hf("T5Config", "T5ForConditionalGeneration", vocab_size=VOCAB,
+                               d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4,
+                               decoder_start_token_id=0, pad_token_id=0)),
+             _seq2seq, token_loss, inputs=3),
+    ZooModel("vit", _seeded(_hf("ViTConfig", "ViTForImageClassification", image_size=IMAGE,
+                                patch_size=4, hidden_size=32, num_hidden_layers=2,
+                                num_attention_heads=4, intermediate_size=64,
+                                num_labels=CLASSES)),
+             _images, class_loss),
+    ZooModel("convnext", _seeded(_hf("ConvNextConfig", "ConvNextForImageClassification",
+                                     hidden_sizes=[8, 16], depths=[1, 1], num_labels=CLASSES,
+                                     image_size=IMAGE)),
+             _images, class_loss),
+    ZooModel("resnet", _seeded(_hf("ResNetConfig", "ResNetForImageClassification",
+                                   embedding_size=8, hidden_sizes=[8, 16], depths=[1, 1],
+                                   layer_type="basic", num_labels=CLASSES)),
+             _images, class_loss),
+    ZooModel("torch_encoder", _seeded(TorchEncoderClassifier), _features, class_loss),
+]}
+
+
+def train(model: nn.Module, entry: ZooModel, step_fn, steps: int = 3, lr: float = 0.05):
+    """`steps` SGD steps; `step_fn(model, batch, loss_fn, optimizer)` runs one."""
+    opt = torch.optim.SGD(model.parameters(), lr=lr, foreach=False)
+    for step in range(steps):
+        step_fn(model, entry.batch(step), lambda out, y: entry.loss(out, y), opt)
+    return model
+
+
+def single_process_step(model, batch, loss_fn, opt):
+    *inputs, target = batch
+    opt.zero_grad()
+    loss_fn(model(*inputs), target).backward()
+    opt.step()
+
+
+def reference(entry: ZooModel, steps: int = 3) -> dict[str, torch.Tensor]:
+    """Parameters after `steps` steps in one process on the whole batch."""
+    model = train(entry.make(), entry, single_process_step, steps)
+    return {k: v.detach().clone() for k, v in model.named_parameters()}
