@@ -24,6 +24,7 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.parallel import parallelize_module
 from torch.utils import _pytree as pytree
 
+from executor.inputs import main_input
 from executor.styles import (MeanOverRanks, Reshard, broadcast_replicated,
                              data_parallel_over, params_of, placement, tensor_parallel_style)
 from planner.plan import LayerPlan, Plan
@@ -50,17 +51,21 @@ def _gather_rows(mesh, local_rows: int, value):
 
 def _pre_hook(reshard: Reshard | None, mesh, gather_others: bool):
     def hook(module, args, kwargs):
-        if not args:
+        where = main_input(args, kwargs)
+        if where is None:
             return None
-        x = args[0]
+        x = args[0] if where == 0 else kwargs[where]
         rows = x.shape[0]
         if reshard is not None:
             x = reshard(x)
-        rest = args[1:]
+        rest = args[1:] if where == 0 else args
+        others = {k: v for k, v in kwargs.items() if k != where}
         if gather_others and x.shape[0] != rows:
             rest = tuple(_gather_rows(mesh, rows, v) for v in rest)
-            kwargs = {k: _gather_rows(mesh, rows, v) for k, v in kwargs.items()}
-        return (x, *rest), kwargs
+            others = {k: _gather_rows(mesh, rows, v) for k, v in others.items()}
+        if where == 0:
+            return (x, *rest), others
+        return rest, {**others, where: x}
     return hook
 
 

@@ -48,7 +48,11 @@ class Reshard(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         d = DTensor.from_local(x, self.mesh, [self.src], run_check=False,
                                shape=self.shape, stride=self.stride)
-        return d.redistribute(self.mesh, [self.dst]).to_local(grad_placements=[self.dst_grad])
+        out = d.redistribute(self.mesh, [self.dst]).to_local(grad_placements=[self.dst_grad])
+        # to_local gives a view made inside an autograd Function; code after a layer may
+        # modify its input in place (ResNet's `hidden += residual`), which autograd forbids
+        # on such a view: hand on a tensor of its own
+        return out.clone()
 
     def extra_repr(self) -> str:
         return self.label

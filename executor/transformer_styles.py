@@ -23,6 +23,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 
+from executor.inputs import main_input
+
 
 def _is_conv1d(module: nn.Module) -> bool:
     return type(module).__name__ == "Conv1D" and hasattr(module, "nf")
@@ -103,7 +105,10 @@ class HeadParallelAttention(ParallelStyle):
         layout = self.input_layout
 
         def gather_inputs(mod, args, kwargs):
-            x, rest = args[0], args[1:]
+            where = main_input(args, kwargs)
+            x = args[0] if where == 0 else kwargs[where]
+            rest = args[1:] if where == 0 else args
+            kwargs = {k: v for k, v in kwargs.items() if k != where}
             local_rows = x.shape[0]
             x = DTensor.from_local(x, mesh, [layout], run_check=False)
             x = x.redistribute(mesh, [Replicate()]).to_local(grad_placements=[Partial()])
@@ -116,7 +121,10 @@ class HeadParallelAttention(ParallelStyle):
                     return tuple(whole(t) for t in v)
                 return v
 
-            return (x, *whole(rest)), {k: whole(v) for k, v in kwargs.items()}
+            kwargs = {k: whole(v) for k, v in kwargs.items()}
+            if where == 0:
+                return (x, *whole(rest)), kwargs
+            return whole(rest), {**kwargs, where: x}
 
         module.register_forward_pre_hook(gather_inputs, with_kwargs=True)
         return module

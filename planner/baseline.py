@@ -44,9 +44,11 @@ def _tensor(layer: Layer, options: list[Strategy]) -> list[Strategy]:
 
 
 def _named(name: str) -> Rule:
-    """Every layer uses strategy `name` where it applies (replicate elsewhere)."""
+    """Every layer with weights uses strategy `name` where it applies; the rest split the
+    batch as data parallelism does (replicated where they cannot)."""
     def rule(layer: Layer, options: list[Strategy]) -> list[Strategy]:
-        kept = [s for s in options if s.name == name]
+        kept = ([s for s in options if s.name == name]
+                or [s for s in options if s.name == "data_parallel"])
         return kept or [s for s in options if s.name == "replicate"] or options
     return rule
 

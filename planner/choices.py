@@ -48,14 +48,18 @@ UNREALIZABLE_S = float("inf")
 def module_executor_options(layer: Layer, options: list[Strategy]) -> list[Strategy]:
     """For a graph from torch.export the executor runs the module's own forward, so the ops
     outside unit modules run on whatever each rank holds: the inputs come split by rows,
-    and such an op is row-split (or feature-split) wherever it can be; whole only when it
-    does not see the batch at all (a constant such as a position table)."""
+    and such an op is row-split wherever it can be; whole only when it does not see the
+    batch at all (a constant such as a position table)."""
     if layer.is_input:
         return [s for s in options if s.name == "data_parallel"] or options
     if layer.op == "call_module":
         return options
-    split = [s for s in options if s.name != "replicate"]
-    return split or options
+    # never feature-split: the model's own code may view or permute a tensor by its
+    # global sizes (a head count, a channels-last permute), which a split breaks silently
+    options = [s for s in options if s.name != "feature_parallel"] or options
+    if not any(s.name == "data_parallel" for s in options):
+        return options  # it does not see the batch: whole it is
+    return [s for s in options if s.name != "replicate"]
 
 
 def unrealizable(producer: LayerChoices, consumer: LayerChoices, takes: list[Layout]):

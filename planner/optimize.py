@@ -153,8 +153,13 @@ def _baselines(graph, cluster: Cluster, optimizer: str, time_limit_s: float) -> 
     """{kind: (choices, solution)} of every available 1-D baseline."""
     from planner.baseline import ONE_D_KINDS, available, solve_baseline
 
-    return {kind: solve_baseline(graph, cluster, optimizer, kind, time_limit_s)
-            for kind in available(ONE_D_KINDS)}
+    solved = {}
+    for kind in available(ONE_D_KINDS):
+        try:
+            solved[kind] = solve_baseline(graph, cluster, optimizer, kind, time_limit_s)
+        except Infeasible:  # this model has no plan of that kind: nothing to compare
+            continue
+    return solved
 
 
 def _with_baselines(plan: Plan, solved: dict, cluster: Cluster) -> Plan:
