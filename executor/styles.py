@@ -101,9 +101,9 @@ class ChannelParallelConv2d(ParallelStyle):
         parallelize_module(model, mesh, {"features.3": ChannelParallelConv2d(Shard(0))})
     """
 
-    def __init__(self, input_layout=Replicate()):
+    def __init__(self, input_layout=Replicate(), output_layout=Shard(1)):
         super().__init__()
-        self.input_layout = input_layout
+        self.input_layout, self.output_layout = input_layout, output_layout
 
     def _apply(self, module: nn.Module, mesh: DeviceMesh) -> nn.Module:
         if not isinstance(module, nn.Conv2d) or module.groups != 1:
@@ -112,13 +112,18 @@ class ChannelParallelConv2d(ParallelStyle):
             dparam = nn.Parameter(distribute_tensor(param.data, mesh, [Shard(0)]),
                                   requires_grad=param.requires_grad)
             module.register_parameter(name, dparam)
-        layout = self.input_layout
+        layout, out_layout = self.input_layout, self.output_layout
 
         def forward(x: torch.Tensor) -> torch.Tensor:
             full = DTensor.from_local(x, mesh, [layout], run_check=False)
             local = full.redistribute(mesh, [Replicate()]).to_local(grad_placements=[Partial()])
             bias = module.bias.to_local() if module.bias is not None else None
-            return module._conv_forward(local, module.weight.to_local(), bias)
+            y = module._conv_forward(local, module.weight.to_local(), bias)
+            if out_layout == Shard(1):
+                return y
+            # handed on in another layout (to code outside modules, which cannot change it)
+            y = DTensor.from_local(y, mesh, [Shard(1)], run_check=False)
+            return y.redistribute(mesh, [out_layout]).to_local()
 
         module.forward = forward
         return module
@@ -150,7 +155,7 @@ def tensor_parallel_style(strategy: str, output_layout: Layout, input_placement,
     if strategy == "row_parallel":
         return Conv1DRowwise(input_layouts=input_placement, output_layouts=out)
     if strategy == "channel_parallel":
-        return ChannelParallelConv2d(input_placement)
+        return ChannelParallelConv2d(input_placement, out)
     if strategy == "vocab_parallel":
         return RowwiseParallel(input_layouts=input_placement, output_layouts=out)
     if strategy == "head_parallel":

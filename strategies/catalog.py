@@ -249,7 +249,7 @@ class RowParallel(Strategy):
 
     def applies(self, layer, ctx):
         ok = layer.attrs.get("in_features", 0) % ctx.ranks == 0
-        return ok and (self.gives != Layout.BATCH or ctx.batch % ctx.ranks == 0)
+        return ok and (self.gives != Layout.BATCH or _rows_split(layer, ctx))
 
     def cost(self, layer, ctx):
         n = layer.output.nbytes
@@ -304,6 +304,13 @@ def _featurewise(layer: Layer) -> bool:
         return (issubclass(layer.module_type, _POINTWISE_MODULES + _CHANNEL_MODULES + (nn.Flatten,))
                 or _flagged(layer, _FEATUREWISE))
     return layer.kind in _POINTWISE_FUNCTIONS | {"flatten"} or featurewise_binary(layer)
+
+
+def _rows_split(layer: Layer, ctx: CostContext) -> bool:
+    """The output's dim 0 is the batch and splits evenly: a reduce-scatter may hand each
+    rank its rows (of a tensor without the batch in dim 0 it would split something else)."""
+    shape = layer.output.shape
+    return bool(shape) and shape[0] == ctx.batch and ctx.batch % ctx.ranks == 0
 
 
 def _features(layer: Layer) -> int:
