@@ -55,6 +55,7 @@ def plan_once(entry: Callable[..., Plan]) -> Callable[..., Plan]:
 
 
 def _plan_and_send(entry, args, kwargs) -> Plan:
+    """Rank 0: plan, then send the plan, or the error, to every other rank."""
     token = _PLANNING.set(True)
     try:
         plan = entry(*args, **kwargs)
@@ -68,6 +69,7 @@ def _plan_and_send(entry, args, kwargs) -> Plan:
 
 
 def _receive() -> Plan:
+    """Rank 0's plan, or its error raised here."""
     box = [None]
     dist.broadcast_object_list(box, src=0)
     kind, value = box[0]
@@ -88,6 +90,7 @@ def to_portable(error: BaseException):
 
 
 def from_portable(value) -> BaseException:
+    """The error to_portable sent, noted as rank 0's."""
     if isinstance(value, bytes):
         error = pickle.loads(value)
     else:
