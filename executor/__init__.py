@@ -1,8 +1,9 @@
 """Run a Plan: rewrite the module for this rank, feed it its part of the batch, train."""
 
+from executor.agree import PlanMismatch
 from executor.batch import RankBatch, shard_batch
 from executor.monitor import Drift, StepMonitor, check_step_time
-from executor.parallelize import PlanMismatch, parallelize
+from executor.parallelize import parallelize
 from executor.step import train_step
 from executor.styles import register_style
 from executor.train import TrainResult, train  # binds executor.train to the function

@@ -1,7 +1,7 @@
 """`parallelize`: rewrite a model for this rank under a Plan, with PyTorch's own engine.
 
 In a fixed order, like torchtitan's parallelize functions:
-1. check the plan belongs to this model and this world size;
+1. check the plan belongs to this model and this world size, and every rank holds it;
 2. tensor parallelism: model-parallel layers get DTensor parallel styles, told the layout
    their input arrives in;
 3. layout changes: a `Reshard` node on every other edge whose layouts differ, and on the
@@ -21,16 +21,11 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor.parallel import parallelize_module
 
+from executor.agree import PlanMismatch, check_model, check_same_plan, traced_as_planned
 from executor.styles import (MeanOverRanks, Reshard, broadcast_replicated,
                              data_parallel_over, params_of, placement, tensor_parallel_style)
 from planner.plan import LayerPlan, Plan
-from profiler.trace import fingerprint, fx_trace
-from strategies.catalog import leaf_types
 from strategies.layouts import Layout
-
-
-class PlanMismatch(ValueError):
-    """The plan was made for another model or another number of devices."""
 
 
 def check_world(plan: Plan, world_size: int) -> None:
@@ -56,6 +51,7 @@ def parallelize(model: nn.Module, plan: Plan, *, mesh: DeviceMesh | None = None,
         raise RuntimeError("parallelize: no process group; launch with torchrun and call "
                            "torch.distributed.init_process_group() first")
     check_world(plan, dist.get_world_size())
+    check_same_plan(plan)  # before any other collective: different plans would deadlock
     if plan.mesh.device_type == "cpu":
         from profiler.allocator import keep_freed_memory
 
@@ -80,28 +76,11 @@ def parallelize(model: nn.Module, plan: Plan, *, mesh: DeviceMesh | None = None,
     return data_parallel_over(gm, params_of(plan, "data_parallel"))
 
 
-def traced_as_planned(model: nn.Module, plan: Plan, leaf_modules=()) -> fx.GraphModule:
-    """The model traced as the planner traced it, refused if its graph is not the one the
-    plan was made for (a plan for another model, or for this one edited since)."""
-    gm = fx_trace(model, tuple(leaf_modules) + leaf_types(model))
-    if fingerprint(gm) != plan.fingerprint:
-        raise PlanMismatch(
-            f"plan mismatch: the plan was made for a {plan.model} whose graph fingerprint is "
-            f"{plan.fingerprint}, this {type(model).__name__} has {fingerprint(gm)}; make the "
-            f"plan for this model (planner.optimize or `hyplan plan`)")
-    return gm
-
-
 def _parallelize_exported(model: nn.Module, plan: Plan, mesh) -> nn.Module:
     """A plan from torch.export: strategies applied by module path (executor.modules)."""
     from executor.modules import parallelize_modules
-    from profiler.export_trace import fingerprint_modules
 
-    if fingerprint_modules(model) != plan.fingerprint:
-        raise PlanMismatch(
-            f"plan mismatch: the plan was made for a {plan.model} whose module fingerprint is "
-            f"{plan.fingerprint}, this {type(model).__name__} has {fingerprint_modules(model)}; "
-            f"make the plan for this model")
+    check_model(model, plan)
     model = model.to(_device(plan))
     mesh = mesh or init_device_mesh(plan.mesh.device_type, (plan.num_devices,))
     return parallelize_modules(model, plan, mesh)

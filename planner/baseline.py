@@ -21,6 +21,7 @@ from torch import nn
 
 from planner.choices import Choices, layer_choices
 from planner.ilp import solve
+from planner.once import plan_once
 from planner.plan import Plan
 from planner.problem import Solution
 from profiler.graph import Layer, ModelGraph
@@ -110,6 +111,7 @@ def solve_baseline(graph: ModelGraph, cluster: Cluster, optimizer: str, kind: st
     return choices, solve(choices.problem, time_limit_s)
 
 
+@plan_once
 def baseline(model: nn.Module, devices, kind: str, example_inputs: Sequence | None = None,
              example_kwargs: dict | None = None, *, optimizer: str = "adam",
              leaf_modules=(), measure: bool | None = None, time_limit_s: float = 60.0) -> Plan:

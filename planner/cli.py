@@ -82,6 +82,8 @@ _HOW = "a Python file or package.module[:factory] whose build(batch, device) ret
 
 def load_factory(spec: str) -> Callable:
     """The model factory that MODEL names (a file or a module, `build` unless `:factory`)."""
+    from planner.extras import install_hint
+
     where, factory = _split_factory(spec)
     if _is_file(where):
         path = Path(where)
@@ -98,8 +100,9 @@ def load_factory(spec: str) -> Callable:
                 module_spec.loader.exec_module(module)
             except ImportError as error:
                 del sys.modules[name]
-                raise ValueError(f"model: {where} failed to import: {error}; install what it "
-                                 f"needs in this virtualenv") from None
+                raise ValueError(f"model: {where} " + (install_hint(error) or f"failed to "
+                                 f"import: {error}; install what it needs in this "
+                                 f"virtualenv")) from None
             except SyntaxError as error:
                 del sys.modules[name]
                 raise ValueError(f"model: {where} is not valid Python (line {error.lineno}: "
@@ -109,7 +112,9 @@ def load_factory(spec: str) -> Callable:
             try:
                 module = importlib.import_module(where)
             except ImportError as error:
-                raise ValueError(f"model: cannot import {where!r} ({error}); pass {_HOW}, "
+                hint = install_hint(error) if error.name != where else None
+                raise ValueError(f"model: {where} {hint}" if hint else
+                                 f"model: cannot import {where!r} ({error}); pass {_HOW}, "
                                  f"from the folder that holds the package") from None
     fn = getattr(module, factory, None)
     if not callable(fn):
@@ -172,6 +177,7 @@ def _plan(args) -> int:
         raise ValueError(f"--batch: the global batch must be positive, got {args.batch}")
     memory_limit = parse_memory(args.memory_limit) if args.memory_limit else None
     cluster = _cluster(args.devices, args.dtype)  # before building: a typo fails fast
+    _check_plot(args.plot)
     factory = load_factory(args.model)
     # On "meta" nothing is allocated; CPU devices are this machine, so layers get timed.
     device = "cpu" if cluster.device.kind == "cpu" else "meta"
@@ -192,6 +198,14 @@ def _plan(args) -> int:
     return 0
 
 
+def _check_plot(directory: str | None) -> None:
+    """--plot without matplotlib fails before any planning, in one line."""
+    if directory:
+        from planner.extras import require
+
+        require("matplotlib", "--plot")
+
+
 def _write_plots(plan, directory: str | None) -> None:
     if directory:
         from planner.plot import write_plots
@@ -204,6 +218,7 @@ def _write_plots(plan, directory: str | None) -> None:
 def _show(args) -> int:
     import planner
 
+    _check_plot(args.plot)
     try:
         plan = planner.Plan.load(args.plan)
     except FileNotFoundError:

@@ -57,18 +57,13 @@ def build_for_training(factory, batch: int, seed: int):
 
 
 def check_model(plan, factory) -> None:
-    """Refuse a plan made for another model, before any process starts."""
-    from executor.parallelize import PlanMismatch
+    """Refuse a plan made for another model, before any process starts: the executor's
+    own check (executor.agree), for fx and export plans alike."""
+    from executor.agree import check_model as check_model_matches
     from planner.cli import build_model
-    from profiler.trace import fingerprint, fx_trace
 
     model, _ = build_model(factory, plan.global_batch, "meta")
-    found = fingerprint(fx_trace(model))
-    if found != plan.fingerprint:
-        raise PlanMismatch(
-            f"plan mismatch: PLAN.json was made for a {plan.model} (graph fingerprint "
-            f"{plan.fingerprint}), MODEL builds a {type(model).__name__} ({found}); make the "
-            f"plan for this model with `hyplan plan MODEL ... --json FILE`")
+    check_model_matches(model, plan)
 
 
 def check_processes(plan, nnodes: str, nproc_per_node: int) -> None:

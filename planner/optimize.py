@@ -15,6 +15,7 @@ from torch import nn
 from planner.choices import OUTPUT, Choices, layer_choices
 from strategies.memory import lever_fields, split_name
 from planner.ilp import solve
+from planner.once import plan_once
 from planner.plan import (
     InputPlan, LayerPlan, MeshPlan, Plan, Predicted, SolverReport,
 )
@@ -39,6 +40,7 @@ class PlanDoesNotFit(ValueError):
 PREFER_STANDARD = 0.03
 
 
+@plan_once
 def optimize(
     model: nn.Module,
     devices,
@@ -75,6 +77,8 @@ def optimize(
     is below the cost model's own error is a guess, and the standard plan is the one
     people know how to run and debug. 0 always returns the solver's optimum; either way
     `Plan.standard_choice` and explain() give both times. Not applied with `pin`.
+    Under an initialized process group, call it on every rank: rank 0 plans and every rank
+    returns its plan, or raises its error (planner.once).
     """
     started = time.perf_counter()
     check_arguments(optimizer, example_inputs, memory_limit_bytes)

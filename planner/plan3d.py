@@ -12,6 +12,7 @@ from collections.abc import Iterable, Sequence
 
 from torch import nn
 
+from planner.once import plan_once
 from planner.optimize import GB, PlanDoesNotFit, check_arguments, profiled_graph
 from planner.plan import (
     CandidateReport, InputPlan, LayerPlan, MemoryBreakdown, MeshPlan, PipelinePlan, Plan,
@@ -23,6 +24,7 @@ from strategies.catalog import OPTIMIZER_STATE_FACTOR
 from strategies.cluster import Cluster
 
 
+@plan_once
 def optimize_3d(
     model: nn.Module,
     devices,

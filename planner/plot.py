@@ -35,8 +35,9 @@ ACTION_LABELS = {"communication": "communication (collectives, sends, gradient s
 
 
 def _pyplot():
-    import matplotlib
+    from planner.extras import require
 
+    matplotlib = require("matplotlib", "drawing a plan (planner.plot)")
     matplotlib.use("Agg")  # files only, no display
     import matplotlib.pyplot as plt
 
