@@ -28,7 +28,7 @@ from profiler.graph import Layer
 from strategies.catalog import (
     Cost, CostContext, DataParallel, Strategy, compute_s, update_s, weights_memory,
 )
-from strategies.collectives import all_gather_s, all_reduce_s, reduce_scatter_s
+from strategies.collectives import all_gather_s, all_reduce_s, collective_bytes, reduce_scatter_s
 from strategies.layouts import Layout
 
 RECOMPUTE_SUFFIX = "+recompute"
@@ -48,12 +48,14 @@ class ShardedDataParallel(DataParallel):
         gather = all_gather_s(p, ctx.ranks, ctx.link)
         scatter = reduce_scatter_s(p, ctx.ranks, ctx.link)
         copies = ctx.cluster.fsdp_overhead_s_per_byte * p  # flat-buffer copies (calibrated)
+        sent = (2 * collective_bytes("all_gather", p, ctx.ranks)
+                + collective_bytes("reduce_scatter", p, ctx.ranks))
         local = p / ctx.ranks
         memory = weights_memory(local, ctx) + layer.output.nbytes / ctx.ranks
         return Cost(compute_s(layer, 1 / ctx.ranks, ctx), 2 * gather + scatter + copies,
                     memory, update_s(local, ctx),
                     {"param_all_gather_s": 2 * gather, "gradient_reduce_scatter_s": scatter,
-                     "buffer_copies_s": copies,
+                     "buffer_copies_s": copies, "communication_bytes": sent,
                      "saved_bytes": weights_memory(p, ctx) - weights_memory(local, ctx),
                      "lever_s": 2 * gather + scatter + copies
                      - all_reduce_s(p, ctx.ranks, ctx.link)})
