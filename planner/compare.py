@@ -70,7 +70,8 @@ def table(rows: list[Row]) -> Table:
                             ("compute", "right"), ("comm", "right"), ("sent/device", "right"),
                             ("update", "right"), ("memory/device", "right"),
                             ("ratio", "right")]:
-        t.add_column(header, justify=justify, no_wrap=True)
+        # the two text columns wrap, so the figures are never cut short
+        t.add_column(header, justify=justify, no_wrap=justify == "right")
     for row in rows:
         if row.plan is None:
             t.add_row(row.label, "not available yet (below)", *["-"] * 7)
@@ -78,9 +79,9 @@ def table(rows: list[Row]) -> Table:
         p = row.plan.predicted
         memory = max(p.memory_bytes)
         sent = "-" if p.communication_bytes is None else _gb(p.communication_bytes)
-        # a plan that cannot run is no rival in speed: say what it needs instead
+        # a plan that cannot run is no rival in speed (what it needs: below the table)
         ratio = (f"{p.step_time_s / chosen.predicted.step_time_s:.2f}x" if memory <= limit
-                 else does_not_fit(memory, limit))
+                 else "does not fit")
         t.add_row(row.label, _split(row.plan), _ms(p.step_time_s), _ms(p.compute_s),
                   _ms(p.communication_s), sent, _ms(p.other_s), _gb(memory), ratio)
     return t
@@ -94,10 +95,14 @@ def render(rows: list[Row], width: int = 130) -> str:
     buffer = io.StringIO()
     console = Console(file=buffer, width=width, color_system=None)
     console.print(table(rows))
+    limit = rows[0].plan.predicted.memory_limit_bytes
     for row in rows:
         if row.plan is None:
             console.print(f"{row.label}: {row.note}", highlight=False, soft_wrap=True)
-    limit = rows[0].plan.predicted.memory_limit_bytes
+        elif not _fits(row, limit):
+            console.print(f"{row.label}: "
+                          f"{does_not_fit(max(row.plan.predicted.memory_bytes), limit)}",
+                          highlight=False, soft_wrap=True)
     ok = [r for r in rows[1:] if _fits(r, limit)]
     if not ok and any(r.plan is not None for r in rows[1:]):
         console.print(f"No baseline fits {_gb(limit)} per device; hyplan's plan needs "

@@ -18,6 +18,8 @@ def _ms(seconds: float) -> str:
 
 
 def _gb(nbytes: float) -> str:
+    if nbytes and nbytes < 1e5:
+        return f"{nbytes / 1e3:.1f} KB"
     return f"{nbytes / 1e9:.2f} GB" if nbytes >= 1e8 else f"{nbytes / 1e6:.1f} MB"
 
 
