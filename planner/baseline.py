@@ -4,9 +4,12 @@
 split, gradients all-reduced); `"tensor"` is Megatron-style tensor parallelism (every layer
 that has a model-parallel strategy uses one, the rest run on the whole batch on every
 device); `"fsdp"` shards every layer's weights, gradients and optimizer state over the
-devices (FSDP2). Each of these is one entry of `BASELINES`: a rule that says which of a
+devices (FSDP2) and, like DDP, runs every layer on its rank's rows. Each of these is one entry of `BASELINES`: a rule that says which of a
 layer's candidate strategies the baseline allows; the integer program then picks among
 those (e.g. column vs row split), so each baseline is the best plan of its kind.
+`summarize` is what a plan records of each: step time, communication (time and bytes sent
+per device), memory per device and whether it fits; one that does not fit is reported by
+what it needs, never as a speed to beat.
 `"pipeline"` is the best pipeline without tensor parallelism (pp >= 2 stages, data-parallel
 replicas of the pipeline on the rest of the devices), found by the 3-D search restricted to
 those mesh shapes.

@@ -8,8 +8,10 @@ binds and they are the cheapest way to fit:
   by rows, but the weights, their gradients and the optimizer state are split over the
   ranks (1/P each). The price: the weights are all-gathered before forward and again
   before backward (FSDP2 reshards after forward), and the gradients are reduce-scattered
-  instead of all-reduced. The gathered weights of one layer live only while it runs; that
-  transient is not in the per-layer sum (it is one layer's weights, not the model's).
+  instead of all-reduced: 3(P-1)/P of the weights' bytes sent per rank against DDP's
+  2(P-1)/P, 1.5x. The gathered weights of one layer (and its unsharded gradient before the
+  reduce-scatter) live only while it runs; that transient is not in the per-layer sum (it
+  is one layer's weights, not the model's).
 - `Recompute(inner)`: the layer runs `inner` under `torch.utils.checkpoint`: it keeps only
   its input for backward instead of its own activations, and runs its forward once more
   in backward. Memory: `inner`'s activation bytes are replaced by its input's bytes;
