@@ -44,8 +44,10 @@ def table1() -> None:
     for gpus, measured in KRIZHEVSKY.items():
         plan = _plan(f"{gpus}xK20", 128 * gpus)
         p = plan.predicted
+        vs_dp = p.speedup_over_data_parallel  # None: data parallelism does not fit
+        vs_dp = f"{vs_dp:>5.2f}x" if vs_dp else "no fit"
         print(f"{gpus:>4} {128 * gpus:>6} {measured:>8.2f}x {p.speedup_over_single_device:>8.2f}x "
-              f"{p.speedup_over_data_parallel:>5.2f}x  {_convs(plan):<14} {_fc(plan)}")
+              f"{vs_dp:>6}  {_convs(plan):<14} {_fc(plan)}")
 
 
 def breakdown() -> None:

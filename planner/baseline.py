@@ -4,9 +4,12 @@
 split, gradients all-reduced); `"tensor"` is Megatron-style tensor parallelism (every layer
 that has a model-parallel strategy uses one, the rest run on the whole batch on every
 device); `"fsdp"` shards every layer's weights, gradients and optimizer state over the
-devices (FSDP2). Each of these is one entry of `BASELINES`: a rule that says which of a
+devices (FSDP2) and, like DDP, runs every layer on its rank's rows. Each of these is one entry of `BASELINES`: a rule that says which of a
 layer's candidate strategies the baseline allows; the integer program then picks among
 those (e.g. column vs row split), so each baseline is the best plan of its kind.
+`summarize` is what a plan records of each: step time, communication (time and bytes sent
+per device), memory per device and whether it fits; one that does not fit is reported by
+what it needs, never as a speed to beat.
 `"pipeline"` is the best pipeline without tensor parallelism (pp >= 2 stages, data-parallel
 replicas of the pipeline on the rest of the devices), found by the 3-D search restricted to
 those mesh shapes.
@@ -22,8 +25,9 @@ from torch import nn
 from planner.choices import Choices, layer_choices
 from planner.ilp import solve
 from planner.once import plan_once
-from planner.plan import Plan
+from planner.plan import BaselinePredicted, Plan
 from planner.problem import Solution
+from planner.volume import communication_bytes
 from profiler.graph import Layer, ModelGraph
 from strategies.catalog import Strategy
 from strategies.cluster import Cluster
@@ -44,21 +48,19 @@ def _tensor(layer: Layer, options: list[Strategy]) -> list[Strategy]:
     return [s for s in options if s.name != "data_parallel"] or options
 
 
-def _named(name: str) -> Rule:
-    """Every layer with weights uses strategy `name` where it applies; the rest split the
-    batch as data parallelism does (replicated where they cannot)."""
-    def rule(layer: Layer, options: list[Strategy]) -> list[Strategy]:
-        kept = ([s for s in options if s.name == name]
-                or [s for s in options if s.name == "data_parallel"])
-        return kept or [s for s in options if s.name == "replicate"] or options
-    return rule
+def _fsdp(layer: Layer, options: list[Strategy]) -> list[Strategy]:
+    """FSDP2 as torchtitan applies it: `fully_shard` on every module with weights, and the
+    whole model on each rank's rows. FSDP shards weights, not work: a layer without
+    weights runs on its rank's rows as under DDP (replicating it would run the whole batch
+    on every rank and all-gather its activations)."""
+    return [s for s in options if s.name == "fsdp"] or _ddp(layer, options)
 
 
 # kind -> (rule, the strategy that must exist for it, what to tell the user otherwise)
 BASELINES: dict[str, tuple[Rule, str | None, str]] = {
     "ddp": (_ddp, None, ""),
     "tensor": (_tensor, None, ""),
-    "fsdp": (_named("fsdp"), "fsdp", "needs the FSDP strategy (issue 4), not in this build"),
+    "fsdp": (_fsdp, "fsdp", "needs the FSDP strategy (issue 4), not in this build"),
     "pipeline": (None, None, ""),  # not a per-layer rule: mesh shapes of the 3-D search
 }
 # the kinds that are one integer program over a 1-D mesh: cheap enough that optimize()
@@ -109,6 +111,22 @@ def solve_baseline(graph: ModelGraph, cluster: Cluster, optimizer: str, kind: st
         raise ValueError(f"baseline: {kind!r} is not a 1-D plan; use planner.baseline()")
     choices = layer_choices(graph, cluster, optimizer, None, keep=rule)
     return choices, solve(choices.problem, time_limit_s)
+
+
+def summarize(choices: Choices, solution: Solution, cluster: Cluster,
+              budget_bytes: float) -> BaselinePredicted:
+    """A solved 1-D baseline as the plan beside it reports it: step time, communication
+    (time and bytes sent per device) and memory per device, and whether that fits
+    `budget_bytes`."""
+    choice = solution.choice
+    busy = sum(row.costs[c].compute_s + row.costs[c].update_s
+               for row, c in zip(choices.layers, choice))
+    memory = choices.problem.memory_of(choice)
+    fixed = cluster.step_overhead_s if cluster.num_devices > 1 else 0.0
+    return BaselinePredicted(step_time_s=solution.objective_s + fixed,
+                             communication_s=solution.objective_s - busy,
+                             communication_bytes=communication_bytes(choices, choice),
+                             memory_bytes=memory, fits=memory <= budget_bytes)
 
 
 @plan_once

@@ -18,7 +18,7 @@ from rich.table import Table
 from torch import nn
 
 from planner.baseline import BASELINES, LABELS, _missing, baseline
-from planner.explain import _gb, _ms
+from planner.explain import _gb, _ms, does_not_fit
 from planner.optimize import optimize
 from planner.plan import Plan
 
@@ -67,37 +67,54 @@ def table(rows: list[Row]) -> Table:
     t = Table(title=f"{chosen.model}, global batch {chosen.global_batch}, on "
               f"{chosen.cluster.describe()}: predicted per step", title_justify="left")
     for header, justify in [("plan", "left"), ("weighted layers", "left"), ("step", "right"),
-                            ("compute", "right"), ("comm", "right"), ("update", "right"),
-                            ("memory/device", "right"), ("ratio", "right")]:
-        t.add_column(header, justify=justify, no_wrap=True)
+                            ("compute", "right"), ("comm", "right"), ("sent/device", "right"),
+                            ("update", "right"), ("memory/device", "right"),
+                            ("ratio", "right")]:
+        # the two text columns wrap, so the figures are never cut short
+        t.add_column(header, justify=justify, no_wrap=justify == "right")
     for row in rows:
         if row.plan is None:
-            t.add_row(row.label, "not available yet (below)", *["-"] * 6)
+            t.add_row(row.label, "not available yet (below)", *["-"] * 7)
             continue
         p = row.plan.predicted
         memory = max(p.memory_bytes)
-        fits = "" if memory <= limit else " (does not fit)"
+        sent = "-" if p.communication_bytes is None else _gb(p.communication_bytes)
+        # a plan that cannot run is no rival in speed (what it needs: below the table)
+        ratio = (f"{p.step_time_s / chosen.predicted.step_time_s:.2f}x" if memory <= limit
+                 else "does not fit")
         t.add_row(row.label, _split(row.plan), _ms(p.step_time_s), _ms(p.compute_s),
-                  _ms(p.communication_s), _ms(p.other_s), _gb(memory) + fits,
-                  f"{p.step_time_s / chosen.predicted.step_time_s:.2f}x")
+                  _ms(p.communication_s), sent, _ms(p.other_s), _gb(memory), ratio)
     return t
+
+
+def _fits(row: Row, limit_bytes: float) -> bool:
+    return row.plan is not None and max(row.plan.predicted.memory_bytes) <= limit_bytes
 
 
 def render(rows: list[Row], width: int = 130) -> str:
     buffer = io.StringIO()
     console = Console(file=buffer, width=width, color_system=None)
     console.print(table(rows))
+    limit = rows[0].plan.predicted.memory_limit_bytes
     for row in rows:
         if row.plan is None:
             console.print(f"{row.label}: {row.note}", highlight=False, soft_wrap=True)
-    ok = [r for r in rows[1:] if r.plan is not None]
+        elif not _fits(row, limit):
+            console.print(f"{row.label}: "
+                          f"{does_not_fit(max(row.plan.predicted.memory_bytes), limit)}",
+                          highlight=False, soft_wrap=True)
+    ok = [r for r in rows[1:] if _fits(r, limit)]
+    if not ok and any(r.plan is not None for r in rows[1:]):
+        console.print(f"No baseline fits {_gb(limit)} per device; hyplan's plan needs "
+                      f"{_gb(max(rows[0].plan.predicted.memory_bytes))}.", highlight=False)
     if ok:
         best = min(ok, key=lambda r: r.plan.predicted.step_time_s)
         ratio = best.plan.predicted.step_time_s / rows[0].plan.predicted.step_time_s
         verdict = (f"predicted {ratio:.2f}x faster" if ratio >= 1.005 else
                    "the same plan or as fast (the baseline is already optimal here)")
-        console.print(f"The fastest baseline is {best.label}: hyplan's plan is {verdict}. "
-                      f"ratio = step time / hyplan's.", highlight=False)
+        console.print(f"The fastest baseline that fits is {best.label}: hyplan's plan is "
+                      f"{verdict}. ratio = step time / hyplan's; sent/device = bytes each "
+                      f"device sends per step.", highlight=False)
     return buffer.getvalue()
 
 

@@ -18,7 +18,46 @@ def _ms(seconds: float) -> str:
 
 
 def _gb(nbytes: float) -> str:
+    if nbytes and nbytes < 1e5:
+        return f"{nbytes / 1e3:.1f} KB"
     return f"{nbytes / 1e9:.2f} GB" if nbytes >= 1e8 else f"{nbytes / 1e6:.1f} MB"
+
+
+def does_not_fit(needs_bytes: float, limit_bytes: float) -> str:
+    """How a plan that cannot run is reported: what it needs, never how fast it would be."""
+    return f"does not fit (needs {_gb(needs_bytes)} of {_gb(limit_bytes)} per device)"
+
+
+def _sends(nbytes: float | None) -> str:
+    return "" if nbytes is None else f", sends {_gb(nbytes)} per device"
+
+
+def baseline_lines(p) -> list[str]:
+    """Pure data parallelism and each hand-written baseline beside the plan: its step time
+    and communication volume and how much faster the plan is, or, where it does not fit the
+    memory limit, what it would need."""
+    from planner.baseline import LABELS
+
+    lines = []
+    ddp = p.baselines.get("ddp")
+    if p.data_parallel_step_time_s:
+        head = "  pure data parallel on the same devices: "
+        if p.data_parallel_fits is False:
+            lines.append(head + does_not_fit(p.data_parallel_memory_bytes, p.memory_limit_bytes))
+        else:
+            lines.append(head + f"{_ms(p.data_parallel_step_time_s)}"
+                         f"{_sends(ddp.communication_bytes if ddp else None)} -> this plan is "
+                         f"{p.speedup_over_data_parallel:.2f}x faster")
+    for kind, b in p.baselines.items():
+        if kind == "ddp":
+            continue  # the data-parallel line above
+        head = f"  {LABELS.get(kind, kind)} on the same devices: "
+        if b.fits is False:
+            lines.append(head + does_not_fit(b.memory_bytes, p.memory_limit_bytes))
+        else:
+            lines.append(head + f"{_ms(b.step_time_s)}{_sends(b.communication_bytes)} -> this "
+                         f"plan is {b.step_time_s / p.step_time_s:.2f}x faster")
+    return lines
 
 
 def summary(plan: Plan) -> list[str]:
@@ -29,20 +68,13 @@ def summary(plan: Plan) -> list[str]:
         f"({c.num_devices} devices, {link.name} {link.bandwidth_bytes_per_s / 1e9:g} GB/s), "
         f"optimizer {plan.optimizer}, {c.dtype}",
         f"Predicted step time: {_ms(p.step_time_s)} = compute {_ms(p.compute_s)} + "
-        f"communication {_ms(p.communication_s)} + optimizer {_ms(p.other_s)}"
+        f"communication {_ms(p.communication_s)}"
+        + (f" ({_gb(p.communication_bytes)} sent per device)" if p.communication_bytes else "")
+        + f" + optimizer {_ms(p.other_s)}"
         + (f" + pipeline bubble {_ms(p.bubble_s)}" if p.bubble_s else "")
         + (f" + fixed per step {_ms(p.fixed_s)}" if p.fixed_s else ""),
     ]
-    if p.data_parallel_step_time_s:
-        lines.append(f"  pure data parallel on the same devices: {_ms(p.data_parallel_step_time_s)}"
-                     f" -> this plan is {p.speedup_over_data_parallel:.2f}x faster")
-    for kind, t in p.baseline_step_time_s.items():
-        if kind == "ddp":
-            continue  # the data-parallel line above
-        from planner.baseline import LABELS
-
-        lines.append(f"  {LABELS.get(kind, kind)} on the same devices: {_ms(t)} -> this plan "
-                     f"is {t / p.step_time_s:.2f}x faster")
+    lines += baseline_lines(p)
     if p.single_device_step_time_s:
         lines.append(f"  one {c.device.name} (same global batch): {_ms(p.single_device_step_time_s)}"
                      f" -> speedup {p.speedup_over_single_device:.2f}x on {c.num_devices} devices")

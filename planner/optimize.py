@@ -21,6 +21,7 @@ from planner.plan import (
 )
 from planner.problem import Infeasible, Solution
 from planner.reasons import reasons
+from planner.volume import communication_bytes
 from profiler import profile, trace
 from profiler.export_trace import export_trace
 from profiler.trace import TraceError
@@ -106,40 +107,41 @@ def _plan_1d(graph, cluster: Cluster, optimizer: str, budget: float, pin, time_l
     """The integer program over one mesh dim of all devices, and its two baselines."""
     choices = layer_choices(graph, cluster, optimizer, budget, pin=pin)
     solution = _solve_within_memory(choices, budget, time_limit_s)
-    data_parallel = solve(layer_choices(graph, cluster, optimizer, None,
-                                        only={"data_parallel"}).problem, time_limit_s)
+    dp_choices = layer_choices(graph, cluster, optimizer, None, only={"data_parallel"})
+    data_parallel = solve(dp_choices.problem, time_limit_s)
     single = solve(layer_choices(graph, cluster.with_devices(1, 1), optimizer, None).problem,
                    time_limit_s)
-    dp_s = data_parallel.objective_s + cluster.step_overhead_s
-    plan = _plan(graph, cluster, optimizer, choices, solution, budget, dp_s,
-                 single.objective_s, time.perf_counter() - started)
+    dp = (data_parallel.objective_s + cluster.step_overhead_s,
+          dp_choices.problem.memory_of(data_parallel.choice))
+    plan = _plan(graph, cluster, optimizer, choices, solution, budget, dp[0],
+                 single.objective_s, time.perf_counter() - started, dp[1])
     if cluster.num_devices == 1:
         return plan
     solved = _baselines(graph, cluster, optimizer, time_limit_s)
-    plan = _with_baselines(plan, solved, cluster)
+    plan = _with_baselines(plan, solved, cluster, budget)
     if pin:
         return plan
     return _prefer_standard(plan, solved, graph, cluster, optimizer, budget, prefer_standard,
-                            dp_s, single.objective_s, started)
+                            dp, single.objective_s, started)
 
 
 def _prefer_standard(plan: Plan, solved: dict, graph, cluster: Cluster, optimizer: str,
-                     budget: float, tolerance: float, dp_s: float, single_s: float,
-                     started: float) -> Plan:
+                     budget: float, tolerance: float, dp: tuple[float, float],
+                     single_s: float, started: float) -> Plan:
     """The optimum, or the fastest standard plan that fits when it is within `tolerance`
-    of it (ties at the model's resolution go to the plan people know)."""
+    of it (ties at the model's resolution go to the plan people know). `dp`: pure data
+    parallelism's (step time, memory per device)."""
     from planner.baseline import LABELS
 
     best_s = plan.predicted.step_time_s
-    times = plan.predicted.baseline_step_time_s or {}
+    baselines = plan.predicted.baselines
+    times = {kind: b.step_time_s for kind, b in baselines.items() if b.fits is not False}
     for kind in sorted(times, key=times.get):
         if times[kind] > best_s * (1 + tolerance):
             break
         choices, solution = solved[kind]
-        standard = _plan(graph, cluster, optimizer, choices, solution, budget, dp_s, single_s,
-                         time.perf_counter() - started)
-        if max(standard.predicted.memory_bytes) > budget:
-            continue
+        standard = _plan(graph, cluster, optimizer, choices, solution, budget, dp[0], single_s,
+                         time.perf_counter() - started, dp[1])
         if [l.strategy for l in standard.layers] == [l.strategy for l in plan.layers]:
             return plan.model_copy(update={"standard_choice": f"the optimum is the "
                                            f"{LABELS[kind]} plan"})
@@ -148,7 +150,7 @@ def _prefer_standard(plan: Plan, solved: dict, graph, cluster: Cluster, optimize
                 f"{gap:.1%} slower than the optimum ({best_s * 1e3:.4g} ms), within the "
                 f"{tolerance:.0%} the cost model cannot resolve (prefer_standard=0 keeps "
                 f"the optimum)")
-        predicted = standard.predicted.model_copy(update={"baseline_step_time_s": times})
+        predicted = standard.predicted.model_copy(update={"baselines": baselines})
         return standard.model_copy(update={"predicted": predicted, "standard_choice": note})
     return plan
 
@@ -166,11 +168,14 @@ def _baselines(graph, cluster: Cluster, optimizer: str, time_limit_s: float) -> 
     return solved
 
 
-def _with_baselines(plan: Plan, solved: dict, cluster: Cluster) -> Plan:
-    """The plan, its prediction carrying each baseline's predicted step time."""
-    times = {kind: solution.objective_s + cluster.step_overhead_s
-             for kind, (_, solution) in solved.items()}
-    predicted = plan.predicted.model_copy(update={"baseline_step_time_s": times})
+def _with_baselines(plan: Plan, solved: dict, cluster: Cluster, budget: float) -> Plan:
+    """The plan, its prediction carrying each baseline's step time, communication and
+    memory, and whether it fits `budget`."""
+    from planner.baseline import summarize
+
+    records = {kind: summarize(choices, solution, cluster, budget)
+               for kind, (choices, solution) in solved.items()}
+    predicted = plan.predicted.model_copy(update={"baselines": records})
     return plan.model_copy(update={"predicted": predicted})
 
 
@@ -239,7 +244,8 @@ def _solve_within_memory(choices: Choices, budget: float, time_limit_s: float) -
 
 
 def _plan(graph, cluster: Cluster, optimizer: str, choices: Choices, solution: Solution,
-          budget: float, data_parallel_s: float, single_s: float, seconds: float) -> Plan:
+          budget: float, data_parallel_s: float, single_s: float, seconds: float,
+          data_parallel_memory_bytes: float | None = None) -> Plan:
     problem, choice = choices.problem, list(solution.choice)
     reshard_in = [0.0] * len(problem.nodes)
     reshard_out = [0.0] * len(problem.nodes)
@@ -279,7 +285,10 @@ def _plan(graph, cluster: Cluster, optimizer: str, choices: Choices, solution: S
         step_time_s=solution.objective_s + fixed, compute_s=compute, other_s=update,
         communication_s=solution.objective_s - compute - update, fixed_s=fixed,
         memory_bytes=[memory] * ranks, memory_limit_bytes=budget,
-        data_parallel_step_time_s=data_parallel_s, single_device_step_time_s=single_s)
+        communication_bytes=communication_bytes(choices, choice),
+        data_parallel_step_time_s=data_parallel_s,
+        data_parallel_memory_bytes=data_parallel_memory_bytes,
+        single_device_step_time_s=single_s)
     mesh = MeshPlan(shape=[ranks], dim_names=["devices"], device_type=cluster.device.kind,
                     nodes=cluster.nodes, devices_per_node=cluster.devices_per_node)
     report = SolverReport(

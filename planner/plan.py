@@ -153,6 +153,21 @@ class SearchReport(_Data):
     best_per_shape: list[CandidateReport] = Field(default_factory=list)
 
 
+class BaselinePredicted(_Data):
+    """A hand-written plan (DDP, FSDP, tensor parallel) priced by the same cost model as the
+    plan it sits beside. One that does not fit the devices' memory cannot run, so it is
+    reported by what it needs, never as a speed to beat."""
+
+    step_time_s: float
+    communication_s: float | None = None
+    communication_bytes: float | None = Field(
+        None, description="bytes each device sends per step (collectives and layout changes)")
+    memory_bytes: float | None = Field(None, description="per device, the largest; None in "
+                                       "plans saved before it was recorded")
+    fits: bool | None = Field(None, description="memory_bytes within the plan's "
+                              "memory_limit_bytes; None: not recorded")
+
+
 class Predicted(_Data):
     step_time_s: float
     compute_s: float
@@ -163,18 +178,44 @@ class Predicted(_Data):
     memory_bytes: list[float] = Field(description="one entry per device")
     memory_limit_bytes: float
     data_parallel_step_time_s: float | None = None
+    data_parallel_memory_bytes: float | None = Field(
+        None, description="pure data parallelism's memory per device (None: not recorded)")
     single_device_step_time_s: float | None = None
     bubble_s: float = Field(0.0, description="pipeline idle time in the step (3-D plans)")
     memory_breakdown: list[MemoryBreakdown] | None = Field(
         None, description="one entry per device (rank order): parameters, gradients, "
         "optimizer state, activations (3-D plans)")
-    # each hand-written baseline's predicted step time ("ddp", "tensor", ...), same model
-    baseline_step_time_s: dict[str, float] = Field(default_factory=dict)
+    communication_bytes: float | None = Field(
+        None, description="bytes each device sends per step (1-D plans)")
+    # each hand-written baseline ("ddp", "tensor", "fsdp"), same cost model
+    baselines: dict[str, BaselinePredicted] = Field(default_factory=dict)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _step_times_of_old_files(cls, data):
+        """Plans saved before `baselines` kept only each baseline's step time."""
+        if isinstance(data, dict) and "baseline_step_time_s" in data:
+            data = dict(data)
+            old = data.pop("baseline_step_time_s") or {}
+            data.setdefault("baselines", {k: {"step_time_s": t} for k, t in old.items()})
+        return data
+
+    @property
+    def baseline_step_time_s(self) -> dict[str, float]:
+        """{kind: predicted step time} of each baseline, fitting or not."""
+        return {kind: b.step_time_s for kind, b in self.baselines.items()}
+
+    @property
+    def data_parallel_fits(self) -> bool | None:
+        """Whether pure data parallelism fits memory_limit_bytes (None: not recorded)."""
+        m = self.data_parallel_memory_bytes
+        return None if m is None else m <= self.memory_limit_bytes
 
     @property
     def speedup_over_data_parallel(self) -> float | None:
+        """None where data parallelism does not fit: a plan that cannot run is no rival."""
         t = self.data_parallel_step_time_s
-        return t / self.step_time_s if t else None
+        return t / self.step_time_s if t and self.data_parallel_fits is not False else None
 
     @property
     def speedup_over_single_device(self) -> float | None:

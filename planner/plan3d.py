@@ -157,13 +157,14 @@ def to_plan(graph, cluster: Cluster, optimizer: str, budget: float, result: Sear
                                 bubble_fraction=bubble_s / (bubble_s + busy) if busy else 0.0,
                                 stages=stages)
     per_device = [breakdown[r // (dp * tp)] for r in range(pp * dp * tp)]
-    data_parallel, single = _baselines(result, graph, cluster, optimizer)
+    (data_parallel, data_parallel_memory), single = _baselines(result, graph, cluster,
+                                                               optimizer)
     predicted = Predicted(
         step_time_s=step, compute_s=compute_s, other_s=other_s, bubble_s=bubble_s,
         communication_s=step - compute_s - other_s - bubble_s,
         memory_bytes=[b.total_bytes for b in per_device], memory_limit_bytes=budget,
         memory_breakdown=per_device, data_parallel_step_time_s=data_parallel,
-        single_device_step_time_s=single)
+        data_parallel_memory_bytes=data_parallel_memory, single_device_step_time_s=single)
     links = {"tp": group_link(cluster, tp).name}
     if dp > 1:
         links["dp"] = group_link(cluster, dp * tp).name
@@ -204,7 +205,9 @@ def _reason(strategy, stage: int, pp: int, tp: int, cost, opts, c: int) -> str:
 
 
 def _baselines(result: SearchResult, graph, cluster: Cluster, optimizer: str):
-    """Pure data parallelism over all devices (one microbatch) and one device, same batch."""
+    """((step time, memory per device) of pure data parallelism over all devices, one
+    microbatch; or (None, None) where the batch does not split), and one device's step
+    time on the same batch."""
     from planner.search import CostCache
 
     cache = CostCache(graph, cluster, optimizer)
@@ -212,12 +215,13 @@ def _baselines(result: SearchResult, graph, cluster: Cluster, optimizer: str):
     out = []
     for dp in (n, 1):
         if batch % dp:
-            out.append(None)
+            out.append((None, None))
             continue
         b = build(cache, 1, dp, 1, batch // dp)
         choice = tuple(0 for _ in b.problem.layers)
-        out.append(evaluate(b.problem, (0,), choice, 1, "1F1B").step_s)
-    return out[0], out[1]
+        times = evaluate(b.problem, (0,), choice, 1, "1F1B")
+        out.append((times.step_s, max(times.memory_bytes)))
+    return out[0], out[1][0]
 
 
 def _best_per_shape(result: SearchResult) -> list[CandidateReport]:

@@ -21,7 +21,9 @@ from torch import nn
 
 from profiler.graph import Layer
 from strategies.cluster import Cluster
-from strategies.collectives import COEFFICIENTS, all_gather_s, all_reduce_s, reduce_scatter_s
+from strategies.collectives import (
+    COEFFICIENTS, all_gather_s, all_reduce_s, collective_bytes, reduce_scatter_s,
+)
 from strategies.layouts import Layout
 from strategies.rowwise import featurewise_binary, keeps_rows
 
@@ -175,7 +177,9 @@ class DataParallel(Strategy):
         return Cost(compute_s(layer, 1 / ctx.ranks, ctx), sync + copies, memory,
                     update_s(layer.param_bytes, ctx),
                     {"gradient_bytes": layer.param_bytes, "gradient_all_reduce_s": sync,
-                     "bucket_copies_s": copies})
+                     "bucket_copies_s": copies,
+                     "communication_bytes": collective_bytes("all_reduce", layer.param_bytes,
+                                                             ctx.ranks)})
 
 
 @dataclass(frozen=True)
@@ -256,15 +260,18 @@ class RowParallel(Strategy):
         if self.gives == Layout.BATCH:
             # forward reduce-scatter; backward gathers the row-split gradient
             comm = reduce_scatter_s(n, ctx.ranks, ctx.link) + all_gather_s(n, ctx.ranks, ctx.link)
+            sent = (collective_bytes("reduce_scatter", n, ctx.ranks)
+                    + collective_bytes("all_gather", n, ctx.ranks))
             kept = n / ctx.ranks
         else:
             comm = all_reduce_s(n, ctx.ranks, ctx.link)
+            sent = collective_bytes("all_reduce", n, ctx.ranks)
             kept = n
         local = layer.param_bytes / ctx.ranks
         memory = weights_memory(local, ctx) + kept
         compute = compute_s(layer, 1 / ctx.ranks, ctx, "in") + dtensor_overhead_s(ctx)
         return Cost(compute, comm, memory, update_s(local, ctx),
-                    {"output_reduction_s": comm, "output_bytes": n})
+                    {"output_reduction_s": comm, "output_bytes": n, "communication_bytes": sent})
 
 
 # --- which layers are which --------------------------------------------------------------

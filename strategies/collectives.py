@@ -19,6 +19,9 @@ after a burst of compute, as a step meets them); uncalibrated links price both a
 Every formula is `a(P)·α + b(P)·n/β`; `COEFFICIENTS` holds (a, b), which is also what
 `profiler.calibrate` fits measured timings against. α and β come from the link, per
 collective where `hyplan calibrate` measured them (see LinkSpec.alpha_beta).
+
+`b(P)·n` is also what each rank sends over the link: `collective_bytes` reports that volume
+from the same coefficients, so bytes and seconds never disagree about a collective.
 """
 
 from __future__ import annotations
@@ -44,6 +47,14 @@ def collective_time_s(name: str, n: float, ranks: int, link: LinkSpec) -> float:
     alpha, beta = link.alpha_beta(name)
     a, b = COEFFICIENTS[name](ranks)
     return a * alpha + b * n / beta
+
+
+def collective_bytes(name: str | None, n: float, ranks: int) -> float:
+    """Bytes each rank sends in the collective `name` (None: nothing) over `n` bytes: the
+    b(P)·n of its ring formula, e.g. 2(P-1)/P·n for an all-reduce."""
+    if name is None or n <= 0 or (ranks <= 1 and name != "send_recv"):
+        return 0.0
+    return COEFFICIENTS[name](ranks)[1] * n
 
 
 def all_reduce_s(n: float, ranks: int, link: LinkSpec) -> float:

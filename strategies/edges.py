@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from strategies.collectives import collective_s
+from strategies.collectives import collective_bytes, collective_s
 from strategies.layouts import Layout, edge_collectives
 from strategies.devices import LinkSpec
 
@@ -23,6 +23,17 @@ def reshard_s(src: Layout, dst: Layout, nbytes: float, ranks: int, link: LinkSpe
     if backward:
         time += collective_s(bwd, nbytes, ranks, link)
     return time
+
+
+def reshard_bytes(src: Layout, dst: Layout, nbytes: float, ranks: int,
+                  backward: bool = True) -> float:
+    """Bytes each rank sends turning layout `src` into `dst`, forward plus (if `backward`)
+    backward: the volume of the collectives `reshard_s` prices."""
+    fwd, bwd = edge_collectives(src, dst)
+    sent = collective_bytes(fwd, nbytes, ranks)
+    if backward:
+        sent += collective_bytes(bwd, nbytes, ranks)
+    return sent
 
 
 def edge_matrix(gives: list[Layout], takes: list[Layout], nbytes: float, ranks: int,

@@ -8,8 +8,10 @@ binds and they are the cheapest way to fit:
   by rows, but the weights, their gradients and the optimizer state are split over the
   ranks (1/P each). The price: the weights are all-gathered before forward and again
   before backward (FSDP2 reshards after forward), and the gradients are reduce-scattered
-  instead of all-reduced. The gathered weights of one layer live only while it runs; that
-  transient is not in the per-layer sum (it is one layer's weights, not the model's).
+  instead of all-reduced: 3(P-1)/P of the weights' bytes sent per rank against DDP's
+  2(P-1)/P, 1.5x. The gathered weights of one layer (and its unsharded gradient before the
+  reduce-scatter) live only while it runs; that transient is not in the per-layer sum (it
+  is one layer's weights, not the model's).
 - `Recompute(inner)`: the layer runs `inner` under `torch.utils.checkpoint`: it keeps only
   its input for backward instead of its own activations, and runs its forward once more
   in backward. Memory: `inner`'s activation bytes are replaced by its input's bytes;
@@ -28,7 +30,7 @@ from profiler.graph import Layer
 from strategies.catalog import (
     Cost, CostContext, DataParallel, Strategy, compute_s, update_s, weights_memory,
 )
-from strategies.collectives import all_gather_s, all_reduce_s, reduce_scatter_s
+from strategies.collectives import all_gather_s, all_reduce_s, collective_bytes, reduce_scatter_s
 from strategies.layouts import Layout
 
 RECOMPUTE_SUFFIX = "+recompute"
@@ -50,12 +52,14 @@ class ShardedDataParallel(DataParallel):
         gather = all_gather_s(p, ctx.ranks, ctx.link)
         scatter = reduce_scatter_s(p, ctx.ranks, ctx.link)
         copies = ctx.cluster.fsdp_overhead_s_per_byte * p  # flat-buffer copies (calibrated)
+        sent = (2 * collective_bytes("all_gather", p, ctx.ranks)
+                + collective_bytes("reduce_scatter", p, ctx.ranks))
         local = p / ctx.ranks
         memory = weights_memory(local, ctx) + layer.output.nbytes / ctx.ranks
         return Cost(compute_s(layer, 1 / ctx.ranks, ctx), 2 * gather + scatter + copies,
                     memory, update_s(local, ctx),
                     {"param_all_gather_s": 2 * gather, "gradient_reduce_scatter_s": scatter,
-                     "buffer_copies_s": copies,
+                     "buffer_copies_s": copies, "communication_bytes": sent,
                      "saved_bytes": weights_memory(p, ctx) - weights_memory(local, ctx),
                      "lever_s": 2 * gather + scatter + copies
                      - all_reduce_s(p, ctx.ranks, ctx.link)})

@@ -34,7 +34,7 @@ from profiler.graph import Layer
 from strategies.catalog import (
     ColumnParallel, Cost, RowParallel, Strategy, compute_s, register, update_s, weights_memory,
 )
-from strategies.collectives import all_gather_s, all_reduce_s, reduce_scatter_s
+from strategies.collectives import all_gather_s, all_reduce_s, collective_bytes, reduce_scatter_s
 from strategies.layouts import Layout
 
 
@@ -71,13 +71,15 @@ def _heads(layer: Layer) -> tuple[int, int]:
     return q, a.get("num_key_value_heads", q)
 
 
-def _output_reduction(layer: Layer, gives: Layout, ctx) -> tuple[float, float]:
-    """(time, bytes kept) of summing a row-split layer's partial outputs into `gives`."""
+def _output_reduction(layer: Layer, gives: Layout, ctx) -> tuple[float, float, float]:
+    """(time, bytes kept, bytes sent per rank) of summing a row-split layer's partial
+    outputs into `gives` (and its gradient back)."""
     n = layer.output.nbytes
     if gives == Layout.BATCH:
         return (reduce_scatter_s(n, ctx.ranks, ctx.link) + all_gather_s(n, ctx.ranks, ctx.link),
-                n / ctx.ranks)
-    return all_reduce_s(n, ctx.ranks, ctx.link), n
+                n / ctx.ranks, (collective_bytes("reduce_scatter", n, ctx.ranks)
+                    + collective_bytes("all_gather", n, ctx.ranks)))
+    return all_reduce_s(n, ctx.ranks, ctx.link), n, collective_bytes("all_reduce", n, ctx.ranks)
 
 
 @dataclass(frozen=True)
@@ -97,12 +99,13 @@ class HeadParallel(Strategy):
         return q > 0 and q % ctx.ranks == 0 and kv % ctx.ranks == 0 and rows_ok
 
     def cost(self, layer, ctx):
-        comm, kept = _output_reduction(layer, self.gives, ctx)
+        comm, kept, sent = _output_reduction(layer, self.gives, ctx)
         local = layer.param_bytes / ctx.ranks
         # q, k, v and the attention output of this rank's heads are kept for backward
         memory = weights_memory(local, ctx) + kept + 4 * layer.output.nbytes / ctx.ranks
         return Cost(compute_s(layer, 1 / ctx.ranks, ctx), comm, memory, update_s(local, ctx),
-                    {"output_reduction_s": comm, "output_bytes": layer.output.nbytes})
+                    {"output_reduction_s": comm, "output_bytes": layer.output.nbytes,
+                     "communication_bytes": sent})
 
 
 @dataclass(frozen=True)
@@ -122,11 +125,12 @@ class VocabParallel(Strategy):
             and bool(layer.output.shape) and layer.output.shape[0] == ctx.batch
 
     def cost(self, layer, ctx):
-        comm, kept = _output_reduction(layer, self.gives, ctx)
+        comm, kept, sent = _output_reduction(layer, self.gives, ctx)
         local = layer.param_bytes / ctx.ranks
         return Cost(compute_s(layer, 1 / ctx.ranks, ctx), comm,
                     weights_memory(local, ctx) + kept, update_s(local, ctx),
-                    {"output_reduction_s": comm, "output_bytes": layer.output.nbytes})
+                    {"output_reduction_s": comm, "output_bytes": layer.output.nbytes,
+                     "communication_bytes": sent})
 
 
 @dataclass(frozen=True)
