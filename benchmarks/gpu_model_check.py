@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from planner.choices import layer_choices
 from planner.ilp import solve
 from planner.optimize import profiled_graph
+from planner.plan3d import to_plan
 from planner.search import Shape, search
 from profiler.presets import LLMShape, build_llm, llm_shape, load_llm
 from strategies.cluster import Cluster, parse_devices
@@ -74,7 +75,7 @@ def bf16(devices: str) -> Cluster:
 
 
 def term(layer) -> str:
-    if layer.kind == "Linear" or "nf" in layer.attrs:
+    if layer.kind in ("Linear", "Conv1D") or "nf" in getattr(layer, "attrs", {}):
         return GEMM
     return ATTENTION if "Attention" in layer.kind else MEMORY
 
@@ -130,12 +131,18 @@ def price_megatron(run: Run):
     # Megatron's 39 B run: TP 8, PP 2, DP 32, microbatch of 2 rows (1536 / 32 / 24)
     result = search(graph, cluster, "adam", None, only=[Shape(2, 32, 8, 24, "1F1B")],
                     time_limit_s=120.0)
-    best = result.best
-    times = best.solution.times
-    terms = {"step (stage problem: compute, TP collectives, p2p, bubble, DP sync, update)":
-             times.step_s}
+    p = to_plan(graph, cluster, "adam", float("inf"), result, 0.0).predicted
+    terms: Counter = Counter()
+    for layer in to_plan(graph, cluster, "adam", float("inf"), result, 0.0).layers:
+        if layer.stage == 0:  # the stages are balanced; stage 0's terms, all microbatches
+            terms[term(layer)] += layer.compute_s
+    terms["collectives (TP, p2p, DP gradient sync; stage 0)"] = p.communication_s
+    terms["pipeline bubble"] = p.bubble_s
+    terms["optimizer update"] = p.other_s
+    terms["(compute of the slowest stage)"] = p.compute_s
     flops = megatron_flops_per_step(run.global_batch, run.seq, 48, 8192, 51200)
-    return times.step_s, terms, shape, traced_s, flops / cluster.num_devices / times.step_s
+    return (p.step_time_s, terms, shape, traced_s,
+            flops / cluster.num_devices / p.step_time_s)
 
 
 def check(name: str) -> None:

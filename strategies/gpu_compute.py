@@ -143,10 +143,14 @@ def attention_s(layer: Layer, fraction: float, device: DeviceSpec, dtype: str) -
 
 
 def _input_numel(layer: Layer) -> int:
+    """Elements the op reads: each input (a broadcast bias counts small), none taken larger
+    than the output, since the traced input shapes are the whole batch's while the output
+    may be a shard's or a microbatch's."""
+    out = _numel(layer)
     shapes = layer.attrs.get("in_shapes")
     if shapes:
-        return sum(math.prod(s) for s in shapes)
-    return _numel(layer)
+        return sum(min(math.prod(s), out) for s in shapes)
+    return out
 
 
 def layer_s(layer: Layer, fraction: float, split: str, device: DeviceSpec, dtype: str) -> float:
