@@ -2,11 +2,14 @@
 saved plan.
 
     hyplan plan examples/alexnet.py --devices 8xK20 --batch 1024 --json plan.json
+    hyplan plan llama3-8b --devices 8xH100 --seq 8192 --batch 16
+    hyplan plan path/to/config.json --devices 2x8xA100 --seq 4096 --batch 64
     hyplan show plan.json
 
 MODEL is a Python file, or `package.module[:factory]`, whose `build(batch, device="meta")`
-returns `(model, example_inputs, loss_fn)`. Every user error ends in one line on stderr,
-`hyplan: error: ...`, and exit status 2.
+returns `(model, example_inputs, loss_fn)`; or an LLM preset or a Hugging Face causal-LM
+config.json (profiler.presets), for which the plan also prints tokens/s and MFU. Every user
+error ends in one line on stderr, `hyplan: error: ...`, and exit status 2.
 """
 
 from __future__ import annotations
@@ -170,20 +173,42 @@ def _cluster(devices: str, dtype: str | None):
         raise ValueError(f"--dtype: {message}") from None
 
 
+def _is_llm(spec: str) -> bool:
+    """MODEL names an LLM preset or a Hugging Face config.json (not a Python model file)."""
+    from profiler.presets import PRESETS, is_config_path
+
+    return spec in PRESETS or is_config_path(spec)
+
+
 def _plan(args) -> int:
     import planner
 
     if args.batch <= 0:
         raise ValueError(f"--batch: the global batch must be positive, got {args.batch}")
     memory_limit = parse_memory(args.memory_limit) if args.memory_limit else None
-    cluster = _cluster(args.devices, args.dtype)  # before building: a typo fails fast
+    llm = _is_llm(args.model)
+    # an LLM on a GPU with bf16 tensor cores is priced at bf16 unless --dtype says otherwise
+    base = _cluster(args.devices, None)  # before building: a typo fails fast
+    dtype = args.dtype
+    if llm and dtype is None and base.device.kind == "cuda" and "bfloat16" in base.device.peak_flops:
+        dtype = "bfloat16"
+    cluster = _cluster(args.devices, dtype)
     _check_plot(args.plot)
-    factory = load_factory(args.model)
-    # On "meta" nothing is allocated; CPU devices are this machine, so layers get timed.
-    device = "cpu" if cluster.device.kind == "cpu" else "meta"
-    model, inputs = build_model(factory, args.batch, device)
+    kwargs, shape = {}, None
+    if llm:
+        from profiler.presets import load_llm
+
+        model, inputs, kwargs, shape, args.seq = load_llm(args.model, args.batch, args.seq)
+    else:
+        if args.seq is not None:
+            raise ValueError("--seq: only for an LLM preset or a config.json; a model file "
+                             "sets its own sequence length in build()")
+        factory = load_factory(args.model)
+        # On "meta" nothing is allocated; CPU devices are this machine, so layers get timed.
+        device = "cpu" if cluster.device.kind == "cpu" else "meta"
+        model, inputs = build_model(factory, args.batch, device)
     try:
-        plan = planner.optimize(model, cluster, example_inputs=inputs,
+        plan = planner.optimize(model, cluster, example_inputs=inputs, example_kwargs=kwargs,
                                 optimizer=args.optimizer, memory_limit_bytes=memory_limit,
                                 mesh=args.mesh, **_prefer_standard(args))
     except planner.PlanDoesNotFit as error:  # name the flags, not the Python arguments
@@ -191,6 +216,12 @@ def _plan(args) -> int:
         raise planner.PlanDoesNotFit(message.replace("memory_limit_bytes", "--memory-limit")) \
             from None
     print(plan.explain(), end="")
+    if shape is not None:
+        from planner.throughput import plan_throughput
+
+        print(f"Model: {shape.name}, {shape.params / 1e9:.2f} B parameters, sequence "
+              f"{args.seq}, global batch {args.batch} sequences, {cluster.dtype} FLOP rates")
+        print(plan_throughput(plan, shape, args.seq).describe(), end="")
     if args.json:
         plan.save(args.json)
         print(f"Plan written to {args.json}; view it with `hyplan show {args.json}`")
@@ -248,8 +279,14 @@ def parser() -> argparse.ArgumentParser:
         "meta device (nothing allocated), except for Nxcpu devices, where layers are timed "
         "on this machine.")
     plan.add_argument("model", metavar="MODEL",
-                      help="a Python file (examples/alexnet.py) or package.module[:factory]; "
-                      "its build(batch, device='meta') returns (model, example_inputs, loss_fn)")
+                      help="a Python file (examples/alexnet.py) or package.module[:factory] "
+                      "whose build(batch, device='meta') returns (model, example_inputs, "
+                      "loss_fn); or an LLM preset (llama3-8b, llama3-70b, llama3-405b, "
+                      "mixtral-8x7b, gpt3-175b) or a Hugging Face causal-LM config.json, "
+                      "built on the meta device")
+    plan.add_argument("--seq", type=int, default=None,
+                      help="tokens per sequence, for an LLM preset or config.json (default: "
+                      "the model's context, at most 8192); --batch counts sequences")
     plan.add_argument("--devices", required=True,
                       help="COUNTxNAME or NODESxCOUNTxNAME, e.g. 8xV100, 2x8xH100, 4xcpu")
     plan.add_argument("--batch", required=True, type=int,

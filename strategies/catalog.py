@@ -20,6 +20,7 @@ from typing import ClassVar
 from torch import nn
 
 from profiler.graph import Layer
+from strategies import gpu_compute
 from strategies.cluster import Cluster
 from strategies.collectives import (
     COEFFICIENTS, all_gather_s, all_reduce_s, collective_bytes, reduce_scatter_s,
@@ -66,7 +67,8 @@ def compute_s(layer: Layer, fraction: float, ctx: CostContext, split: str = "bat
     way the work is divided ("batch" rows, "out" or "in" features, "feature" of a
     parameter-free op). Measured where the layer was timed here at that very shape (the
     data-parallel rows, a model-parallel shard, or whole), scaled from the nearest
-    measurement otherwise, else a roofline over FLOPs and bytes moved."""
+    measurement otherwise, by shape on a GPU that has a `GPUShape` (strategies.gpu_compute),
+    else a roofline over FLOPs and bytes moved."""
     if layer.is_input:
         return 0.0
     # forward writes the output once, backward reads it and writes its gradient
@@ -84,6 +86,8 @@ def compute_s(layer: Layer, fraction: float, ctx: CostContext, split: str = "bat
             return layer.measured_shards[split] * slowdown
         return layer.measured_s * fraction * ctx.batch / layer.measured_batch * slowdown
     device = ctx.cluster.device
+    if device.shape is not None and not device.op_flops:  # a GPU priced by its GEMM shapes
+        return gpu_compute.layer_s(layer, fraction, split, device, ctx.cluster.dtype) * slowdown
     flops = (layer.fwd_flops + layer.bwd_flops) * fraction
     rate = device.op_flops.get(layer.kind.lower()) or device.achievable_flops(ctx.cluster.dtype)
     return max(flops / rate, moved / device.memory_bandwidth_bytes_per_s) * slowdown

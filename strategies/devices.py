@@ -2,8 +2,12 @@
 
 Peak rates are datasheet figures; `efficiency` is the fraction of peak that dense matmul and
 convolution reach in practice, so `achievable_flops` is what the cost model divides FLOPs by.
-Link bandwidths are per device, one direction, as a ring collective sees them ("bus
-bandwidth" in nccl-tests' terms).
+A GPU with a `GPUShape` (A100, H100, H200) is priced by shape instead
+(strategies.gpu_compute): GEMM tiles and waves over its SMs against a measured matmul
+ceiling, memory-bound ops at measured memory bandwidth, attention at FlashAttention's
+measured rate, a kernel-launch floor. Link bandwidths are per device, one direction, as a
+ring collective sees them ("bus bandwidth" in nccl-tests' terms), from published
+nccl-tests figures.
 """
 
 from __future__ import annotations
@@ -16,6 +20,25 @@ from pydantic import BaseModel, ConfigDict, Field
 GB = 1e9
 GiB = 2**30
 TFLOPS = 1e12
+
+
+class GPUShape(BaseModel):
+    """What pricing a GPU op by its shape needs, each figure from a datasheet or a published
+    measurement (the catalog below names which)."""
+
+    model_config = ConfigDict(frozen=True)
+
+    sm_count: int = Field(gt=0, description="streaming multiprocessors (datasheet)")
+    # the output tile one SM computes at a time: 128 x 256 is the large-GEMM tile of
+    # cuBLAS / CUTLASS on Ampere and Hopper (NVIDIA, "Matrix Multiplication Background
+    # User's Guide", tile and wave quantization, which works its examples with it)
+    tile_m: int = 128
+    tile_n: int = 256
+    matmul_fraction: float = Field(gt=0, le=1, description="best measured GEMM rate / peak")
+    attention_fraction: float = Field(gt=0, le=1, description="flash attention fwd+bwd / peak")
+    memory_fraction: float = Field(gt=0, le=1, description="best measured copy bandwidth / peak")
+    launch_s: float = Field(ge=0, description="the least time one kernel costs, launch included")
+    source: str = ""
 
 
 class DeviceSpec(BaseModel):
@@ -37,6 +60,8 @@ class DeviceSpec(BaseModel):
     # together spills it (measured here: 1-8 MB copies no slower on 2 processes at once,
     # 64-256 MB copies 1.8-2.0x slower)
     cache_bytes: float = Field(0.0, ge=0)
+    # priced by shape where known (strategies.gpu_compute); None: peak x efficiency
+    shape: GPUShape | None = None
 
     def achievable_flops(self, dtype: str = "float32") -> float:
         if dtype not in self.peak_flops:
@@ -80,7 +105,8 @@ class LinkSpec(BaseModel):
         return fit.latency_s, fit.bandwidth_bytes_per_s
 
 
-def _gpu(name, fp32, fp16, bf16, mem_gib, bw_gbs, source, efficiency=0.6, tf32=None):
+def _gpu(name, fp32, fp16, bf16, mem_gib, bw_gbs, source, efficiency=0.6, tf32=None,
+         shape=None):
     flops = {"float32": fp32 * TFLOPS, "float16": fp16 * TFLOPS}
     if bf16:
         flops["bfloat16"] = bf16 * TFLOPS
@@ -93,7 +119,38 @@ def _gpu(name, fp32, fp16, bf16, mem_gib, bw_gbs, source, efficiency=0.6, tf32=N
         memory_bytes=mem_gib * GiB,
         memory_bandwidth_bytes_per_s=bw_gbs * GB,
         source=source,
+        shape=shape,
     )
+
+
+# Kernel-launch floor: a CUDA launch costs a few microseconds ("Getting Started with CUDA
+# Graphs", NVIDIA technical blog, 2019, measures 3.8 us per launched kernel back to back)
+# and PyTorch's eager dispatch adds its own; 5 us per kernel.
+LAUNCH_S = 5e-6
+# Memory-bound kernels reach ~90% of HBM's datasheet bandwidth at best: 1.80 of 2.04 TB/s
+# on an A100 80GB measured with Nsight Compute at 88%, and "the maximum memory bandwidth
+# achieved by any kernel was around 90%" (NVIDIA developer forums, "Trouble to reach peak
+# bandwidth of A100", 2025, citing a GTC 2025 talk).
+MEMORY_FRACTION = 0.9
+# Maximum achievable matmul FLOPS (MAMF), bf16, best shape found by a sweep: A100 SXM
+# 267.9 of 312 TFLOP/s (85.9%), H100 SXM 792.1 of 989 (80.1%), GH200 821.0 of 989 (83.0%)
+# (S. Bekman, "Machine Learning Engineering", compute/accelerator/README.md, MAMF table,
+# CUDA 12.1 / 12.5). Applied to fp16 and fp32 alike, for want of a measurement.
+# Attention: torch's flash backend is FlashAttention-2, which reaches 50-73% of peak on
+# A100 (Dao 2023, arXiv 2307.08691, abstract; 0.6 taken) and "only 35% utilization on
+# H100" (Shah et al. 2024, FlashAttention-3, arXiv 2407.08608, abstract).
+A100_SHAPE = GPUShape(
+    sm_count=108, matmul_fraction=267.9 / 312, attention_fraction=0.6,
+    memory_fraction=MEMORY_FRACTION, launch_s=LAUNCH_S,
+    source="108 SMs (A100 datasheet); MAMF 267.9/312 (Bekman); FA2 0.6 (Dao 2023)")
+H100_SHAPE = GPUShape(
+    sm_count=132, matmul_fraction=792.1 / 989, attention_fraction=0.35,
+    memory_fraction=MEMORY_FRACTION, launch_s=LAUNCH_S,
+    source="132 SMs (H100 SXM5 datasheet); MAMF 792.1/989 (Bekman); FA2 0.35 (Shah 2024)")
+H200_SHAPE = H100_SHAPE.model_copy(update={
+    "matmul_fraction": 821.0 / 989,
+    "source": "132 SMs (H200 datasheet); MAMF 821.0/989 of GH200, same die and HBM3e "
+              "(Bekman); FA2 0.35 (Shah 2024)"})
 
 
 DEVICES: dict[str, DeviceSpec] = {
@@ -104,13 +161,22 @@ DEVICES: dict[str, DeviceSpec] = {
     "V100": _gpu("V100", 15.7, 125, None, 16, 900, "NVIDIA V100 SXM2 datasheet"),
     "V100-32GB": _gpu("V100-32GB", 15.7, 125, None, 32, 900, "NVIDIA V100 SXM2 datasheet"),
     "A100-40GB": _gpu(
-        "A100-40GB", 19.5, 312, 312, 40, 1555, "NVIDIA A100 SXM4 datasheet", tf32=156
-    ),
+        "A100-40GB", 19.5, 312, 312, 40, 1555, "NVIDIA A100 SXM4 datasheet", tf32=156,
+        shape=A100_SHAPE),
     "A100-80GB": _gpu(
-        "A100-80GB", 19.5, 312, 312, 80, 2039, "NVIDIA A100 SXM4 datasheet", tf32=156
-    ),
-    "H100": _gpu("H100", 67, 989, 989, 80, 3350, "NVIDIA H100 SXM5 datasheet (dense)", tf32=494),
-    "H200": _gpu("H200", 67, 989, 989, 141, 4800, "NVIDIA H200 SXM datasheet (dense)", tf32=494),
+        "A100-80GB", 19.5, 312, 312, 80, 2039, "NVIDIA A100 SXM4 datasheet", tf32=156,
+        shape=A100_SHAPE),
+    "H100": _gpu("H100", 67, 989, 989, 80, 3350, "NVIDIA H100 SXM5 datasheet (dense)", tf32=494,
+                 shape=H100_SHAPE),
+    # Meta's Grand Teton H100 (torchtitan's benchmarks): 96 GB HBM2e at 2.4 TB/s, run at a
+    # 500 W power limit. Its peak lies "between SXM and NVL" (torchtitan,
+    # benchmarks/llama3_h100_202412_torchtitan.md, footnote 2) and is not published: the
+    # SXM5 rates are an upper bound, as torchtitan itself uses them.
+    "H100-96GB": _gpu("H100-96GB", 67, 989, 989, 96, 2400, "torchtitan Grand Teton H100 "
+                      "(HBM2e, 500 W); SXM5 peak rates as an upper bound", tf32=494,
+                      shape=H100_SHAPE),
+    "H200": _gpu("H200", 67, 989, 989, 141, 4800, "NVIDIA H200 SXM datasheet (dense)", tf32=494,
+                 shape=H200_SHAPE),
 }
 DEVICES["A100"] = DEVICES["A100-80GB"]
 
@@ -124,12 +190,22 @@ INTRA_NODE: dict[str, LinkSpec] = {
     # DGX-1 hybrid cube mesh: nccl-tests all-reduce bus bandwidth about 130 GB/s.
     "V100": LinkSpec(name="NVLink 2", bandwidth_bytes_per_s=130 * GB, latency_s=10e-6,
                      source="NVIDIA DGX-1 V100 whitepaper; nccl-tests busbw"),
-    # DGX A100: NVLink 3 through NVSwitch, 300 GB/s per direction; ~230 GB/s busbw measured.
-    "A100": LinkSpec(name="NVLink 3", bandwidth_bytes_per_s=230 * GB, latency_s=8e-6,
-                     source="NVIDIA DGX A100 user guide; nccl-tests busbw"),
-    # DGX H100: NVLink 4, 450 GB/s per direction; ~360 GB/s busbw measured for all-reduce.
-    "H100": LinkSpec(name="NVLink 4", bandwidth_bytes_per_s=360 * GB, latency_s=6e-6,
-                     source="NVIDIA DGX H100 user guide; nccl-tests busbw"),
+    # 8x A100 SXM, NVLink 3 through NVSwitch, 300 GB/s per direction: nccl-tests
+    # all_reduce_perf busbw ~200 GB/s (NVIDIA/nccl-tests issue 149, HPE 8x A100 80GB, NCCL
+    # 2.18) and 208 GB/s (issue 178).
+    "A100": LinkSpec(name="NVLink 3", bandwidth_bytes_per_s=205 * GB, latency_s=8e-6,
+                     source="nccl-tests busbw 200-208 GB/s (NVIDIA/nccl-tests #149, #178)"),
+    # 8x H100 SXM, NVLink 4, 450 GB/s line rate: NCCL reaches ~370 GB/s busbw on ring
+    # collectives (all-gather, reduce-scatter; ~20% protocol overhead), and all-reduce
+    # with NVLink SHARP (NVLS, NCCL's default there) peaks at ~480 GB/s busbw on 8 GPUs
+    # (S. Jeaugey, NVIDIA, NVIDIA/nccl-tests issue 212, 2024-05-06; 476 GB/s measured in
+    # issue 290).
+    "H100": LinkSpec(name="NVLink 4", bandwidth_bytes_per_s=370 * GB, latency_s=6e-6,
+                     source="nccl-tests busbw: 370 GB/s ring, 480 GB/s all-reduce with "
+                            "NVLS (NVIDIA/nccl-tests #212)",
+                     collectives={name: CollectiveFit(latency_s=6e-6,
+                                                      bandwidth_bytes_per_s=480 * GB)
+                                  for name in ("all_reduce", "bucket_all_reduce")}),
 }
 INTER_NODE: dict[str, LinkSpec] = {
     "K20": LinkSpec(name="10 GbE", bandwidth_bytes_per_s=1.25 * GB, latency_s=30e-6,
@@ -139,12 +215,17 @@ INTER_NODE: dict[str, LinkSpec] = {
     # DGX-1: 4x EDR InfiniBand (100 Gb/s) for 8 GPUs.
     "V100": LinkSpec(name="EDR InfiniBand", bandwidth_bytes_per_s=6.25 * GB, latency_s=5e-6,
                      source="DGX-1: 4x 100 Gb/s EDR per 8 GPUs"),
-    # DGX A100: 8x HDR InfiniBand (200 Gb/s), one per GPU.
-    "A100": LinkSpec(name="HDR InfiniBand", bandwidth_bytes_per_s=25 * GB, latency_s=5e-6,
-                     source="DGX A100: 8x 200 Gb/s HDR, one per GPU"),
-    # DGX H100: 8x NDR InfiniBand (400 Gb/s), one per GPU.
-    "H100": LinkSpec(name="NDR InfiniBand", bandwidth_bytes_per_s=50 * GB, latency_s=5e-6,
-                     source="DGX H100: 8x 400 Gb/s NDR, one per GPU"),
+    # DGX A100: 8x HDR InfiniBand (200 Gb/s = 25 GB/s), one per GPU; NCCL's share of the
+    # line rate taken as NDR's below (46-48 of 50): 23 GB/s per GPU.
+    "A100": LinkSpec(name="HDR InfiniBand", bandwidth_bytes_per_s=23 * GB, latency_s=5e-6,
+                     source="DGX A100: 8x 200 Gb/s HDR, one per GPU; NCCL at 93% of line "
+                            "rate as on NDR"),
+    # DGX H100: 8x NDR InfiniBand (400 Gb/s), one per GPU: "for NDR @ 400Gbps you should
+    # see 46-48GB/s per NIC" in nccl-tests (D. Addison, NVIDIA, NVIDIA/nccl-tests issue
+    # 290, 2025-03-03).
+    "H100": LinkSpec(name="NDR InfiniBand", bandwidth_bytes_per_s=46 * GB, latency_s=5e-6,
+                     source="nccl-tests busbw 46-48 GB/s per NDR NIC (NVIDIA/nccl-tests "
+                            "#290)"),
 }
 
 

@@ -1,0 +1,187 @@
+"""GPU compute by shape: what one layer's forward + backward costs on a GPU with a `GPUShape`.
+
+A flat "peak x 0.6" misprices both ends: a large GEMM runs at ~80-86% of peak, a small or
+ragged one far below, a LayerNorm at memory bandwidth and a tiny op at the launch floor.
+Here each layer is priced by what it runs:
+
+- a Linear: three GEMMs, forward (M x N x K, M the rows, N the output and K the input
+  features) and the two of backward (input gradient M x K x N, weight gradient N x K x M).
+  Each GEMM is tiled into `tile_m x tile_n` output tiles that the SMs compute in waves:
+
+      tiles = ceil(M / tm) * ceil(N / tn),   waves = ceil(tiles / SMs)
+      compute_s = waves * 2 * tm * tn * K / (peak * matmul_fraction / SMs)
+      gemm_s = max(compute_s, bytes / achievable bandwidth, launch_s)
+
+  so a ragged last tile (tile quantization) and a last wave that leaves SMs idle (wave
+  quantization) cost what they cost, and a large aligned GEMM runs at `matmul_fraction`
+  of peak (the best rate measured, MAMF);
+- an attention block (a leaf with heads): its q, k, v and output projections as GEMMs,
+  and scaled-dot-product attention by its FLOPs at FlashAttention's measured rate
+  (causal: half the score matrix; backward 2.5x forward, FlashAttention-2's count), plus
+  the memory traffic of the elementwise work around it (rotary embedding, reshapes);
+- everything else: a roofline, FLOPs at the matmul ceiling against bytes at memory
+  bandwidth (elementwise ops and norms are memory-bound), never below the launch floor
+  per kernel; views and reshapes launch nothing and cost nothing.
+
+Bytes are counted at the compute dtype's element size (activations run in it under mixed
+precision). Figures and their sources are in strategies.devices.
+"""
+
+from __future__ import annotations
+
+import math
+
+from profiler.graph import Layer
+from strategies.devices import DeviceSpec, GPUShape
+
+ELEMENT_BYTES = {"float32": 4, "tfloat32": 4, "bfloat16": 2, "float16": 2, "float8": 1}
+# ops that only re-describe a tensor (a view) launch no kernel
+VIEW_KINDS = {
+    "view", "_unsafe_view", "reshape", "unsqueeze", "squeeze", "expand", "transpose", "t",
+    "permute", "slice", "select", "alias", "detach", "getitem", "split", "chunk", "unbind",
+    "narrow", "as_strided", "flatten", "unflatten", "size", "dropout", "identity",
+    "Identity", "Dropout", "Flatten", "lift_fresh_copy",
+}
+# FlashAttention-2 counts backward as 2.5x forward (five matmuls to forward's two)
+ATTENTION_BACKWARD = 2.5
+
+
+def element_bytes(dtype: str) -> int:
+    return ELEMENT_BYTES.get(dtype, 4)
+
+
+def _peak(device: DeviceSpec, dtype: str) -> float:
+    device.achievable_flops(dtype)  # raises, naming the known dtypes
+    return device.peak_flops[dtype]
+
+
+def tile_wave_efficiency(m: int, n: int, shape: GPUShape) -> float:
+    """Useful share of the SM time a GEMM with an m x n output takes: its tiles over the
+    tile slots of the waves it needs (1.0 when tiles fill every wave exactly)."""
+    tiles = math.ceil(m / shape.tile_m) * math.ceil(n / shape.tile_n)
+    waves = math.ceil(tiles / shape.sm_count)
+    return m * n / (waves * shape.sm_count * shape.tile_m * shape.tile_n)
+
+
+def gemm_s(m: int, n: int, k: int, device: DeviceSpec, dtype: str) -> float:
+    """Seconds of one (m x k) @ (k x n) GEMM: waves of tiles at the measured matmul ceiling,
+    the bytes it must move at memory bandwidth, or the launch floor, whichever is longest."""
+    if min(m, n, k) <= 0:
+        return 0.0
+    shape = device.shape
+    per_sm = _peak(device, dtype) * shape.matmul_fraction / shape.sm_count
+    tiles = math.ceil(m / shape.tile_m) * math.ceil(n / shape.tile_n)
+    waves = math.ceil(tiles / shape.sm_count)
+    compute = waves * 2 * shape.tile_m * shape.tile_n * k / per_sm
+    moved = (m * k + k * n + m * n) * element_bytes(dtype)
+    memory = moved / (device.memory_bandwidth_bytes_per_s * shape.memory_fraction)
+    return max(compute, memory, shape.launch_s)
+
+
+def gemm_efficiency(m: int, n: int, k: int, device: DeviceSpec, dtype: str) -> float:
+    """The GEMM's FLOP rate as a fraction of the device's peak, as this model prices it."""
+    return 2 * m * n * k / _peak(device, dtype) / gemm_s(m, n, k, device, dtype)
+
+
+def linear_s(rows: int, out_features: int, in_features: int, device: DeviceSpec,
+             dtype: str) -> float:
+    """Forward and both backward GEMMs of a Linear over `rows` rows."""
+    m, n, k = rows, out_features, in_features
+    return (gemm_s(m, n, k, device, dtype)  # forward: y = x W^T
+            + gemm_s(m, k, n, device, dtype)  # input gradient: dx = dy W
+            + gemm_s(n, k, m, device, dtype))  # weight gradient: dW = dy^T x
+
+
+def memory_bound_s(moved_bytes: float, kernels: int, device: DeviceSpec) -> float:
+    shape = device.shape
+    rate = device.memory_bandwidth_bytes_per_s * shape.memory_fraction
+    return max(moved_bytes / rate, kernels * shape.launch_s)
+
+
+def _numel(layer: Layer) -> int:
+    itemsize = max(1, layer.output.nbytes // max(1, math.prod(layer.output.shape)))
+    return layer.output.nbytes // itemsize
+
+
+def _heads(layer: Layer) -> tuple[int, int]:
+    a = layer.attrs
+    q = a.get("num_attention_heads", a.get("num_heads", a.get("n_head", a.get("heads", 0))))
+    return q, a.get("num_key_value_heads", q)
+
+
+def _linear_dims(layer: Layer) -> tuple[int, int] | None:
+    """(in, out) features of a Linear-like layer (torch Linear, GPT-2's Conv1D)."""
+    a = layer.attrs
+    if "in_features" in a and "out_features" in a:
+        return a["in_features"], a["out_features"]
+    if "nx" in a and "nf" in a:
+        return a["nx"], a["nf"]
+    return None
+
+
+def attention_s(layer: Layer, fraction: float, device: DeviceSpec, dtype: str) -> float:
+    """An attention block's projections, its flash attention and the elementwise work
+    around them, forward + backward, on `fraction` of its batch (or of its heads)."""
+    batch, seq, hidden = layer.output.shape
+    q_heads, kv_heads = _heads(layer)
+    # bias-free projections hold hidden x head_dim x (2 q_heads + 2 kv_heads) weights
+    head_dim = max(1, round(layer.param_count / (hidden * (2 * q_heads + 2 * kv_heads))))
+    rows = max(1, round(batch * seq * fraction))
+    projections = (linear_s(rows, q_heads * head_dim, hidden, device, dtype)
+                   + 2 * linear_s(rows, kv_heads * head_dim, hidden, device, dtype)
+                   + linear_s(rows, hidden, q_heads * head_dim, device, dtype))
+    shape = device.shape
+    causal_forward = 2 * batch * seq * seq * q_heads * head_dim * fraction  # half of 4·b·s²·h·d
+    flash = causal_forward * (1 + ATTENTION_BACKWARD) / (
+        _peak(device, dtype) * shape.attention_fraction)
+    flash = max(flash, 2 * shape.launch_s)
+    # rotary embedding, transposes and casts: q, k, v and the output read and written
+    # about once each way in forward, twice in backward
+    qkvo = rows * (2 * q_heads + 2 * kv_heads) * head_dim * element_bytes(dtype)
+    glue = memory_bound_s(3 * 2 * qkvo, 12, device)
+    return projections + flash + glue
+
+
+def _input_numel(layer: Layer) -> int:
+    """Elements the op reads: each input (a broadcast bias counts small), none taken larger
+    than the output, since the traced input shapes are the whole batch's while the output
+    may be a shard's or a microbatch's."""
+    out = _numel(layer)
+    shapes = layer.attrs.get("in_shapes")
+    if shapes:
+        return sum(min(math.prod(s), out) for s in shapes)
+    return out
+
+
+def layer_s(layer: Layer, fraction: float, split: str, device: DeviceSpec, dtype: str) -> float:
+    """Forward + backward seconds of `fraction` of `layer`'s work, split by "batch" rows or
+    by "out" / "in" features, on a GPU priced by shape."""
+    if layer.is_input or layer.kind in VIEW_KINDS:
+        return 0.0
+    shape = device.shape
+    dims = _linear_dims(layer)
+    if dims is not None and layer.output.shape:
+        fin, fout = dims
+        rows = max(1, _numel(layer) // max(1, fout))
+        if split == "out":
+            fout = max(1, round(fout * fraction))
+        elif split == "in":
+            fin = max(1, round(fin * fraction))
+        else:
+            rows = max(1, round(rows * fraction))
+        return linear_s(rows, fout, fin, device, dtype)
+    q_heads, _ = _heads(layer)
+    if q_heads and layer.param_count and len(layer.output.shape) == 3:
+        return attention_s(layer, fraction, device, dtype)
+    size = element_bytes(dtype)
+    out = _numel(layer) * fraction
+    if layer.kind == "Embedding":
+        # gather rows forward; backward writes a dense gradient of the whole table
+        moved = 3 * out * size + layer.param_bytes
+        return memory_bound_s(moved, 3, device)
+    # forward reads the inputs and writes the output; backward reads the output's
+    # gradient and the inputs and writes the inputs' gradients
+    moved = (3 * _input_numel(layer) * fraction + 2 * out) * size
+    flops = (layer.fwd_flops + layer.bwd_flops) * fraction
+    compute = flops / (_peak(device, dtype) * shape.matmul_fraction)
+    return max(compute, memory_bound_s(moved, 2, device))
