@@ -66,3 +66,50 @@ def fsdp_policy(precision: Precision):
     return MixedPrecisionPolicy(param_dtype=torch_dtype(precision.compute_dtype),
                                 reduce_dtype=torch_dtype(precision.reduce_dtype))
 
+
+
+class LossScaler:
+    """fp16-mixed's dynamic loss scaling, as `torch.amp.GradScaler` does it and with its
+    constants (start at 2^16, halve on an overflow and skip the step, double after 2000
+    clean steps), agreed over all ranks: torch 2.13's GradScaler and ShardedGradScaler stop
+    on a model that mixes DTensor and plain gradients ("got mixed torch.Tensor and
+    DTensor"), so this one unscales each gradient's local shard and finds overflows with
+    one all-reduce, so that every rank skips the same steps."""
+
+    def __init__(self, init_scale: float = 2.0**16, growth_factor: float = 2.0,
+                 backoff_factor: float = 0.5, growth_interval: int = 2000):
+        self.scale_value = init_scale
+        self.growth_factor, self.backoff_factor = growth_factor, backoff_factor
+        self.growth_interval = growth_interval
+        self._clean_steps = 0
+
+    def scale(self, loss: torch.Tensor) -> torch.Tensor:
+        return loss * self.scale_value
+
+    def step(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Unscale the gradients and step, unless some rank's overflowed; then update the
+        scale. Returns whether the optimizer stepped."""
+        import torch.distributed as dist
+        from torch.distributed.tensor import DTensor
+
+        grads = [p.grad._local_tensor if isinstance(p.grad, DTensor) else p.grad
+                 for group in optimizer.param_groups for p in group["params"]
+                 if p.grad is not None]
+        device = grads[0].device if grads else torch.device("cpu")
+        inverse = torch.full((), 1.0 / self.scale_value, dtype=torch.float32, device=device)
+        overflow = torch.zeros((), dtype=torch.float32, device=device)
+        for g in grads:
+            overflow = torch.maximum(overflow, (~torch.isfinite(g)).any().float())
+            g.mul_(inverse)
+        if dist.is_initialized():
+            dist.all_reduce(overflow, op=dist.ReduceOp.MAX)
+        if overflow.item():
+            self.scale_value *= self.backoff_factor
+            self._clean_steps = 0
+            return False
+        optimizer.step()
+        self._clean_steps += 1
+        if self._clean_steps == self.growth_interval:
+            self.scale_value *= self.growth_factor
+            self._clean_steps = 0
+        return True

@@ -94,9 +94,9 @@ class Precision:
 
 
 PRECISIONS: dict[str, Precision] = {
-    "fp32": Precision("fp32", "float32"),
     "bf16-mixed": Precision("bf16-mixed", "bfloat16"),
     "fp16-mixed": Precision("fp16-mixed", "float16", loss_scaling=True),
+    "fp32": Precision("fp32", "float32"),
 }
 
 
