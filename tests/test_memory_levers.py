@@ -41,7 +41,7 @@ def test_llama_7b_adam_fp32_fits_8xa100_40gb_by_levers():
     model, args, kwargs = llama_7b(batch=8, seq=2048)
     params = sum(p.numel() for p in model.parameters())
     plan = planner.optimize(model, "8xA100-40GB", example_inputs=args, example_kwargs=kwargs,
-                            optimizer="adam", measure=False)
+                            optimizer="adam", measure=False, precision="fp32")
     limit = plan.predicted.memory_limit_bytes
     assert params * 16 > limit  # weights + gradients + 2 Adam moments, fp32
     assert plan.solver.status == "optimal"
