@@ -25,6 +25,7 @@ from planner.ilp import solve
 from planner.optimize import trace_model
 from profiler import profile
 from strategies.cluster import parse_devices
+from strategies.precision import at_precision
 
 
 def _peak_gb() -> float:
@@ -90,8 +91,9 @@ def run(name: str) -> None:
           f"trace {traced - built:.1f} s, profile {profiled - traced:.1f} s")
     for devices in DEVICES:
         t0 = time.perf_counter()
-        cluster = parse_devices(devices)
-        choices = layer_choices(graph, cluster, "adam", cluster.device.memory_bytes)
+        cluster = parse_devices(devices)  # its default precision: bf16-mixed on A100/H100
+        choices = layer_choices(at_precision(graph, cluster.training_precision), cluster,
+                                "adam", cluster.device.memory_bytes)
         t1 = time.perf_counter()
         solution = solve(choices.problem, 60.0)
         t2 = time.perf_counter()

@@ -196,5 +196,5 @@ def parallelize_modules(model: nn.Module, plan: Plan, mesh: DeviceMesh) -> nn.Mo
 
     apply_levers(model, [(paths[l.node], l.strategy, l.recompute) for l in plan.layers
                          if paths[l.node] is not None and (l.recompute or l.strategy == "fsdp")],
-                 mesh)
+                 mesh, plan.training_precision)
     return data_parallel_over(model, params_of(plan, "data_parallel"))

@@ -9,7 +9,8 @@ In a fixed order, like torchtitan's parallelize functions:
 4. gradient scaling: the output gradient is divided by the world size once, so all
    gradient reductions are sums;
 5. data parallelism: DDP over the data-parallel layers' weights (the others are ignored by
-   it), summing gradients.
+   it), summing gradients;
+6. precision: the forward under autocast, outputs in fp32 (executor.precision).
 """
 
 from __future__ import annotations
@@ -61,7 +62,7 @@ def parallelize(model: nn.Module, plan: Plan, *, mesh: DeviceMesh | None = None,
 
         return parallelize_3d(model, plan, leaf_modules=leaf_modules)
     if plan.tracer == "export":
-        return _parallelize_exported(model, plan, mesh)
+        return _in_precision(_parallelize_exported(model, plan, mesh), plan)
     gm = traced_as_planned(model, plan, leaf_modules).to(_device(plan))
     mesh = mesh or init_device_mesh(plan.mesh.device_type, (plan.num_devices,))
 
@@ -72,8 +73,17 @@ def parallelize(model: nn.Module, plan: Plan, *, mesh: DeviceMesh | None = None,
     _apply_tensor_parallel(gm, mesh, layers, gives)
     _insert_reshards(gm, mesh, layers, gives, plan.global_batch)
     broadcast_replicated(gm, params_of(plan, "replicate"))
-    _apply_levers(gm, layers, mesh)
-    return data_parallel_over(gm, params_of(plan, "data_parallel"))
+    _apply_levers(gm, layers, mesh, plan)
+    return _in_precision(data_parallel_over(gm, params_of(plan, "data_parallel")), plan)
+
+
+def _in_precision(module: nn.Module, plan: Plan) -> nn.Module:
+    """The module (inside DDP, where DDP wraps it) runs its forward in the plan's precision."""
+    from executor.precision import run_in_precision
+
+    inner = getattr(module, "module", module)  # DDP keeps the model as .module
+    run_in_precision(inner, plan.training_precision, plan.mesh.device_type)
+    return module
 
 
 def _parallelize_exported(model: nn.Module, plan: Plan, mesh) -> nn.Module:
@@ -154,7 +164,7 @@ def _insert_reshards(gm: fx.GraphModule, mesh, layers: dict[str, LayerPlan], giv
     gm.recompile()
 
 
-def _apply_levers(gm: fx.GraphModule, layers: dict[str, LayerPlan], mesh) -> None:
+def _apply_levers(gm: fx.GraphModule, layers: dict[str, LayerPlan], mesh, plan: Plan) -> None:
     """fsdp layers: FSDP2 fully_shard; recomputed layers: checkpointed (executor.levers)."""
     from executor.levers import apply_levers
 
@@ -162,5 +172,5 @@ def _apply_levers(gm: fx.GraphModule, layers: dict[str, LayerPlan], mesh) -> Non
                for n in gm.graph.nodes if n.op == "call_module" and n.name in layers
                and (layers[n.name].recompute or layers[n.name].strategy == "fsdp")]
     if targets:
-        apply_levers(gm, targets, mesh)
+        apply_levers(gm, targets, mesh, plan.training_precision)
 

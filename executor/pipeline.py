@@ -31,6 +31,7 @@ from torch.distributed.tensor import DTensor
 from executor.parallelize import (
     _apply_tensor_parallel, _device, _insert_reshards, traced_as_planned,
 )
+from executor.precision import run_in_precision
 from executor.styles import params_of
 from planner.plan import Plan
 from strategies.layouts import Layout
@@ -174,6 +175,8 @@ def parallelize_3d(model: nn.Module, plan: Plan, *, leaf_modules=()) -> StageMod
     last = stage_index == pp - 1
     _insert_reshards(module, tp_mesh, layers, gives, microbatch_rows(plan), final=last,
                      mean_over=dp * tp)
+    # under autocast; outputs sent on in the compute dtype, the last stage's in fp32
+    run_in_precision(module, plan.training_precision, plan.mesh.device_type, last=last)
 
     model = StageModel(module, plan, mesh, stage_index, device, stage_groups[stage_index], None)
     if pp > 1:

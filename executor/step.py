@@ -10,16 +10,24 @@ backward), so every plan kind trains through this one call:
 
 `batch` is the whole global batch on every rank: its first len(plan.inputs) entries are the
 model's inputs, the rest the targets; `loss_fn(output, *targets)` is a mean over rows.
+
+The parallelized model already runs its forward in the plan's precision (autocast, fp32
+outputs: executor.precision), so the loss is fp32. Under fp16-mixed the step also scales
+the loss: fp16's 5-bit exponent flushes small gradients to zero without it. The scaler
+(executor.precision.LossScaler: GradScaler's rule, agreed across ranks so that every rank
+skips the same steps) is kept per optimizer across steps.
 """
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
 
 from executor.batch import shard_batch
+from executor.precision import LossScaler
 from planner.plan import Plan
 
 
@@ -29,20 +37,42 @@ def train_step(model: torch.nn.Module, plan: Plan, batch: Sequence, loss_fn: Cal
     loss returned is the mean over all its rows, the same on every rank."""
     if not isinstance(batch, (tuple, list)):
         raise ValueError("batch: pass a tuple (inputs..., targets...) of the global batch")
+    scaler = loss_scaler(optimizer, plan)
     optimizer.zero_grad()
     if plan.is_mesh_3d:
-        loss = _step_3d(model, plan, batch, loss_fn)
+        loss = _step_3d(model, plan, batch, loss_fn, scaler)
     else:
-        loss = _step_1d(model, plan, batch, loss_fn)
-    optimizer.step()
+        loss = _step_1d(model, plan, batch, loss_fn, scaler)
+    if scaler is None:
+        optimizer.step()
+    else:
+        scaler.step(optimizer)  # skipped, on every rank, where a gradient overflowed
     return loss
 
 
-def _step_1d(model, plan: Plan, batch, loss_fn) -> float:
+_SCALERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def loss_scaler(optimizer: torch.optim.Optimizer, plan: Plan):
+    """The loss scaler `optimizer` trains with under the plan's precision: None unless it
+    scales the loss (fp16-mixed); one per optimizer, kept across steps."""
+    if not plan.training_precision.loss_scaling:
+        return None
+    scaler = _SCALERS.get(optimizer)
+    if scaler is None:
+        scaler = _SCALERS[optimizer] = LossScaler()
+    return scaler
+
+
+def _scaled(loss: torch.Tensor, scaler) -> torch.Tensor:
+    return loss if scaler is None else scaler.scale(loss)
+
+
+def _step_1d(model, plan: Plan, batch, loss_fn, scaler=None) -> float:
     local = shard_batch(plan, batch)
     n = len(plan.inputs)
     loss = loss_fn(model(*local[:n]), *local[n:])
-    loss.backward()
+    _scaled(loss, scaler).backward()
     value = loss.detach().clone()
     dist.all_reduce(value)
     return value.item() / dist.get_world_size()
@@ -65,7 +95,7 @@ def _microbatches(plan: Plan, value: torch.Tensor, dp_rank: int, tp_rank: int,
     return torch.cat(parts)
 
 
-def _step_3d(model, plan: Plan, batch, loss_fn) -> float:
+def _step_3d(model, plan: Plan, batch, loss_fn, scaler=None) -> float:
     n = len(plan.inputs)
     dp_rank, tp_rank = model.dp_rank, model.tp_rank
     inputs = [_microbatches(plan, x.to(model.device), dp_rank, tp_rank,
@@ -80,7 +110,7 @@ def _step_3d(model, plan: Plan, batch, loss_fn) -> float:
         chunks_t = [y.chunk(m) for y in targets]
         for j in range(m):
             loss = loss_fn(model(*(c[j] for c in chunks_in)), *(c[j] for c in chunks_t))
-            (loss / m).backward()
+            _scaled(loss / m, scaler).backward()
             losses.append(loss.detach())
     else:
         schedule = getattr(model, "_schedule", None)
@@ -88,7 +118,7 @@ def _step_3d(model, plan: Plan, batch, loss_fn) -> float:
             from executor.pipeline import SCHEDULE_CLASSES
 
             def pipeline_loss(output, target):
-                return loss_fn(output, target)
+                return _scaled(loss_fn(output, target), scaler)
 
             schedule = SCHEDULE_CLASSES[plan.pipeline.schedule](
                 model._pipeline_stage, n_microbatches=m, loss_fn=pipeline_loss)
@@ -106,5 +136,7 @@ def _step_3d(model, plan: Plan, batch, loss_fn) -> float:
     total = torch.zeros((), device=model.device)
     if model.is_last:
         total += torch.stack(losses).mean()
+        if scaler is not None and model.pp > 1:  # the schedule kept the scaled losses
+            total /= scaler.scale_value
     dist.all_reduce(total)
     return total.item() / (plan.mesh.size("dp") * plan.mesh.size("tp"))

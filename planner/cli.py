@@ -158,13 +158,16 @@ def _prefer_standard(args) -> dict:
     return {"prefer_standard": args.prefer_standard}
 
 
-def _cluster(devices: str, dtype: str | None):
+def _cluster(devices: str, dtype: str | None, precision: str | None = None):
     from pydantic import ValidationError
 
     from strategies import Cluster, parse_devices
 
-    cluster = parse_devices(devices)
-    if dtype is None or dtype == cluster.dtype:
+    try:
+        cluster = parse_devices(devices).at_precision(precision)
+    except ValueError as error:  # name the flag, not the Python argument
+        raise ValueError(str(error).replace("precision:", "--precision:", 1)) from None
+    if dtype is None or dtype == cluster.compute_dtype:
         return cluster
     try:  # model_copy would skip validation; constructing checks the device knows the dtype
         return Cluster(**{**cluster.model_dump(), "dtype": dtype})
@@ -187,12 +190,7 @@ def _plan(args) -> int:
         raise ValueError(f"--batch: the global batch must be positive, got {args.batch}")
     memory_limit = parse_memory(args.memory_limit) if args.memory_limit else None
     llm = _is_llm(args.model)
-    # an LLM on a GPU with bf16 tensor cores is priced at bf16 unless --dtype says otherwise
-    base = _cluster(args.devices, None)  # before building: a typo fails fast
-    dtype = args.dtype
-    if llm and dtype is None and base.device.kind == "cuda" and "bfloat16" in base.device.peak_flops:
-        dtype = "bfloat16"
-    cluster = _cluster(args.devices, dtype)
+    cluster = _cluster(args.devices, args.dtype, args.precision)  # a typo fails fast
     _check_plot(args.plot)
     kwargs, shape = {}, None
     if llm:
@@ -298,9 +296,14 @@ def parser() -> argparse.ArgumentParser:
     plan.add_argument("--memory-limit", metavar="SIZE",
                       help="per device, e.g. 40GB, 40GiB, 512MB or bytes (default: the "
                       "device's memory)")
+    plan.add_argument("--precision", default=None, choices=["bf16-mixed", "fp16-mixed", "fp32"],
+                      help="the training precision, priced as the executor runs it: compute "
+                      "rate, activations and bytes sent in bf16/fp16, fp32 weights, gradients "
+                      "and optimizer state (default: bf16-mixed on A100/H100, fp16-mixed on "
+                      "V100, fp32 on older GPUs and CPUs)")
     plan.add_argument("--dtype", default=None,
-                      help="the compute dtype devices are rated at, e.g. float16 (default "
-                      "float32); tensor sizes are the model's as built")
+                      help="read the FLOP rate at this dtype instead of the precision's, e.g. "
+                      "tfloat32 for fp32 training with TF32 matmuls")
     plan.add_argument("--mesh", default="1d", choices=["1d", "3d", "auto"],
                       help="1d: all devices in one group, each layer data- or model-parallel "
                       "(default); 3d: search pipeline x data x tensor meshes, stage cuts, "

@@ -125,7 +125,7 @@ def _compare_command(args) -> int:
     if args.batch <= 0:
         raise ValueError(f"--batch: the global batch must be positive, got {args.batch}")
     memory_limit = parse_memory(args.memory_limit) if args.memory_limit else None
-    cluster = _cluster(args.devices, args.dtype)
+    cluster = _cluster(args.devices, args.dtype, args.precision)
     model, inputs = build_model(load_factory(args.model), args.batch,
                                 "cpu" if cluster.device.kind == "cpu" else "meta")
     rows = compare(model, cluster, inputs, optimizer=args.optimizer,
@@ -149,5 +149,7 @@ def add_compare(commands) -> None:
     cmp.add_argument("--optimizer", default="adam",
                      choices=["adam", "adamw", "sgd", "sgd_momentum"])
     cmp.add_argument("--memory-limit", metavar="SIZE", help="per device, e.g. 40GB")
-    cmp.add_argument("--dtype", default=None, help="the compute dtype, e.g. float16")
+    cmp.add_argument("--precision", default=None, choices=["bf16-mixed", "fp16-mixed", "fp32"],
+                     help="the training precision (default: the device's, as `hyplan plan`)")
+    cmp.add_argument("--dtype", default=None, help="read the FLOP rate at this dtype")
     cmp.set_defaults(run=_compare_command)

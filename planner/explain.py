@@ -66,7 +66,9 @@ def summary(plan: Plan) -> list[str]:
     lines = [
         f"hyplan plan: {plan.model}, global batch {plan.global_batch}, on {c.describe()} "
         f"({c.num_devices} devices, {link.name} {link.bandwidth_bytes_per_s / 1e9:g} GB/s), "
-        f"optimizer {plan.optimizer}, {c.dtype}",
+        f"optimizer {plan.optimizer}",
+        f"Precision: {plan.training_precision.describe()}"
+        + (f" (FLOP rate read at {c.dtype})" if c.dtype else ""),
         f"Predicted step time: {_ms(p.step_time_s)} = compute {_ms(p.compute_s)} + "
         f"communication {_ms(p.communication_s)}"
         + (f" ({_gb(p.communication_bytes)} sent per device)" if p.communication_bytes else "")

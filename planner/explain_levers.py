@@ -21,7 +21,9 @@ def lever_lines(plan: Plan) -> list[str]:
     if plan.num_devices == 1 or plan.is_mesh_3d:
         return []
     ranks = plan.num_devices
-    per_weight = 2 + OPTIMIZER_STATE_FACTOR.get(plan.optimizer, 2)
+    # bytes per byte of fp32 weights: weights, gradients, state (and autocast's copy)
+    per_weight = plan.training_precision.weights_bytes(
+        1.0, OPTIMIZER_STATE_FACTOR.get(plan.optimizer, 2), sharded=False)
     split = [l for l in plan.layers if l.model_parallel]
     sharded = [l for l in plan.layers if l.strategy == "fsdp"]
     recomputed = [l for l in plan.layers if l.recompute]

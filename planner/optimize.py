@@ -27,6 +27,7 @@ from profiler.export_trace import export_trace
 from profiler.trace import TraceError
 from strategies.catalog import OPTIMIZER_STATE_FACTOR, leaf_types, unit_types
 from strategies.cluster import Cluster, cpu_threads_per_device, parse_devices
+from strategies.precision import at_precision
 
 GB = 1e9
 
@@ -57,6 +58,7 @@ def optimize(
     tracer: str = "auto",
     mesh: str = "1d",
     prefer_standard: float = PREFER_STANDARD,
+    precision: str | None = None,
 ) -> Plan:
     """Choose, layer by layer, how to spread `model` over `devices` for one training step on
     `example_inputs` (their dim 0 is the global batch).
@@ -78,6 +80,9 @@ def optimize(
     is below the cost model's own error is a guess, and the standard plan is the one
     people know how to run and debug. 0 always returns the solver's optimum; either way
     `Plan.standard_choice` and explain() give both times. Not applied with `pin`.
+    precision: "bf16-mixed", "fp16-mixed" or "fp32" (strategies.precision): priced as the
+    executor runs it (compute rate, memory, bytes sent). Default: the Cluster's, else the
+    device's usual one (bf16-mixed on A100/H100, fp16-mixed on V100, fp32 on K20 and CPU).
     Under an initialized process group, call it on every rank: rank 0 plans and every rank
     returns its plan, or raises its error (planner.once).
     """
@@ -88,7 +93,7 @@ def optimize(
     if mesh not in ("1d", "3d", "auto"):
         raise ValueError(f"mesh: {mesh!r} is not one of '1d', '3d', 'auto'")
     graph, cluster = profiled_graph(model, devices, example_inputs, example_kwargs,
-                                    leaf_modules, measure, tracer)
+                                    leaf_modules, measure, tracer, precision)
 
     budget = memory_limit_bytes or cluster.device.memory_bytes
     if mesh != "1d":
@@ -190,11 +195,13 @@ def check_arguments(optimizer: str, example_inputs, memory_limit_bytes: float | 
 
 
 def profiled_graph(model: nn.Module, devices, example_inputs, example_kwargs=None,
-                   leaf_modules=(), measure: bool | None = None, tracer: str = "auto"):
+                   leaf_modules=(), measure: bool | None = None, tracer: str = "auto",
+                   precision: str | None = None):
     """(traced and profiled graph, Cluster): the first two steps of the flow, shared by
     optimize() and the baselines (layer timings are cached by shape, so a second call on
-    the same model costs no measuring)."""
-    cluster = parse_devices(devices)
+    the same model costs no measuring). The Cluster records `precision` (None: its own or
+    the device's default) and the graph's activations are sized in it."""
+    cluster = parse_devices(devices).at_precision(precision)
     ranks = cluster.num_devices
     graph = trace_model(model, example_inputs, example_kwargs, leaf_modules, tracer)
     if measure is None:
@@ -202,7 +209,7 @@ def profiled_graph(model: nn.Module, devices, example_inputs, example_kwargs=Non
     graph = profile(graph, measure=measure, measure_batch=max(1, graph.batch_size // ranks),
                     threads=cpu_threads_per_device(ranks) if cluster.device.kind == "cpu" else None,
                     ranks=ranks)
-    return graph, cluster
+    return at_precision(graph, cluster.training_precision), cluster
 
 
 def trace_model(model: nn.Module, example_inputs, example_kwargs=None, leaf_modules=(),

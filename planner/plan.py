@@ -260,6 +260,34 @@ class Plan(_Data):
     mesh_choice: str = Field("", description="optimize(mesh='auto'): which mesh won and why")
     standard_choice: str = Field("", description="optimize(prefer_standard=...): a standard "
                                  "plan kept in place of a barely faster optimum, and why")
+    precision: str = Field("", description="bf16-mixed, fp16-mixed or fp32: what the plan "
+                           "was priced for and the executor runs (strategies.precision); "
+                           "always the cluster's")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _record_precision(cls, data):
+        """The precision is the cluster's, written out at the top for readers. A plan file
+        from before precisions existed (its cluster names none) was priced in fp32."""
+        if not isinstance(data, dict) or "cluster" not in data:
+            return data
+        cluster = data["cluster"]
+        if isinstance(cluster, Cluster):
+            name = cluster.training_precision.name
+            cluster = cluster.at_precision(name)
+        elif isinstance(cluster, dict):
+            name = cluster.get("precision") or "fp32"
+            cluster = {**cluster, "precision": name}
+        else:
+            return data
+        if data.get("precision") not in (None, "", name):
+            raise ValueError(f"precision {data['precision']!r} is not the cluster's {name!r}")
+        return {**data, "cluster": cluster, "precision": name}
+
+    @property
+    def training_precision(self):
+        """The strategies.precision.Precision the plan trains in."""
+        return self.cluster.training_precision
 
     @model_validator(mode="after")
     def _one_strategy_per_parameter(self) -> "Plan":

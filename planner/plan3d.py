@@ -35,6 +35,7 @@ def optimize_3d(
     memory_limit_bytes: float | None = None,
     leaf_modules: Iterable[type | str] = (),
     measure: bool | None = None,
+    precision: str | None = None,
     max_microbatches: int | None = None,
     time_limit_s: float = 60.0,
     relative_gap: float = 1e-6,
@@ -50,7 +51,7 @@ def optimize_3d(
     check_arguments(optimizer, example_inputs, memory_limit_bytes)
     # the pipeline executor splits an fx graph, so the 3-D search plans fx-traced models
     graph, cluster = profiled_graph(model, devices, example_inputs, example_kwargs,
-                                    leaf_modules, measure, tracer="fx")
+                                    leaf_modules, measure, tracer="fx", precision=precision)
     budget = memory_limit_bytes or cluster.device.memory_bytes
     return plan_3d(graph, cluster, optimizer, budget, started,
                    max_microbatches=max_microbatches, time_limit_s=time_limit_s,
@@ -87,6 +88,7 @@ def to_plan(graph, cluster: Cluster, optimizer: str, budget: float, result: Sear
     stage_of_unit = [k for k in range(pp) for _ in range(starts[k], starts[k + 1])]
     stage = [stage_of_unit[l.unit] for l in problem.layers]
     state = OPTIMIZER_STATE_FACTOR[optimizer]
+    precision = cluster.training_precision
     groups = rank_groups(pp, dp, tp)
 
     edge_in = [0.0] * len(problem.layers)
@@ -106,7 +108,8 @@ def to_plan(graph, cluster: Cluster, optimizer: str, budget: float, result: Sear
         strategy, cost, opts = built.strategies[i][c], built.costs[i][c], problem.layers[i]
         local = float(built.local_param_bytes[i][c])
         flight = memory[k]["microbatches_in_flight"]
-        memory[k]["parameters_bytes"] += local
+        # fp32 masters and autocast's low-precision copy (strategies.precision)
+        memory[k]["parameters_bytes"] += local + precision.weight_copy_bytes(local)
         memory[k]["gradients_bytes"] += local
         memory[k]["optimizer_state_bytes"] += state * local
         memory[k]["activations_bytes"] += float(opts.activation_bytes[c]) * flight

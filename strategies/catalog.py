@@ -26,6 +26,7 @@ from strategies.collectives import (
     COEFFICIENTS, all_gather_s, all_reduce_s, collective_bytes, reduce_scatter_s,
 )
 from strategies.layouts import Layout
+from strategies.precision import Precision
 from strategies.rowwise import featurewise_binary, keeps_rows
 
 OPTIMIZER_STATE_FACTOR = {"sgd": 0, "sgd_momentum": 1, "adam": 2, "adamw": 2}
@@ -47,6 +48,10 @@ class CostContext:
     @property
     def state_factor(self) -> int:
         return OPTIMIZER_STATE_FACTOR[self.optimizer]
+
+    @property
+    def precision(self) -> Precision:
+        return self.cluster.training_precision
 
 
 @dataclass(frozen=True)
@@ -89,7 +94,8 @@ def compute_s(layer: Layer, fraction: float, ctx: CostContext, split: str = "bat
     if device.shape is not None and not device.op_flops:  # a GPU priced by its GEMM shapes
         return gpu_compute.layer_s(layer, fraction, split, device, ctx.cluster.dtype) * slowdown
     flops = (layer.fwd_flops + layer.bwd_flops) * fraction
-    rate = device.op_flops.get(layer.kind.lower()) or device.achievable_flops(ctx.cluster.dtype)
+    rate = device.op_flops.get(layer.kind.lower()) or device.achievable_flops(
+        ctx.cluster.compute_dtype)
     return max(flops / rate, moved / device.memory_bandwidth_bytes_per_s) * slowdown
 
 
@@ -99,9 +105,11 @@ def dtensor_overhead_s(ctx: CostContext) -> float:
     return ctx.cluster.dtensor_layer_overhead_s if ctx.ranks > 1 else 0.0
 
 
-def weights_memory(param_bytes: float, ctx: CostContext) -> float:
-    """Weights, their gradients and the optimizer's state."""
-    return param_bytes * (2 + ctx.state_factor)
+def weights_memory(param_bytes: float, ctx: CostContext, sharded: bool = False) -> float:
+    """Weights, their gradients and the optimizer's state, as the precision keeps them
+    (strategies.precision: fp32 masters, and autocast's low-precision copy unless FSDP2
+    `sharded` them)."""
+    return ctx.precision.weights_bytes(param_bytes, ctx.state_factor, sharded)
 
 
 def memory_contention(moved_bytes: float, ctx: CostContext) -> float:
@@ -172,7 +180,7 @@ class DataParallel(Strategy):
         return ctx.batch % ctx.ranks == 0 and _rowwise(layer, ctx.batch)
 
     def cost(self, layer, ctx):
-        sync = _bucketed_all_reduce_s(layer.param_bytes, ctx)
+        sync = _bucketed_all_reduce_s(ctx.precision.reduce_bytes(layer.param_bytes), ctx)
         # DDP copies gradients into its flat buckets and back out: two passes over memory
         copies = 0.0
         if ctx.ranks > 1 and layer.param_bytes:

@@ -22,6 +22,7 @@ from strategies.devices import (
     link_family,
     local_cpu,
 )
+from strategies.precision import Precision, check_supported, default_precision, parse_precision
 
 
 class Cluster(BaseModel):
@@ -34,7 +35,11 @@ class Cluster(BaseModel):
     devices_per_node: int = Field(ge=1)
     intra_node: LinkSpec
     inter_node: LinkSpec
-    dtype: str = "float32"
+    # "bf16-mixed", "fp16-mixed" or "fp32" (strategies.precision); None: the device's default
+    precision: str | None = None
+    # the dtype the FLOP rate is read at, where it is not the precision's compute dtype
+    # (e.g. "tfloat32": fp32 training with TF32 matmuls); None: the precision's
+    dtype: str | None = None
     # Measured by `hyplan calibrate` (0 / 1 when not calibrated): the fixed cost of running
     # a layer through DTensor's parallel styles (forward + backward), and of one
     # `Reshard` (DTensor redistribute) between layers, beyond the collectives they issue;
@@ -51,8 +56,30 @@ class Cluster(BaseModel):
 
     @model_validator(mode="after")
     def _dtype_known(self):
-        self.device.achievable_flops(self.dtype)  # raises with the known dtypes
+        check_supported(self.training_precision, self.device)
+        self.device.achievable_flops(self.compute_dtype)  # raises with the known dtypes
         return self
+
+    @property
+    def training_precision(self) -> Precision:
+        """The precision a plan on this cluster trains in (strategies.precision)."""
+        if self.precision is None:
+            return default_precision(self.device)
+        return parse_precision(self.precision)
+
+    @property
+    def compute_dtype(self) -> str:
+        """The dtype whose FLOP rate compute is priced at."""
+        return self.dtype or self.training_precision.compute_dtype
+
+    def at_precision(self, precision: "str | Precision | None") -> "Cluster":
+        """The same devices training in `precision` (None: as set, else the device's default),
+        recorded by name so a plan says what it was priced for."""
+        chosen = self.training_precision if precision is None else parse_precision(precision)
+        check_supported(chosen, self.device)  # the plain error, not pydantic's wrapping
+        if chosen.name == self.precision:
+            return self
+        return Cluster(**{**self.model_dump(), "precision": chosen.name})
 
     @property
     def num_devices(self) -> int:

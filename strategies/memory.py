@@ -48,27 +48,30 @@ class ShardedDataParallel(DataParallel):
                 and super().applies(layer, ctx))
 
     def cost(self, layer, ctx):
-        p = layer.param_bytes
-        gather = all_gather_s(p, ctx.ranks, ctx.link)
-        scatter = reduce_scatter_s(p, ctx.ranks, ctx.link)
+        p, precision = layer.param_bytes, ctx.precision
+        # weights gathered in the param dtype, gradients reduced in the reduce dtype
+        gather = all_gather_s(precision.gather_bytes(p), ctx.ranks, ctx.link)
+        scatter = reduce_scatter_s(precision.reduce_bytes(p), ctx.ranks, ctx.link)
         copies = ctx.cluster.fsdp_overhead_s_per_byte * p  # flat-buffer copies (calibrated)
-        sent = (2 * collective_bytes("all_gather", p, ctx.ranks)
-                + collective_bytes("reduce_scatter", p, ctx.ranks))
+        sent = (2 * collective_bytes("all_gather", precision.gather_bytes(p), ctx.ranks)
+                + collective_bytes("reduce_scatter", precision.reduce_bytes(p), ctx.ranks))
         local = p / ctx.ranks
-        memory = weights_memory(local, ctx) + layer.output.nbytes / ctx.ranks
+        memory = weights_memory(local, ctx, sharded=True) + layer.output.nbytes / ctx.ranks
         return Cost(compute_s(layer, 1 / ctx.ranks, ctx), 2 * gather + scatter + copies,
                     memory, update_s(local, ctx),
                     {"param_all_gather_s": 2 * gather, "gradient_reduce_scatter_s": scatter,
                      "buffer_copies_s": copies, "communication_bytes": sent,
-                     "saved_bytes": weights_memory(p, ctx) - weights_memory(local, ctx),
+                     "saved_bytes": weights_memory(p, ctx)
+                     - weights_memory(local, ctx, sharded=True),
                      "lever_s": 2 * gather + scatter + copies
-                     - all_reduce_s(p, ctx.ranks, ctx.link)})
+                     - all_reduce_s(precision.reduce_bytes(p), ctx.ranks, ctx.link)})
 
 
 def _weights_part(inner: Strategy, layer: Layer, ctx: CostContext) -> float:
     """The part of `inner`'s memory that is weights, gradients and optimizer state."""
-    split = inner.model_parallel or inner.name == "fsdp"
-    return weights_memory(layer.param_bytes / (ctx.ranks if split else 1), ctx)
+    sharded = inner.name == "fsdp"
+    split = inner.model_parallel or sharded
+    return weights_memory(layer.param_bytes / (ctx.ranks if split else 1), ctx, sharded)
 
 
 def input_bytes(layer: Layer, inner: Strategy, ctx: CostContext) -> float:

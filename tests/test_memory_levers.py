@@ -43,7 +43,8 @@ def test_llama_7b_adam_fp32_fits_8xa100_40gb_by_levers():
     # prefer_standard=0: the optimum's levers (plain FSDP is predicted 0.3% slower, so the
     # default would keep it)
     plan = planner.optimize(model, "8xA100-40GB", example_inputs=args, example_kwargs=kwargs,
-                            optimizer="adam", measure=False, prefer_standard=0.0)
+                            optimizer="adam", measure=False, prefer_standard=0.0,
+                            precision="fp32")
     limit = plan.predicted.memory_limit_bytes
     assert params * 16 > limit  # weights + gradients + 2 Adam moments, fp32
     assert plan.solver.status == "optimal"
