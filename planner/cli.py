@@ -218,7 +218,7 @@ def _plan(args) -> int:
         from planner.throughput import plan_throughput
 
         print(f"Model: {shape.name}, {shape.params / 1e9:.2f} B parameters, sequence "
-              f"{args.seq}, global batch {args.batch} sequences, {cluster.dtype} FLOP rates")
+              f"{args.seq}, global batch {args.batch} sequences, {cluster.compute_dtype} FLOP rates")
         print(plan_throughput(plan, shape, args.seq).describe(), end="")
     if args.json:
         plan.save(args.json)

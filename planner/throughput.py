@@ -46,4 +46,4 @@ def plan_throughput(plan: Plan, shape: LLMShape, seq: int) -> Throughput:
     """The plan's predicted throughput (its global batch is in sequences of `seq` tokens)."""
     cluster = plan.cluster
     return llm_throughput(plan.predicted.step_time_s, plan.global_batch, seq,
-                          cluster.num_devices, shape, cluster.device.peak_flops[cluster.dtype])
+                          cluster.num_devices, shape, cluster.device.peak_flops[cluster.compute_dtype])
