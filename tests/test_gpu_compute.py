@@ -69,7 +69,7 @@ def test_catalog_prices_a_linear_on_h100_by_its_three_gemms():
 
 
 def test_views_cost_nothing_and_elementwise_ops_stream_memory():
-    cluster = parse_devices("H100")
+    cluster = parse_devices("H100").at_precision("fp32")  # 4-byte activations
     ctx = CostContext(cluster=cluster, ranks=1, batch=2)
     n = 2 * 8192 * 4096
     out = TensorMeta((2, 8192, 4096), "float32", n * 4)

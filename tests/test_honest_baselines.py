@@ -13,9 +13,12 @@ import models
 import planner
 from distributed import run_ranks
 from planner.compare import compare, render
+from strategies import parse_devices
 from test_parallel_equivalence import _train_planned, _train_single
 
 F32 = 4  # bytes
+# fp32 training (a V100 defaults to fp16-mixed, whose weight gathers carry half the bytes)
+V100_FP32 = parse_devices("4xV100").at_precision("fp32")
 
 
 def _linears() -> nn.Module:
@@ -32,8 +35,8 @@ def test_fsdp_sends_one_and_a_half_times_ddp_bytes():
     before forward and before backward and reduce-scatters the gradients, 3(P-1)/P x W.
     The ReLUs between the Linears run on each rank's rows (no layout change, no bytes)."""
     x = (torch.randn(64, 16),)
-    ddp = planner.baseline(models.mlp(), "4xV100", "ddp", x, measure=False)
-    fsdp = planner.baseline(models.mlp(), "4xV100", "fsdp", x, measure=False)
+    ddp = planner.baseline(models.mlp(), V100_FP32, "ddp", x, measure=False)
+    fsdp = planner.baseline(models.mlp(), V100_FP32, "fsdp", x, measure=False)
     assert {l.strategy for l in fsdp.layers if l.param_bytes} == {"fsdp"}
     assert {l.strategy for l in fsdp.layers if not l.param_bytes} == {"data_parallel"}
     weights = sum(l.param_bytes for l in ddp.layers)
@@ -48,7 +51,7 @@ def test_fsdp_memory_is_the_sharded_state_plus_this_ranks_activations():
     """(weights + gradients + 2 Adam moments) / P, plus the input and each Linear's output
     at the per-rank batch (64 / 4 = 16 rows)."""
     x = (torch.randn(64, 16),)
-    plan = planner.baseline(_linears(), "4xV100", "fsdp", x, optimizer="adam", measure=False)
+    plan = planner.baseline(_linears(), V100_FP32, "fsdp", x, optimizer="adam", measure=False)
     assert {l.strategy for l in plan.layers} == {"fsdp"}
     rows = 64 // 4
     activations = rows * (16 + 32 + 32 + 8) * F32

@@ -6,6 +6,8 @@ trains in its usual precision unless asked; the plan records and explains its pr
 import json
 
 import pytest
+
+from strategies import gpu_compute
 import torch
 from torch import nn
 
@@ -81,14 +83,13 @@ def test_fsdp_keeps_no_low_precision_copy_and_gathers_half_the_bytes():
     # a row-parallel layer's output all-reduce carries bf16 activations: half the time
     r32, r16 = cost(rows32, "2", "row_parallel"), cost(rows16, "2", "row_parallel")
     assert r16.communication_s == pytest.approx(r32.communication_s / 2)
-    # compute at each precision's rate (or the bytes it streams, whichever is slower)
+    # compute at each precision's dtype (strategies.gpu_compute: the GEMMs by shape)
     layer32, layer16 = rows32["2"].layer, rows16["2"].layer
-    flops = layer32.fwd_flops + layer32.bwd_flops
     h100 = DEVICES["H100"]
     for layer, dtype, row_cost in ((layer32, "float32", d32), (layer16, "bfloat16", d16)):
-        moved = 3 * layer.output.nbytes / 2
-        assert row_cost.compute_s == pytest.approx(max(
-            flops / 2 / h100.achievable_flops(dtype), moved / h100.memory_bandwidth_bytes_per_s))
+        assert row_cost.compute_s == pytest.approx(
+            gpu_compute.layer_s(layer, 1 / 2, "batch", h100, dtype))
+    assert d16.compute_s < d32.compute_s
 
 
 def test_activation_layout_changes_cost_half_in_bf16():
