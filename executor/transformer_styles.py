@@ -178,7 +178,8 @@ class HeadParallelAttention(ParallelStyle):
 def full_parameters(module: nn.Module, like: dict[str, torch.Tensor] | None = None) -> dict:
     """{name: whole parameter} of a parallelized module, gathered from every rank; with
     `like` (a single-process model's parameters), in their shapes."""
-    inner = getattr(module, "module", module)
+    # DDP keeps the model as .module, a pipeline rank's StageModel its stage as .stage
+    inner = getattr(module, "module", None) or getattr(module, "stage", None) or module
     out = {}
     for name, p in inner.named_parameters():
         full = (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
