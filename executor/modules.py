@@ -136,8 +136,10 @@ def parallelize_modules(model: nn.Module, plan: Plan, mesh: DeviceMesh) -> nn.Mo
         for r in readers.get(node, []):
             if r.node in seen:
                 continue
-            if wanted(node, r) == Layout.REPLICATE_PARTIAL_GRAD:
+            if Layout(r.input_layout) == Layout.BATCH:  # a reader that splits rows
                 return True
+            # or through ops outside modules to one (a model-parallel reader takes it
+            # whole and sums its own partials: not a split of rows)
             if paths[r.node] is None and rows_downstream(r.node, seen | {r.node}):
                 return True
         return False

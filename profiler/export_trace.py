@@ -66,6 +66,20 @@ def _unit_path(node: fx.Node, modules: dict, is_unit: Callable[[nn.Module], bool
     return None
 
 
+def _call_counts(graph: fx.Graph, modules: dict, is_unit) -> dict[str, int]:
+    """{unit module path: how many separate calls the graph makes of it}."""
+    counts: dict[str, int] = {}
+    last = None
+    for node in graph.nodes:
+        if node.op != "call_function":
+            continue
+        path = _unit_path(node, modules, is_unit)
+        if path is not None and path != last:
+            counts[path] = counts.get(path, 0) + 1
+        last = path
+    return counts
+
+
 def _kind(node: fx.Node) -> str:
     target = node.target
     return getattr(target, "_opname", None) or getattr(target, "__name__", str(target))
@@ -86,6 +100,18 @@ def export_trace(model: nn.Module, example_inputs: Sequence, example_kwargs: dic
 
     def is_unit(m: nn.Module) -> bool:
         return isinstance(m, unit_types) or _is_torch_leaf(m)
+
+    # A parameter-free module called more than once (one Dropout after attention and
+    # after the MLP) gets no layer of its own: its calls meet tensors in different layouts,
+    # which one module's hooks cannot serve, so its ops are layers like any other op. (A
+    # module with parameters called again, ALBERT's shared layer, stays a unit: its calls
+    # share the parameters and so one strategy, planner.ties.)
+    reused = {path for path, n in _call_counts(graph, modules, is_unit).items()
+              if n > 1 and not any(True for _ in modules[path].parameters())}
+    single_use = is_unit
+
+    def is_unit(m: nn.Module) -> bool:  # noqa: F811 - narrowed by the counts above
+        return single_use(m) and not any(modules.get(p) is m for p in reused)
 
     user_inputs = set(program.graph_signature.user_inputs)
     group: dict[str, str] = {}  # fx node name -> layer key
