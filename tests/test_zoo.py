@@ -100,3 +100,44 @@ def test_plan_trains_like_one_process(zoo_runs, name, kind):
             torch.testing.assert_close(value, expected[key], rtol=RTOL, atol=ATOL,
                                        msg=lambda m: f"rank {rank}, {key}: {m}")
     assert seen == set(expected), f"no rank holds {sorted(set(expected) - seen)}"
+
+
+FOUR_RANKS = [("gpt2", "tensor"), ("gpt2", "optimum"), ("bert", "fsdp"), ("vit", "tensor"),
+              ("resnet", "ddp"), ("t5", "tensor")]
+
+
+def test_four_ranks_train_like_one_process():
+    """Where the split matters (a row per rank; tensor-parallel shards of a quarter; tied
+    embeddings and a BatchNorm over 4 ranks), the same plans on 4 gloo ranks."""
+    jobs = [(name, kind, make_plan(name, kind, "4xcpu").to_json()) for name, kind in FOUR_RANKS]
+    results = run_ranks(run_plans, 4, jobs)
+    for name, kind in FOUR_RANKS:
+        expected = reference(ZOO[name])
+        for rank, result in enumerate(results):
+            got = result[(name, kind)]
+            assert not isinstance(got, str), f"{name} {kind} rank {rank}: {got}"
+            for key, value in got.items():
+                torch.testing.assert_close(value, expected[key], rtol=RTOL, atol=ATOL,
+                                           msg=lambda m: f"{name} {kind} rank {rank}, {key}: {m}")
+
+
+def test_random_plans_from_the_planners_options_train_like_one_process():
+    """A few random feasible plans (tests/random_plans.py: the real integer program under a
+    random objective) of models with tied and bare parameters; benchmarks/random_plans.py
+    draws hundreds."""
+    from random_plans import random_plans
+
+    jobs = []
+    for name in ("gpt2", "vit", "albert"):
+        entry = ZOO[name]
+        plans = random_plans(entry.make(), "2xcpu", entry.batch(0)[:entry.inputs], 3, seed=1)
+        jobs += [(name, str(i), plan.to_json()) for i, plan in enumerate(plans)]
+    results = run_ranks(run_plans, 2, jobs)
+    for name, label, _ in jobs:
+        expected = reference(ZOO[name])
+        for rank, result in enumerate(results):
+            got = result[(name, label)]
+            assert not isinstance(got, str), f"{name} plan {label} rank {rank}: {got}"
+            for key, value in got.items():
+                torch.testing.assert_close(value, expected[key], rtol=RTOL, atol=ATOL,
+                                           msg=lambda m: f"{name} {label} rank {rank}, {key}: {m}")
