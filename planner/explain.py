@@ -28,6 +28,7 @@ def summary(plan: Plan) -> list[str]:
         f"hyplan plan: {plan.model}, global batch {plan.global_batch}, on {c.describe()} "
         f"({c.num_devices} devices, {link.name} {link.bandwidth_bytes_per_s / 1e9:g} GB/s), "
         f"optimizer {plan.optimizer}, {c.dtype}",
+        f"Priced with: {c.source or 'the catalog figures of ' + c.device.name}",
         f"Predicted step time: {_ms(p.step_time_s)} = compute {_ms(p.compute_s)} + "
         f"communication {_ms(p.communication_s)} + optimizer {_ms(p.other_s)}"
         + (f" + pipeline bubble {_ms(p.bubble_s)}" if p.bubble_s else "")
