@@ -656,7 +656,7 @@ def calibrate(processes=(2, 4), quick: bool = False, repeats: int | None = None,
         cuda = kind == "cuda"
     backend = "nccl" if cuda else "gloo"
     sizes = QUICK_SIZES if quick else SIZES
-    repeats = repeats or (15 if quick else 25)
+    repeats = repeats or (10 if quick else 25)
     cores = os.cpu_count() or 1
     threads = torch.get_num_threads() if cuda else cpu_threads_per_device(max(processes))
 

@@ -50,7 +50,7 @@ def _model_name(kind: str) -> str:
     if kind == "cuda":
         import torch
 
-        return torch.cuda.get_device_name(0)
+        return torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no-gpu"
     from profiler.machine import cpu_model
 
     return cpu_model()
