@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import statistics
 import time
+import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -252,7 +253,10 @@ class StepMonitor:
             return
         self._current = {}
         start = time.perf_counter()
-        yield
+        with warnings.catch_warnings():
+            # the first layer's input needs no gradient; its backward hook still times it
+            warnings.filterwarnings("ignore", message="Full backward hook is firing")
+            yield
         elapsed = time.perf_counter() - start
         self._seen += 1
         if self._seen > self.skip:  # the first steps warm up allocators and connections
