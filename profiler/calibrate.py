@@ -689,7 +689,7 @@ def calibrate(processes=(2, 4), quick: bool = False, repeats: int | None = None,
         # on CPU the regimes change where the processes' data spills the shared cache
         link = fit_link(samples, f"{backend} ({world} processes)",
                         f"fitted by hyplan calibrate on {platform.node()}",
-                        split_bytes=device.cache_bytes or None if not cuda else None)
+                        split_bytes=device.cache_bytes or None)
         links[world] = link
         for name, fit in link.collectives.items():
             line = (f"  {name:<17} alpha {fit.latency_s * 1e3:7.3f} ms   beta "
