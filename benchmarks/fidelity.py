@@ -7,9 +7,9 @@ Models: the MLP of examples/mlp.py (batch 32), the FC-heavy CNN of benchmarks/fc
 pure data parallel (`planner.baseline(..., "ddp")`), pure model parallel (`"tensor"`,
 Megatron-style), sharded data parallel (`"fsdp"`, FSDP2 on every layer), pipeline stages
 (`"pipeline"`, run through `executor.train_step`) and hyplan's chosen hybrid
-(`planner.optimize`), all costed on a cluster
-profile measured by `hyplan calibrate` (made here with --quick unless --profile is given),
-all run by `executor.parallelize` in one loop: SGD (lr 0.01, foreach=False), the model's
+(`planner.optimize`), all planned as a user plans: `--devices Nxcpu`, priced with the
+profile hyplan makes on first use (the quick calibration, into a fresh cache directory
+unless --cache-dir or --profile is given; its seconds are reported), all run by `executor.parallelize` in one loop: SGD (lr 0.01, foreach=False), the model's
 loss, 4 warm-up steps, then --steps timed steps. Plans that are the same plan (hyplan's
 choice is often one of the baselines) are one program: they are run once and share the
 figure, so that a difference between them is never noise.
@@ -25,7 +25,7 @@ round, from /proc/stat less the ranks' own CPU time; each case reports its round
 most such load. With P processes on a 2-core machine anything else running skews the
 timing; rerun on an idle machine for final figures.
 
-    python benchmarks/fidelity.py [--profile cpu-profile.json] [--worlds 2 4] [--steps 8]
+    python benchmarks/fidelity.py [--worlds 2 4] [--steps 8] [--cache-dir DIR | --profile FILE]
 """
 
 from __future__ import annotations
@@ -231,10 +231,11 @@ def plans_for(model_key: str, cluster) -> dict[str, planner.Plan]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--profile", help="a cluster profile from `hyplan calibrate` "
-                        "(default: measure one now, --quick)")
-    parser.add_argument("--save-profile", metavar="FILE",
-                        help="keep the profile measured here (to rerun on the same one)")
+    parser.add_argument("--profile", help="plan on this profile from `hyplan calibrate --out` "
+                        "(default: as a user does, `Nxcpu` with the profile made on first use)")
+    parser.add_argument("--cache-dir", metavar="DIR",
+                        help="hyplan's cache directory to plan with (default: a fresh one, so "
+                        "that first use calibrates as it does for a new user)")
     parser.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--steps", type=int, default=8, help="timed steps per case and round")
     parser.add_argument("--rounds", type=int, default=3,
@@ -244,22 +245,23 @@ def main() -> None:
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
     args = parser.parse_args()
 
-    from profiler.calibrate import calibrate, load_profile
+    import tempfile
+
+    from strategies import parse_devices
 
     started = time.perf_counter()
-    if args.profile:
-        profile = load_profile(args.profile)
-    else:
-        profile = calibrate(tuple(args.worlds), quick=True, log=lambda *_: None,
-                            quiet_wait_s=args.wait)
-        if args.save_profile:
-            profile.save(args.save_profile)
-    print(f"cluster profile: {profile.host} {profile.created}, {profile.cores} cores, "
-          f"{profile.threads_per_process} thread(s) per process")
+    os.environ["HYPLAN_CACHE_DIR"] = args.cache_dir or tempfile.mkdtemp(prefix="hyplan-cache-")
+    print(f"hyplan cache: {os.environ['HYPLAN_CACHE_DIR']}")
 
     rows = []
     for world in args.worlds:
-        cluster = profile.cluster(world)
+        began = time.perf_counter()
+        cluster = parse_devices(f"{world}x{args.profile}" if args.profile else f"{world}xcpu")
+        first = time.perf_counter() - began
+        began = time.perf_counter()
+        parse_devices(f"{world}x{args.profile}" if args.profile else f"{world}xcpu")
+        print(f"{world} processes: priced with {cluster.source}; first use {first:.1f} s, "
+              f"then {time.perf_counter() - began:.3f} s")
         cases, runs, run_of = [], [], {}
         for model_key in args.models:
             wait_for_quiet(args.wait)  # layers are timed while planning

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import statistics
 import time
+import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -31,6 +32,9 @@ from torch import nn
 from planner.plan import Plan
 from strategies.cluster import Cluster
 from strategies.devices import CollectiveFit, LinkSpec
+
+
+UPDATE = "\0optimizer"  # the optimizer's step in a step's timings (no module has this name)
 
 
 def _modules(model: nn.Module) -> dict[str, nn.Module]:
@@ -50,6 +54,7 @@ class Drift:
     rest_s: float  # the remainder: DP all-reduces, optimizer, loss, functional ops
     steps: int
     notes: list[str] = field(default_factory=list)
+    update_s: float | None = None  # the optimizer's step, where the monitor was handed it
 
     @property
     def predicted_s(self) -> float:
@@ -93,9 +98,15 @@ class Drift:
                                              "all_to_all", "send_recv"}
             fits = {}
             for name in names:
-                alpha, beta = link.alpha_beta(name)
-                fits[name] = CollectiveFit(latency_s=alpha * comm,
-                                           bandwidth_bytes_per_s=beta / comm)
+                fit = link.collectives.get(name) or CollectiveFit(
+                    latency_s=link.latency_s, bandwidth_bytes_per_s=link.bandwidth_bytes_per_s)
+                fits[name] = CollectiveFit(
+                    latency_s=fit.latency_s * comm,
+                    bandwidth_bytes_per_s=fit.bandwidth_bytes_per_s / comm,
+                    regimes=tuple(r.model_copy(update={
+                        "latency_s": r.latency_s * comm,
+                        "bandwidth_bytes_per_s": r.bandwidth_bytes_per_s / comm})
+                        for r in fit.regimes))
             return link.model_copy(update={
                 "collectives": fits, "latency_s": link.latency_s * comm,
                 "bandwidth_bytes_per_s": link.bandwidth_bytes_per_s / comm,
@@ -109,12 +120,39 @@ class Drift:
             "inter_node": scaled(cluster.inter_node),
         })
 
+    def terms(self) -> list[tuple[str, float, float]]:
+        """(term, predicted seconds, measured seconds) per part of the step, summing to the
+        predicted and the measured step: the planned layers (their compute and the
+        collectives model-parallel layers issue inside them), the layout changes between
+        layers, the optimizer's update (where timed), and the rest (data-parallel gradient
+        sync, the loss, untimed ops, the engine's fixed cost, a pipeline's bubble)."""
+        p = self.plan.predicted
+        timed = [l for l in self.plan.layers if l.name in self.layer_s]
+        layers = sum(l.compute_s + (l.communication_s if l.model_parallel else 0.0)
+                     for l in timed)
+        reshard = sum(l.reshard_in_s for l in self.plan.layers)
+        update = p.other_s if self.update_s is not None else 0.0
+        out = [("layers (compute)", layers, sum(self.layer_s.values())),
+               ("layout changes", reshard, self.reshard_s)]
+        if self.update_s is not None:
+            out.append(("optimizer update", update, self.update_s))
+        predicted_rest = p.step_time_s - layers - reshard - update
+        out.append(("gradient sync and rest", predicted_rest,
+                    self.rest_s - (self.update_s or 0.0)))
+        return out
+
     def message(self) -> str:
         compute, comm = self.factors()
-        return (f"hyplan: measured step {self.step_s * 1e3:.1f} ms against predicted "
-                f"{self.predicted_s * 1e3:.1f} ms ({self.ratio:.2f}x, median of {self.steps} "
-                f"steps); compute ran {compute:.2f}x and communication {comm:.2f}x the "
-                f"model's figures")
+        lines = [f"hyplan: measured step {self.step_s * 1e3:.1f} ms against predicted "
+                 f"{self.predicted_s * 1e3:.1f} ms ({self.ratio:.2f}x, median of {self.steps} "
+                 f"steps); compute ran {compute:.2f}x and communication {comm:.2f}x the "
+                 f"model's figures"]
+        lines.append(f"  {'term':<24}{'predicted':>11}{'measured':>11}{'drift':>10}")
+        for term, predicted, measured in self.terms():
+            drift = f"{measured - predicted:+.1f} ms"
+            lines.append(f"  {term:<24}{predicted * 1e3:>8.1f} ms{measured * 1e3:>8.1f} ms"
+                         f"{drift:>10}")
+        return "\n".join(lines)
 
     def replan(self, model: nn.Module, example_inputs, **optimize_kwargs) -> tuple[Plan, bool]:
         """(the plan re-solved on the refit cluster, whether any layer's strategy changed).
@@ -128,20 +166,58 @@ class Drift:
         return new, changed
 
 
+    def replan_report(self, model: nn.Module, example_inputs, **optimize_kwargs
+                      ) -> tuple[Plan, str]:
+        """(the re-solved plan, one line on what it would gain): the plan re-solved on the
+        refit cluster against this plan re-priced there (its strategies pinned), both on
+        the figures this run measured."""
+        from planner.optimize import optimize
+
+        new, changed = self.replan(model, example_inputs, **optimize_kwargs)
+        if not changed:
+            return new, (f"hyplan: re-planned on the measured figures: the same strategies "
+                         f"stay the best ({new.predicted.step_time_s * 1e3:.1f} ms predicted)")
+        optimize_kwargs.setdefault("optimizer", self.plan.optimizer)
+        pinned = {l.name: l.strategy for l in self.plan.layers}
+        same = optimize(model, self.refit(), example_inputs=example_inputs, pin=pinned,
+                        **optimize_kwargs).predicted.step_time_s
+        t = new.predicted.step_time_s
+        moved = sum(pinned.get(l.name) != l.strategy for l in new.layers)
+        return new, (f"hyplan: re-planned on the measured figures: {t * 1e3:.1f} ms predicted "
+                     f"against {same * 1e3:.1f} ms for this plan ({same / t:.2f}x, {moved} "
+                     f"layer(s) change strategy)")
+
+
 class StepMonitor:
     """Times the first `steps` steps of a parallelized model, per layer, against its plan."""
 
-    def __init__(self, model: nn.Module, plan: Plan, steps: int = 5, skip: int = 2):
+    def __init__(self, model: nn.Module, plan: Plan, steps: int = 5, skip: int = 2,
+                 optimizer=None):
         self.plan, self.steps, self.skip = plan, steps, skip
         self._seen = 0
         self._step_times: list[float] = []
         self._layer_times: list[dict[str, float]] = []
+        self._update_times: list[float] = []
         self._current: dict[str, float] = {}
         self._handles = []
         planned = {l.name for l in plan.layers}
         for name, module in _modules(model).items():
             if name in planned or name.startswith("hyplan_reshard_"):
                 self._hook(name, module)
+        self._timed_update = optimizer is not None
+        if optimizer is not None:  # the update is its own term of the prediction
+            began = {}
+
+            def step_pre(*_):
+                began["t"] = time.perf_counter()
+
+            def step_post(*_):
+                if "t" in began:
+                    self._current[UPDATE] = (self._current.get(UPDATE, 0.0)
+                                             + time.perf_counter() - began.pop("t"))
+
+            self._handles += [optimizer.register_step_pre_hook(step_pre),
+                              optimizer.register_step_post_hook(step_post)]
 
     def _hook(self, name: str, module: nn.Module) -> None:
         starts: dict[str, float] = {}
@@ -177,7 +253,10 @@ class StepMonitor:
             return
         self._current = {}
         start = time.perf_counter()
-        yield
+        with warnings.catch_warnings():
+            # the first layer's input needs no gradient; its backward hook still times it
+            warnings.filterwarnings("ignore", message="Full backward hook is firing")
+            yield
         elapsed = time.perf_counter() - start
         self._seen += 1
         if self._seen > self.skip:  # the first steps warm up allocators and connections
@@ -197,13 +276,15 @@ class StepMonitor:
                                "monitor.step():`")
         i = sorted(range(len(self._step_times)), key=self._step_times.__getitem__)[
             len(self._step_times) // 2]  # the median step, with its own layer times
-        layers = self._layer_times[i]
+        layers = dict(self._layer_times[i])
+        update = layers.pop(UPDATE, 0.0)
         reshard = sum(t for n, t in layers.items() if n.startswith("hyplan_reshard_"))
         planned = {n: t for n, t in layers.items() if not n.startswith("hyplan_reshard_")}
         step = self._step_times[i]
         rest = max(0.0, step - sum(layers.values()))
         return Drift(self.plan, step, planned, reshard, rest, len(self._step_times),
-                     notes=[f"median of {statistics.median(self._step_times) * 1e3:.1f} ms"])
+                     notes=[f"median of {statistics.median(self._step_times) * 1e3:.1f} ms"],
+                     update_s=update if self._timed_update else None)
 
 
 def check_step_time(plan: Plan, step_s: float, threshold: float = 0.25) -> str | None:

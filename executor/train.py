@@ -14,6 +14,7 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -27,6 +28,9 @@ from executor.parallelize import parallelize
 from executor.step import train_step
 from planner.plan import Plan
 
+if TYPE_CHECKING:
+    from executor.monitor import Drift
+
 
 @dataclass
 class TrainResult:
@@ -38,6 +42,7 @@ class TrainResult:
     start_step: int
     losses: dict[int, float] = field(default_factory=dict)
     resumed_from: Path | None = None
+    drift: "Drift | None" = None  # the first steps timed against the plan (rank 0's view)
 
 
 def make_optimizer(name: str, params: Iterable, lr: float) -> torch.optim.Optimizer:
@@ -58,10 +63,17 @@ def make_optimizer(name: str, params: Iterable, lr: float) -> torch.optim.Optimi
 def train(model: nn.Module, plan: Plan, dataset: Dataset, loss_fn: Callable, *, steps: int,
           lr: float = 1e-3, checkpoint_dir: str | Path | None = None,
           checkpoint_every: int = 0, keep: int = 2, seed: int = 0, log_every: int = 1,
-          leaf_modules=(), report: Callable[[str], None] | None = None) -> TrainResult:
+          leaf_modules=(), report: Callable[[str], None] | None = None,
+          monitor: bool = True, drift_threshold: float = 0.15,
+          on_drift: Callable[["Drift"], list[str]] | None = None) -> TrainResult:
     """Train `model` (the same initial weights on every rank) under `plan` until `steps`
     global steps are done, resuming from the newest complete checkpoint in
-    `checkpoint_dir`. Saves every `checkpoint_every` steps and after the last one."""
+    `checkpoint_dir`. Saves every `checkpoint_every` steps and after the last one.
+
+    The loop is closed by default (`monitor`): the first steps are timed per layer
+    (executor.StepMonitor) and, where the measured step is off the prediction by more than
+    `drift_threshold`, rank 0 reports the drift by term and what `on_drift(drift)` adds
+    (`hyplan train`: the re-planned plan's predicted gain)."""
     if steps < 0:
         raise ValueError(f"steps: must be at least 0, got {steps}")
     if plan.is_mesh_3d:
@@ -81,12 +93,20 @@ def train(model: nn.Module, plan: Plan, dataset: Dataset, loss_fn: Callable, *, 
     progress = _Progress(plan, start, steps, log_every, report if rank == 0 else None)
     if resumed_from is not None:
         progress.say(f"resumed from {resumed_from} (step {start})")
+    watch = _monitor(model, plan, optimizer, steps - start) if monitor else None
 
     for step, batch in enumerate(rank_batches(dataset, plan, rank, start, steps, seed), start):
         batch = RankBatch(t.to(device) if isinstance(t, torch.Tensor) else t for t in batch)
         _fault("step", step, model)
         began = time.perf_counter()
-        result.losses[step] = train_step(model, plan, batch, loss_fn, optimizer)
+        if watch is not None and not watch.done:
+            with watch.step():
+                result.losses[step] = train_step(model, plan, batch, loss_fn, optimizer)
+            if watch.done:
+                result.drift = watch.drift()
+                _report_drift(result.drift, drift_threshold, progress, on_drift, rank)
+        else:
+            result.losses[step] = train_step(model, plan, batch, loss_fn, optimizer)
         progress.update(step, result.losses[step], time.perf_counter() - began)
         done = step + 1
         if checkpoint_dir and ((checkpoint_every and done % checkpoint_every == 0)
@@ -96,6 +116,32 @@ def train(model: nn.Module, plan: Plan, dataset: Dataset, loss_fn: Callable, *, 
             progress.say(f"checkpoint {path}")
     progress.close()
     return result
+
+
+def _monitor(model, plan: Plan, optimizer, steps: int):
+    """A StepMonitor over the first steps of a run of `steps` steps: 2 warm-up steps and 5
+    timed where there are 7, fewer where the run is shorter, none under 2."""
+    from executor.monitor import StepMonitor
+
+    if steps < 2:
+        return None
+    skip = 2 if steps >= 7 else 1
+    return StepMonitor(model, plan, steps=min(5, steps - skip), skip=skip, optimizer=optimizer)
+
+
+def _report_drift(drift, threshold: float, progress, on_drift, rank: int) -> None:
+    """Rank 0: when the step strays past `threshold`, the drift by term and what
+    `on_drift` adds; within it, one line saying so."""
+    if rank != 0:
+        return
+    if not drift.strays(threshold):
+        progress.say(f"hyplan: measured step {drift.step_s * 1e3:.1f} ms is within "
+                     f"{threshold:.0%} of the predicted {drift.predicted_s * 1e3:.1f} ms "
+                     f"({drift.ratio:.2f}x)")
+        return
+    progress.say(drift.message())
+    for line in (on_drift(drift) if on_drift else []):
+        progress.say(line)
 
 
 class _Progress:

@@ -98,7 +98,8 @@ def check_checkpoints(plan, directory: str | None) -> None:
 
 
 _WORKER_OPTIONS = ("steps", "lr", "checkpoint_dir", "checkpoint_every", "keep", "seed",
-                   "log_every", "dataset_size")
+                   "log_every", "dataset_size", "drift_threshold")
+_WORKER_FLAGS = ("replan", "no_monitor")
 _TORCHRUN_OPTIONS = ("nnodes", "node_rank", "rdzv_backend", "rdzv_endpoint", "rdzv_id",
                      "max_restarts", "master_port")
 
@@ -119,6 +120,7 @@ def torchrun_command(args) -> list[str]:
         value = getattr(args, name)
         if value is not None:
             cmd.append(f"--{name.replace('_', '-')}={value}")
+    cmd += [f"--{name.replace('_', '-')}" for name in _WORKER_FLAGS if getattr(args, name, False)]
     return cmd
 
 
@@ -134,6 +136,9 @@ def run_train(args) -> int:
         raise ValueError(f"--steps: must be at least 0, got {args.steps}")
     if args.lr <= 0:
         raise ValueError(f"--lr: the learning rate must be positive, got {args.lr}")
+    if args.drift_threshold is not None and args.drift_threshold <= 0:
+        raise ValueError(f"--drift-threshold: must be positive (0.15 is 15%), got "
+                         f"{args.drift_threshold}")
     if args.checkpoint_every < 0:
         raise ValueError(f"--checkpoint-every: must be 0 (only at the end) or more, got "
                          f"{args.checkpoint_every}")
@@ -186,6 +191,16 @@ def add_parser(commands) -> None:
                    help="print progress every STEPS steps (default 1)")
     p.add_argument("--dataset-size", type=int, help="rows of the synthetic dataset "
                    "(default 64 global batches)")
+    loop = p.add_argument_group("closed loop (on by default)")
+    loop.add_argument("--drift-threshold", type=float, metavar="FRACTION",
+                      help="the first steps are timed per layer; when the measured step is "
+                      "off the prediction by more than this (default 0.15), the drift is "
+                      "printed by term with the re-planned plan's predicted gain")
+    loop.add_argument("--replan", action="store_true",
+                      help="on drift, also write the re-planned plan beside PLAN.json "
+                      "(PLAN.replanned.json) to resume under")
+    loop.add_argument("--no-monitor", action="store_true",
+                      help="do not time the first steps against the prediction")
     launch = p.add_argument_group("launch (passed to torchrun)")
     launch.add_argument("--nproc-per-node", type=int, help="processes on this node "
                         "(default: the plan's devices per node)")
@@ -223,6 +238,9 @@ def worker(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--log-every", type=int, default=1)
     p.add_argument("--dataset-size", type=int)
+    p.add_argument("--drift-threshold", type=float, default=0.15)
+    p.add_argument("--replan", action="store_true")
+    p.add_argument("--no-monitor", action="store_true")
     args = p.parse_args(argv)
 
     plan = read_plan(args.plan)
@@ -240,10 +258,31 @@ def worker(argv: Sequence[str] | None = None) -> int:
             model, inputs, loss_fn, args.dataset_size or 64 * plan.global_batch, args.seed))
         train(model, plan, dataset, loss_fn, steps=args.steps, lr=args.lr,
               checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
-              keep=args.keep, seed=args.seed, log_every=args.log_every, report=print)
+              keep=args.keep, seed=args.seed, log_every=args.log_every, report=print,
+              monitor=not args.no_monitor, drift_threshold=args.drift_threshold,
+              on_drift=lambda drift: replanned(drift, factory, args))
     finally:
         dist.destroy_process_group()
     return 0
+
+
+def replanned(drift, factory, args) -> list[str]:
+    """Rank 0, when the first steps strayed: the plan re-solved on the figures this run
+    measured, and what it would gain; with --replan, that plan written beside PLAN.json."""
+    from pathlib import Path
+
+    model, inputs, _ = build_for_training(factory, drift.plan.global_batch, args.seed)
+    try:
+        new, line = drift.replan_report(model, inputs)
+    except Exception as error:  # noqa: BLE001 - a failed re-plan must not stop training
+        return [f"hyplan: could not re-plan on the measured figures ({error})"]
+    if not args.replan:
+        return [line, "hyplan: pass --replan to write that plan and resume under it"]
+    path = Path(args.plan).with_suffix(".replanned.json")
+    new.save(path)
+    resume = (f" --checkpoint-dir {args.checkpoint_dir}" if args.checkpoint_dir else "")
+    return [line, f"hyplan: re-planned plan written to {path}; continue under it with "
+            f"`hyplan train {path} {args.model}{resume}`"]
 
 
 if __name__ == "__main__":

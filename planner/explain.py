@@ -69,6 +69,7 @@ def summary(plan: Plan) -> list[str]:
         f"optimizer {plan.optimizer}",
         f"Precision: {plan.training_precision.describe()}"
         + (f" (FLOP rate read at {c.dtype})" if c.dtype else ""),
+        f"Priced with: {c.source or 'the catalog figures of ' + c.device.name}",
         f"Predicted step time: {_ms(p.step_time_s)} = compute {_ms(p.compute_s)} + "
         f"communication {_ms(p.communication_s)}"
         + (f" ({_gb(p.communication_bytes)} sent per device)" if p.communication_bytes else "")

@@ -192,10 +192,11 @@ class CostCache:
         self._edge: dict = {}
         self.hits = self.misses = 0
 
-    def layer(self, layer: Layer, tp: int, rows: int):
-        """(strategies, costs) of `layer` on `rows` rows over a tp group."""
+    def layer(self, layer: Layer, tp: int, rows: int, computing: float | None = None):
+        """(strategies, costs) of `layer` on `rows` rows over a tp group, while `computing`
+        of a node's processes compute at once (None: all of them)."""
         tied = layer.node in self.tied
-        key = (_signature(layer), tp, rows, tied)
+        key = (_signature(layer), tp, rows, computing, tied)
         hit = self._layer.get(key)
         if hit is not None:
             self.hits += 1
@@ -203,6 +204,8 @@ class CostCache:
         self.misses += 1
         scaled = _scaled(layer, self.graph.batch_size, rows)
         cluster = self.cluster
+        if computing is not None:
+            cluster = cluster.computing_at_once(computing)
         if group_link(cluster, tp) is cluster.inter_node:  # the catalog prices link(tp)
             cluster = cluster.model_copy(update={"intra_node": cluster.inter_node})
         ctx = CostContext(cluster=cluster, ranks=tp, batch=rows, optimizer=self.optimizer)
@@ -247,10 +250,14 @@ def build(cache: CostCache, pp: int, dp: int, tp: int, rows: int,
         unit_of.append(len(unit_names) - 1)
 
     sync_link = group_link(cluster, dp * tp)  # a dp group spans dp·tp consecutive ranks
+    # processes sharing a machine's cores: a stage waiting for its input holds no core, so
+    # of pp stages, m microbatches, pp·m/(m+pp-1) compute at once on average
+    m = max(1, graph.batch_size // (dp * rows))
+    computing = cluster.devices_per_node * m / (m + pp - 1) if pp > 1 else None
     options: list[LayerOptions] = []
     strategies, costs, scaled_layers, local = [], [], [], []
     for i, layer in enumerate(graph.layers):
-        scaled, strats, cs, ctx = cache.layer(layer, tp, rows)
+        scaled, strats, cs, ctx = cache.layer(layer, tp, rows, computing)
         if pin and layer.name in pin and any(s.name == pin[layer.name] for s in strats):
             keep = [j for j, s in enumerate(strats) if s.name == pin[layer.name]]
             strats, cs = tuple(strats[j] for j in keep), tuple(cs[j] for j in keep)

@@ -6,12 +6,16 @@ Three measurements, each the figure the cost model divides by:
   `torch.utils.benchmark` (median of blocked runs), at the threads each process gets;
 - collectives: all-reduce, all-gather, reduce-scatter, all-to-all and send/recv over a
   real process group of P spawned ranks (gloo on CPU; NCCL timed with CUDA events where
-  there are P GPUs), at sizes from 1 KB to 32 MB, each as a training step meets it:
+  there are P GPUs), at sizes from 1 KB to 128 MB, each as a training step meets it:
   after a burst of compute on every rank (blocking collectives: one rank waits for the
-  other), and DDP's bucket all-reduce with the ranks started together; then alpha (latency per message)
-  and beta (bandwidth per rank) fitted per collective by least squares against the ring
-  formulas of `strategies.collectives` (relative error weighted, so 1 KB counts as much
-  as 32 MB);
+  other), and DDP's bucket all-reduce with the ranks started together; each call timed
+  from the moment its last rank arrives to the moment its last rank leaves (a rank that
+  arrives early sleeps and gives its core away: that wait is the peers' compute, not the
+  collective's cost); then alpha (latency per message) and beta (bandwidth per rank)
+  fitted per collective by least squares against the ring formulas of
+  `strategies.collectives` (relative error weighted, so 1 KB counts as much as 128 MB),
+  piecewise where the bandwidth changes with size (`fit_collective`: past the shared
+  cache gloo's copies stream from memory, about half as fast);
 - DTensor's fixed costs: a tiny Linear run through ColwiseParallel / RowwiseParallel, and
   a tiny DTensor redistribute, against the plain op and the fitted collective they issue.
 
@@ -37,15 +41,18 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from strategies.cluster import Cluster
 from strategies.collectives import COEFFICIENTS
-from strategies.devices import CollectiveFit, DeviceSpec, LinkSpec, shared_cache_bytes
+from strategies.devices import CollectiveFit, DeviceSpec, LinkSpec, Regime, shared_cache_bytes
 
 PROFILE_SCHEMA = "hyplan.cluster-profile/1"
-# Up to 32 MB. Past the shared cache gloo's copies stream from memory on every rank at
-# once: a 64-128 MB all-gather took twice what this fit predicts, but one line fitted
-# through 128 MB overprices every smaller message (4-process median error 8% -> 41%); a
-# second bandwidth for messages past the cache is the fix still to make.
-SIZES = (1 << 10, 16 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 32 << 20)
-QUICK_SIZES = (1 << 10, 64 << 10, 1 << 20, 8 << 20, 32 << 20)
+# Up to 128 MB. Past the shared cache gloo's copies stream from memory on every rank at
+# once: a 64-128 MB all-gather took twice what a fit on sizes <= 32 MB predicts, and one
+# line fitted through 128 MB overpriced every smaller message (4-process median error 8% ->
+# 41%), so the fit is piecewise (fit_collective) and the sizes reach past the cache.
+SIZES = (1 << 10, 16 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 32 << 20, 64 << 20,
+         128 << 20)
+QUICK_SIZES = (1 << 10, 1 << 20, 8 << 20, 32 << 20, 64 << 20, 128 << 20)
+# a second regime must at least halve the one line's squared relative error to be kept
+SPLIT_GAIN = 0.5
 MEASURED = ("all_reduce", "bucket_all_reduce", "all_gather", "reduce_scatter", "all_to_all",
             "send_recv")
 
@@ -74,6 +81,9 @@ class ClusterProfile(BaseModel):
     backend: str
     cores: int
     threads_per_process: int
+    cpu_model: str = ""
+    quick: bool = False  # made by the quick calibration (first use of a local device)
+    seconds: float = 0.0  # how long measuring took
     device: DeviceSpec
     links: dict[int, LinkSpec] = Field(description="fitted link per process count")
     dtensor_layer_overhead_s: dict[int, float] = Field(default_factory=dict)
@@ -93,16 +103,31 @@ class ClusterProfile(BaseModel):
     def cluster(self, devices_per_node: int | None = None, nodes: int | None = None) -> Cluster:
         """A Cluster of `devices_per_node` of the measured devices (default: the largest
         process count measured), with the link fitted at that count (or the nearest)."""
-        per_node = devices_per_node or max(self.links)
+        per_node = devices_per_node or max(self.links, default=1)
         link = self._nearest(self.links, per_node)
-        slowdown = self._nearest(self.compute_slowdown, per_node)
-        if slowdown is None:  # not measured: processes beyond the cores time-share them
-            slowdown = 1.0
-            if self.device.kind == "cpu":
-                slowdown = max(1.0, per_node * self.threads_per_process / self.cores)
+        slowdown = self.compute_slowdown.get(per_node)
+        if slowdown is None and self.device.kind == "cpu":
+            # not measured at this count: the time-sharing rule from the nearest count
+            # measured (or from none: the bare share of the cores)
+            from strategies.cluster import time_sharing_slowdown
+
+            measured_at = min(self.compute_slowdown or {per_node: 1.0},
+                              key=lambda k: (abs(k - per_node), -k))
+            slowdown = time_sharing_slowdown(
+                per_node, measured_at, self.threads_per_process, self.cores,
+                self.compute_slowdown.get(measured_at) or max(
+                    1.0, measured_at * self.threads_per_process / self.cores))
+        elif slowdown is None:
+            slowdown = self._nearest(self.compute_slowdown, per_node) or 1.0
+        if link is None:  # one process: nothing was communicated; the loopback default
+            from strategies.devices import CPU_LINK
+
+            link = CPU_LINK
         return Cluster(
             device=self.device, nodes=nodes or 1, devices_per_node=per_node,
             intra_node=link, inter_node=link,
+            cores=self.cores if self.device.kind == "cpu" else 0,
+            threads_per_device=self.threads_per_process,
             dtensor_layer_overhead_s=self._nearest(self.dtensor_layer_overhead_s, per_node) or 0.0,
             dtensor_reshard_overhead_s=self._nearest(self.dtensor_reshard_overhead_s, per_node) or 0.0,
             compute_slowdown=slowdown,
@@ -110,7 +135,14 @@ class ClusterProfile(BaseModel):
             step_overhead_s=self._nearest(self.step_overhead_s, per_node) or 0.0,
             fsdp_overhead_s_per_byte=self._nearest(self.fsdp_overhead_s_per_byte,
                                                    per_node) or 0.0,
-            source=f"hyplan calibrate on {self.host}, {self.created}")
+            source=self.describe())
+
+    def describe(self) -> str:
+        """Which measurement this is, for explain(): host, when, how."""
+        how = "quick calibration" if self.quick else "hyplan calibrate"
+        counts = "/".join(str(p) for p in sorted(self.links)) or "1"
+        return (f"{how} of {self.host} ({self.cpu_model or self.device.name}, {self.cores} "
+                f"cores, {counts} processes, torch {self.torch_version}), made {self.created}")
 
     def save(self, path: str | Path) -> None:
         path = Path(path)
@@ -169,9 +201,58 @@ def fit_alpha_beta(samples: list[Sample]) -> CollectiveFit:
     return CollectiveFit(latency_s=float(alpha), bandwidth_bytes_per_s=float(1.0 / inv_beta))
 
 
-def fit_link(samples: list[Sample], name: str, source: str) -> LinkSpec:
-    """A LinkSpec with one fit per collective; its own figures are all-reduce's."""
-    fits = {c: fit_alpha_beta([s for s in samples if s.collective == c])
+def _squared_error(fit: CollectiveFit, samples: list[Sample]) -> float:
+    """Sum over samples of ((predicted - measured) / measured)^2."""
+    total = 0.0
+    for s in samples:
+        a, b = COEFFICIENTS[s.collective](s.ranks)
+        alpha, beta = fit.alpha_beta(s.nbytes)
+        total += ((a * alpha + b * s.nbytes / beta) / s.seconds - 1.0) ** 2
+    return total
+
+
+def _two_lines(samples: list[Sample], above_bytes: float) -> CollectiveFit:
+    lower = fit_alpha_beta([s for s in samples if s.nbytes <= above_bytes])
+    upper = fit_alpha_beta([s for s in samples if s.nbytes > above_bytes])
+    return CollectiveFit(latency_s=lower.latency_s,
+                         bandwidth_bytes_per_s=lower.bandwidth_bytes_per_s,
+                         regimes=(Regime(above_bytes=above_bytes, latency_s=upper.latency_s,
+                                         bandwidth_bytes_per_s=upper.bandwidth_bytes_per_s),))
+
+
+def fit_collective(samples: list[Sample], split_bytes: float | None = None,
+                   min_sizes: int = 2) -> CollectiveFit:
+    """One collective's cost, piecewise where its bandwidth changes with size.
+
+    With `split_bytes` (on CPU: the shared cache, past which gloo's copies stream from
+    memory), sizes up to it get one line and sizes past it another (`fit_alpha_beta` on
+    each side), when each side has `min_sizes` sizes; else one line. Without it, every
+    split of the measured sizes (the lower range with one size more than `min_sizes`)
+    is tried and the one with the least squared relative error is kept if it at least
+    halves the one line's (SPLIT_GAIN): where a library changes protocol with size and
+    the machine says nothing of where. Data made by two exact lines is recovered
+    exactly; a searched split lies at the largest size measured below the change."""
+    sizes = sorted({s.nbytes for s in samples})
+    if split_bytes is not None:
+        below = sum(n <= split_bytes for n in sizes)
+        if below < min_sizes or len(sizes) - below < min_sizes:
+            return fit_alpha_beta(samples)
+        return _two_lines(samples, split_bytes)
+    one = fit_alpha_beta(samples)
+    best, best_error = one, _squared_error(one, samples) * SPLIT_GAIN
+    for i in range(min_sizes + 1, len(sizes) - min_sizes + 1):
+        fit = _two_lines(samples, sizes[i - 1])
+        error = _squared_error(fit, samples)
+        if error < best_error:
+            best, best_error = fit, error
+    return best
+
+
+def fit_link(samples: list[Sample], name: str, source: str,
+             split_bytes: float | None = None) -> LinkSpec:
+    """A LinkSpec with one (piecewise, `fit_collective`) fit per collective; its own
+    figures are all-reduce's for small messages."""
+    fits = {c: fit_collective([s for s in samples if s.collective == c], split_bytes)
             for c in sorted({s.collective for s in samples})}
     base = fits.get("all_reduce") or next(iter(fits.values()))
     return LinkSpec(name=name, bandwidth_bytes_per_s=base.bandwidth_bytes_per_s,
@@ -180,22 +261,34 @@ def fit_link(samples: list[Sample], name: str, source: str) -> LinkSpec:
 
 # --- measuring, inside each rank ------------------------------------------------------------
 
-def _timer(device: torch.device):
-    """seconds(fn): one timed call, with CUDA events on a GPU."""
+def _span_timer(device: torch.device):
+    """span(fn) -> (start, end) of one call in seconds. On CPU the clock is the host's
+    monotonic clock, which every process on the machine shares, so spans of one call on
+    several ranks can be compared; on a GPU, CUDA events (start 0: durations only)."""
     if device.type == "cuda":
-        def seconds(fn):
+        def span(fn):
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
             fn()
             end.record()
             end.synchronize()
-            return start.elapsed_time(end) / 1e3
-        return seconds
+            return 0.0, start.elapsed_time(end) / 1e3
+        return span
 
-    def seconds(fn):
+    def span(fn):
         begin = time.perf_counter()
         fn()
-        return time.perf_counter() - begin
+        return begin, time.perf_counter()
+    return span
+
+
+def _timer(device: torch.device):
+    """seconds(fn): one timed call, with CUDA events on a GPU."""
+    span = _span_timer(device)
+
+    def seconds(fn):
+        begin, end = span(fn)
+        return end - begin
     return seconds
 
 
@@ -224,27 +317,45 @@ def _in_step_time(fn, device, repeats: int) -> float:
     per collective, against 0.2-0.5 ms after a barrier (a 1 KB gloo all-reduce), which made
     tensor-parallel plans of small models look 2x faster than they ran. And the mean, not
     the median: such latencies are bimodal, and a step is a sum of many of them."""
-    seconds = _timer(device)
+    return _trimmed_mean([end - start for start, end in _in_step_spans(fn, device, repeats)])
+
+
+def _in_step_spans(fn, device, repeats: int) -> list[tuple[float, float]]:
+    """(start, end) of each of `repeats` calls of `fn`, each after a compute burst (see
+    `_in_step_time`); `_call_seconds` combines the ranks' spans of one call."""
+    span = _span_timer(device)
     burst = _compute_burst(device)
     fn()  # warm up: connections, buffers
     dist.barrier()
-    times = []
+    spans = []
     for _ in range(repeats):
         burst()
-        times.append(seconds(fn))
-    return _trimmed_mean(times)
+        spans.append(span(fn))
+    return spans
 
 
-def _together_time(fn, device, repeats: int) -> float:
-    """Seconds of `fn` when every rank calls it at the same moment (a barrier first), as
-    DDP's bucket all-reduces are issued: the mean of the middle 80%."""
-    seconds = _timer(device)
+def _together_spans(fn, device, repeats: int) -> list[tuple[float, float]]:
+    """(start, end) of each call of `fn` when every rank calls it at the same moment (a
+    barrier first), as DDP's bucket all-reduces are issued."""
+    span = _span_timer(device)
     fn()
-    times = []
+    spans = []
     for _ in range(repeats):
         dist.barrier()
-        times.append(seconds(fn))
-    return _trimmed_mean(times)
+        spans.append(span(fn))
+    return spans
+
+
+def _call_seconds(spans_per_rank: list[list[tuple[float, float]]]) -> float:
+    """What one collective costs a step, from every rank's spans of the same calls: from
+    the last rank's arrival to the last rank's exit, the mean of the middle 80% over calls.
+    Time a rank spends in the call before the last one arrives is its peers still
+    computing (with more processes than cores, computing on the core it gave away); the
+    cost model charges that to compute. On a GPU spans start at 0: the slowest rank's
+    duration."""
+    per_call = zip(*spans_per_rank)
+    return _trimmed_mean([max(e for _, e in call) - max(s for s, _ in call)
+                          for call in per_call])
 
 
 def _trimmed_mean(times: list[float]) -> float:
@@ -408,7 +519,8 @@ def _fsdp_step(device, repeats: int = 9) -> dict[str, float]:
             "layer_bytes": float(2048 * 2049 * 4), "layers": 2.0}
 
 
-def _contention(rank: int, device, quiet_wait_s: float, trials: int = 5) -> dict[str, float]:
+def _contention(rank: int, device, quiet_wait_s: float, trials: int = 5,
+                repeats: int = 9) -> dict[str, float]:
     """Rank 0 alone (the others idle in a barrier), then every rank at once, in turn
     `trials` times: the median of the ratios, so that load elsewhere on the machine, which
     drifts, weighs on both sides alike."""
@@ -419,9 +531,9 @@ def _contention(rank: int, device, quiet_wait_s: float, trials: int = 5) -> dict
         if quiet_wait_s > 0 and rank == 0:
             wait_for_quiet(quiet_wait_s)
         dist.barrier()
-        alone = contention_ops(device, 9) if rank == 0 else None
+        alone = contention_ops(device, repeats) if rank == 0 else None
         dist.barrier()
-        together = contention_ops(device, 9)
+        together = contention_ops(device, repeats)
         dist.barrier()
         if rank == 0:
             for key in ratios:
@@ -429,33 +541,48 @@ def _contention(rank: int, device, quiet_wait_s: float, trials: int = 5) -> dict
     return {key: statistics.median(r) if r else 1.0 for key, r in ratios.items()}
 
 
-def _rank_measure(rank: int, world: int, sizes, repeats: int, quiet_wait_s: float = 0.0) -> dict:
+def repeats_for(nbytes: int, repeats: int) -> int:
+    """Fewer calls of the largest messages: a 128 MB gloo all-gather takes 0.2-0.6 s here,
+    and its spread is small against its size."""
+    if nbytes >= 64 << 20:
+        return max(3, repeats // 5)
+    if nbytes >= 16 << 20:
+        return max(5, repeats // 2)
+    return repeats
+
+
+def _rank_measure(rank: int, world: int, sizes, repeats: int, quiet_wait_s: float = 0.0,
+                  quick: bool = False) -> dict:
     from profiler.launch import wait_for_quiet
 
     device = torch.device("cuda", rank) if dist.get_backend() == "nccl" else torch.device("cpu")
-    together = _contention(rank, device, quiet_wait_s)
-    samples = []
+    together = _contention(rank, device, quiet_wait_s, trials=3 if quick else 5,
+                           repeats=5 if quick else 9)
+    spans = []
     for name in MEASURED:
         if name == "send_recv" and world != 2:
             continue  # one pair is enough; it is measured on 2 ranks
+        if name == "all_to_all" and dist.get_backend() == "gloo":
+            continue  # DTensor runs it as an all-gather on gloo: calibrate() copies those
         for nbytes in sizes:
             if quiet_wait_s > 0:  # on a shared machine, measure between others' bursts
                 if rank == 0:
                     wait_for_quiet(quiet_wait_s)
                 dist.barrier()
             try:
-                timing = _together_time if name == "bucket_all_reduce" else _in_step_time
-                t = timing(_collective_call(name, nbytes, rank, world, device), device,
-                           repeats)
+                timing = _together_spans if name == "bucket_all_reduce" else _in_step_spans
+                calls = timing(_collective_call(name, nbytes, rank, world, device), device,
+                               repeats_for(nbytes, repeats))
             except RuntimeError as error:  # e.g. a collective the backend lacks
                 if "not supported" in str(error).lower() or "unsupported" in str(error).lower():
                     break
                 raise
-            samples.append((name, nbytes, t / 2 if name == "send_recv" else t))
+            spans.append((name, nbytes, calls))
     # tiny ops: many repeats are cheap, and the difference of two medians needs them
-    return {"samples": samples, "dtensor": _dtensor_overheads(rank, world, device, 31),
-            "contention": together, "step": _step_overhead(device),
-            "fsdp": _fsdp_step(device)}
+    return {"spans": spans,
+            "dtensor": _dtensor_overheads(rank, world, device, 15 if quick else 31),
+            "contention": together, "step": _step_overhead(device, 11 if quick else 21),
+            "fsdp": _fsdp_step(device, 5 if quick else 9)}
 
 
 # --- compute ---------------------------------------------------------------------------------
@@ -485,6 +612,12 @@ def measure_compute(threads: int, device: str = "cpu") -> DeviceSpec:
         src = torch.ones(256 * 2**20 // 4, device=dev)  # touched: untouched pages read as
         dst = torch.zeros_like(src)  # one shared zero page, which sits in cache
         bandwidth = 2 * src.numel() * 4 / median_s("dst.copy_(src)", {"dst": dst, "src": src})
+        half = {}
+        if dev.type == "cuda":  # tensor cores: the rate of each low-precision dtype
+            for dtype in (torch.bfloat16, torch.float16):
+                h, g = a.to(dtype), b.to(dtype)
+                half[str(dtype).removeprefix("torch.")] = 2 * n**3 / median_s(
+                    "h @ g", {"h": h, "g": g})
     if dev.type == "cuda":
         memory = float(torch.cuda.get_device_properties(dev).total_memory)
         name = torch.cuda.get_device_name(dev)
@@ -494,7 +627,7 @@ def measure_compute(threads: int, device: str = "cpu") -> DeviceSpec:
     return DeviceSpec(
         name=name, kind=dev.type, efficiency=1.0,
         peak_flops={"float32": matmul, "bfloat16": matmul / 2, "float16": matmul / 4}
-        if dev.type == "cpu" else {"float32": matmul},
+        if dev.type == "cpu" else {"float32": matmul, **half},
         op_flops={"matmul": matmul, "conv2d": conv},
         memory_bytes=memory, memory_bandwidth_bytes_per_s=bandwidth,
         cache_bytes=shared_cache_bytes() if dev.type == "cpu" else 0.0,
@@ -504,17 +637,26 @@ def measure_compute(threads: int, device: str = "cpu") -> DeviceSpec:
 # --- the whole calibration -------------------------------------------------------------------
 
 def calibrate(processes=(2, 4), quick: bool = False, repeats: int | None = None,
-              log=print, quiet_wait_s: float = 0.0) -> ClusterProfile:
+              log=print, quiet_wait_s: float = 0.0, kind: str | None = None) -> ClusterProfile:
     """Measure this machine: compute at the threads each of max(processes) gets, and the
-    collectives on every process count in `processes`. `quiet_wait_s`: before each
-    measurement, wait up to that long for other processes' load to pause."""
+    collectives on every process count of at least 2 in `processes` (`(1,)`: compute
+    only). `quiet_wait_s`: before each measurement, wait up to that long for other
+    processes' load to pause. `kind`: "cpu" or "cuda" (default: CUDA where this machine
+    has max(processes) GPUs)."""
     from profiler.launch import run_ranks
+    from profiler.machine import cpu_model
     from strategies.cluster import cpu_threads_per_device
 
+    started = time.perf_counter()
     cuda = torch.cuda.is_available() and torch.cuda.device_count() >= max(processes)
+    if kind is not None:
+        if kind == "cuda" and not cuda:
+            raise ValueError(f"calibrate: {max(processes)} CUDA devices asked for, this "
+                             f"machine has {torch.cuda.device_count()}")
+        cuda = kind == "cuda"
     backend = "nccl" if cuda else "gloo"
     sizes = QUICK_SIZES if quick else SIZES
-    repeats = repeats or (15 if quick else 25)
+    repeats = repeats or (10 if quick else 25)
     cores = os.cpu_count() or 1
     threads = torch.get_num_threads() if cuda else cpu_threads_per_device(max(processes))
 
@@ -530,25 +672,32 @@ def calibrate(processes=(2, 4), quick: bool = False, repeats: int | None = None,
 
     links, layer_overhead, reshard_overhead, all_samples = {}, {}, {}, []
     compute_slowdown, memory_slowdown, step_overhead, fsdp_overhead = {}, {}, {}, {}
-    for world in processes:
+    for world in (p for p in processes if p >= 2):
         log(f"collectives on {world} {backend} ranks: {', '.join(MEASURED)}, "
             f"{len(sizes)} sizes x {repeats} repeats")
-        per_rank = run_ranks(_rank_measure, world, sizes, repeats, quiet_wait_s, backend=backend,
-                             threads=1 if backend == "gloo" else threads)
-        # a collective ends when its slowest rank does
-        timings: dict[tuple[str, int], float] = {}
-        for result in per_rank:
-            for name, nbytes, t in result["samples"]:
-                timings[name, nbytes] = max(timings.get((name, nbytes), 0.0), t)
-        samples = [Sample(collective=n, ranks=world, nbytes=b, seconds=t)
-                   for (n, b), t in timings.items()]
+        per_rank = run_ranks(_rank_measure, world, sizes, repeats, quiet_wait_s, quick,
+                             backend=backend, threads=1 if backend == "gloo" else threads)
+        samples = []
+        for i, (name, nbytes, _) in enumerate(per_rank[0]["spans"]):
+            t = _call_seconds([r["spans"][i][2] for r in per_rank])
+            samples.append(Sample(collective=name, ranks=world, nbytes=nbytes,
+                                  seconds=t / 2 if name == "send_recv" else t))
+        if backend == "gloo":  # DTensor's all-to-all on gloo is an all-gather (see above)
+            samples += [s.model_copy(update={"collective": "all_to_all"})
+                        for s in samples if s.collective == "all_gather"]
         all_samples += samples
+        # on CPU the regimes change where the processes' data spills the shared cache
         link = fit_link(samples, f"{backend} ({world} processes)",
-                        f"fitted by hyplan calibrate on {platform.node()}")
+                        f"fitted by hyplan calibrate on {platform.node()}",
+                        split_bytes=device.cache_bytes or None)
         links[world] = link
         for name, fit in link.collectives.items():
-            log(f"  {name:<15} alpha {fit.latency_s * 1e3:7.3f} ms   beta "
-                f"{fit.bandwidth_bytes_per_s / 1e9:6.2f} GB/s")
+            line = (f"  {name:<17} alpha {fit.latency_s * 1e3:7.3f} ms   beta "
+                    f"{fit.bandwidth_bytes_per_s / 1e9:6.2f} GB/s")
+            for r in fit.regimes:
+                line += (f"; past {r.above_bytes / 2**20:g} MB: alpha {r.latency_s * 1e3:.3f} "
+                         f"ms, beta {r.bandwidth_bytes_per_s / 1e9:.2f} GB/s")
+            log(line)
         layer_overhead[world], reshard_overhead[world] = _overheads(per_rank, world, link)
         for key, table in (("compute", compute_slowdown), ("memory", memory_slowdown)):
             table[world] = max(1.0, per_rank[0]["contention"][key])
@@ -564,7 +713,8 @@ def calibrate(processes=(2, 4), quick: bool = False, repeats: int | None = None,
     return ClusterProfile(
         created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         host=platform.node(), torch_version=torch.__version__, backend=backend, cores=cores,
-        threads_per_process=threads, device=device, links=links,
+        threads_per_process=threads, cpu_model=cpu_model(), quick=quick,
+        seconds=round(time.perf_counter() - started, 1), device=device, links=links,
         dtensor_layer_overhead_s=layer_overhead, dtensor_reshard_overhead_s=reshard_overhead,
         compute_slowdown=compute_slowdown, memory_slowdown=memory_slowdown,
         step_overhead_s=step_overhead, fsdp_overhead_s_per_byte=fsdp_overhead,

@@ -35,6 +35,21 @@ def _median_time(fn, repeats: int = 5) -> float:
     return sorted(times)[len(times) // 2]
 
 
+def cpu_model() -> str:
+    """The CPU's model name ("AMD EPYC 9654 96-Core Processor"), from /proc/cpuinfo where
+    Linux has it, else what the platform module says; part of a profile's cache key."""
+    import platform
+
+    try:
+        with open("/proc/cpuinfo") as info:
+            for line in info:
+                if line.lower().startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 @lru_cache(maxsize=8)
 def measure_cpu(thread_count: int | None = None) -> tuple[float, float]:
     """(matmul FLOP/s, copy bandwidth bytes/s) with `thread_count` threads."""

@@ -164,7 +164,8 @@ def _bucketed_all_reduce_s(param_bytes: float, ctx: CostContext) -> float:
     if ctx.ranks <= 1 or param_bytes <= 0:
         return 0.0
     a, b = COEFFICIENTS["all_reduce"](ctx.ranks)
-    alpha, beta = ctx.link.alpha_beta("bucket_all_reduce")
+    # the bucket's size picks the regime; a layer's weight larger than a bucket is its own
+    alpha, beta = ctx.link.alpha_beta("bucket_all_reduce", param_bytes)
     return a * alpha * min(1.0, param_bytes / DDP_BUCKET_BYTES) + b * param_bytes / beta
 
 

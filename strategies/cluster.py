@@ -8,19 +8,16 @@ from __future__ import annotations
 
 import os
 import re
-from functools import lru_cache
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from strategies.devices import (
-    CPU_LINK,
     DEVICES,
     INTER_NODE,
     INTRA_NODE,
     DeviceSpec,
     LinkSpec,
     link_family,
-    local_cpu,
 )
 from strategies.precision import Precision, check_supported, default_precision, parse_precision
 
@@ -52,6 +49,10 @@ class Cluster(BaseModel):
     # FSDP2's cost per byte of a sharded layer's weights beyond its collectives (copies
     # into and out of its flat buffers); measured by `hyplan calibrate`, 0 elsewhere
     fsdp_overhead_s_per_byte: float = Field(0.0, ge=0)
+    # the cores one node's devices share (CPU processes on one machine); 0: each device
+    # computes on its own (GPUs), and compute_slowdown is all there is to it
+    cores: int = Field(0, ge=0)
+    threads_per_device: int = Field(1, ge=1)
     source: str = ""
 
     @model_validator(mode="after")
@@ -89,6 +90,23 @@ class Cluster(BaseModel):
         """The slowest link a ring over `group_size` consecutive devices crosses."""
         return self.intra_node if group_size <= self.devices_per_node else self.inter_node
 
+    def time_sharing(self, computing: float) -> float:
+        """How much slower a compute phase runs while `computing` of this node's processes
+        compute at once (`time_sharing_slowdown`; the measured `compute_slowdown` where
+        the devices do not share cores)."""
+        if not self.cores:
+            return self.compute_slowdown
+        return time_sharing_slowdown(computing, self.devices_per_node, self.threads_per_device,
+                                     self.cores, self.compute_slowdown)
+
+    def computing_at_once(self, computing: float) -> "Cluster":
+        """This cluster priced for phases in which `computing` of a node's processes
+        compute at once (`time_sharing`): what a pipeline's stage costs are read from."""
+        if not self.cores or computing >= self.devices_per_node:
+            return self
+        return self.model_copy(update={"compute_slowdown": self.time_sharing(computing),
+                                       "cores": 0})
+
     def describe(self) -> str:
         n = f"{self.devices_per_node}x{self.device.name}"
         return n if self.nodes == 1 else f"{self.nodes}x{n}"
@@ -102,20 +120,30 @@ _PROFILE = re.compile(r"^\s*(?:(\d+)\s*x\s*)?(.+\.json)\s*$", re.IGNORECASE)
 _SPEC = re.compile(r"^\s*(?:(\d+)\s*x\s*)?(?:(\d+)\s*x\s*)?([A-Za-z][\w.\-]*)\s*$")
 
 
-@lru_cache(maxsize=8)
-def _cpu_device(threads: int) -> DeviceSpec:
-    return local_cpu(threads)
-
-
 def cpu_threads_per_device(num_devices: int) -> int:
     """Intra-op threads each CPU 'device' (process) gets when they share this machine."""
     return max(1, (os.cpu_count() or 1) // num_devices)
 
 
-def cpu_slowdown(processes: int, threads: int) -> float:
-    """How much slower each process computes when `processes` x `threads` outnumber this
-    machine's cores (all ranks compute at once under data parallelism)."""
-    return max(1.0, processes * threads / (os.cpu_count() or 1))
+def time_sharing_slowdown(computing: float, processes: int, threads: int, cores: int,
+                          measured: float) -> float:
+    """How much slower a compute phase runs while `computing` processes of `threads` threads
+    each compute at once on `cores` cores, given `measured`: the slowdown of all
+    `processes` computing at once against one alone (`hyplan calibrate`).
+
+    A process waiting in a collective or for a pipeline stage's input sleeps and holds no
+    core. The k computing need k·t cores and get C, so the phase runs share(k) =
+    max(1, k·t/C) times slower; beyond that share, sharing costs some more (caches, memory,
+    switching): excess = measured / share(P) with all P at once, none with one alone,
+    in proportion between: e(k) = 1 + (excess - 1)·min(1, (k-1)/(P-1)). The slowdown is
+    share(k)·e(k), at least 1; at k = P it is `measured`, past P it extrapolates. E.g.
+    4 processes on 2 cores measured 2.2x: 4 at once 2.2x, 2 at once (a 4-stage pipeline
+    with 2 stages busy) 1.03x, one alone 1.0x."""
+    share_all = max(1.0, processes * threads / cores)
+    excess = measured / share_all
+    grow = min(1.0, (computing - 1) / (processes - 1)) if processes > 1 else 1.0
+    grow = max(0.0, grow)
+    return max(1.0, max(1.0, computing * threads / cores) * (1 + (excess - 1) * grow))
 
 
 def _named_cluster(count_a: int | None, count_b: int | None, name: str) -> Cluster:
@@ -127,13 +155,10 @@ def _named_cluster(count_a: int | None, count_b: int | None, name: str) -> Clust
         from profiler.calibrate import load_profile  # a measured cluster profile
 
         return load_profile(name).cluster(per_node, nodes)
-    if name.lower() == "cpu":
-        threads = cpu_threads_per_device(per_node)
-        device = _cpu_device(threads)
-        slowdown = cpu_slowdown(per_node, threads)
-        return Cluster(device=device, nodes=nodes, devices_per_node=per_node,
-                       intra_node=CPU_LINK, inter_node=CPU_LINK,
-                       compute_slowdown=slowdown, memory_slowdown=slowdown)
+    if name.lower() == "cpu":  # this machine: its calibrated profile (made on first use)
+        from profiler.profile_cache import local_profile
+
+        return local_profile(nodes * per_node, "cpu").cluster(per_node, nodes)
     key = next((k for k in DEVICES if k.lower() == name.lower()), None)
     if key is None:
         raise ValueError(
@@ -147,7 +172,10 @@ def _named_cluster(count_a: int | None, count_b: int | None, name: str) -> Clust
 
 def parse_devices(devices) -> Cluster:
     """Read a device description: "8xV100", "2x8xH100" (nodes x per node), "4xcpu", "H100",
-    an int (that many local devices), a list of torch devices, or a Cluster."""
+    an int (that many local devices), a list of torch devices, or a Cluster. "Nxcpu" and
+    local devices (an int, a list) are this machine, priced with its calibrated profile
+    (`profiler.profile_cache`: measured on first use, then cached); a named GPU ("8xH100")
+    is priced from the catalog, as it may be another machine."""
     if isinstance(devices, Cluster):
         return devices
     if isinstance(devices, bool):
@@ -187,12 +215,10 @@ def _local(count: int, kind: str | None = None) -> Cluster:
     if count < 1:
         raise ValueError(f"devices: the device count must be at least 1, got {count}")
     if kind in (None, "cuda") and torch.cuda.is_available() and torch.cuda.device_count() >= count:
-        name = torch.cuda.get_device_name(0)
-        key = next((k for k in ("H200", "H100", "A100-80GB", "A100-40GB", "V100")
-                    if k.split("-")[0] in name), None)
-        if key is None:
-            raise ValueError(f"devices: local GPU {name!r} is not in the catalog; pass a Cluster")
-        return _named_cluster(count, None, key)
+        # this machine's GPUs: their calibrated profile (CUDA events), made on first use
+        from profiler.profile_cache import local_profile
+
+        return local_profile(count, "cuda").cluster(count, 1)
     if kind == "cuda":
         raise ValueError(f"devices: {count} CUDA devices asked for, this machine has "
                          f"{torch.cuda.device_count() if torch.cuda.is_available() else 0}")

@@ -18,7 +18,7 @@ after a burst of compute, as a step meets them); uncalibrated links price both a
 
 Every formula is `a(P)·α + b(P)·n/β`; `COEFFICIENTS` holds (a, b), which is also what
 `profiler.calibrate` fits measured timings against. α and β come from the link, per
-collective where `hyplan calibrate` measured them (see LinkSpec.alpha_beta).
+collective and size range where `hyplan calibrate` measured them (see LinkSpec.alpha_beta).
 
 `b(P)·n` is also what each rank sends over the link: `collective_bytes` reports that volume
 from the same coefficients, so bytes and seconds never disagree about a collective.
@@ -44,7 +44,7 @@ def collective_time_s(name: str, n: float, ranks: int, link: LinkSpec) -> float:
     """a(P)·α + b(P)·n/β for the collective `name` over `n` bytes on `ranks` ranks."""
     if n <= 0 or (ranks <= 1 and name != "send_recv"):
         return 0.0
-    alpha, beta = link.alpha_beta(name)
+    alpha, beta = link.alpha_beta(name, n)
     a, b = COEFFICIENTS[name](ranks)
     return a * alpha + b * n / beta
 

@@ -72,15 +72,37 @@ class DeviceSpec(BaseModel):
         return self.peak_flops[dtype] * self.efficiency
 
 
+class Regime(BaseModel):
+    """alpha and beta for the messages of more than `above_bytes` (the global tensor): where
+    a collective's bandwidth changes with size (gloo past the shared cache; NCCL's
+    protocols), each size range gets its own pair."""
+
+    model_config = ConfigDict(frozen=True)
+
+    above_bytes: float = Field(ge=0)
+    latency_s: float = Field(ge=0)
+    bandwidth_bytes_per_s: float = Field(gt=0)
+
+
 class CollectiveFit(BaseModel):
     """One collective's own alpha (latency per message) and beta (bandwidth per rank), as
     `hyplan calibrate` fits them: a library may implement a collective unlike its ring
-    model (gloo's reduce-scatter is an all-reduce), so each gets its own pair."""
+    model (gloo's reduce-scatter is an all-reduce), so each gets its own pair. `regimes`
+    (ascending `above_bytes`) replace the pair for larger messages."""
 
     model_config = ConfigDict(frozen=True)
 
     latency_s: float = Field(ge=0)
     bandwidth_bytes_per_s: float = Field(gt=0)
+    regimes: tuple[Regime, ...] = ()
+
+    def alpha_beta(self, nbytes: float = 0.0) -> tuple[float, float]:
+        """(latency, bandwidth) for a message of `nbytes` (the global tensor)."""
+        alpha, beta = self.latency_s, self.bandwidth_bytes_per_s
+        for regime in self.regimes:
+            if nbytes > regime.above_bytes:
+                alpha, beta = regime.latency_s, regime.bandwidth_bytes_per_s
+        return alpha, beta
 
 
 class LinkSpec(BaseModel):
@@ -97,12 +119,13 @@ class LinkSpec(BaseModel):
     source: str = ""
     collectives: dict[str, CollectiveFit] = Field(default_factory=dict)
 
-    def alpha_beta(self, collective: str) -> tuple[float, float]:
-        """(latency per message, bandwidth per rank) the cost of `collective` uses."""
+    def alpha_beta(self, collective: str, nbytes: float = 0.0) -> tuple[float, float]:
+        """(latency per message, bandwidth per rank) the cost of `collective` over a
+        message of `nbytes` (the global tensor) uses."""
         fit = self.collectives.get(collective)
         if fit is None:
             return self.latency_s, self.bandwidth_bytes_per_s
-        return fit.latency_s, fit.bandwidth_bytes_per_s
+        return fit.alpha_beta(nbytes)
 
 
 def _gpu(name, fp32, fp16, bf16, mem_gib, bw_gbs, source, efficiency=0.6, tf32=None,

@@ -1,0 +1,84 @@
+"""Calibration as shipped: planning for this machine measures it once, on first use, keeps
+the profile per machine in the user's cache directory, reads it afterwards, and
+`hyplan calibrate` replaces it; explain() says which profile priced a plan."""
+
+import os
+import time
+
+import pytest
+import torch
+
+import models
+import planner
+from planner.cli import main
+from profiler.machine import cpu_model
+from profiler.profile_cache import cache_dir, machine_key, profile_path
+from strategies import parse_devices
+
+
+@pytest.fixture
+def fresh_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("HYPLAN_CACHE_DIR", str(tmp_path / "cache"))
+    return tmp_path / "cache"
+
+
+def test_the_cache_is_keyed_by_the_facts_its_figures_depend_on(tmp_path, monkeypatch):
+    key = machine_key(2)
+    model = cpu_model().lower()
+    assert key.startswith("cpu-") and f"{os.cpu_count()}cores" in key
+    assert f"torch{torch.__version__}".replace("+", "-") in key and key.endswith("-2procs")
+    assert model.split()[0] in key  # e.g. "amd", "intel"
+    assert machine_key(4) != key and machine_key(2, "cuda") != key
+    monkeypatch.delenv("HYPLAN_CACHE_DIR")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert cache_dir() == tmp_path / "xdg" / "hyplan"
+    monkeypatch.setenv("HYPLAN_CACHE_DIR", str(tmp_path / "mine"))
+    assert profile_path(2).parent == tmp_path / "mine" / "profiles"
+
+
+def test_first_use_calibrates_once_then_reads_the_cache(fresh_cache, capsys):
+    # one process: the compute-only calibration (a few seconds), by the path 2xcpu takes
+    path = profile_path(1)
+    assert not path.exists()
+    first = parse_devices("1xcpu")
+    assert path.exists() and "calibrating this machine" in capsys.readouterr().err
+    made = path.stat().st_mtime_ns
+    began = time.perf_counter()
+    second = parse_devices("1xcpu")
+    assert time.perf_counter() - began < 1.0 and path.stat().st_mtime_ns == made
+    assert "calibrating" not in capsys.readouterr().err
+    assert first == second and "quick calibration" in first.source
+
+    x, _ = models.batch("mlp", 16, 0)
+    plan = planner.optimize(models.build("mlp"), "1xcpu", example_inputs=(x,), optimizer="sgd")
+    text = plan.explain()
+    assert "Priced with: quick calibration of" in text and first.source.split("made ")[1] in text
+
+
+def test_hyplan_calibrate_refreshes_the_cached_profile(fresh_cache, capsys):
+    parse_devices("1xcpu")
+    before = parse_devices("1xcpu").source
+    time.sleep(1.1)  # the profile's time stamp is to the second
+    assert main(["calibrate", "--processes", "1"]) == 0
+    after = parse_devices("1xcpu")
+    assert after.source != before and after.source.startswith("hyplan calibrate of")
+    assert str(profile_path(1)) in capsys.readouterr().out
+
+
+def test_first_use_of_two_processes_measures_collectives_past_the_cache(fresh_cache):
+    # the real quick calibration, once: under a minute on an idle 2-core machine
+    began = time.perf_counter()
+    cluster = parse_devices("2xcpu")
+    seconds = time.perf_counter() - began
+    print(f"first-use calibration for 2 processes: {seconds:.1f} s")
+    link = cluster.intra_node
+    assert cluster.cores == os.cpu_count() and cluster.num_devices == 2
+    assert {"all_reduce", "bucket_all_reduce", "all_gather", "reduce_scatter", "all_to_all",
+            "send_recv"} <= set(link.collectives)
+    if cluster.device.cache_bytes:
+        # sizes up to 128 MB: the messages past the shared cache have their own fit
+        assert all(f.regimes and f.regimes[0].above_bytes == cluster.device.cache_bytes
+                   for f in link.collectives.values())
+    began = time.perf_counter()
+    assert parse_devices("2xcpu") == cluster
+    assert time.perf_counter() - began < 1.0
