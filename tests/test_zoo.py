@@ -141,3 +141,25 @@ def test_random_plans_from_the_planners_options_train_like_one_process():
             for key, value in got.items():
                 torch.testing.assert_close(value, expected[key], rtol=RTOL, atol=ATOL,
                                            msg=lambda m: f"{name} {label} rank {rank}, {key}: {m}")
+
+
+@pytest.mark.parametrize("where", [None, "cpu", "meta"])
+def test_models_built_anywhere_trace_and_count_a_tied_parameter_once(where):
+    """A model built plainly, or under `with torch.device("cpu" | "meta")`, plans alike; a
+    tied embedding is one parameter: counted once, read by two layers, one strategy. (A
+    model moved with .to("meta") afterwards is another model: torch unties its weights.)"""
+    import transformers
+
+    entry = ZOO["gpt2"]
+    if where is None:
+        model = entry.make()
+    else:
+        with torch.device(where):
+            model = entry.make()
+    plan = planner.optimize(model, "2xcpu", example_inputs=entry.batch(0)[:1], measure=False)
+    unique = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert sum(l.param_bytes for l in plan.layers) == unique
+    readers = [l for l in plan.layers if "transformer.wte.weight" in l.params]
+    assert {l.name for l in readers} == {"transformer.wte", "lm_head"}
+    assert len({l.strategy for l in readers}) == 1
+    assert isinstance(model, transformers.GPT2LMHeadModel)
