@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
+from planner.once import planning_alone
 from planner.plan import Plan
 from strategies.cluster import Cluster
 from strategies.devices import CollectiveFit, LinkSpec
@@ -160,7 +161,8 @@ class Drift:
         from planner.optimize import optimize
 
         optimize_kwargs.setdefault("optimizer", self.plan.optimizer)
-        new = optimize(model, self.refit(), example_inputs=example_inputs, **optimize_kwargs)
+        with planning_alone():  # one rank re-plans; the others are not in this call
+            new = optimize(model, self.refit(), example_inputs=example_inputs, **optimize_kwargs)
         old = {l.name: l.strategy for l in self.plan.layers}
         changed = any(old.get(l.name) != l.strategy for l in new.layers)
         return new, changed
@@ -179,8 +181,9 @@ class Drift:
                          f"stay the best ({new.predicted.step_time_s * 1e3:.1f} ms predicted)")
         optimize_kwargs.setdefault("optimizer", self.plan.optimizer)
         pinned = {l.name: l.strategy for l in self.plan.layers}
-        same = optimize(model, self.refit(), example_inputs=example_inputs, pin=pinned,
-                        **optimize_kwargs).predicted.step_time_s
+        with planning_alone():
+            same = optimize(model, self.refit(), example_inputs=example_inputs, pin=pinned,
+                            **optimize_kwargs).predicted.step_time_s
         t = new.predicted.step_time_s
         moved = sum(pinned.get(l.name) != l.strategy for l in new.layers)
         return new, (f"hyplan: re-planned on the measured figures: {t * 1e3:.1f} ms predicted "

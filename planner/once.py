@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import pickle
+from contextlib import contextmanager
 from contextvars import ContextVar
 from typing import Callable
 
@@ -37,6 +38,17 @@ def _group_size() -> int:
     if not (dist.is_available() and dist.is_initialized()):
         return 1
     return dist.get_world_size()
+
+
+@contextmanager
+def planning_alone():
+    """Plan in this process only, as if no process group were up: for planning that one
+    rank does on its own (a re-plan on rank 0 after a run), which the others never join."""
+    token = _PLANNING.set(True)
+    try:
+        yield
+    finally:
+        _PLANNING.reset(token)
 
 
 def plan_once(entry: Callable[..., Plan]) -> Callable[..., Plan]:
