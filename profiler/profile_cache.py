@@ -22,6 +22,7 @@ from __future__ import annotations
 import fcntl
 import os
 import re
+import subprocess
 import sys
 from contextlib import contextmanager
 from pathlib import Path
@@ -113,10 +114,28 @@ def local_profile(processes: int, kind: str = "cpu", log=_stderr) -> ClusterProf
         log(f"hyplan: calibrating this machine for {count} {kind} process"
             f"{'es' if count > 1 else ''} (first use, about a minute); the profile is kept "
             f"in {path} and `hyplan calibrate` refreshes it")
-        profile = calibrate((count,), quick=True, log=lambda *_: None, kind=kind)
-        profile.save(path)
+        _calibrate_in_a_fresh_process(count, kind, path)
+        profile = load_profile(path)
         log(f"hyplan: calibrated in {profile.seconds:.0f} s")
     return profile
+
+
+def _calibrate_in_a_fresh_process(count: int, kind: str, path: Path) -> None:
+    """Run the quick calibration in a new interpreter: its ranks are spawned processes,
+    which import the parent's __main__, and a user's script that plans at top level
+    (no `if __name__ == "__main__":`) must not run again in each of them."""
+    done = subprocess.run([sys.executable, "-m", "profiler.profile_cache", str(count), kind,
+                           str(path)], capture_output=True, text=True)
+    if done.returncode != 0 or not path.exists():
+        tail = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["no output"]
+        raise RuntimeError(f"calibrating this machine failed ({tail[0]}); run `hyplan "
+                           f"calibrate` to see why, or plan with a profile file "
+                           f"(--devices 2xFILE.json)")
+
+
+def _main(argv: list[str]) -> None:
+    count, kind, path = int(argv[0]), argv[1], Path(argv[2])
+    calibrate((count,), quick=True, log=lambda *_: None, kind=kind).save(path)
 
 
 def refresh(processes, quick: bool = False, quiet_wait_s: float = 0.0,
@@ -140,3 +159,7 @@ def _local_kind(processes: int) -> str:
 
     return "cuda" if torch.cuda.is_available() and torch.cuda.device_count() >= processes \
         else "cpu"
+
+
+if __name__ == "__main__":
+    _main(sys.argv[1:])
