@@ -10,9 +10,11 @@ Every rank writes its shards into the `.partial-` folder; when DCP has written i
 metadata, rank 0 adds `hyplan.json` (step, the plan it was saved under) and renames the
 folder to `step_...` in one atomic step. A crash at any point leaves at worst a `.partial-`
 folder, which the next save replaces. `get_state_dict`/`set_state_dict` name parameters by
-their place in the user's model, whether a module is wrapped by DDP or holds DTensor
-shards, so a checkpoint saved under one plan loads under another, on any device count
-(the directory must be visible to every node, e.g. a shared file system).
+their place in the user's model, whether a module is wrapped by DDP, holds DTensor shards
+or is one pipeline stage (whose ranks save and load only that stage's names; DCP's
+metadata merges every rank's into the whole model's), so a checkpoint saved under one
+plan loads under another, on any device count (the directory must be visible to every
+node, e.g. a shared file system).
 
 Loading unpickles nothing that could run code: tensors are read with `weights_only=True`,
 the few plain values (learning rates) too, and DCP's metadata file with an unpickler that
@@ -94,8 +96,7 @@ def save(directory: str | Path, step: int, model: nn.Module,
         directory.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(partial, ignore_errors=True)  # left by a crash: never completed
     _barrier()
-    model_state, optim_state = get_state_dict(model, optimizer)
-    dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=partial)
+    dcp.save(_state(model, optimizer), checkpoint_id=partial)
     if before_complete is not None:
         before_complete()
     if _rank() == 0:  # dcp.save returns on every rank only after its metadata is written
@@ -146,12 +147,30 @@ def load(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer,
             f"checkpoint: {path} was saved for a {marker.get('model')} with graph fingerprint "
             f"{marker.get('fingerprint')}, the plan is for {plan.model} "
             f"({plan.fingerprint}); use another --checkpoint-dir")
-    model_state, optim_state = get_state_dict(model, optimizer)
-    state = {"model": model_state, "optim": optim_state}
+    state = _state(model, optimizer)
     dcp.load(state, storage_reader=_SafeReader(path), planner=_SafeLoadPlanner())
-    set_state_dict(model, optimizer, model_state_dict=state["model"],
-                   optim_state_dict=state["optim"])
+    if state:
+        set_state_dict(_named(model), optimizer, model_state_dict=state["model"],
+                       optim_state_dict=state["optim"])
     return int(marker["step"])
+
+
+def _named(model: nn.Module) -> nn.Module:
+    """The module whose parameter names are the user's: a pipeline stage's graph module
+    (named as in the whole model), else the model (get_state_dict sees through DDP)."""
+    from executor.pipeline import StageModel
+
+    return model.stage if isinstance(model, StageModel) else model
+
+
+def _state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+    """This rank's part of a checkpoint: {} on a rank holding no state (a stage of
+    parameter-free layers), which still takes part in DCP's collective save and load."""
+    module = _named(model)
+    if not module.state_dict():
+        return {}
+    model_state, optim_state = get_state_dict(module, optimizer)
+    return {"model": model_state, "optim": optim_state}
 
 
 class _SafeLoadPlanner(DefaultLoadPlanner):

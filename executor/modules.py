@@ -50,9 +50,13 @@ def _gather_rows(mesh, local_rows: int, value):
 
 def _pre_hook(reshard: Reshard | None, mesh, gather_others: bool):
     def hook(module, args, kwargs):
-        if not args:
+        # the main input: the first positional, or the first tensor keyword (Hugging Face
+        # layers call attention as self_attn(hidden_states=..., attention_mask=...))
+        key = None if args else next((k for k, v in kwargs.items()
+                                      if isinstance(v, torch.Tensor)), None)
+        if not args and key is None:
             return None
-        x = args[0]
+        x = args[0] if args else kwargs[key]
         rows = x.shape[0]
         if reshard is not None:
             x = reshard(x)
@@ -60,6 +64,8 @@ def _pre_hook(reshard: Reshard | None, mesh, gather_others: bool):
         if gather_others and x.shape[0] != rows:
             rest = tuple(_gather_rows(mesh, rows, v) for v in rest)
             kwargs = {k: _gather_rows(mesh, rows, v) for k, v in kwargs.items()}
+        if key is not None:
+            return (), {**kwargs, key: x}
         return (x, *rest), kwargs
     return hook
 

@@ -24,24 +24,28 @@ from planner.plan import Plan
 
 
 def train_step(model: torch.nn.Module, plan: Plan, batch: Sequence, loss_fn: Callable,
-               optimizer: torch.optim.Optimizer) -> float:
+               optimizer: torch.optim.Optimizer, *, forward_kwargs: dict | None = None) -> float:
     """Forward, backward, gradient sync and optimizer step over the global `batch`; the
-    loss returned is the mean over all its rows, the same on every rank."""
+    loss returned is the mean over all its rows, the same on every rank. `forward_kwargs`:
+    keyword arguments of every forward, as the plan was traced with (`use_cache=False`)."""
     if not isinstance(batch, (tuple, list)):
         raise ValueError("batch: pass a tuple (inputs..., targets...) of the global batch")
     optimizer.zero_grad()
     if plan.is_mesh_3d:
+        if forward_kwargs:  # a stage is a graph of tensors; the planner makes 3-D plans from fx
+            raise ValueError(f"forward_kwargs: a pipelined plan takes none, got "
+                             f"{sorted(forward_kwargs)}; plan with mesh='1d'")
         loss = _step_3d(model, plan, batch, loss_fn)
     else:
-        loss = _step_1d(model, plan, batch, loss_fn)
+        loss = _step_1d(model, plan, batch, loss_fn, forward_kwargs or {})
     optimizer.step()
     return loss
 
 
-def _step_1d(model, plan: Plan, batch, loss_fn) -> float:
+def _step_1d(model, plan: Plan, batch, loss_fn, forward_kwargs: dict) -> float:
     local = shard_batch(plan, batch)
     n = len(plan.inputs)
-    loss = loss_fn(model(*local[:n]), *local[n:])
+    loss = loss_fn(model(*local[:n], **forward_kwargs), *local[n:])
     loss.backward()
     value = loss.detach().clone()
     dist.all_reduce(value)

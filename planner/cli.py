@@ -5,7 +5,9 @@ saved plan.
     hyplan show plan.json
 
 MODEL is a Python file, or `package.module[:factory]`, whose `build(batch, device="meta")`
-returns `(model, example_inputs, loss_fn)`. Every user error ends in one line on stderr,
+returns `(model, example_inputs, loss_fn)`; the file may also define `example_kwargs`, a
+dict of keyword arguments for every forward (e.g. `{"use_cache": False}` for a Hugging Face
+model), passed to the tracer and, in `hyplan train`, to each training forward. Every user error ends in one line on stderr,
 `hyplan: error: ...`, and exit status 2.
 """
 
@@ -139,6 +141,16 @@ def build_model(factory: Callable, batch: int, device: str):
     return model, tuple(inputs)
 
 
+def forward_kwargs(factory: Callable) -> dict:
+    """The `example_kwargs` dict the factory's module defines (none: {})."""
+    module = sys.modules.get(getattr(factory, "__module__", None) or "")
+    kwargs = getattr(module, "example_kwargs", None) or {}
+    if not isinstance(kwargs, dict) or not all(isinstance(k, str) for k in kwargs):
+        raise ValueError(f"model: example_kwargs must be a dict of keyword arguments for "
+                         f"the forward, e.g. {{'use_cache': False}}; got {kwargs!r}")
+    return dict(kwargs)
+
+
 # --- commands -----------------------------------------------------------------------------
 
 def _prefer_standard(args) -> dict:
@@ -178,6 +190,7 @@ def _plan(args) -> int:
     model, inputs = build_model(factory, args.batch, device)
     try:
         plan = planner.optimize(model, cluster, example_inputs=inputs,
+                                example_kwargs=forward_kwargs(factory),
                                 optimizer=args.optimizer, memory_limit_bytes=memory_limit,
                                 mesh=args.mesh, **_prefer_standard(args))
     except planner.PlanDoesNotFit as error:  # name the flags, not the Python arguments
