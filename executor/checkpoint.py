@@ -39,12 +39,17 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_state_dict,
+                                                     set_state_dict)
 from torch.distributed.checkpoint._traverse import set_element
 
 from planner.plan import Plan
 
 MARKER = "hyplan.json"
+# Optimizer state keyed by parameter name, hyperparameters too ("param_groups.fc.weight.lr"):
+# pipeline stages hold different parameters in their group 0, which keyed by group index
+# would collide in DCP's merged metadata (torchtitan saves pipelined runs this way too).
+_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 _STEP = re.compile(r"^step_(\d+)$")
 
 
@@ -151,7 +156,7 @@ def load(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer,
     dcp.load(state, storage_reader=_SafeReader(path), planner=_SafeLoadPlanner())
     if state:
         set_state_dict(_named(model), optimizer, model_state_dict=state["model"],
-                       optim_state_dict=state["optim"])
+                       optim_state_dict=state["optim"], options=_OPTIONS)
     return int(marker["step"])
 
 
@@ -169,7 +174,7 @@ def _state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
     module = _named(model)
     if not module.state_dict():
         return {}
-    model_state, optim_state = get_state_dict(module, optimizer)
+    model_state, optim_state = get_state_dict(module, optimizer, options=_OPTIONS)
     return {"model": model_state, "optim": optim_state}
 
 
