@@ -10,6 +10,9 @@ backward), so every plan kind trains through this one call:
 
 `batch` is the whole global batch on every rank: its first len(plan.inputs) entries are the
 model's inputs, the rest the targets; `loss_fn(output, *targets)` is a mean over rows.
+The ranks of a pipeline stage of parameter-free layers hold no parameters, and torch's
+optimizers refuse an empty list: give them `list(model.parameters()) or [{"params": []}]`
+(as executor.train does).
 """
 
 from __future__ import annotations

@@ -128,6 +128,32 @@ def test_pipelined_checkpoint_resumes_under_a_1d_plan(tmp_path):
         _assert_equal(params, reference(4))
 
 
+def _tail_model() -> nn.Module:
+    """The MLP, then a parameter-free LogSoftmax: with NLLLoss, the MLP's cross-entropy."""
+    return nn.Sequential(models.build("mlp"), nn.LogSoftmax(dim=1))
+
+
+def _run_tail(rank, world, plan_json, steps, directory):
+    plan = planner.Plan.from_json(plan_json)
+    result = executor.train(_tail_model(), plan, _dataset(), nn.NLLLoss(), steps=steps, lr=LR,
+                            checkpoint_dir=directory, checkpoint_every=2)
+    return result.start_step, _full(result.model), result.losses
+
+
+def test_a_parameter_free_stage_trains_saves_and_resumes(tmp_path):
+    """The planner cuts the LogSoftmax off as stage 1: its rank holds no parameters, steps
+    an empty optimizer, saves an empty part of each checkpoint and loads nothing back."""
+    x = models.batch("mlp", ROWS, 0)[0]
+    plan = optimize_3d(_tail_model(), "2xcpu", (x,), measure=False,
+                       only=[Shape(2, 1, 1, 4, "1F1B")])
+    assert [s.layers for s in plan.pipeline.stages][1] == ["1"]
+    run_ranks(_run_tail, 2, plan.to_json(), 2, str(tmp_path))
+    (start, params, _), (_, none, losses) = run_ranks(_run_tail, 2, plan.to_json(), 3,
+                                                      str(tmp_path))
+    assert start == 2 and none == {} and sorted(losses) == [2]
+    _assert_equal({k.removeprefix("0."): v for k, v in params.items()}, reference(3))
+
+
 def test_a_checkpoint_without_its_marker_is_never_loaded(tmp_path):
     """Shards and DCP metadata alone are not a checkpoint: hyplan.json, written last and
     renamed into place with the folder, is (the mid-checkpoint kill in test_train_cli

@@ -76,6 +76,27 @@ def test_killed_rank_restarts_and_ends_as_uninterrupted(tmp_path, fault, resumed
     _assert_final_equals_uninterrupted(ckpt)
 
 
+def test_pipelined_plan_killed_rank_restarts_and_ends_as_uninterrupted(tmp_path):
+    """A plan of two pipeline stages (1F1B, 4 microbatches): rank 1, the last stage, killed
+    in step 5's backward; both ranks restart from checkpoint 4, each loading its stage's
+    part, and the final checkpoint holds the whole model as one process trains it."""
+    from planner.plan3d import optimize_3d
+    from planner.search import Shape
+
+    model, inputs, _ = train_model.build(16, "cpu")
+    plan = optimize_3d(model, "2xcpu", inputs, measure=False, only=[Shape(2, 1, 1, 4, "1F1B")])
+    assert plan.is_mesh_3d and len(plan.pipeline.stages) == 2
+    plan.save(tmp_path / "plan.json")
+    ckpt = tmp_path / "ckpt"
+    out = _finish(_hyplan_train(str(tmp_path / "plan.json"), MODEL, "--steps", str(STEPS),
+                                "--checkpoint-dir", str(ckpt), "--checkpoint-every", "2",
+                                "--nproc-per-node", "2", "--max-restarts", "1",
+                                fault="1:4:step"))
+    assert "exitcode: -9" in out
+    assert f"resumed from {checkpoint.step_dir(ckpt, 4)} (step 4)" in out, out
+    _assert_final_equals_uninterrupted(ckpt)
+
+
 def test_two_node_job_on_loopback_matches_one_process(tmp_path):
     """Two `hyplan train` agents, one process each, meet at a c10d rendezvous and run a
     plan made for two nodes of one CPU device."""
