@@ -49,7 +49,9 @@ MARKER = "hyplan.json"
 # Optimizer state keyed by parameter name, hyperparameters too ("param_groups.fc.weight.lr"):
 # pipeline stages hold different parameters in their group 0, which keyed by group index
 # would collide in DCP's merged metadata (torchtitan saves pipelined runs this way too).
-_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
+# The marker says so; checkpoints from before have no "optim_keys" and are read by index.
+_BY_NAME = StateDictOptions(flatten_optimizer_state_dict=True)
+_BY_INDEX = StateDictOptions()
 _STEP = re.compile(r"^step_(\d+)$")
 
 
@@ -101,14 +103,14 @@ def save(directory: str | Path, step: int, model: nn.Module,
         directory.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(partial, ignore_errors=True)  # left by a crash: never completed
     _barrier()
-    dcp.save(_state(model, optimizer), checkpoint_id=partial)
+    dcp.save(_state(model, optimizer, _BY_NAME), checkpoint_id=partial)
     if before_complete is not None:
         before_complete()
     if _rank() == 0:  # dcp.save returns on every rank only after its metadata is written
         _write_synced(partial / MARKER, json.dumps({
             "step": step, "model": plan.model, "fingerprint": plan.fingerprint,
             "devices": plan.cluster.describe(), "global_batch": plan.global_batch,
-            "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S")}, indent=2))
+            "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S"), "optim_keys": "name"}, indent=2))
         if final.exists():  # the same step saved before, by a run that was resumed earlier
             shutil.rmtree(final)
         os.replace(partial, final)
@@ -152,11 +154,12 @@ def load(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer,
             f"checkpoint: {path} was saved for a {marker.get('model')} with graph fingerprint "
             f"{marker.get('fingerprint')}, the plan is for {plan.model} "
             f"({plan.fingerprint}); use another --checkpoint-dir")
-    state = _state(model, optimizer)
+    options = _BY_NAME if marker.get("optim_keys") == "name" else _BY_INDEX
+    state = _state(model, optimizer, options)
     dcp.load(state, storage_reader=_SafeReader(path), planner=_SafeLoadPlanner())
     if state:
         set_state_dict(_named(model), optimizer, model_state_dict=state["model"],
-                       optim_state_dict=state["optim"], options=_OPTIONS)
+                       optim_state_dict=state["optim"], options=options)
     return int(marker["step"])
 
 
@@ -168,13 +171,14 @@ def _named(model: nn.Module) -> nn.Module:
     return model.stage if isinstance(model, StageModel) else model
 
 
-def _state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+def _state(model: nn.Module, optimizer: torch.optim.Optimizer,
+           options: StateDictOptions) -> dict:
     """This rank's part of a checkpoint: {} on a rank holding no state (a stage of
     parameter-free layers), which still takes part in DCP's collective save and load."""
     module = _named(model)
     if not module.state_dict():
         return {}
-    model_state, optim_state = get_state_dict(module, optimizer, options=_OPTIONS)
+    model_state, optim_state = get_state_dict(module, optimizer, options=options)
     return {"model": model_state, "optim": optim_state}
 
 
