@@ -165,3 +165,11 @@ def test_hf_llama_model_file_trains_as_one_process(tmp_path):
     for key, value in trained.named_parameters():
         torch.testing.assert_close(value.detach(), expected[key], rtol=1e-5, atol=1e-6,
                                    msg=lambda m: f"{key}: {m}")
+
+
+def test_hf_llama_without_transformers_names_the_extra(monkeypatch):
+    from planner.cli import load_factory
+
+    monkeypatch.setitem(sys.modules, "transformers", None)  # `import transformers` fails
+    with pytest.raises(ValueError, match=r"pip install 'hyplan\[hf\]'"):
+        load_factory(HF_LLAMA)
