@@ -103,9 +103,10 @@ def test_resume_on_fewer_processes(tmp_path):
     _assert_equal(params, reference(4))
 
 
-def test_pipelined_run_stopped_and_resumed_equals_uninterrupted_run(tmp_path):
+def test_pipelined_run_resumes_under_itself_and_under_a_1d_plan(tmp_path):
     """Each stage's ranks hold and save only their stage's parameters; DCP's metadata holds
-    the whole model, and a restart under the same pipelined plan loads each stage's part."""
+    the whole model, so a restart under the same pipelined plan loads each stage's part,
+    and a 1-D (model-parallel) plan loads all of it."""
     pp = _pipelined_plan().to_json()
     first = run_ranks(_run, 2, pp, 3, str(tmp_path))
     stage_params = [set(params) for _, params, _ in first]
@@ -120,12 +121,9 @@ def test_pipelined_run_stopped_and_resumed_equals_uninterrupted_run(tmp_path):
     assert [(s, sorted(losses)) for s, _, losses in second] == [(3, [3, 4])] * 2
     _assert_equal(_merged(second), reference(5))
 
-
-def test_pipelined_checkpoint_resumes_under_a_1d_plan(tmp_path):
-    run_ranks(_run, 2, _pipelined_plan().to_json(), 2, str(tmp_path))
-    for start, params, _ in run_ranks(_run, 2, _plan(2, MP).to_json(), 4, str(tmp_path)):
-        assert start == 2
-        _assert_equal(params, reference(4))
+    for start, params, _ in run_ranks(_run, 2, _plan(2, MP).to_json(), 6, str(tmp_path)):
+        assert start == 5
+        _assert_equal(params, reference(6))
 
 
 def _tail_model() -> nn.Module:
