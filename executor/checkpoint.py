@@ -10,9 +10,11 @@ Every rank writes its shards into the `.partial-` folder; when DCP has written i
 metadata, rank 0 adds `hyplan.json` (step, the plan it was saved under) and renames the
 folder to `step_...` in one atomic step. A crash at any point leaves at worst a `.partial-`
 folder, which the next save replaces. `get_state_dict`/`set_state_dict` name parameters by
-their place in the user's model, whether a module is wrapped by DDP or holds DTensor
-shards, so a checkpoint saved under one plan loads under another, on any device count
-(the directory must be visible to every node, e.g. a shared file system).
+their place in the user's model, whether a module is wrapped by DDP, holds DTensor shards
+or is one pipeline stage (whose ranks save and load only that stage's names; DCP's
+metadata merges every rank's into the whole model's), so a checkpoint saved under one
+plan loads under another, on any device count (the directory must be visible to every
+node, e.g. a shared file system).
 
 Loading unpickles nothing that could run code: tensors are read with `weights_only=True`,
 the few plain values (learning rates) too, and DCP's metadata file with an unpickler that
@@ -37,12 +39,19 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_state_dict,
+                                                     set_state_dict)
 from torch.distributed.checkpoint._traverse import set_element
 
 from planner.plan import Plan
 
 MARKER = "hyplan.json"
+# Optimizer state keyed by parameter name, hyperparameters too ("param_groups.fc.weight.lr"):
+# pipeline stages hold different parameters in their group 0, which keyed by group index
+# would collide in DCP's merged metadata (torchtitan saves pipelined runs this way too).
+# The marker says so; checkpoints from before have no "optim_keys" and are read by index.
+_BY_NAME = StateDictOptions(flatten_optimizer_state_dict=True)
+_BY_INDEX = StateDictOptions()
 _STEP = re.compile(r"^step_(\d+)$")
 
 
@@ -94,15 +103,14 @@ def save(directory: str | Path, step: int, model: nn.Module,
         directory.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(partial, ignore_errors=True)  # left by a crash: never completed
     _barrier()
-    model_state, optim_state = get_state_dict(model, optimizer)
-    dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=partial)
+    dcp.save(_state(model, optimizer, _BY_NAME), checkpoint_id=partial)
     if before_complete is not None:
         before_complete()
     if _rank() == 0:  # dcp.save returns on every rank only after its metadata is written
         _write_synced(partial / MARKER, json.dumps({
             "step": step, "model": plan.model, "fingerprint": plan.fingerprint,
             "devices": plan.cluster.describe(), "global_batch": plan.global_batch,
-            "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S")}, indent=2))
+            "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S"), "optim_keys": "name"}, indent=2))
         if final.exists():  # the same step saved before, by a run that was resumed earlier
             shutil.rmtree(final)
         os.replace(partial, final)
@@ -146,12 +154,32 @@ def load(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer,
             f"checkpoint: {path} was saved for a {marker.get('model')} with graph fingerprint "
             f"{marker.get('fingerprint')}, the plan is for {plan.model} "
             f"({plan.fingerprint}); use another --checkpoint-dir")
-    model_state, optim_state = get_state_dict(model, optimizer)
-    state = {"model": model_state, "optim": optim_state}
+    options = _BY_NAME if marker.get("optim_keys") == "name" else _BY_INDEX
+    state = _state(model, optimizer, options)
     dcp.load(state, storage_reader=_SafeReader(path), planner=_SafeLoadPlanner())
-    set_state_dict(model, optimizer, model_state_dict=state["model"],
-                   optim_state_dict=state["optim"])
+    if state:
+        set_state_dict(_named(model), optimizer, model_state_dict=state["model"],
+                       optim_state_dict=state["optim"], options=options)
     return int(marker["step"])
+
+
+def _named(model: nn.Module) -> nn.Module:
+    """The module whose parameter names are the user's: a pipeline stage's graph module
+    (named as in the whole model), else the model (get_state_dict sees through DDP)."""
+    from executor.pipeline import StageModel
+
+    return model.stage if isinstance(model, StageModel) else model
+
+
+def _state(model: nn.Module, optimizer: torch.optim.Optimizer,
+           options: StateDictOptions) -> dict:
+    """This rank's part of a checkpoint: {} on a rank holding no state (a stage of
+    parameter-free layers), which still takes part in DCP's collective save and load."""
+    module = _named(model)
+    if not module.state_dict():
+        return {}
+    model_state, optim_state = get_state_dict(module, optimizer, options=options)
+    return {"model": model_state, "optim": optim_state}
 
 
 class _SafeLoadPlanner(DefaultLoadPlanner):

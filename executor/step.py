@@ -16,6 +16,10 @@ outputs: executor.precision), so the loss is fp32. Under fp16-mixed the step als
 the loss: fp16's 5-bit exponent flushes small gradients to zero without it. The scaler
 (executor.precision.LossScaler: GradScaler's rule, agreed across ranks so that every rank
 skips the same steps) is kept per optimizer across steps.
+
+The ranks of a pipeline stage of parameter-free layers hold no parameters, and torch's
+optimizers refuse an empty list: give them `list(model.parameters()) or [{"params": []}]`
+(as executor.train does).
 """
 
 from __future__ import annotations
@@ -32,17 +36,21 @@ from planner.plan import Plan
 
 
 def train_step(model: torch.nn.Module, plan: Plan, batch: Sequence, loss_fn: Callable,
-               optimizer: torch.optim.Optimizer) -> float:
+               optimizer: torch.optim.Optimizer, *, forward_kwargs: dict | None = None) -> float:
     """Forward, backward, gradient sync and optimizer step over the global `batch`; the
-    loss returned is the mean over all its rows, the same on every rank."""
+    loss returned is the mean over all its rows, the same on every rank. `forward_kwargs`:
+    keyword arguments of every forward, as the plan was traced with (`use_cache=False`)."""
     if not isinstance(batch, (tuple, list)):
         raise ValueError("batch: pass a tuple (inputs..., targets...) of the global batch")
     scaler = loss_scaler(optimizer, plan)
     optimizer.zero_grad()
     if plan.is_mesh_3d:
+        if forward_kwargs:  # a stage is a graph of tensors; the planner makes 3-D plans from fx
+            raise ValueError(f"forward_kwargs: a pipelined plan takes none, got "
+                             f"{sorted(forward_kwargs)}; plan with mesh='1d'")
         loss = _step_3d(model, plan, batch, loss_fn, scaler)
     else:
-        loss = _step_1d(model, plan, batch, loss_fn, scaler)
+        loss = _step_1d(model, plan, batch, loss_fn, scaler, forward_kwargs or {})
     if scaler is None:
         optimizer.step()
     else:
@@ -68,10 +76,10 @@ def _scaled(loss: torch.Tensor, scaler) -> torch.Tensor:
     return loss if scaler is None else scaler.scale(loss)
 
 
-def _step_1d(model, plan: Plan, batch, loss_fn, scaler=None) -> float:
+def _step_1d(model, plan: Plan, batch, loss_fn, scaler=None, forward_kwargs=None) -> float:
     local = shard_batch(plan, batch)
     n = len(plan.inputs)
-    loss = loss_fn(model(*local[:n]), *local[n:])
+    loss = loss_fn(model(*local[:n], **(forward_kwargs or {})), *local[n:])
     _scaled(loss, scaler).backward()
     value = loss.detach().clone()
     dist.all_reduce(value)

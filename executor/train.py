@@ -1,6 +1,8 @@
 """`train`: the training loop under a plan, with sharded data, DCP checkpoints and resume.
 
-Run it on every rank of a job that torchrun started (`hyplan train` does that). A run
+Run it on every rank of a job that torchrun started (`hyplan train` does that), under a
+1-D plan or a pipelined one (each stage's ranks save their own parameters; DCP merges them
+into one checkpoint of the whole model, which any other plan can load). A run
 restarted after a fault, or started again under another plan or device count, picks up
 from the newest complete checkpoint and, because step `s` always trains on the same rows
 (executor.data), ends with the parameters an uninterrupted run would have.
@@ -22,9 +24,9 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from executor import checkpoint
-from executor.batch import RankBatch
 from executor.data import rank_batches
 from executor.parallelize import parallelize
+from executor.pipeline import StageModel
 from executor.step import train_step
 from planner.plan import Plan
 
@@ -47,8 +49,10 @@ class TrainResult:
 
 def make_optimizer(name: str, params: Iterable, lr: float) -> torch.optim.Optimizer:
     """The optimizer the plan budgeted memory for. foreach=False: a model mixes DTensor
-    and plain parameters, which the fused multi-tensor paths do not group."""
-    params = list(params)
+    and plain parameters, which the fused multi-tensor paths do not group. A rank with no
+    parameters (a pipeline stage of parameter-free layers) gets one empty parameter group:
+    torch refuses an empty parameter list, and such a rank has nothing to step."""
+    params = list(params) or [{"params": []}]
     if name == "sgd":
         return torch.optim.SGD(params, lr=lr, foreach=False)
     if name == "sgd_momentum":
@@ -63,7 +67,8 @@ def make_optimizer(name: str, params: Iterable, lr: float) -> torch.optim.Optimi
 def train(model: nn.Module, plan: Plan, dataset: Dataset, loss_fn: Callable, *, steps: int,
           lr: float = 1e-3, checkpoint_dir: str | Path | None = None,
           checkpoint_every: int = 0, keep: int = 2, seed: int = 0, log_every: int = 1,
-          leaf_modules=(), report: Callable[[str], None] | None = None,
+          leaf_modules=(), forward_kwargs: dict | None = None,
+          report: Callable[[str], None] | None = None,
           monitor: bool = True, drift_threshold: float = 0.15,
           on_drift: Callable[["Drift"], list[str]] | None = None) -> TrainResult:
     """Train `model` (the same initial weights on every rank) under `plan` until `steps`
@@ -73,16 +78,14 @@ def train(model: nn.Module, plan: Plan, dataset: Dataset, loss_fn: Callable, *, 
     The loop is closed by default (`monitor`): the first steps are timed per layer
     (executor.StepMonitor) and, where the measured step is off the prediction by more than
     `drift_threshold`, rank 0 reports the drift by term and what `on_drift(drift)` adds
-    (`hyplan train`: the re-planned plan's predicted gain)."""
+    (`hyplan train`: the re-planned plan's predicted gain). `forward_kwargs`: keyword
+    arguments of every forward (those the plan was traced with)."""
     if steps < 0:
         raise ValueError(f"steps: must be at least 0, got {steps}")
-    if plan.is_mesh_3d:
-        raise ValueError("plan: executor.train runs 1-D plans (data and tensor parallel); "
-                         "train a pipelined plan with executor.train_step in your own loop")
     rank = dist.get_rank()
     model = parallelize(model, plan, leaf_modules=leaf_modules)
     optimizer = make_optimizer(plan.optimizer, model.parameters(), lr)
-    device = next(model.parameters()).device
+    device = _device_of(model)
 
     start, resumed_from = 0, None
     found = checkpoint.latest_checkpoint(checkpoint_dir) if checkpoint_dir else None
@@ -96,17 +99,19 @@ def train(model: nn.Module, plan: Plan, dataset: Dataset, loss_fn: Callable, *, 
     watch = _monitor(model, plan, optimizer, steps - start) if monitor else None
 
     for step, batch in enumerate(rank_batches(dataset, plan, rank, start, steps, seed), start):
-        batch = RankBatch(t.to(device) if isinstance(t, torch.Tensor) else t for t in batch)
+        batch = type(batch)(t.to(device) if isinstance(t, torch.Tensor) else t for t in batch)
         _fault("step", step, model)
         began = time.perf_counter()
         if watch is not None and not watch.done:
             with watch.step():
-                result.losses[step] = train_step(model, plan, batch, loss_fn, optimizer)
+                result.losses[step] = train_step(model, plan, batch, loss_fn, optimizer,
+                                                 forward_kwargs=forward_kwargs)
             if watch.done:
                 result.drift = watch.drift()
                 _report_drift(result.drift, drift_threshold, progress, on_drift, rank)
         else:
-            result.losses[step] = train_step(model, plan, batch, loss_fn, optimizer)
+            result.losses[step] = train_step(model, plan, batch, loss_fn, optimizer,
+                                                 forward_kwargs=forward_kwargs)
         progress.update(step, result.losses[step], time.perf_counter() - began)
         done = step + 1
         if checkpoint_dir and ((checkpoint_every and done % checkpoint_every == 0)
@@ -142,6 +147,13 @@ def _report_drift(drift, threshold: float, progress, on_drift, rank: int) -> Non
     progress.say(drift.message())
     for line in (on_drift(drift) if on_drift else []):
         progress.say(line)
+
+
+def _device_of(model: nn.Module) -> torch.device:
+    """Where this rank's part runs: a pipeline stage says so (it may hold no parameters)."""
+    if isinstance(model, StageModel):
+        return model.device
+    return next(model.parameters()).device
 
 
 class _Progress:

@@ -7,9 +7,12 @@ saved plan.
     hyplan show plan.json
 
 MODEL is a Python file, or `package.module[:factory]`, whose `build(batch, device="meta")`
-returns `(model, example_inputs, loss_fn)`; or an LLM preset or a Hugging Face causal-LM
-config.json (profiler.presets), for which the plan also prints tokens/s and MFU. Every user
-error ends in one line on stderr, `hyplan: error: ...`, and exit status 2.
+returns `(model, example_inputs, loss_fn)`; the file may also define `example_kwargs`, a
+dict of keyword arguments for every forward (e.g. `{"use_cache": False}` for a Hugging Face
+model), passed to the tracer and, in `hyplan train`, to each training forward. MODEL may
+also be an LLM preset or a Hugging Face causal-LM config.json (profiler.presets), for which
+the plan also prints tokens/s and MFU. Every user error ends in one line on stderr,
+`hyplan: error: ...`, and exit status 2.
 """
 
 from __future__ import annotations
@@ -147,6 +150,16 @@ def build_model(factory: Callable, batch: int, device: str):
     return model, tuple(inputs)
 
 
+def forward_kwargs(factory: Callable) -> dict:
+    """The `example_kwargs` dict the factory's module defines (none: {})."""
+    module = sys.modules.get(getattr(factory, "__module__", None) or "")
+    kwargs = getattr(module, "example_kwargs", None) or {}
+    if not isinstance(kwargs, dict) or not all(isinstance(k, str) for k in kwargs):
+        raise ValueError(f"model: example_kwargs must be a dict of keyword arguments for "
+                         f"the forward, e.g. {{'use_cache': False}}; got {kwargs!r}")
+    return dict(kwargs)
+
+
 # --- commands -----------------------------------------------------------------------------
 
 def _prefer_standard(args) -> dict:
@@ -205,6 +218,7 @@ def _plan(args) -> int:
         # On "meta" nothing is allocated; CPU devices are this machine, so layers get timed.
         device = "cpu" if cluster.device.kind == "cpu" else "meta"
         model, inputs = build_model(factory, args.batch, device)
+        kwargs = forward_kwargs(factory)
     try:
         plan = planner.optimize(model, cluster, example_inputs=inputs, example_kwargs=kwargs,
                                 optimizer=args.optimizer, memory_limit_bytes=memory_limit,

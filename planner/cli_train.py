@@ -129,9 +129,6 @@ def run_train(args) -> int:
     from planner.cli import load_factory
 
     plan = read_plan(args.plan)
-    if plan.is_mesh_3d:
-        raise ValueError("plan: hyplan train runs plans without pipeline stages (--mesh 1d); "
-                         "train a pipelined plan with executor.train_step in your own loop")
     if args.steps < 0:
         raise ValueError(f"--steps: must be at least 0, got {args.steps}")
     if args.lr <= 0:
@@ -225,7 +222,7 @@ def worker(argv: Sequence[str] | None = None) -> int:
 
     from executor import train
     from executor.data import synthetic_dataset
-    from planner.cli import load_factory
+    from planner.cli import forward_kwargs, load_factory
 
     p = argparse.ArgumentParser(prog="planner.cli_train")
     p.add_argument("plan")
@@ -253,12 +250,15 @@ def worker(argv: Sequence[str] | None = None) -> int:
     dist.init_process_group("nccl" if cuda else "gloo")
     try:
         model, inputs, loss_fn = build_for_training(factory, plan.global_batch, args.seed)
+        kwargs = forward_kwargs(factory)
         make_data = getattr(importlib.import_module(factory.__module__), "dataset", None)
         dataset = (make_data() if callable(make_data) else synthetic_dataset(
-            model, inputs, loss_fn, args.dataset_size or 64 * plan.global_batch, args.seed))
+            model, inputs, loss_fn, args.dataset_size or 64 * plan.global_batch, args.seed,
+            forward_kwargs=kwargs))
         train(model, plan, dataset, loss_fn, steps=args.steps, lr=args.lr,
               checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
-              keep=args.keep, seed=args.seed, log_every=args.log_every, report=print,
+              keep=args.keep, seed=args.seed, log_every=args.log_every,
+              forward_kwargs=kwargs, report=print,
               monitor=not args.no_monitor, drift_threshold=args.drift_threshold,
               on_drift=lambda drift: replanned(drift, factory, args))
     finally:

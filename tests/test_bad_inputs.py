@@ -82,13 +82,3 @@ def test_checkpoints_of_another_model_are_refused(capsys, plan_file, tmp_path):
     err = _fails_with_one_line(capsys, ["train", plan_file, MLP, "--nproc-per-node", "2",
                                         "--checkpoint-dir", str(tmp_path / "ckpt")])
     assert "--checkpoint-dir" in err and "ResNet" in err and "new directory" in err
-
-
-def test_train_refuses_a_pipelined_plan_before_launching(capsys, tmp_path):
-    path = tmp_path / "gpt3d.json"
-    gpt = str(ROOT / "examples" / "gpt.py")
-    assert main(["plan", gpt, "--devices", "2x2xV100", "--batch", "8", "--mesh", "3d",
-                 "--json", str(path)]) == 0
-    capsys.readouterr()
-    err = _fails_with_one_line(capsys, ["train", str(path), gpt, "--nproc-per-node", "2"])
-    assert "--mesh 1d" in err and "executor.train_step" in err, err

@@ -1,6 +1,6 @@
 """Training runs: checkpoints through DCP, resume after a stop, and resume under another
-plan (data parallel -> model parallel, 2 -> 1 processes) end with the parameters of an
-uninterrupted single-process run of the same steps."""
+plan (data parallel -> model parallel, 2 -> 1 processes, pipelined -> 1-D) end with the
+parameters of an uninterrupted single-process run of the same steps."""
 
 import torch
 from torch import nn
@@ -11,7 +11,10 @@ import planner
 from distributed import run_ranks
 from executor import checkpoint
 from executor.data import global_batch, synthetic_dataset
+from executor.pipeline import StageModel
 from executor.train import make_optimizer
+from planner.plan3d import optimize_3d
+from planner.search import Shape
 
 ROWS, LR, SIZE = 16, 0.01, 64
 DP = {"0": "data_parallel", "2": "data_parallel", "4": "data_parallel"}
@@ -29,10 +32,20 @@ def _plan(world: int, pin: dict) -> planner.Plan:
                             pin=pin, measure=False)
 
 
+def _pipelined_plan() -> planner.Plan:
+    """Two pipeline stages on two ranks (1F1B, 4 microbatches)."""
+    x = models.batch("mlp", ROWS, 0)[0]
+    plan = optimize_3d(models.build("mlp"), "2xcpu", (x,), measure=False,
+                       only=[Shape(2, 1, 1, 4, "1F1B")])
+    assert plan.is_mesh_3d and plan.mesh.shape == [2, 1, 1]
+    return plan
+
+
 def _full(module) -> dict[str, torch.Tensor]:
+    """This rank's parameters by their names in the user's model, as full tensors."""
     from torch.distributed.tensor import DTensor
 
-    inner = getattr(module, "module", module)
+    inner = module.stage if isinstance(module, StageModel) else getattr(module, "module", module)
     return {k: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
             for k, p in inner.named_parameters()}
 
@@ -55,6 +68,11 @@ def _run(rank, world, plan_json, steps, directory):
     result = executor.train(models.build("mlp"), plan, _dataset(), nn.CrossEntropyLoss(),
                             steps=steps, lr=LR, checkpoint_dir=directory, checkpoint_every=2)
     return result.start_step, _full(result.model), result.losses
+
+
+def _merged(results) -> dict[str, torch.Tensor]:
+    """The whole model's parameters from every rank's (each pipeline stage holds its own)."""
+    return {k: v for _, params, _ in results for k, v in params.items()}
 
 
 def _assert_equal(params, expected):
@@ -83,6 +101,55 @@ def test_resume_on_fewer_processes(tmp_path):
     ((start, params, _),) = run_ranks(_run, 1, _plan(1, {}).to_json(), 4, str(tmp_path))
     assert start == 2
     _assert_equal(params, reference(4))
+
+
+def test_pipelined_run_resumes_under_itself_and_under_a_1d_plan(tmp_path):
+    """Each stage's ranks hold and save only their stage's parameters; DCP's metadata holds
+    the whole model, so a restart under the same pipelined plan loads each stage's part,
+    and a 1-D (model-parallel) plan loads all of it."""
+    pp = _pipelined_plan().to_json()
+    first = run_ranks(_run, 2, pp, 3, str(tmp_path))
+    stage_params = [set(params) for _, params, _ in first]
+    assert stage_params[0] and stage_params[1] and not stage_params[0] & stage_params[1]
+    assert [step for step, _ in checkpoint.complete_checkpoints(tmp_path)] == [2, 3]
+    _assert_equal(_merged(first), reference(3))
+    whole = models.build("mlp")
+    checkpoint.load_model(checkpoint.step_dir(tmp_path, 3), whole)
+    _assert_equal(dict(whole.named_parameters()), reference(3))
+
+    second = run_ranks(_run, 2, pp, 5, str(tmp_path))
+    assert [(s, sorted(losses)) for s, _, losses in second] == [(3, [3, 4])] * 2
+    _assert_equal(_merged(second), reference(5))
+
+    for start, params, _ in run_ranks(_run, 2, _plan(2, MP).to_json(), 6, str(tmp_path)):
+        assert start == 5
+        _assert_equal(params, reference(6))
+
+
+def _tail_model() -> nn.Module:
+    """The MLP, then a parameter-free LogSoftmax: with NLLLoss, the MLP's cross-entropy."""
+    return nn.Sequential(models.build("mlp"), nn.LogSoftmax(dim=1))
+
+
+def _run_tail(rank, world, plan_json, steps, directory):
+    plan = planner.Plan.from_json(plan_json)
+    result = executor.train(_tail_model(), plan, _dataset(), nn.NLLLoss(), steps=steps, lr=LR,
+                            checkpoint_dir=directory, checkpoint_every=2)
+    return result.start_step, _full(result.model), result.losses
+
+
+def test_a_parameter_free_stage_trains_saves_and_resumes(tmp_path):
+    """The planner cuts the LogSoftmax off as stage 1: its rank holds no parameters, steps
+    an empty optimizer, saves an empty part of each checkpoint and loads nothing back."""
+    x = models.batch("mlp", ROWS, 0)[0]
+    plan = optimize_3d(_tail_model(), "2xcpu", (x,), measure=False,
+                       only=[Shape(2, 1, 1, 4, "1F1B")])
+    assert [s.layers for s in plan.pipeline.stages][1] == ["1"]
+    run_ranks(_run_tail, 2, plan.to_json(), 2, str(tmp_path))
+    (start, params, _), (_, none, losses) = run_ranks(_run_tail, 2, plan.to_json(), 3,
+                                                      str(tmp_path))
+    assert start == 2 and none == {} and sorted(losses) == [2]
+    _assert_equal({k.removeprefix("0."): v for k, v in params.items()}, reference(3))
 
 
 def test_a_checkpoint_without_its_marker_is_never_loaded(tmp_path):

@@ -1,7 +1,8 @@
 """`hyplan train` under torchrun: a rank killed mid-step or mid-checkpoint, restarted by
-torchrun, and a two-node job on loopback all end with the parameters of an uninterrupted
-single-process run of the same steps."""
+torchrun, a two-node job on loopback, and a Hugging Face Llama from a model file all end
+with the parameters of an uninterrupted single-process run of the same steps."""
 
+import math
 import os
 import subprocess
 import sys
@@ -16,6 +17,7 @@ from executor import checkpoint
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODEL = os.path.join(ROOT, "tests", "train_model.py")
+HF_LLAMA = os.path.join(ROOT, "examples", "hf_llama.py")
 STEPS = 6
 
 
@@ -74,6 +76,27 @@ def test_killed_rank_restarts_and_ends_as_uninterrupted(tmp_path, fault, resumed
     _assert_final_equals_uninterrupted(ckpt)
 
 
+def test_pipelined_plan_killed_rank_restarts_and_ends_as_uninterrupted(tmp_path):
+    """A plan of two pipeline stages (1F1B, 4 microbatches): rank 1, the last stage, killed
+    in step 5's backward; both ranks restart from checkpoint 4, each loading its stage's
+    part, and the final checkpoint holds the whole model as one process trains it."""
+    from planner.plan3d import optimize_3d
+    from planner.search import Shape
+
+    model, inputs, _ = train_model.build(16, "cpu")
+    plan = optimize_3d(model, "2xcpu", inputs, measure=False, only=[Shape(2, 1, 1, 4, "1F1B")])
+    assert plan.is_mesh_3d and len(plan.pipeline.stages) == 2
+    plan.save(tmp_path / "plan.json")
+    ckpt = tmp_path / "ckpt"
+    out = _finish(_hyplan_train(str(tmp_path / "plan.json"), MODEL, "--steps", str(STEPS),
+                                "--checkpoint-dir", str(ckpt), "--checkpoint-every", "2",
+                                "--nproc-per-node", "2", "--max-restarts", "1",
+                                fault="1:4:step"))
+    assert "exitcode: -9" in out
+    assert f"resumed from {checkpoint.step_dir(ckpt, 4)} (step 4)" in out, out
+    _assert_final_equals_uninterrupted(ckpt)
+
+
 def test_two_node_job_on_loopback_matches_one_process(tmp_path):
     """Two `hyplan train` agents, one process each, meet at a c10d rendezvous and run a
     plan made for two nodes of one CPU device."""
@@ -86,3 +109,67 @@ def test_two_node_job_on_loopback_matches_one_process(tmp_path):
     outs = [_finish(a) for a in agents]
     assert sum(f"step {STEPS}/{STEPS}" in o for o in outs) == 1  # rank 0's node reports
     _assert_final_equals_uninterrupted(ckpt)
+
+
+def _hf_llama_reference(steps: int, optimizer: str, batch: int = 8, lr: float = 1e-3,
+                        seed: int = 0) -> dict[str, torch.Tensor]:
+    """What `hyplan train ... examples/hf_llama.py --steps STEPS` should end with: one
+    process, whole global batches of the synthetic token ids hyplan makes."""
+    from executor.data import global_batch, synthetic_dataset
+    from executor.train import make_optimizer
+    from planner.cli import forward_kwargs, load_factory
+
+    build = load_factory(HF_LLAMA)
+    torch.manual_seed(seed)
+    model, inputs, loss_fn = build(batch, device="cpu")
+    kwargs = forward_kwargs(build)
+    data = synthetic_dataset(model, inputs, loss_fn, 64 * batch, seed, forward_kwargs=kwargs)
+    opt = make_optimizer(optimizer, model.parameters(), lr)
+    for step in range(steps):
+        ids, targets = global_batch(data, batch, step, seed)
+        loss = loss_fn(model(ids, **kwargs), targets)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return {k: v.detach() for k, v in model.named_parameters()}
+
+
+def test_hf_llama_model_file_trains_as_one_process(tmp_path):
+    """examples/hf_llama.py (transformers' Llama, traced by torch.export with
+    use_cache=False) under a hybrid plan for 2 CPU processes (attention replicated, as
+    hyplan chooses when it times this model here; the rest data parallel): finite losses,
+    token ids within the vocabulary, and the final checkpoint equals one process."""
+    pytest.importorskip("transformers")
+    from planner.cli import forward_kwargs, load_factory
+
+    build = load_factory(HF_LLAMA)
+    model, inputs, _ = build(8, device="cpu")
+    attention = {f"model.layers.{i}.self_attn": "replicate" for i in range(2)}
+    plan = planner.optimize(model, "2xcpu", example_inputs=inputs, pin=attention,
+                            example_kwargs=forward_kwargs(build), measure=False)
+    assert plan.tracer == "export"
+    assert {l.name: l.strategy for l in plan.layers if l.name in attention} == attention
+    plan.save(tmp_path / "plan.json")
+    ckpt = tmp_path / "ckpt"
+    out = _finish(_hyplan_train(str(tmp_path / "plan.json"), HF_LLAMA, "--steps", "3",
+                                "--checkpoint-dir", str(ckpt), "--nproc-per-node", "2"))
+    losses = [float(line.split()[3]) for line in out.splitlines() if line.startswith("step ")]
+    assert len(losses) == 3 and all(math.isfinite(x) for x in losses), out[-2000:]
+    assert abs(losses[0] - math.log(256)) < 0.5  # random ids over the 256-token vocabulary
+
+    step, path = checkpoint.latest_checkpoint(ckpt)
+    assert step == 3
+    trained, _, _ = build(8, device="cpu")
+    checkpoint.load_model(path, trained)
+    expected = _hf_llama_reference(3, plan.optimizer)
+    for key, value in trained.named_parameters():
+        torch.testing.assert_close(value.detach(), expected[key], rtol=1e-5, atol=1e-6,
+                                   msg=lambda m: f"{key}: {m}")
+
+
+def test_hf_llama_without_transformers_names_the_extra(monkeypatch):
+    from planner.cli import load_factory
+
+    monkeypatch.setitem(sys.modules, "transformers", None)  # `import transformers` fails
+    with pytest.raises(ValueError, match=r"pip install 'hyplan\[hf\]'"):
+        load_factory(HF_LLAMA)
