@@ -11,8 +11,11 @@ tp group that spans nodes pays the inter-node link on every collective.
 Keeping it fast as the space widens:
 - per-layer costs are computed once per (tp, rows per microbatch) and shared by identical
   layers (a transformer's blocks), edge matrices likewise;
-- GPipe has the same step time as 1F1B in this model and keeps more activations: it is
-  dominated and never solved where 1F1B runs (1F1B needs m >= pp);
+- GPipe is never faster than 1F1B (their simulations: the same bubble with balanced
+  stages, less with unbalanced ones for 1F1B) and keeps more activations: it is dominated
+  and never solved where 1F1B runs (1F1B needs m >= pp);
+- the schedules with chunks per rank (interleaved, zero-bubble, DualPipeV) are candidates
+  of their own, each priced by simulating its action list (planner.schedules);
 - a shape whose smallest possible memory exceeds the budget is dropped unsolved;
 - the rest are solved in order of a lower bound, each with the incumbent as cutoff, and a
   shape whose bound is no better than the incumbent is pruned unsolved; each gets a few
@@ -29,8 +32,9 @@ import numpy as np
 
 from planner.choices import OUTPUT
 from planner.problem import Edge
+from planner.schedules import SCHEDULES, chunks_allowed, refusal
 from planner.stages import (
-    SCHEDULES, LayerOptions, StageProblem, StageSolution, TimeLimit, lower_bound,
+    LayerOptions, StageProblem, StageSolution, TimeLimit, lower_bound,
     min_memory_bytes, solve_stages,
 )
 from profiler.graph import Layer, ModelGraph
@@ -45,13 +49,15 @@ FIRST_PASS_S = 5.0  # seconds per candidate in the search's first pass
 
 @dataclass(frozen=True)
 class Shape:
-    """One candidate: the mesh (pp, dp, tp), microbatches and schedule."""
+    """One candidate: the mesh (pp, dp, tp), microbatches, schedule and its chunks (virtual
+    stages) per pipeline rank."""
 
     pp: int
     dp: int
     tp: int
     microbatches: int
     schedule: str
+    chunks: int = 1
 
     def rows(self, batch: int) -> int:
         """Rows per microbatch per dp replica."""
@@ -89,11 +95,12 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def shapes(num_devices: int, batch: int, max_microbatches: int | None = None) -> list[Shape]:
+def shapes(num_devices: int, batch: int, max_microbatches: int | None = None,
+           schedules: tuple[str, ...] = SCHEDULES) -> list[Shape]:
     """Every (pp, dp, tp) with pp·dp·tp = devices, every m with dp·m dividing the batch,
-    both schedules; 1F1B only with at least as many microbatches as stages (what
-    torch.distributed.pipelining's Schedule1F1B accepts: fewer leave it nothing to
-    interleave), GPipe with any."""
+    every schedule with the chunks per rank it allows (planner.schedules.chunks_allowed),
+    where torch.distributed.pipelining runs it (schedules.refusal: e.g. 1F1B needs at
+    least as many microbatches as stages, DualPipeV as many as pp·2 chunks)."""
     out = []
     for pp in _divisors(num_devices):
         for tp in _divisors(num_devices // pp):
@@ -103,10 +110,10 @@ def shapes(num_devices: int, batch: int, max_microbatches: int | None = None) ->
             for m in _divisors(batch // dp):
                 if max_microbatches is not None and m > max_microbatches:
                     continue
-                for schedule in SCHEDULES:
-                    if schedule == "1F1B" and m < pp:
-                        continue
-                    out.append(Shape(pp, dp, tp, m, schedule))
+                for schedule in schedules:
+                    for v in chunks_allowed(schedule, pp):
+                        if refusal(schedule, pp, v, m) is None:
+                            out.append(Shape(pp, dp, tp, m, schedule, v))
     return out
 
 
@@ -309,12 +316,15 @@ def build(cache: CostCache, pp: int, dp: int, tp: int, rows: int,
 def search(graph: ModelGraph, cluster: Cluster, optimizer: str, budget_bytes: float | None,
            *, max_microbatches: int | None = None, time_limit_s: float = 60.0,
            relative_gap: float = 1e-9, only: list[Shape] | None = None,
-           cache: CostCache | None = None, pin: dict[str, str] | None = None) -> SearchResult:
-    """The fastest plan over all shapes that fits `budget_bytes` per device."""
+           cache: CostCache | None = None, pin: dict[str, str] | None = None,
+           schedules: tuple[str, ...] = SCHEDULES) -> SearchResult:
+    """The fastest plan over all shapes that fits `budget_bytes` per device; `schedules`
+    limits the pipeline schedules tried."""
     started = time.perf_counter()
     cache = cache or CostCache(graph, cluster, optimizer)
     batch = graph.batch_size
-    todo = only if only is not None else shapes(cluster.num_devices, batch, max_microbatches)
+    todo = only if only is not None else shapes(cluster.num_devices, batch, max_microbatches,
+                                                schedules)
     built: dict[tuple, Built] = {}
 
     def problem_of(shape: Shape) -> Built:
@@ -332,15 +342,17 @@ def search(graph: ModelGraph, cluster: Cluster, optimizer: str, budget_bytes: fl
                                  "activations in flight"))
             continue
         b = problem_of(shape)
-        need = min_memory_bytes(b.problem, shape.pp, shape.microbatches, shape.schedule)
+        if shape.pp * shape.chunks > len(b.problem.units):
+            out.append(Candidate(shape, "infeasible", note="more stages than modules"))
+            continue
+        need = min_memory_bytes(b.problem, shape.pp, shape.microbatches, shape.schedule,
+                                shape.chunks)
         if budget_bytes is not None and need > budget_bytes:
             out.append(Candidate(shape, "does_not_fit", note=f"needs at least "
                                  f"{need / 1e9:.1f} GB per device"))
             continue
-        if shape.pp > len(b.problem.units):
-            out.append(Candidate(shape, "infeasible", note="more stages than modules"))
-            continue
-        bound = lower_bound(b.problem, shape.pp, shape.microbatches)
+        bound = lower_bound(b.problem, shape.pp, shape.microbatches, shape.schedule,
+                            shape.chunks)
         c = Candidate(shape, "pruned_by_bound", bound_s=bound)
         ranked.append((bound, c))
         out.append(c)
@@ -359,7 +371,8 @@ def search(graph: ModelGraph, cluster: Cluster, optimizer: str, budget_bytes: fl
             solution = solve_stages(
                 problem_of(s).problem, s.pp, s.microbatches, s.schedule, budget_bytes,
                 limit_s, relative_gap,
-                cutoff_s=None if incumbent is None else incumbent * (1 + 1e-9))
+                cutoff_s=None if incumbent is None else incumbent * (1 + 1e-9),
+                chunks=s.chunks)
         except TimeLimit as limit:
             c.outcome, c.bound_s = "time_limit", max(c.bound_s, limit.bound_s)
             return
