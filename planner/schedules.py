@@ -81,6 +81,9 @@ def refusal(schedule: str, pp: int, v: int, m: int) -> str | None:
         return f"{schedule} needs exactly 2 chunks per rank, not {v}"
     if v < 2:
         return f"{schedule} needs at least 2 chunks per rank"
+    if m < pp:
+        return (f"{schedule} with fewer microbatches than ranks ({m} < {pp}) leaves ranks "
+                f"idle a whole round (torch runs it; the planner does not offer it)")
     if schedule == "DualPipeV" and m < pp * v:
         return f"DualPipeV needs at least as many microbatches as stages ({m} < {pp * v})"
     if schedule in ("Interleaved1F1B", "InterleavedZeroBubble"):

@@ -34,7 +34,7 @@ from planner.choices import OUTPUT
 from planner.problem import Edge
 from planner.schedules import SCHEDULES, chunks_allowed, refusal
 from planner.stages import (
-    LayerOptions, StageProblem, StageSolution, TimeLimit, lower_bound,
+    LayerOptions, StageProblem, StageSolution, TimeLimit, estimate, lower_bound,
     min_memory_bytes, solve_stages,
 )
 from profiler.graph import Layer, ModelGraph
@@ -45,6 +45,8 @@ from strategies.edges import edge_matrix
 from strategies.layouts import Layout
 
 FIRST_PASS_S = 5.0  # seconds per candidate in the search's first pass
+CHUNKED_PASS_S = 2.0  # seconds per candidate with chunks per rank (one pass only)
+CHUNKED_TRIES = 4  # candidates with chunks per rank solved at most, best estimate first
 
 
 @dataclass(frozen=True)
@@ -354,10 +356,13 @@ def search(graph: ModelGraph, cluster: Cluster, optimizer: str, budget_bytes: fl
         bound = lower_bound(b.problem, shape.pp, shape.microbatches, shape.schedule,
                             shape.chunks)
         c = Candidate(shape, "pruned_by_bound", bound_s=bound)
-        ranked.append((bound, c))
+        guess = estimate(b.problem, shape.pp, shape.microbatches, shape.schedule, shape.chunks)
+        ranked.append((max(bound, guess), c))
         out.append(c)
 
-    ranked.sort(key=lambda t: (t[0], t[1].shape.pp, t[1].shape.tp))
+    # best first by the bound (one chunk per rank) or the balanced-chunk estimate (chunks:
+    # their bound leaves out the bubble, and would put every one of them first)
+    ranked.sort(key=lambda t: (t[0], t[1].shape.pp, t[1].shape.tp, t[1].shape.chunks))
     best: Candidate | None = None
     solve_seconds = 0.0
 
@@ -391,12 +396,27 @@ def search(graph: ModelGraph, cluster: Cluster, optimizer: str, budget_bytes: fl
         if best is None or solution.times.step_s < best.solution.times.step_s:
             best = c
 
+    chunked_tries = 0
     # First pass, best bound first, each candidate briefly: a hard one met before any
     # incumbent exists would otherwise spend the whole limit proving a plan far from best.
-    for bound, c in ranked:
+    for guess, c in ranked:
+        bound = c.bound_s
         incumbent = best.solution.times.step_s if best else None
         if incumbent is not None and bound >= incumbent * (1 - 1e-9):
             c.note = f"bound {bound * 1e3:.3g} ms >= best {incumbent * 1e3:.3g} ms"
+            continue
+        if c.shape.chunks > 1:
+            # not a bound: chunked schedules are dropped on their balanced estimate, which
+            # the cut can only miss by imbalance (their bound leaves the bubble out), and
+            # only the CHUNKED_TRIES best are solved (their stage MIPs are the hardest)
+            if incumbent is not None and guess >= incumbent * (1 - 1e-9):
+                c.note = f"estimate {guess * 1e3:.3g} ms >= best {incumbent * 1e3:.3g} ms"
+                continue
+            if chunked_tries >= CHUNKED_TRIES:
+                c.note = f"not solved: past the {CHUNKED_TRIES} best chunked estimates"
+                continue
+            chunked_tries += 1
+            attempt(c, min(time_limit_s, CHUNKED_PASS_S))
             continue
         attempt(c, min(time_limit_s, FIRST_PASS_S))
     # Second pass: what is left open and might still beat the best, now cut off at it
@@ -405,6 +425,8 @@ def search(graph: ModelGraph, cluster: Cluster, optimizer: str, budget_bytes: fl
         incumbent = best.solution.times.step_s if best else None
         open_ = c.outcome == "time_limit" or (c.solution is not None and c is not best
                                               and c.solution.status != "optimal")
+        if c.shape.chunks > 1:
+            continue  # chunked candidates get the first pass only
         if open_ and (incumbent is None or c.bound_s < incumbent * (1 - 1e-9)):
             attempt(c, time_limit_s)
     if best is not None:

@@ -472,7 +472,9 @@ def lower_bound(problem: StageProblem, pp: int, microbatches: int, schedule: str
     split of the minima under max_r (Σ_{j<r} T_j + m·T_r) (the linear-partition dynamic
     program, with the cut transfers) bounds every schedule; GPipe's makespan is
     Σ_k T_k + (m - 1)·max_k T_k, bounded by the split with the least slowest stage. With
-    chunks, a rank does m times its share of the work: at least m·Σ a / pp."""
+    chunks, a rank does m times its share of the work, at least m·Σ a / pp, and the first
+    microbatch passes every stage forward and back (2/3 of it where the weight gradients
+    can wait)."""
     U = len(problem.units)
     a = np.zeros(U)
     for layer in problem.layers:
@@ -485,8 +487,10 @@ def lower_bound(problem: StageProblem, pp: int, microbatches: int, schedule: str
         return math.inf
     if pp == 1:
         return m * float(a.sum()) + once
-    if chunks > 1:
-        return m * float(a.sum()) / pp + once
+    if chunks > 1:  # and one microbatch's chain: forwards down, input gradients up
+        work = float(a.sum()) + _least_sends_s(problem, schedule, pp, chunks)
+        chain = (2 / 3 if schedule in schedules.SPLIT_BACKWARD else 1.0) * work
+        return max(m * work / pp, chain) + once
     prefix = np.concatenate([[0.0], np.cumsum(a)])
     cut = problem.cut_s
 
@@ -508,6 +512,30 @@ def lower_bound(problem: StageProblem, pp: int, microbatches: int, schedule: str
     if schedule == "GPipe":  # Σ_k T_k + (m - 1)·max_k T_k, exactly
         return float(a.sum()) + split(0.0) * (m - 1) / m + once
     return split(1.0) + once
+
+
+def _least_sends_s(problem: StageProblem, schedule: str, pp: int, chunks: int) -> float:
+    """The least the transfers can add to Σ_k T_k: each cut between ranks is paid by both
+    of its stages, and there are as many as hops between ranks (pp·v - 1 looped, one
+    fewer for a V), each at least the cheapest cut."""
+    ranks = stage_ranks(schedule, pp, chunks)
+    hops = sum(ranks[k - 1] != ranks[k] for k in range(1, pp * chunks))
+    cuts = sorted(problem.cut_s[1:])
+    return 2 * float(sum(cuts[:hops]))
+
+
+def estimate(problem: StageProblem, pp: int, microbatches: int, schedule: str,
+             chunks: int = 1) -> float:
+    """What the search tries first by: the bound for one chunk per rank; with chunks, the
+    objective on perfectly balanced chunks of the cheapest options (not a bound)."""
+    if chunks == 1:
+        return lower_bound(problem, pp, microbatches, schedule, chunks)
+    total = sum(float(l.microbatch_s.min()) for l in problem.layers)
+    total += sum(float(np.asarray(e.cost_s).min()) for e in problem.edges)
+    total += _least_sends_s(problem, schedule, pp, chunks)
+    once = sum(float(l.step_s.min()) for l in problem.layers) / pp
+    kappa = schedules.uniform_bubble(schedule, pp, chunks, microbatches)
+    return microbatches * total / pp + kappa * total / (pp * chunks) + once
 
 
 def min_memory_bytes(problem: StageProblem, pp: int, microbatches: int, schedule: str,
