@@ -222,8 +222,9 @@ def why_schedule(result: SearchResult, shape: Shape, times) -> str:
             old = others.get(s.schedule)
             if old is None or old[0] != "solved" or t.step_s < old[2].step_s:
                 others[s.schedule] = ("solved", s, t)
-        elif s.schedule not in others and c.bound_s is not None:
-            others[s.schedule] = (c.outcome, s, c.bound_s)
+        elif c.bound_s is not None and (s.schedule not in others or (
+                others[s.schedule][0] != "solved" and c.bound_s < others[s.schedule][2])):
+            others[s.schedule] = (c.outcome, s, c.bound_s)  # the least bound of its kind
     mem = max(times.memory_bytes)
     head = (f"{label(shape)}: step {times.step_s:.4g} s, bubble {share(times)}, "
             f"peak memory {mem / 1e9:.3g} GB")

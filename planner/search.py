@@ -45,8 +45,8 @@ from strategies.edges import edge_matrix
 from strategies.layouts import Layout
 
 FIRST_PASS_S = 5.0  # seconds per candidate in the search's first pass
-CHUNKED_PASS_S = 2.0  # seconds per candidate with chunks per rank (one pass only)
-CHUNKED_TRIES = 4  # candidates with chunks per rank solved at most, best estimate first
+CHUNKED_PASS_S = 5.0  # seconds per candidate with chunks per rank (one pass only)
+CHUNKED_TRIES = 3  # candidates with chunks per rank solved at most, best estimate first
 
 
 @dataclass(frozen=True)

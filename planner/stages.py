@@ -16,9 +16,11 @@ The integer program cannot hold a simulation; it minimises a linear stand-in, `o
 
     GPipe, 1F1B   Σ_k T_k  +  (m - 1) · max_k T_k  +  max_k S_k     (GPipe: the makespan
                   exactly; 1F1B: an upper bound, exact for balanced stages)
-    v > 1         m · max_r R_r  +  κ · Σ_k T_k / (pp·v)  +  max_r Σ_{k on r} S_k
+    v > 1         m · max_r R_r  +  κ · max_k T_k  +  max_r Σ_{k on r} S_k
                   R_r = Σ_{k on r} T_k, κ the schedule's bubble in chunk times with equal
-                  chunks (schedules.uniform_bubble)
+                  chunks (schedules.uniform_bubble); the fill and drain go at the pace of
+                  the largest chunk (with the mean instead, the program cut chunks of one
+                  module, and the simulated bubble came back as large as 1F1B's)
 
 and `lower_bound` and the cutoff use bounds the simulation cannot beat (a rank does all its
 work m·R_r; with one stage per rank, rank r also waits Σ_{j<r} T_j for the first forward
@@ -192,7 +194,7 @@ def evaluate(problem: StageProblem, starts: tuple[int, ...], choice, microbatche
     else:
         load = [sum(total[k] for k in range(S) if ranks[k] == r) for r in range(pp)]
         kappa = schedules.uniform_bubble(schedule, pp, chunks, microbatches)
-        objective = microbatches * max(load) + kappa * sum(total) / S + max(once_rank)
+        objective = microbatches * max(load) + kappa * max(total) + max(once_rank)
     return StageTimes(step, tuple(total), tuple(send), tuple(once), tuple(weights), tuple(acts),
                       objective, sim.busiest_bubble_s, ranks)
 
@@ -373,7 +375,10 @@ def solve_stages(problem: StageProblem, pp: int, microbatches: int, schedule: st
         objective = sum(stage_time) + (m - 1) * C + Smax
     else:
         kappa = schedules.uniform_bubble(schedule, pp, chunks, m)
-        objective = m * C + (kappa / S) * sum(stage_time) + Smax
+        D = solver.NumVar(0, inf, "D")  # the largest stage: what fills and drains
+        for k in range(S):
+            solver.Add(D >= stage_time[k], f"stage_time[{k}]")
+        objective = m * C + kappa * D + Smax
     solver.Minimize(objective)
     if cutoff_s is not None:  # bounds the simulated step cannot beat (module docstring)
         solver.Add(m * C + Smax <= cutoff_s / unit_s, "cutoff")
