@@ -10,9 +10,12 @@ In a fixed order, like torchtitan's parallelize functions:
    executor.parallelize (DTensor parallel styles and Reshard nodes); the last stage hands
    back rows and scales the output gradient by 1/(dp·tp), so every gradient reduction is
    a sum;
-4. the schedule: torch.distributed.pipelining's PipelineStage over the pp group with
-   ScheduleGPipe or Schedule1F1B (which divide gradients by the microbatch count); with
-   one stage, a plain loop over microbatches;
+4. the schedule: torch.distributed.pipelining's PipelineStage over the pp group, one per
+   chunk this rank holds (pp x chunks stages; looped r, r + pp, ... or V-shaped r,
+   2pp - 1 - r, as planner.schedules places them), run by the plan's schedule class
+   (ScheduleGPipe, Schedule1F1B, ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble,
+   ScheduleZBVZeroBubble, ScheduleDualPipeV; all divide gradients by the microbatch
+   count); with one stage, a plain loop over microbatches;
 5. data parallelism: after backward, each gradient is summed over the ranks that share its
    weights: the dp group for tensor-parallel and replicated layers, dp x tp for layers
    data-parallel inside the tp group.
@@ -25,7 +28,10 @@ import torch.distributed as dist
 import torch.fx as fx
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+from torch.distributed.pipelining import (
+    PipelineStage, Schedule1F1B, ScheduleDualPipeV, ScheduleGPipe, ScheduleInterleaved1F1B,
+    ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble,
+)
 from torch.distributed.tensor import DTensor
 
 from executor.parallelize import (
@@ -36,7 +42,11 @@ from executor.styles import params_of
 from planner.plan import Plan
 from strategies.layouts import Layout
 
-SCHEDULE_CLASSES = {"1F1B": Schedule1F1B, "GPipe": ScheduleGPipe}
+SCHEDULE_CLASSES = {"1F1B": Schedule1F1B, "GPipe": ScheduleGPipe,
+                    "Interleaved1F1B": ScheduleInterleaved1F1B,
+                    "InterleavedZeroBubble": ScheduleInterleavedZeroBubble,
+                    "ZBVZeroBubble": ScheduleZBVZeroBubble, "DualPipeV": ScheduleDualPipeV}
+MULTI_STAGE = ("Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
 
 
 def split_stages(gm: fx.GraphModule, stage_of: dict[str, int], pp: int) -> list[fx.GraphModule]:
@@ -108,36 +118,56 @@ def split_stages(gm: fx.GraphModule, stage_of: dict[str, int], pp: int) -> list[
     return stages
 
 
-class StageModel(nn.Module):
-    """This rank's part of a 3-D plan: its stage's module (tensor-parallel over its tp
-    group), the process groups, and the schedule that runs it. `parameters()` are the ones
-    this rank updates; train with `executor.train_step`."""
+def _merged(chunks: list[fx.GraphModule]) -> nn.Module:
+    """One module whose parameters are the chunks', under the model's own names (a chunk
+    holds its submodules at their original paths), so a rank with two chunks names its
+    parameters as the single-process model does."""
+    holder = nn.Module()
+    for chunk in chunks:
+        for name, param in chunk.named_parameters():
+            *path, leaf = name.split(".")
+            owner = holder
+            for part in path:
+                if not hasattr(owner, part):
+                    owner.add_module(part, nn.Module())
+                owner = getattr(owner, part)
+            owner.register_parameter(leaf, param)
+    return holder
 
-    def __init__(self, stage: nn.Module, plan: Plan, mesh, stage_index: int, device,
-                 stage_group, loss_holder):
+
+class StageModel(nn.Module):
+    """This rank's part of a 3-D plan: its stages' modules (one per chunk, each
+    tensor-parallel over its tp group), the process groups, and the schedule that runs
+    them. `parameters()` are the ones this rank updates; train with `executor.train_step`."""
+
+    def __init__(self, chunks: list[fx.GraphModule], indices: list[int], plan: Plan, mesh,
+                 stage_index: int, device, stage_group):
         super().__init__()
-        self.stage = stage
+        self.chunks, self.chunk_indices = chunks, indices  # not registered: see `stage`
+        self.stage = chunks[0] if len(chunks) == 1 else _merged(chunks)
         self.plan, self.mesh, self.stage_index, self.device = plan, mesh, stage_index, device
         self.pp, self.dp, self.tp = (plan.mesh.size(d) for d in ("pp", "dp", "tp"))
+        num_stages = self.pp * (plan.pipeline.chunks if plan.pipeline else 1)
+        self.has_first, self.has_last = 0 in indices, num_stages - 1 in indices
         self.dp_group = mesh.get_group("dp")
         self.stage_group = stage_group  # the dp x tp ranks of this stage
         self.tp_rank = mesh.get_local_rank("tp")
         self.dp_rank = mesh.get_local_rank("dp")
-        self._loss = loss_holder
         self.schedule = None
         # rows split over dp x tp: data-parallel layers' parameters (their module's or
         # bare ones) hold partial gradients over the whole stage group
         split_rows = params_of(plan, "data_parallel") if self.tp > 1 else set()
         self.sum_over_stage, self.sum_over_dp = [], []
-        for name, param in stage.named_parameters():
+        for name, param in self.stage.named_parameters():
             (self.sum_over_stage if name in split_rows else self.sum_over_dp).append(param)
 
     def forward(self, *args):
-        return self.stage(*args)
+        return self.chunks[0](*args)
 
     @property
     def is_last(self) -> bool:
-        return self.stage_index == self.pp - 1
+        """This rank computes the loss (holds the last stage)."""
+        return self.has_last
 
     def sync_gradients(self) -> None:
         """Sum each gradient over the ranks that hold a copy of its weights."""
@@ -154,34 +184,46 @@ class StageModel(nn.Module):
 
 def parallelize_3d(model: nn.Module, plan: Plan, *, leaf_modules=()) -> StageModel:
     """This rank's StageModel under a 3-D `plan`; every rank calls it with the same model."""
+    from planner.stages import stage_ranks
+
     gm = traced_as_planned(model, plan, leaf_modules)
     device = _device(plan)
     pp, dp, tp = (plan.mesh.size(d) for d in ("pp", "dp", "tp"))
     mesh = init_device_mesh(plan.mesh.device_type, (pp, dp, tp), mesh_dim_names=("pp", "dp", "tp"))
     rank = dist.get_rank()
-    stage_index = rank // (dp * tp)
+    stage_index = rank // (dp * tp)  # this rank's pipeline rank
     # every rank creates every stage's group, in the same order
     stage_groups = [dist.new_group(list(range(k * dp * tp, (k + 1) * dp * tp)))
                     for k in range(pp)]
+    chunks = plan.pipeline.chunks if plan.pipeline else 1
+    schedule = plan.pipeline.schedule if plan.pipeline else "1F1B"
+    num_stages = pp * chunks
+    ranks_of = stage_ranks(schedule, pp, chunks)
+    mine = [k for k in range(num_stages) if ranks_of[k] == stage_index]
 
     stage_of = {l.node: l.stage for l in plan.layers}
-    module = split_stages(gm, stage_of, pp)[stage_index].to(device)
+    split = split_stages(gm, stage_of, num_stages)
     layers = {l.node: l for l in plan.layers}
     gives = {i.name: (Layout(i.layout), i.shape) for i in plan.inputs}
     gives.update({l.node: (Layout(l.output_layout), l.output_shape) for l in plan.layers})
     gives = {k: (layout, _rows(shape, plan)) for k, (layout, shape) in gives.items()}
     tp_mesh = mesh["tp"]
-    _apply_tensor_parallel(module, tp_mesh, layers, gives)
-    last = stage_index == pp - 1
-    _insert_reshards(module, tp_mesh, layers, gives, microbatch_rows(plan), final=last,
-                     mean_over=dp * tp)
-    # under autocast; outputs sent on in the compute dtype, the last stage's in fp32
-    run_in_precision(module, plan.training_precision, plan.mesh.device_type, last=last)
+    modules = []
+    for k in mine:
+        module = split[k].to(device)
+        _apply_tensor_parallel(module, tp_mesh, layers, gives)
+        _insert_reshards(module, tp_mesh, layers, gives, microbatch_rows(plan),
+                         final=k == num_stages - 1, mean_over=dp * tp)
+        # under autocast; outputs sent on in the compute dtype, the last stage's in fp32
+        run_in_precision(module, plan.training_precision, plan.mesh.device_type,
+                         last=k == num_stages - 1)
+        modules.append(module)
 
-    model = StageModel(module, plan, mesh, stage_index, device, stage_groups[stage_index], None)
+    model = StageModel(modules, mine, plan, mesh, stage_index, device, stage_groups[stage_index])
     if pp > 1:
-        stage = PipelineStage(module, stage_index, pp, device, group=mesh.get_group("pp"))
-        model._pipeline_stage = stage
+        model._pipeline_stages = [
+            PipelineStage(module, k, num_stages, device, group=mesh.get_group("pp"))
+            for k, module in zip(mine, modules)]
     return model
 
 

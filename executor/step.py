@@ -123,22 +123,21 @@ def _step_3d(model, plan: Plan, batch, loss_fn, scaler=None) -> float:
     else:
         schedule = getattr(model, "_schedule", None)
         if schedule is None:
-            from executor.pipeline import SCHEDULE_CLASSES
+            from executor.pipeline import MULTI_STAGE, SCHEDULE_CLASSES
 
             def pipeline_loss(output, target):
                 return _scaled(loss_fn(output, target), scaler)
 
-            schedule = SCHEDULE_CLASSES[plan.pipeline.schedule](
-                model._pipeline_stage, n_microbatches=m, loss_fn=pipeline_loss)
+            name = plan.pipeline.schedule
+            stages = model._pipeline_stages
+            schedule = SCHEDULE_CLASSES[name](
+                stages if name in MULTI_STAGE else stages[0], n_microbatches=m,
+                loss_fn=pipeline_loss)
             model._schedule = schedule
         if len(targets) > 1:
             raise ValueError("batch: a pipelined plan takes one target tensor")
-        if model.stage_index == 0:
-            schedule.step(*inputs)
-        elif model.is_last:
-            schedule.step(target=targets[0], losses=losses)
-        else:
-            schedule.step()
+        kwargs = {"target": targets[0], "losses": losses} if model.has_last else {}
+        schedule.step(*(inputs if model.has_first else ()), **kwargs)
     model.sync_gradients()
 
     total = torch.zeros((), device=model.device)

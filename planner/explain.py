@@ -152,12 +152,18 @@ def pipeline_lines(plan: Plan) -> list[str]:
         if b:
             lines.append(f"  memory per device: {memory_line(b[0])}")
         return lines
-    lines.append(f"Pipeline: {len(q.stages)} stages, schedule {q.schedule}, {q.microbatches} "
-                 f"microbatches of {q.microbatch_rows} rows per replica, bubble "
-                 f"{q.bubble_fraction:.1%} of the step")
+    chunks = (f" ({len(q.stages) // q.chunks} ranks x {q.chunks} chunks)"
+              if q.chunks > 1 else "")
+    lines.append(f"Pipeline: {len(q.stages)} stages{chunks}, schedule {q.schedule}, "
+                 f"{q.microbatches} microbatches of {q.microbatch_rows} rows per replica, "
+                 f"bubble {q.bubble_fraction:.1%} of the step")
+    if q.why:
+        lines.append(f"  schedule: {q.why}")
     for st in q.stages:
         mods = st.modules if len(st.modules) <= 4 else [st.modules[0], "...", st.modules[-1]]
-        lines.append(f"  stage {st.index}: {len(st.modules)} modules ({', '.join(mods)}), "
+        where = (f" on pipeline rank {st.pipeline_rank}"
+                 if q.chunks > 1 and st.pipeline_rank is not None else "")
+        lines.append(f"  stage {st.index}{where}: {len(st.modules)} modules ({', '.join(mods)}), "
                      f"{len(st.layers)} layers on ranks {_ranks(st.ranks)}; "
                      f"{_ms(st.microbatch_s)} per microbatch (transfers {_ms(st.send_s)}), "
                      f"{_ms(st.step_s)} per step (gradient sync + optimizer)")
@@ -174,8 +180,9 @@ def search_lines(plan: Plan, top: int = 8) -> list[str]:
     for c in r.best_per_shape[:top]:
         value = (f"{_ms(c.step_time_s)}" if c.step_time_s is not None
                  else f">= {_ms(c.bound_s)}" if c.bound_s is not None else "-")
+        chunks = f" v={c.chunks}" if c.chunks > 1 else ""
         lines.append(f"  pp {c.pp:>2} x dp {c.dp:>2} x tp {c.tp:>2}, m {c.microbatches:>3} "
-                     f"{c.schedule}: {value} ({c.outcome.replace('_', ' ')}"
+                     f"{c.schedule}{chunks}: {value} ({c.outcome.replace('_', ' ')}"
                      f"{'; ' + c.note if c.note else ''})")
     if len(r.best_per_shape) > top:
         lines.append(f"  ... {len(r.best_per_shape) - top} more shapes")

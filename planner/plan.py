@@ -105,6 +105,8 @@ class StagePlan(_Data):
     """One pipeline stage: a contiguous run of layers (topological order) on its devices."""
 
     index: int
+    pipeline_rank: int | None = Field(None, description="the pipeline rank that runs it "
+                                      "(the index itself with one chunk per rank)")
     layers: list[str] = Field(description="layer names, in order")
     modules: list[str] = Field(description="top-level module paths (or fx nodes) cut as one")
     ranks: list[int] = Field(description="global ranks that run this stage (its dp x tp devices)")
@@ -118,7 +120,12 @@ class StagePlan(_Data):
 class PipelinePlan(_Data):
     """How the pipeline runs: schedule, microbatches, stages and the idle time it costs."""
 
-    schedule: Literal["1F1B", "GPipe"]
+    schedule: Literal["1F1B", "GPipe", "Interleaved1F1B", "InterleavedZeroBubble",
+                      "ZBVZeroBubble", "DualPipeV"]
+    chunks: int = Field(1, gt=0, description="stages (virtual stages) per pipeline rank: "
+                        "looped r, r + pp, ... or V-shaped r, 2pp - 1 - r")
+    why: str = Field("", description="why this schedule: its bubble and memory beside the "
+                     "others' at this mesh")
     microbatches: int = Field(gt=0)
     microbatch_rows: int = Field(gt=0, description="rows per microbatch per dp replica")
     bubble_fraction: float = Field(description="the slowest stage's idle share of the "
@@ -135,6 +142,7 @@ class CandidateReport(_Data):
     tp: int
     microbatches: int
     schedule: str
+    chunks: int = 1
     outcome: Literal["best", "solved", "pruned_by_bound", "does_not_fit", "dominated",
                      "infeasible", "time_limit"]
     step_time_s: float | None = Field(None, description="solved: the optimum for this shape")

@@ -19,7 +19,8 @@ from planner.plan import (
     Predicted, SearchReport, SolverReport, StagePlan,
 )
 from planner.search import SearchResult, Shape, build, group_link, rank_groups, search
-from planner.stages import evaluate, in_flight
+from planner.schedules import LABELS
+from planner.stages import evaluate, in_flight, stage_ranks
 from strategies.catalog import OPTIMIZER_STATE_FACTOR
 from strategies.cluster import Cluster
 
@@ -83,9 +84,11 @@ def to_plan(graph, cluster: Cluster, optimizer: str, budget: float, result: Sear
     """The Plan of the search's best candidate."""
     shape, solution, built = result.best.shape, result.best.solution, result.built
     problem, choice, times = built.problem, solution.choice, solution.times
-    pp, dp, tp, m = shape.pp, shape.dp, shape.tp, shape.microbatches
+    pp, dp, tp, m, v = shape.pp, shape.dp, shape.tp, shape.microbatches, shape.chunks
+    S = pp * v
+    ranks_of = stage_ranks(shape.schedule, pp, v)
     starts = list(solution.starts) + [len(problem.units)]
-    stage_of_unit = [k for k in range(pp) for _ in range(starts[k], starts[k + 1])]
+    stage_of_unit = [k for k in range(S) for _ in range(starts[k], starts[k + 1])]
     stage = [stage_of_unit[l.unit] for l in problem.layers]
     state = OPTIMIZER_STATE_FACTOR[optimizer]
     precision = cluster.training_precision
@@ -96,25 +99,29 @@ def to_plan(graph, cluster: Cluster, optimizer: str, budget: float, result: Sear
         edge_in[e.dst] += float(e.cost_s[choice[e.src], choice[e.dst]])
 
     layers, inputs = [], []
-    memory = [MemoryBreakdown(microbatches_in_flight=in_flight(shape.schedule, pp, m, k))
-              for k in range(pp)]
+    flight = [in_flight(shape.schedule, pp, m, k, v) for k in range(S)]
     memory = [dict(parameters_bytes=0.0, gradients_bytes=0.0, optimizer_state_bytes=0.0,
-                   activations_bytes=0.0, microbatches_in_flight=b.microbatches_in_flight)
-              for b in memory]
+                   activations_bytes=0.0,
+                   microbatches_in_flight=max(flight[k] for k in range(S) if ranks_of[k] == r))
+              for r in range(pp)]
+    stage_memory = [dict(memory[ranks_of[k]], parameters_bytes=0.0, gradients_bytes=0.0,
+                         optimizer_state_bytes=0.0, activations_bytes=0.0,
+                         microbatches_in_flight=flight[k]) for k in range(S)]
     compute = [0.0] * pp
     update = [0.0] * pp
     for i, layer in enumerate(graph.layers):
         c, k = choice[i], stage[i]
+        r = ranks_of[k]
         strategy, cost, opts = built.strategies[i][c], built.costs[i][c], problem.layers[i]
         local = float(built.local_param_bytes[i][c])
-        flight = memory[k]["microbatches_in_flight"]
-        # fp32 masters and autocast's low-precision copy (strategies.precision)
-        memory[k]["parameters_bytes"] += local + precision.weight_copy_bytes(local)
-        memory[k]["gradients_bytes"] += local
-        memory[k]["optimizer_state_bytes"] += state * local
-        memory[k]["activations_bytes"] += float(opts.activation_bytes[c]) * flight
-        compute[k] += cost.compute_s
-        update[k] += cost.update_s
+        for mem in (memory[r], stage_memory[k]):
+            # fp32 masters and autocast's low-precision copy (strategies.precision)
+            mem["parameters_bytes"] += local + precision.weight_copy_bytes(local)
+            mem["gradients_bytes"] += local
+            mem["optimizer_state_bytes"] += state * local
+            mem["activations_bytes"] += float(opts.activation_bytes[c]) * flight[k]
+        compute[r] += cost.compute_s
+        update[r] += cost.update_s
         if layer.is_input:
             inputs.append(InputPlan(name=layer.node, layout=strategy.gives.value,
                                     shape=list(layer.output.shape)))
@@ -128,37 +135,39 @@ def to_plan(graph, cluster: Cluster, optimizer: str, budget: float, result: Sear
             model_parallel=strategy.model_parallel, compute_s=cost.compute_s * m,
             communication_s=per_mb_comm * m + sync, update_s=cost.update_s,
             reshard_in_s=edge_in[i] * m,
-            memory_bytes=float(opts.weight_bytes[c]) + float(opts.activation_bytes[c]) * flight,
+            memory_bytes=float(opts.weight_bytes[c]) + float(opts.activation_bytes[c]) * flight[k],
             param_bytes=layer.param_bytes, params=list(layer.params), stage=k,
-            reason=_reason(strategy, k, pp, tp, cost, opts, c)))
+            reason=_reason(strategy, k, S, tp, cost, opts, c)))
     breakdown = [MemoryBreakdown(**b) for b in memory]
 
     unit_names = problem.units
     stages = []
-    for k in range(pp):
+    for k in range(S):
+        r = ranks_of[k]
         stages.append(StagePlan(
-            index=k,
+            index=k, pipeline_rank=r,
             layers=[l.name for l, s in zip(graph.layers, stage) if s == k and not l.is_input],
             modules=list(unit_names[starts[k]:starts[k + 1]]),
-            ranks=sorted(r for g in groups["tp"][k * dp:(k + 1) * dp] for r in g),
+            ranks=sorted(q for g in groups["tp"][r * dp:(r + 1) * dp] for q in g),
             microbatch_s=times.microbatch_s[k], send_s=times.send_s[k],
-            step_s=times.once_s[k], memory=breakdown[k]))
-    # the step split: the slowest stage's microbatches, the bubble (the slowest stage waits
-    # for the first microbatch to reach it and for its gradient to come back: the other
-    # stages' microbatch times, planner.stages), the per-step part
-    slow = max(range(pp), key=lambda k: times.microbatch_s[k])
-    once = max(range(pp), key=lambda k: times.once_s[k])
+            step_s=times.once_s[k], memory=MemoryBreakdown(**stage_memory[k])))
+    # the step split: the busiest rank's microbatches, the bubble (its idle time in the
+    # simulated schedule, planner.schedules), the per-step part of the slowest rank
+    load = [sum(times.microbatch_s[k] for k in range(S) if ranks_of[k] == r) for r in range(pp)]
+    once_rank = [sum(times.once_s[k] for k in range(S) if ranks_of[k] == r) for r in range(pp)]
+    slow = max(range(pp), key=lambda r: load[r])
+    once = max(range(pp), key=lambda r: once_rank[r])
     step = times.step_s
     compute_s = m * compute[slow]
     other_s = update[once]
-    bubble_s = sum(times.microbatch_s) - times.microbatch_s[slow]
+    bubble_s = times.bubble_s
     pipeline = None
     if pp > 1:
-        busy = m * times.microbatch_s[slow]
-        pipeline = PipelinePlan(schedule=shape.schedule, microbatches=m,
+        busy = m * load[slow]
+        pipeline = PipelinePlan(schedule=shape.schedule, chunks=v, microbatches=m,
                                 microbatch_rows=shape.rows(graph.batch_size),
                                 bubble_fraction=bubble_s / (bubble_s + busy) if busy else 0.0,
-                                stages=stages)
+                                stages=stages, why=why_schedule(result, shape, times))
     per_device = [breakdown[r // (dp * tp)] for r in range(pp * dp * tp)]
     (data_parallel, data_parallel_memory), single = _baselines(result, graph, cluster,
                                                                optimizer)
@@ -194,6 +203,47 @@ def to_plan(graph, cluster: Cluster, optimizer: str, budget: float, result: Sear
                 global_batch=graph.batch_size, optimizer=optimizer, cluster=cluster,
                 mesh=mesh, inputs=inputs, layers=layers, predicted=predicted, solver=report,
                 pipeline=pipeline, microbatches=m, search=search_report)
+
+
+def why_schedule(result: SearchResult, shape: Shape, times) -> str:
+    """One line on why this schedule won at this mesh: its bubble and memory beside the
+    best solved candidate of every other schedule on the same (pp, dp, tp)."""
+    def share(t) -> str:
+        busy = t.step_s - t.bubble_s
+        return f"{t.bubble_s / (t.bubble_s + busy):.0%}" if busy > 0 else "0%"
+
+    def label(s: Shape) -> str:
+        extra = f", v={s.chunks}" if s.chunks > 1 else ""
+        return f"{LABELS[s.schedule]} (m={s.microbatches}{extra})"
+
+    others: dict[str, tuple] = {}
+    for c in result.candidates:
+        s = c.shape
+        if (s.pp, s.dp, s.tp) != (shape.pp, shape.dp, shape.tp) or s == shape:
+            continue
+        if s.schedule == shape.schedule and s.chunks == shape.chunks:
+            continue
+        if c.solution is not None:
+            t = c.solution.times
+            old = others.get(s.schedule)
+            if old is None or old[0] != "solved" or t.step_s < old[2].step_s:
+                others[s.schedule] = ("solved", s, t)
+        elif c.bound_s is not None and (s.schedule not in others or (
+                others[s.schedule][0] != "solved" and c.bound_s < others[s.schedule][2])):
+            others[s.schedule] = (c.outcome, s, c.bound_s)  # the least bound of its kind
+    mem = max(times.memory_bytes)
+    head = (f"{label(shape)}: step {times.step_s:.4g} s, bubble {share(times)}, "
+            f"peak memory {mem / 1e9:.3g} GB")
+    parts = []
+    for name in sorted(others, key=lambda n: (others[n][0] != "solved", n)):
+        kind, s, t = others[name]
+        if kind == "solved":
+            same = abs(max(t.memory_bytes) - mem) <= 0.02 * mem
+            memory = "same memory" if same else f"{max(t.memory_bytes) / 1e9:.3g} GB"
+            parts.append(f"{label(s)} {t.step_s:.4g} s, bubble {share(t)}, {memory}")
+        else:
+            parts.append(f"{label(s)} >= {t:.4g} s ({kind.replace('_', ' ')})")
+    return head + ("; vs " + "; ".join(parts) if parts else "")
 
 
 def _reason(strategy, stage: int, pp: int, tp: int, cost, opts, c: int) -> str:
@@ -243,7 +293,7 @@ def _best_per_shape(result: SearchResult) -> list[CandidateReport]:
         s = c.shape
         out.append(CandidateReport(
             pp=s.pp, dp=s.dp, tp=s.tp, microbatches=s.microbatches, schedule=s.schedule,
-            outcome=c.outcome, step_time_s=c.solution.times.step_s if c.solution else None,
+            chunks=s.chunks, outcome=c.outcome, step_time_s=c.solution.times.step_s if c.solution else None,
             bound_s=c.bound_s, note=c.note))
     return out
 

@@ -202,120 +202,107 @@ def memory_chart(plan: Plan):
 
 @dataclass(frozen=True)
 class PipelineTimeline:
-    """What a schedule needs to be drawn: per stage, one microbatch's forward and backward
-    compute, the communication each adds (its collectives and point-to-point sends), the
-    send to the next stage, and after the last backward the gradient synchronisation and
-    the update. One stage and one microbatch is a plan without pipelining.
+    """What a schedule needs to be drawn: per global stage, one microbatch's forward and
+    backward compute, the communication each adds (its collectives and point-to-point
+    sends), and after the last backward, per pipeline rank, the gradient synchronisation
+    and the update. One stage and one microbatch is a plan without pipelining.
 
-    lockstep: every stage keeps the slowest stage's pace per microbatch; a faster stage
-    then waits, and the wait is drawn as idle. (The planner prices a schedule without it:
-    step = Σ of the stages' microbatch times + (m - 1) x the slowest one's, as the
-    schedule runs.)"""
+    `schedule` is a planner.schedules name (GPipe, 1F1B, Interleaved1F1B, ...; "gpipe" and
+    "1f1b" too) and `chunks` its stages per rank: the rows are the pp = stages / chunks
+    ranks, and the times come from planner.schedules.simulate, the simulation the planner
+    prices a plan with, so the drawn bubble is the priced one. A split backward (I and W)
+    takes half the backward each."""
 
-    schedule: Literal["gpipe", "1f1b"]
+    schedule: str
     microbatches: int
     forward_s: list[float]
     backward_s: list[float]
-    send_s: float = 0.0
-    sync_s: list[float] | None = None
-    update_s: list[float] | None = None
-    devices: list[str] | None = None  # a label per stage, e.g. "devices 0-3"
+    send_s: float = 0.0  # per hop between ranks (the planner counts transfers in the stages)
+    sync_s: list[float] | None = None  # per rank
+    update_s: list[float] | None = None  # per rank
+    devices: list[str] | None = None  # a label per rank, e.g. "devices 0-3"
     forward_comm_s: list[float] | None = None
     backward_comm_s: list[float] | None = None
-    lockstep: bool = False
+    chunks: int = 1
     planned_bubble_s: float | None = None  # the plan's Predicted.bubble_s, for the title
 
     @property
     def stages(self) -> int:
-        return len(self.forward_s)
+        """Rows: the pipeline ranks."""
+        return len(self.forward_s) // self.chunks
+
+    @property
+    def name(self) -> str:
+        return {"gpipe": "GPipe", "1f1b": "1F1B"}.get(self.schedule, self.schedule)
 
     def duration(self, kind: str, stage: int) -> tuple[float, float]:
-        """(compute, communication) of one microbatch's forward or backward on `stage`."""
+        """(compute, communication) of one microbatch's forward or backward on global
+        stage `stage`."""
         comp = (self.forward_s if kind == "forward" else self.backward_s)[stage]
         comm = self.forward_comm_s if kind == "forward" else self.backward_comm_s
         return comp, (comm[stage] if comm else 0.0)
 
-    def pace(self, kind: str, stage: int) -> float:
-        """How long `stage` is taken by one forward or backward (the slowest's in lockstep)."""
-        if self.lockstep:
-            return max(sum(self.duration(kind, s)) for s in range(self.stages))
-        return sum(self.duration(kind, stage))
-
 
 @dataclass(frozen=True)
 class Action:
-    stage: int
+    stage: int  # the row: pipeline rank
     kind: Literal["forward", "backward", "communication", "update"]
     microbatch: int | None
     start_s: float
     end_s: float
+    part: str = ""  # F, B, I or W (the schedule's action), "" for sync and update
+    chunk: int | None = None  # the global stage
 
 
 def stage_order(schedule: str, stages: int, microbatches: int, stage: int):
-    """The (kind, microbatch) order one stage runs: GPipe does every forward, then every
-    backward; 1F1B warms up with `stages - stage - 1` forwards, then alternates."""
-    if schedule == "gpipe":
-        return ([("forward", i) for i in range(microbatches)]
-                + [("backward", i) for i in range(microbatches)])
-    warmup = min(stages - stage - 1, microbatches)
-    order = [("forward", i) for i in range(warmup)]
-    for i in range(microbatches - warmup):
-        order += [("forward", warmup + i), ("backward", i)]
-    order += [("backward", i) for i in range(microbatches - warmup, microbatches)]
-    return order
+    """The (kind, microbatch) order one stage of GPipe or 1F1B runs (planner.schedules)."""
+    from planner.schedules import actions
+
+    name = {"gpipe": "GPipe", "1f1b": "1F1B"}.get(schedule, schedule)
+    kinds = {"F": "forward", "B": "backward"}
+    return [(kinds[a.kind], a.microbatch) for a in actions(name, stages, 1, microbatches)[stage]]
 
 
 def simulate(t: PipelineTimeline) -> list[Action]:
-    """Start and end of every action: each waits for its stage to be free and for its input
-    (the previous stage's forward, or the next stage's backward, plus the send). A forward
-    or backward with communication is two actions, compute then communication, with the
-    same microbatch."""
-    if t.schedule not in ("gpipe", "1f1b"):
-        raise ValueError(f"schedule: {t.schedule!r} is not gpipe or 1f1b")
-    p, m = t.stages, t.microbatches
-    orders = [stage_order(t.schedule, p, m, s) for s in range(p)]
-    done: dict[tuple[str, int, int], float] = {}
-    free, nxt, actions = [0.0] * p, [0] * p, []
-    while any(nxt[s] < len(orders[s]) for s in range(p)):
-        progressed = False
-        for s in range(p):
-            if nxt[s] >= len(orders[s]):
-                continue
-            kind, i = orders[s][nxt[s]]
-            dep = (("forward", s - 1, i) if kind == "forward" and s > 0 else
-                   ("backward", s + 1, i) if kind == "backward" and s < p - 1 else None)
-            if dep is not None and dep not in done:
-                continue
-            ready = done[dep] + t.send_s if dep else 0.0
-            if kind == "backward":
-                ready = max(ready, done[("forward", s, i)])
-            start = max(free[s], ready)
-            comp, comm = t.duration(kind, s)
-            actions.append(Action(s, kind, i, start, start + comp))
-            if comm > 0:
-                actions.append(Action(s, "communication", i, start + comp, start + comp + comm))
-            done[(kind, s, i)] = free[s] = start + t.pace(kind, s)
-            nxt[s] += 1
-            progressed = True
-        assert progressed, "schedule deadlocked"
-    for s in range(p):
+    """Start and end of every action, from planner.schedules.simulate. A forward or
+    backward with communication is two actions, compute then communication, with the same
+    microbatch; after its last action each rank synchronises gradients and updates."""
+    from planner.schedules import SCHEDULES, simulate as run
+
+    if t.name not in SCHEDULES:
+        raise ValueError(f"schedule: {t.schedule!r} is not one of {SCHEDULES}")
+    S, pp = len(t.forward_s), t.stages
+    fwd = [sum(t.duration("forward", k)) for k in range(S)]
+    half = [sum(t.duration("backward", k)) / 2 for k in range(S)]
+    sim = run(t.name, pp, t.chunks, t.microbatches, fwd, half, half, t.send_s)
+    out = []
+    for a in sim.actions:
+        kind = "forward" if a.kind == "F" else "backward"
+        comp, comm = t.duration(kind, a.stage)
+        share = comp / (comp + comm) if comp + comm > 0 else 1.0
+        split = a.start_s + share * (a.end_s - a.start_s)
+        out.append(Action(a.rank, kind, a.microbatch, a.start_s, split, a.kind, a.stage))
+        if split < a.end_s:
+            out.append(Action(a.rank, "communication", a.microbatch, split, a.end_s, a.kind,
+                              a.stage))
+    free = [max((a.end_s for a in sim.actions if a.rank == r), default=0.0) for r in range(pp)]
+    for r in range(pp):
         for kind, times in (("communication", t.sync_s), ("update", t.update_s)):
-            if times and times[s] > 0:
-                actions.append(Action(s, kind, None, free[s], free[s] + times[s]))
-                free[s] += times[s]
-    return actions
+            if times and times[r] > 0:
+                out.append(Action(r, kind, None, free[r], free[r] + times[r]))
+                free[r] += times[r]
+    return out
 
 
 def bubble_s(t: PipelineTimeline, actions: list[Action] | None = None) -> float:
-    """The pipeline bubble: the idle time, until the last backward ends, of the stage whose
-    microbatches are slowest (faster stages idle longer: they also wait for it)."""
+    """The pipeline bubble: the idle time, until the last microbatch action ends, of the
+    busiest rank (the others idle longer: they also wait for it). The planner's
+    Predicted.bubble_s is this number from the same simulation."""
     actions = actions if actions is not None else simulate(t)
-    slow = max(range(t.stages), key=lambda s: sum(t.duration("forward", s))
-               + sum(t.duration("backward", s)))
     work = [a for a in actions if a.microbatch is not None]
-    busy = sum(a.end_s - a.start_s for a in work if a.stage == slow)
-    end = max(a.start_s + t.pace(a.kind, a.stage) for a in work if a.kind != "communication")
-    return end - busy
+    end = max(a.end_s for a in work)
+    busy = [sum(a.end_s - a.start_s for a in work if a.stage == r) for r in range(t.stages)]
+    return end - max(busy)
 
 
 def _span(ranks: list[int]) -> str:
@@ -342,20 +329,31 @@ def timeline_from_plan(plan: Plan) -> PipelineTimeline:
 
 
 def _pipelined(plan: Plan) -> PipelineTimeline:
+    """Per global stage, the planner's microbatch time split as planner.schedules.price
+    splits it (forward a third, backward two thirds), compute and communication alike."""
     pipe, m = plan.pipeline, plan.pipeline.microbatches
-    compute = [0.0] * len(pipe.stages)
-    update = [0.0] * len(pipe.stages)
+    S = len(pipe.stages)
+    pp = S // pipe.chunks
+    rank = [st.pipeline_rank if st.pipeline_rank is not None else st.index
+            for st in pipe.stages]
+    compute = [0.0] * S
+    update = [0.0] * pp
     for l in plan.layers:
         compute[l.stage] += l.compute_s / m
-        update[l.stage] += l.update_s
-    comm = [max(0.0, st.microbatch_s - c) for st, c in zip(pipe.stages, compute)]
+        update[rank[l.stage]] += l.update_s
+    compute = [min(c, st.microbatch_s) for c, st in zip(compute, pipe.stages)]
+    comm = [st.microbatch_s - c for st, c in zip(pipe.stages, compute)]
+    once = [0.0] * pp
+    labels = [""] * pp
+    for st, r in zip(pipe.stages, rank):
+        once[r] += st.step_s
+        labels[r] = _span(st.ranks)
     return PipelineTimeline(
-        "gpipe" if pipe.schedule == "GPipe" else "1f1b", m,
+        pipe.schedule, m,
         forward_s=[c / 3 for c in compute], backward_s=[2 * c / 3 for c in compute],
         forward_comm_s=[c / 3 for c in comm], backward_comm_s=[2 * c / 3 for c in comm],
-        sync_s=[max(0.0, st.step_s - u) for st, u in zip(pipe.stages, update)],
-        update_s=update, devices=[_span(st.ranks) for st in pipe.stages],
-        planned_bubble_s=plan.predicted.bubble_s)
+        sync_s=[max(0.0, o - u) for o, u in zip(once, update)], update_s=update,
+        devices=labels, chunks=pipe.chunks, planned_bubble_s=plan.predicted.bubble_s)
 
 
 def timeline_chart(t: PipelineTimeline, title: str = ""):
@@ -392,7 +390,10 @@ def timeline_chart(t: PipelineTimeline, title: str = ""):
         what = "no pipeline (every layer on every device, one microbatch)"
     else:
         bubble = bubble_s(t, actions)
-        what = (f"{t.schedule.upper()} schedule, {t.stages} stages x {t.microbatches} "
+        from planner.schedules import LABELS
+
+        chunks = f" x {t.chunks} chunks" if t.chunks > 1 else ""
+        what = (f"{LABELS[t.name]} schedule, {t.stages} ranks{chunks} x {t.microbatches} "
                 f"microbatches: bubble {_ms(bubble):.1f} ms ({bubble / end:.0%} of the step)")
         if t.planned_bubble_s is not None:
             what += f", plan {_ms(t.planned_bubble_s):.1f} ms"

@@ -11,8 +11,11 @@ tp group that spans nodes pays the inter-node link on every collective.
 Keeping it fast as the space widens:
 - per-layer costs are computed once per (tp, rows per microbatch) and shared by identical
   layers (a transformer's blocks), edge matrices likewise;
-- GPipe has the same step time as 1F1B in this model and keeps more activations: it is
-  dominated and never solved where 1F1B runs (1F1B needs m >= pp);
+- GPipe is never faster than 1F1B (their simulations: the same bubble with balanced
+  stages, less with unbalanced ones for 1F1B) and keeps more activations: it is dominated
+  and never solved where 1F1B runs (1F1B needs m >= pp);
+- the schedules with chunks per rank (interleaved, zero-bubble, DualPipeV) are candidates
+  of their own, each priced by simulating its action list (planner.schedules);
 - a shape whose smallest possible memory exceeds the budget is dropped unsolved;
 - the rest are solved in order of a lower bound, each with the incumbent as cutoff, and a
   shape whose bound is no better than the incumbent is pruned unsolved; each gets a few
@@ -29,8 +32,9 @@ import numpy as np
 
 from planner.choices import OUTPUT
 from planner.problem import Edge
+from planner.schedules import SCHEDULES, chunks_allowed, refusal
 from planner.stages import (
-    SCHEDULES, LayerOptions, StageProblem, StageSolution, TimeLimit, lower_bound,
+    LayerOptions, StageProblem, StageSolution, TimeLimit, estimate, lower_bound,
     min_memory_bytes, solve_stages,
 )
 from profiler.graph import Layer, ModelGraph
@@ -41,17 +45,21 @@ from strategies.edges import edge_matrix
 from strategies.layouts import Layout
 
 FIRST_PASS_S = 5.0  # seconds per candidate in the search's first pass
+CHUNKED_PASS_S = 5.0  # seconds per candidate with chunks per rank (one pass only)
+CHUNKED_TRIES = 3  # candidates with chunks per rank solved at most, best estimate first
 
 
 @dataclass(frozen=True)
 class Shape:
-    """One candidate: the mesh (pp, dp, tp), microbatches and schedule."""
+    """One candidate: the mesh (pp, dp, tp), microbatches, schedule and its chunks (virtual
+    stages) per pipeline rank."""
 
     pp: int
     dp: int
     tp: int
     microbatches: int
     schedule: str
+    chunks: int = 1
 
     def rows(self, batch: int) -> int:
         """Rows per microbatch per dp replica."""
@@ -89,11 +97,12 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def shapes(num_devices: int, batch: int, max_microbatches: int | None = None) -> list[Shape]:
+def shapes(num_devices: int, batch: int, max_microbatches: int | None = None,
+           schedules: tuple[str, ...] = SCHEDULES) -> list[Shape]:
     """Every (pp, dp, tp) with pp·dp·tp = devices, every m with dp·m dividing the batch,
-    both schedules; 1F1B only with at least as many microbatches as stages (what
-    torch.distributed.pipelining's Schedule1F1B accepts: fewer leave it nothing to
-    interleave), GPipe with any."""
+    every schedule with the chunks per rank it allows (planner.schedules.chunks_allowed),
+    where torch.distributed.pipelining runs it (schedules.refusal: e.g. 1F1B needs at
+    least as many microbatches as stages, DualPipeV as many as pp·2 chunks)."""
     out = []
     for pp in _divisors(num_devices):
         for tp in _divisors(num_devices // pp):
@@ -103,10 +112,10 @@ def shapes(num_devices: int, batch: int, max_microbatches: int | None = None) ->
             for m in _divisors(batch // dp):
                 if max_microbatches is not None and m > max_microbatches:
                     continue
-                for schedule in SCHEDULES:
-                    if schedule == "1F1B" and m < pp:
-                        continue
-                    out.append(Shape(pp, dp, tp, m, schedule))
+                for schedule in schedules:
+                    for v in chunks_allowed(schedule, pp):
+                        if refusal(schedule, pp, v, m) is None:
+                            out.append(Shape(pp, dp, tp, m, schedule, v))
     return out
 
 
@@ -329,12 +338,15 @@ def build(cache: CostCache, pp: int, dp: int, tp: int, rows: int,
 def search(graph: ModelGraph, cluster: Cluster, optimizer: str, budget_bytes: float | None,
            *, max_microbatches: int | None = None, time_limit_s: float = 60.0,
            relative_gap: float = 1e-9, only: list[Shape] | None = None,
-           cache: CostCache | None = None, pin: dict[str, str] | None = None) -> SearchResult:
-    """The fastest plan over all shapes that fits `budget_bytes` per device."""
+           cache: CostCache | None = None, pin: dict[str, str] | None = None,
+           schedules: tuple[str, ...] = SCHEDULES) -> SearchResult:
+    """The fastest plan over all shapes that fits `budget_bytes` per device; `schedules`
+    limits the pipeline schedules tried."""
     started = time.perf_counter()
     cache = cache or CostCache(graph, cluster, optimizer)
     batch = graph.batch_size
-    todo = only if only is not None else shapes(cluster.num_devices, batch, max_microbatches)
+    todo = only if only is not None else shapes(cluster.num_devices, batch, max_microbatches,
+                                                schedules)
     if graph.tied_groups():  # a shared parameter lives in one stage: no pipeline cuts
         todo = [s for s in todo if s.pp == 1]
     built: dict[tuple, Built] = {}
@@ -354,20 +366,25 @@ def search(graph: ModelGraph, cluster: Cluster, optimizer: str, budget_bytes: fl
                                  "activations in flight"))
             continue
         b = problem_of(shape)
-        need = min_memory_bytes(b.problem, shape.pp, shape.microbatches, shape.schedule)
+        if shape.pp * shape.chunks > len(b.problem.units):
+            out.append(Candidate(shape, "infeasible", note="more stages than modules"))
+            continue
+        need = min_memory_bytes(b.problem, shape.pp, shape.microbatches, shape.schedule,
+                                shape.chunks)
         if budget_bytes is not None and need > budget_bytes:
             out.append(Candidate(shape, "does_not_fit", note=f"needs at least "
                                  f"{need / 1e9:.1f} GB per device"))
             continue
-        if shape.pp > len(b.problem.units):
-            out.append(Candidate(shape, "infeasible", note="more stages than modules"))
-            continue
-        bound = lower_bound(b.problem, shape.pp, shape.microbatches)
+        bound = lower_bound(b.problem, shape.pp, shape.microbatches, shape.schedule,
+                            shape.chunks)
         c = Candidate(shape, "pruned_by_bound", bound_s=bound)
-        ranked.append((bound, c))
+        guess = estimate(b.problem, shape.pp, shape.microbatches, shape.schedule, shape.chunks)
+        ranked.append((max(bound, guess), c))
         out.append(c)
 
-    ranked.sort(key=lambda t: (t[0], t[1].shape.pp, t[1].shape.tp))
+    # best first by the bound (one chunk per rank) or the balanced-chunk estimate (chunks:
+    # their bound leaves out the bubble, and would put every one of them first)
+    ranked.sort(key=lambda t: (t[0], t[1].shape.pp, t[1].shape.tp, t[1].shape.chunks))
     best: Candidate | None = None
     solve_seconds = 0.0
 
@@ -381,7 +398,8 @@ def search(graph: ModelGraph, cluster: Cluster, optimizer: str, budget_bytes: fl
             solution = solve_stages(
                 problem_of(s).problem, s.pp, s.microbatches, s.schedule, budget_bytes,
                 limit_s, relative_gap,
-                cutoff_s=None if incumbent is None else incumbent * (1 + 1e-9))
+                cutoff_s=None if incumbent is None else incumbent * (1 + 1e-9),
+                chunks=s.chunks)
         except TimeLimit as limit:
             c.outcome, c.bound_s = "time_limit", max(c.bound_s, limit.bound_s)
             return
@@ -400,12 +418,27 @@ def search(graph: ModelGraph, cluster: Cluster, optimizer: str, budget_bytes: fl
         if best is None or solution.times.step_s < best.solution.times.step_s:
             best = c
 
+    chunked_tries = 0
     # First pass, best bound first, each candidate briefly: a hard one met before any
     # incumbent exists would otherwise spend the whole limit proving a plan far from best.
-    for bound, c in ranked:
+    for guess, c in ranked:
+        bound = c.bound_s
         incumbent = best.solution.times.step_s if best else None
         if incumbent is not None and bound >= incumbent * (1 - 1e-9):
             c.note = f"bound {bound * 1e3:.3g} ms >= best {incumbent * 1e3:.3g} ms"
+            continue
+        if c.shape.chunks > 1:
+            # not a bound: chunked schedules are dropped on their balanced estimate, which
+            # the cut can only miss by imbalance (their bound leaves the bubble out), and
+            # only the CHUNKED_TRIES best are solved (their stage MIPs are the hardest)
+            if incumbent is not None and guess >= incumbent * (1 - 1e-9):
+                c.note = f"estimate {guess * 1e3:.3g} ms >= best {incumbent * 1e3:.3g} ms"
+                continue
+            if chunked_tries >= CHUNKED_TRIES:
+                c.note = f"not solved: past the {CHUNKED_TRIES} best chunked estimates"
+                continue
+            chunked_tries += 1
+            attempt(c, min(time_limit_s, CHUNKED_PASS_S))
             continue
         attempt(c, min(time_limit_s, FIRST_PASS_S))
     # Second pass: what is left open and might still beat the best, now cut off at it
@@ -414,6 +447,8 @@ def search(graph: ModelGraph, cluster: Cluster, optimizer: str, budget_bytes: fl
         incumbent = best.solution.times.step_s if best else None
         open_ = c.outcome == "time_limit" or (c.solution is not None and c is not best
                                               and c.solution.status != "optimal")
+        if c.shape.chunks > 1:
+            continue  # chunked candidates get the first pass only
         if open_ and (incumbent is None or c.bound_s < incumbent * (1 - 1e-9)):
             attempt(c, time_limit_s)
     if best is not None:

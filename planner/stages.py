@@ -3,10 +3,28 @@ layer's strategy over its tensor-parallel group, for the fastest pipelined step 
 
 The data is free of torch (like planner.problem), so tests can compare the integer program
 with brute force. Layers come in `units` (runs of layers owned by one top-level module, in
-topological order); a stage is a contiguous run of units. For a schedule with `m`
-microbatches over `pp` stages (GPipe and 1F1B alike: the same bubble, different memory):
+topological order); a stage is a contiguous run of units. With `v` chunks per rank
+(virtual stages, planner.schedules) there are pp·v stages, stage k on rank
+placement(k); with v = 1, stage k is rank k.
 
-    step  =  Σ_k T_k  +  (m - 1) · max_k T_k   +   max_k S_k
+The price of a cut is the simulation of the schedule's own action lists
+(planner.schedules.price: the same one the timeline picture draws):
+
+    step  =  makespan(schedule, T_0 .. T_{pp·v-1})  +  max_r Σ_{k on r} S_k
+
+The integer program cannot hold a simulation; it minimises a linear stand-in, `objective`:
+
+    GPipe, 1F1B   Σ_k T_k  +  (m - 1) · max_k T_k  +  max_k S_k     (GPipe: the makespan
+                  exactly; 1F1B: an upper bound, exact for balanced stages)
+    v > 1         m · max_r R_r  +  κ · max_k T_k  +  max_r Σ_{k on r} S_k
+                  R_r = Σ_{k on r} T_k, κ the schedule's bubble in chunk times with equal
+                  chunks (schedules.uniform_bubble); the fill and drain go at the pace of
+                  the largest chunk (with the mean instead, the program cut chunks of one
+                  module, and the simulated bubble came back as large as 1F1B's)
+
+and `lower_bound` and the cutoff use bounds the simulation cannot beat (a rank does all its
+work m·R_r; with one stage per rank, rank r also waits Σ_{j<r} T_j for the first forward
+to reach it and the last backward to leave). Earlier, the one formula for every schedule:
 
     T_k   per-microbatch time of stage k: its layers' forward + backward on one microbatch,
           the collectives inside its tp group, the layout changes on edges into its layers,
@@ -19,9 +37,10 @@ follow at the pace of the slowest stage. With balanced stages this is the textbo
 stage at the slowest one's pace over-priced a 2-stage MLP (one 16 M-parameter layer against
 4 M) by 60% on 2 processes.
 
-Memory per device of stage k: weights, gradients and optimizer state of its layers plus
-each layer's activations times the microbatches the schedule keeps in flight there
-(GPipe: all m; 1F1B: min(m, pp - k), the first stage the most).
+Memory per device of rank r: weights, gradients and optimizer state of its stages' layers
+plus each layer's activations times the microbatches the schedule keeps in flight at its
+stage (GPipe: all m; 1F1B: min(m, pp - k), the first stage the most; the others: counted
+from their action lists, schedules.in_flight).
 
 The integer program (SCIP through pywraplp, edge variables continuous as in planner.ilp):
 
@@ -32,9 +51,10 @@ The integer program (SCIP through pywraplp, edge variables continuous as in plan
     A_u, G_u, W_u, V_u   unit u's per-microbatch time, per-step time, weight and activation
                          memory: linear in x and e
     v[u,k] ≥ A_u - Mᴬ_u (1 - y[u,k]),  Σ_k v[u,k] ≥ A_u     (the same for G with w)
-    T_k = Σ_u v[u,k] + cut times;  C ≥ T_k;  S ≥ Σ_u w[u,k]
-    Σ_u q[u,k] ≤ budget,  q[u,k] ≥ W_u + f_k·V_u - Mᵐ_uk (1 - y[u,k])
-    min (m - 1)·C + Σ_k T_k + S
+    T_k = Σ_u v[u,k] + cut times (only where stages k-1, k sit on different ranks)
+    C ≥ Σ_{k on r} T_k;  S ≥ Σ_{k on r} Σ_u w[u,k]
+    Σ_{k on r} Σ_u q[u,k] ≤ budget,  q[u,k] ≥ W_u + f_k·V_u - Mᵐ_uk (1 - y[u,k])
+    min objective (above)
 
 The big-M constants are each expression's own maximum, and Σ_k v[u,k] ≥ A_u hands the LP
 the balanced-stage bound C ≥ Σ_u A_u / pp. With one stage there is no cut to choose and
@@ -52,10 +72,9 @@ from dataclasses import dataclass, replace
 import numpy as np
 from ortools.linear_solver import pywraplp
 
-from planner import ilp
+from planner import ilp, schedules
 from planner.problem import Edge, Infeasible, Node, Option, Problem
-
-SCHEDULES = ("1F1B", "GPipe")
+from planner.schedules import SCHEDULES
 _GB = 1e9
 
 
@@ -91,75 +110,109 @@ class StageProblem:
         return out
 
 
-def in_flight(schedule: str, pp: int, microbatches: int, stage: int) -> int:
-    """Microbatches whose activations stage `stage` holds at once: GPipe runs every forward
-    before any backward; 1F1B starts backward after pp - stage forwards."""
-    if schedule == "GPipe":
+def in_flight(schedule: str, pp: int, microbatches: int, stage: int, chunks: int = 1) -> int:
+    """Microbatches whose activations global stage `stage` holds at once: GPipe runs every
+    forward before any backward; 1F1B starts backward after pp - stage forwards; the
+    multi-chunk schedules as their action lists say (planner.schedules.in_flight)."""
+    if schedule == "GPipe" and chunks == 1:
         return microbatches
-    if schedule == "1F1B":
+    if schedule == "1F1B" and chunks == 1:
         return min(microbatches, pp - stage)
-    raise ValueError(f"schedule: {schedule!r} is not one of {SCHEDULES}")
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule: {schedule!r} is not one of {SCHEDULES}")
+    return schedules.in_flight(schedule, pp, chunks, microbatches)[stage]
+
+
+def stage_ranks(schedule: str, pp: int, chunks: int) -> tuple[int, ...]:
+    """The pipeline rank of each of the pp·chunks stages."""
+    if chunks == 1:
+        return tuple(range(pp))
+    return schedules.placement(schedule, pp, chunks)
 
 
 @dataclass(frozen=True)
 class StageTimes:
-    """A full assignment priced by the cost model (what evaluate() returns)."""
+    """A full assignment priced by the cost model (what evaluate() returns). Per-stage
+    tuples run over the pp·chunks global stages; memory_bytes over the pp ranks."""
 
-    step_s: float
+    step_s: float  # simulated makespan + the slowest rank's once-per-step part
     microbatch_s: tuple[float, ...]  # T_k
     send_s: tuple[float, ...]  # the cut part of T_k
     once_s: tuple[float, ...]  # S_k
     weight_bytes: tuple[float, ...]
     activation_bytes: tuple[float, ...]  # already times the microbatches in flight
+    objective_s: float = 0.0  # the integer program's linear stand-in for step_s
+    bubble_s: float = 0.0  # the busiest rank's idle time in the simulated schedule
+    ranks: tuple[int, ...] = ()  # pipeline rank of each stage
 
     @property
     def memory_bytes(self) -> tuple[float, ...]:
-        return tuple(w + a for w, a in zip(self.weight_bytes, self.activation_bytes))
+        """Per pipeline rank: the stages it holds, weights and activations in flight."""
+        ranks = self.ranks or tuple(range(len(self.weight_bytes)))
+        out = [0.0] * (max(ranks) + 1)
+        for r, w, a in zip(ranks, self.weight_bytes, self.activation_bytes):
+            out[r] += w + a
+        return tuple(out)
 
 
 def evaluate(problem: StageProblem, starts: tuple[int, ...], choice, microbatches: int,
-             schedule: str) -> StageTimes:
-    """The cost model, plainly: price stages starting at units `starts` (starts[0] == 0)
-    with strategy `choice[l]` per layer. The definition the integer program must match."""
-    pp = len(starts)
+             schedule: str, chunks: int = 1) -> StageTimes:
+    """The cost model, plainly: price stages starting at units `starts` (starts[0] == 0,
+    pp·chunks of them) with strategy `choice[l]` per layer by simulating the schedule; also
+    the integer program's objective for the same assignment, which it must match."""
+    S = len(starts)
+    pp = S // chunks
+    ranks = stage_ranks(schedule, pp, chunks)
     bounds = list(starts) + [len(problem.units)]
-    stage_of_unit = [k for k in range(pp) for _ in range(bounds[k], bounds[k + 1])]
+    stage_of_unit = [k for k in range(S) for _ in range(bounds[k], bounds[k + 1])]
     stage = [stage_of_unit[layer.unit] for layer in problem.layers]
-    mb = [0.0] * pp
-    once = [0.0] * pp
-    weights = [0.0] * pp
-    acts = [0.0] * pp
+    mb = [0.0] * S
+    once = [0.0] * S
+    weights = [0.0] * S
+    acts = [0.0] * S
+    flight = [in_flight(schedule, pp, microbatches, k, chunks) for k in range(S)]
     for i, layer in enumerate(problem.layers):
         c, k = choice[i], stage[i]
         mb[k] += float(layer.microbatch_s[c])
         once[k] += float(layer.step_s[c])
         weights[k] += float(layer.weight_bytes[c])
-        acts[k] += float(layer.activation_bytes[c]) * in_flight(schedule, pp, microbatches, k)
+        acts[k] += float(layer.activation_bytes[c]) * flight[k]
     for e in problem.edges:
         mb[stage[e.dst]] += float(e.cost_s[choice[e.src], choice[e.dst]])
-    send = [0.0] * pp
-    for k in range(1, pp):
-        t = problem.cut_s[starts[k]]
-        send[k - 1] += t
-        send[k] += t
+    send = [0.0] * S
+    for k in range(1, S):
+        if ranks[k - 1] != ranks[k]:  # the turn of a V stays on one rank
+            t = problem.cut_s[starts[k]]
+            send[k - 1] += t
+            send[k] += t
     total = [a + b for a, b in zip(mb, send)]
-    step = sum(total) + (microbatches - 1) * max(total) + max(once)
-    return StageTimes(step, tuple(total), tuple(send), tuple(once), tuple(weights), tuple(acts))
+    once_rank = [sum(once[k] for k in range(S) if ranks[k] == r) for r in range(pp)]
+    sim = schedules.price(schedule, pp, chunks, microbatches, total)
+    step = sim.makespan_s + max(once_rank)
+    if chunks == 1:
+        objective = sum(total) + (microbatches - 1) * max(total) + max(once_rank)
+    else:
+        load = [sum(total[k] for k in range(S) if ranks[k] == r) for r in range(pp)]
+        kappa = schedules.uniform_bubble(schedule, pp, chunks, microbatches)
+        objective = microbatches * max(load) + kappa * max(total) + max(once_rank)
+    return StageTimes(step, tuple(total), tuple(send), tuple(once), tuple(weights), tuple(acts),
+                      objective, sim.busiest_bubble_s, ranks)
 
 
 def brute_force(problem: StageProblem, pp: int, microbatches: int, schedule: str,
-                budget_bytes: float | None):
-    """(StageTimes, starts, choice) of the best assignment by enumeration, or None when
-    nothing fits; for tests on small instances."""
+                budget_bytes: float | None, chunks: int = 1):
+    """(StageTimes, starts, choice) of the assignment with the least objective (what the
+    integer program minimises) by enumeration, or None when nothing fits; for tests on
+    small instances."""
     best = None
     U = len(problem.units)
-    for cuts in itertools.combinations(range(1, U), pp - 1):
+    for cuts in itertools.combinations(range(1, U), pp * chunks - 1):
         starts = (0, *cuts)
         for choice in itertools.product(*(range(len(l.strategies)) for l in problem.layers)):
-            t = evaluate(problem, starts, choice, microbatches, schedule)
+            t = evaluate(problem, starts, choice, microbatches, schedule, chunks)
             if budget_bytes is not None and max(t.memory_bytes) > budget_bytes * (1 + 1e-9):
                 continue
-            if best is None or t.step_s < best[0].step_s - 1e-15:
+            if best is None or t.objective_s < best[0].objective_s - 1e-15:
                 best = (t, starts, choice)
     return best
 
@@ -186,15 +239,17 @@ class StageSolution:
 
 def solve_stages(problem: StageProblem, pp: int, microbatches: int, schedule: str,
                  budget_bytes: float | None, time_limit_s: float = 60.0,
-                 relative_gap: float = 1e-9, cutoff_s: float | None = None
-                 ) -> StageSolution | None:
-    """The best stage cut and strategies for this shape; None when nothing fits the budget
-    (or, with `cutoff_s`, nothing beats it)."""
+                 relative_gap: float = 1e-9, cutoff_s: float | None = None,
+                 chunks: int = 1) -> StageSolution | None:
+    """The best stage cut (pp·chunks stages) and strategies for this shape by the
+    objective; None when nothing fits the budget (or, with `cutoff_s`, no assignment's
+    simulated step can beat it: the cutoff bounds the simulation from below)."""
     start = time.perf_counter()
     U = len(problem.units)
-    if pp > U:
+    S = pp * chunks
+    if S > U:
         return None
-    if pp == 1:
+    if S == 1:
         return _solve_one_stage(problem, microbatches, schedule, budget_bytes, time_limit_s,
                                 cutoff_s, start)
     given = problem
@@ -262,56 +317,75 @@ def solve_stages(problem: StageProblem, pp: int, microbatches: int, schedule: st
         A[u] += sum(float(cost[i, j]) * e[i][j] for i in range(len(xs))
                     for j in range(len(xd)) if cost[i, j] != 0.0)
 
-    C = solver.NumVar(0, inf, "C")  # the slowest stage's per-microbatch time
-    S = solver.NumVar(0, inf, "S")  # the slowest stage's once-per-step time
+    C = solver.NumVar(0, inf, "C")  # the busiest rank's per-microbatch time
+    Smax = solver.NumVar(0, inf, "S")  # the slowest rank's once-per-step time
     budget = None if budget_bytes is None else budget_bytes / _GB
-    flight = [in_flight(schedule, pp, microbatches, k) for k in range(pp)]
+    flight = [in_flight(schedule, pp, microbatches, k, chunks) for k in range(S)]
+    ranks = stage_ranks(schedule, pp, chunks)
+    on = [[k for k in range(S) if ranks[k] == r] for r in range(pp)]
 
-    # --- stage cut: z[u][k] = unit u in stage >= k (k = 1..pp-1) --------------------
-    z = [[1.0] + [solver.BoolVar(f"z[{u},{k}]") for k in range(1, pp)] + [0.0]
+    # --- stage cut: z[u][k] = unit u in stage >= k (k = 1..S-1) ---------------------
+    z = [[1.0] + [solver.BoolVar(f"z[{u},{k}]") for k in range(1, S)] + [0.0]
          for u in range(U)]
-    for k in range(1, pp):
+    for k in range(1, S):
         solver.Add(z[0][k] == 0, f"first_unit_in_stage0[{k}]")
         solver.Add(z[U - 1][k] == 1, f"last_unit_in_last_stage[{k}]")
         for u in range(U - 1):
             solver.Add(z[u][k] <= z[u + 1][k], f"contiguous[{u},{k}]")
-        if k + 1 < pp:
+        if k + 1 < S:
             for u in range(U):
                 solver.Add(z[u][k + 1] <= z[u][k], f"nested[{u},{k}]")
             solver.Add(sum(z[u][k] for u in range(U))
                        >= sum(z[u][k + 1] for u in range(U)) + 1, f"stage_nonempty[{k}]")
-    y = [[z[u][k] - z[u][k + 1] for k in range(pp)] for u in range(U)]
-    # cut k sits before the unit u where z[u][k] - z[u-1][k] = 1
+    y = [[z[u][k] - z[u][k + 1] for k in range(S)] for u in range(U)]
+    # cut k sits before the unit u where z[u][k] - z[u-1][k] = 1; a cut between stages on
+    # one rank (the turn of a V) sends nothing
     cut = [0.0] + [sum(problem.cut_s[u] * (z[u][k] - z[u - 1][k])
-                       for u in range(1, U) if problem.cut_s[u]) for k in range(1, pp)]
+                       for u in range(1, U) if problem.cut_s[u])
+                   if ranks[k - 1] != ranks[k] else 0.0 for k in range(1, S)]
 
-    v = [[solver.NumVar(0, inf, f"v[{u},{k}]") for k in range(pp)] for u in range(U)]
-    w = [[solver.NumVar(0, inf, f"w[{u},{k}]") for k in range(pp)] for u in range(U)]
+    v = [[solver.NumVar(0, inf, f"v[{u},{k}]") for k in range(S)] for u in range(U)]
+    w = [[solver.NumVar(0, inf, f"w[{u},{k}]") for k in range(S)] for u in range(U)]
     for u in range(U):
-        for k in range(pp):
+        for k in range(S):
             solver.Add(v[u][k] >= A[u] - A_max[u] * (1 - y[u][k]), f"unit_time[{u},{k}]")
             solver.Add(w[u][k] >= G[u] - G_max[u] * (1 - y[u][k]), f"unit_once[{u},{k}]")
         solver.Add(sum(v[u]) >= A[u], f"unit_time_sum[{u}]")
         solver.Add(sum(w[u]) >= G[u], f"unit_once_sum[{u}]")
     stage_time = []  # T_k
-    for k in range(pp):
-        sends = (cut[k] if k > 0 else 0.0) + (cut[k + 1] if k + 1 < pp else 0.0)
+    for k in range(S):
+        sends = (cut[k] if k > 0 else 0.0) + (cut[k + 1] if k + 1 < S else 0.0)
         stage_time.append(sum(v[u][k] for u in range(U)) + sends)
-        solver.Add(C >= stage_time[k], f"stage_time[{k}]")
-        solver.Add(S >= sum(w[u][k] for u in range(U)), f"stage_once[{k}]")
+    for r in range(pp):
+        solver.Add(C >= sum(stage_time[k] for k in on[r]), f"rank_time[{r}]")
+        solver.Add(Smax >= sum(w[u][k] for u in range(U) for k in on[r]), f"rank_once[{r}]")
     if budget is not None:
-        for k in range(pp):
-            q = [solver.NumVar(0, inf, f"q[{u},{k}]") for u in range(U)]
-            for u in range(U):
-                big = W_max[u] + flight[k] * V_max[u]
-                solver.Add(q[u] >= W[u] + flight[k] * V[u] - big * (1 - y[u][k]),
-                           f"unit_memory[{u},{k}]")
-            solver.Add(sum(q) <= budget, f"memory[{k}]")
+        for r in range(pp):
+            q = []
+            for k in on[r]:
+                for u in range(U):
+                    q.append(solver.NumVar(0, inf, f"q[{u},{k}]"))
+                    big = W_max[u] + flight[k] * V_max[u]
+                    solver.Add(q[-1] >= W[u] + flight[k] * V[u] - big * (1 - y[u][k]),
+                               f"unit_memory[{u},{k}]")
+            solver.Add(sum(q) <= budget, f"memory[{r}]")
 
-    objective = sum(stage_time) + (microbatches - 1) * C + S
+    m = microbatches
+    if chunks == 1:
+        objective = sum(stage_time) + (m - 1) * C + Smax
+    else:
+        kappa = schedules.uniform_bubble(schedule, pp, chunks, m)
+        D = solver.NumVar(0, inf, "D")  # the largest stage: what fills and drains
+        for k in range(S):
+            solver.Add(D >= stage_time[k], f"stage_time[{k}]")
+        objective = m * C + kappa * D + Smax
     solver.Minimize(objective)
-    if cutoff_s is not None:
-        solver.Add(objective <= cutoff_s / unit_s, "cutoff")
+    if cutoff_s is not None:  # bounds the simulated step cannot beat (module docstring)
+        solver.Add(m * C + Smax <= cutoff_s / unit_s, "cutoff")
+        if chunks == 1:
+            for r in range(1, pp):
+                solver.Add(sum(stage_time[:r]) + m * stage_time[r] + Smax <= cutoff_s / unit_s,
+                           f"cutoff[{r}]")
     solver.SetSolverSpecificParametersAsString(
         f"limits/gap = {relative_gap}\n")
     solver.SetTimeLimit(max(1, int((time_limit_s - (time.perf_counter() - start)) * 1000)))
@@ -324,12 +398,19 @@ def solve_stages(problem: StageProblem, pp: int, microbatches: int, schedule: st
     choice = tuple(0 if len(row) == 1 else int(np.argmax([r.solution_value() for r in row]))
                    for row in x)
     starts = (0, *(next(u for u in range(U) if z[u][k].solution_value() > 0.5)
-                   for k in range(1, pp)))
-    times = evaluate(given, starts, choice, microbatches, schedule)
+                   for k in range(1, S)))
+    times = evaluate(given, starts, choice, microbatches, schedule, chunks)
+    if cutoff_s is not None and times.step_s > cutoff_s:
+        return None
+    # the solver's bound is on the objective; what bounds the simulated step is the no-solve
+    # bound, or the objective's own bound for GPipe, whose objective is its makespan
+    bound = lower_bound(given, pp, microbatches, schedule, chunks)
+    if schedule == "GPipe":
+        bound = max(bound, solver.Objective().BestBound() * unit_s)
     return StageSolution(
         starts=starts, choice=choice, times=times,
         status="optimal" if status == pywraplp.Solver.OPTIMAL else "feasible",
-        bound_s=min(solver.Objective().BestBound() * unit_s, times.step_s),
+        bound_s=min(bound, times.step_s),
         seconds=time.perf_counter() - start, num_variables=solver.NumVariables(),
         num_constraints=solver.NumConstraints())
 
@@ -386,12 +467,19 @@ def _solve_one_stage(problem: StageProblem, microbatches: int, schedule: str,
         num_variables=solution.num_variables, num_constraints=solution.num_constraints)
 
 
-def lower_bound(problem: StageProblem, pp: int, microbatches: int) -> float:
-    """A bound no cut or strategy beats, without a solve. Each unit costs at least the sum of
-    its layers' cheapest options and of the cheapest entry of each edge into it; the best
-    contiguous split of those minima into pp stages (the linear-partition dynamic program,
-    with the cut transfers) bounds the slowest stage; the per-step part is at least its
-    smallest total shared evenly."""
+def lower_bound(problem: StageProblem, pp: int, microbatches: int, schedule: str = "1F1B",
+                chunks: int = 1) -> float:
+    """A bound no cut or strategy's simulated step beats, without a solve. Each unit costs
+    at least the sum of its layers' cheapest options and of the cheapest entry of each edge
+    into it (a[u]); the per-step part is at least its smallest total shared evenly.
+    With one stage per rank, rank r works m·T_r after waiting for the first forward and
+    before the last backward passes the stages before it (Σ_{j<r} T_j): the best contiguous
+    split of the minima under max_r (Σ_{j<r} T_j + m·T_r) (the linear-partition dynamic
+    program, with the cut transfers) bounds every schedule; GPipe's makespan is
+    Σ_k T_k + (m - 1)·max_k T_k, bounded by the split with the least slowest stage. With
+    chunks, a rank does m times its share of the work, at least m·Σ a / pp, and the first
+    microbatch passes every stage forward and back (2/3 of it where the weight gradients
+    can wait)."""
     U = len(problem.units)
     a = np.zeros(U)
     for layer in problem.layers:
@@ -399,32 +487,66 @@ def lower_bound(problem: StageProblem, pp: int, microbatches: int) -> float:
     for e in problem.edges:
         a[problem.layers[e.dst].unit] += float(np.asarray(e.cost_s).min())
     once = sum(float(l.step_s.min()) for l in problem.layers) / pp
-    if pp == 1:
-        return microbatches * float(a.sum()) + once
-    if pp > U:
+    m = microbatches
+    if pp * chunks > U:
         return math.inf
+    if pp == 1:
+        return m * float(a.sum()) + once
+    if chunks > 1:  # and one microbatch's chain: forwards down, input gradients up
+        work = float(a.sum()) + _least_sends_s(problem, schedule, pp, chunks)
+        chain = (2 / 3 if schedule in schedules.SPLIT_BACKWARD else 1.0) * work
+        return max(m * work / pp, chain) + once
     prefix = np.concatenate([[0.0], np.cumsum(a)])
     cut = problem.cut_s
-    # best[k][j]: the smallest possible slowest stage when units [0, j) form k stages,
-    # counting the transfer at each stage's own cuts (the one at j is added by the caller)
-    best = np.full((pp + 1, U + 1), math.inf)
-    best[0][0] = 0.0
-    for k in range(1, pp + 1):
-        for j in range(k, U - (pp - k) + 1):
-            out_cut = cut[j] if j < U else 0.0
-            for i in range(k - 1, j):
-                in_cut = cut[i] if i > 0 else 0.0
-                stage = prefix[j] - prefix[i] + in_cut + out_cut
-                value = max(best[k - 1][i], stage)
-                if value < best[k][j]:
-                    best[k][j] = value
-    # Σ_k T_k is at least every unit's cheapest time; max_k T_k at least the best split's
-    return float(a.sum()) + (microbatches - 1) * float(best[pp][U]) + once
+
+    def split(weight: float) -> float:
+        """min over contiguous splits of max_k (weight·prefix before k + stage k)."""
+        best = np.full((pp + 1, U + 1), math.inf)
+        best[0][0] = 0.0
+        for k in range(1, pp + 1):
+            for j in range(k, U - (pp - k) + 1):
+                out_cut = cut[j] if j < U else 0.0
+                for i in range(k - 1, j):
+                    in_cut = cut[i] if i > 0 else 0.0
+                    stage = prefix[j] - prefix[i] + in_cut + out_cut
+                    value = max(best[k - 1][i], weight * prefix[i] + m * stage)
+                    if value < best[k][j]:
+                        best[k][j] = value
+        return float(best[pp][U])
+
+    if schedule == "GPipe":  # Σ_k T_k + (m - 1)·max_k T_k, exactly
+        return float(a.sum()) + split(0.0) * (m - 1) / m + once
+    return split(1.0) + once
 
 
-def min_memory_bytes(problem: StageProblem, pp: int, microbatches: int, schedule: str) -> float:
-    """A bound on the largest stage's memory: the smallest total, shared evenly, with the
+def _least_sends_s(problem: StageProblem, schedule: str, pp: int, chunks: int) -> float:
+    """The least the transfers can add to Σ_k T_k: each cut between ranks is paid by both
+    of its stages, and there are as many as hops between ranks (pp·v - 1 looped, one
+    fewer for a V), each at least the cheapest cut."""
+    ranks = stage_ranks(schedule, pp, chunks)
+    hops = sum(ranks[k - 1] != ranks[k] for k in range(1, pp * chunks))
+    cuts = sorted(problem.cut_s[1:])
+    return 2 * float(sum(cuts[:hops]))
+
+
+def estimate(problem: StageProblem, pp: int, microbatches: int, schedule: str,
+             chunks: int = 1) -> float:
+    """What the search tries first by: the bound for one chunk per rank; with chunks, the
+    objective on perfectly balanced chunks of the cheapest options (not a bound)."""
+    if chunks == 1:
+        return lower_bound(problem, pp, microbatches, schedule, chunks)
+    total = sum(float(l.microbatch_s.min()) for l in problem.layers)
+    total += sum(float(np.asarray(e.cost_s).min()) for e in problem.edges)
+    total += _least_sends_s(problem, schedule, pp, chunks)
+    once = sum(float(l.step_s.min()) for l in problem.layers) / pp
+    kappa = schedules.uniform_bubble(schedule, pp, chunks, microbatches)
+    return microbatches * total / pp + kappa * total / (pp * chunks) + once
+
+
+def min_memory_bytes(problem: StageProblem, pp: int, microbatches: int, schedule: str,
+                     chunks: int = 1) -> float:
+    """A bound on the largest rank's memory: the smallest total, shared evenly, with the
     fewest microbatches any stage keeps in flight."""
-    f = min(in_flight(schedule, pp, microbatches, k) for k in range(pp))
+    f = min(in_flight(schedule, pp, microbatches, k, chunks) for k in range(pp * chunks))
     total = sum(float((l.weight_bytes + f * l.activation_bytes).min()) for l in problem.layers)
     return total / pp

@@ -10,6 +10,18 @@ def mlp() -> nn.Module:
                          nn.Linear(32, 8))
 
 
+def deep_mlp() -> nn.Module:
+    """Eight Linear layers: enough modules for 4 pipeline ranks x 2 chunks."""
+    torch.manual_seed(0)
+    widths = [16, 32, 32, 24, 32, 24, 32, 16, 8]
+    layers = []
+    for i in range(8):
+        layers.append(nn.Linear(widths[i], widths[i + 1]))
+        if i < 7:
+            layers.append(nn.Tanh())
+    return nn.Sequential(*layers)
+
+
 class SmallCNN(nn.Module):
     """Convolutions, then two fully connected layers: AlexNet's shape in miniature."""
 
@@ -27,7 +39,7 @@ class SmallCNN(nn.Module):
         return self.classifier(x)
 
 
-MODELS = {"mlp": (mlp, (16,)), "cnn": (SmallCNN, (3, 16, 16))}
+MODELS = {"mlp": (mlp, (16,)), "deep_mlp": (deep_mlp, (16,)), "cnn": (SmallCNN, (3, 16, 16))}
 
 
 def build(name: str) -> nn.Module:

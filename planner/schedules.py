@@ -1,0 +1,311 @@
+"""Pipeline schedules as data: each rank's action list, taken from torch's own schedule
+classes, and a simulation of it that gives the step's makespan, each rank's bubble and
+the activations it keeps in flight.
+
+A schedule runs `pp` ranks, `v` chunks (virtual stages) per rank and `m` microbatches over
+S = pp·v global stages. Global stage s sits on rank `placement(...)[s]`: `r, r + pp, ...`
+for the looped (interleaved) schedules, `r, 2·pp - 1 - r` for the V-shaped ones (ZBV,
+DualPipeV), so that the turn of the V (stages pp - 1 and pp) stays on the last rank with
+no transfer. Each rank's list holds F (forward), B (full backward), and for zero-bubble
+schedules I (backward for the input: what the previous stage waits for) and W (backward
+for the weights: free to fill a bubble). The lists come from torch.distributed.pipelining
+(the multi-stage schedules' `_calculate_single_rank_operations`, run on a bare instance: their construction reads
+nothing but pp, v and m, and needs no process group, so the planner prices exactly the
+order the executor will run. GPipe and 1F1B, whose runtime loops are written out in
+their `_step_microbatches`, take the same order from the published construction.
+
+The simulation: each rank runs its list in order; an action starts when its rank is free
+and its input is there:
+
+    F(s, i)   after F(s-1, i) (+ one hop if s-1 lives on another rank)
+    B/I(s, i) after B/I(s+1, i) (+ one hop), and after F(s, i)
+    W(s, i)   after I(s, i)
+
+and lasts forward_s[s], input_s[s] + weight_s[s] (B), input_s[s] (I) or weight_s[s] (W).
+A rank's bubble is the makespan less its busy time. Activations of (s, i) are held from
+F(s, i) until its backward is complete (B, or W where the backward is split: the weight
+gradient still reads the layer inputs); since a rank runs its list in order, the count in
+flight depends on the order only, not on the times.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import NamedTuple
+
+SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble",
+             "DualPipeV")
+SINGLE = ("GPipe", "1F1B")  # one stage per rank
+V_SHAPED = ("ZBVZeroBubble", "DualPipeV")  # exactly two chunks per rank, V placement
+SPLIT_BACKWARD = ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
+LABELS = {"GPipe": "GPipe", "1F1B": "1F1B", "Interleaved1F1B": "interleaved 1F1B",
+          "InterleavedZeroBubble": "interleaved zero-bubble",
+          "ZBVZeroBubble": "ZBV zero-bubble", "DualPipeV": "DualPipeV"}
+
+
+class Act(NamedTuple):
+    """One compute action: global stage, kind (F, B, I or W) and microbatch."""
+
+    stage: int
+    kind: str
+    microbatch: int
+
+
+def chunks_allowed(schedule: str, pp: int) -> tuple[int, ...]:
+    """The chunks per rank (v) the planner offers a schedule: one for GPipe and 1F1B, two
+    for the V-shaped ones (torch requires it), two or four for the interleaved ones."""
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule: {schedule!r} is not one of {SCHEDULES}")
+    if schedule in SINGLE or pp == 1:
+        return (1,) if schedule in SINGLE else ()
+    if schedule in V_SHAPED:
+        return (2,)
+    return (2, 4)
+
+
+def refusal(schedule: str, pp: int, v: int, m: int) -> str | None:
+    """Why torch 2.13 refuses (or the executor does not run) this schedule at pp ranks, v
+    chunks and m microbatches; None when it runs."""
+    if schedule not in SCHEDULES:
+        return f"schedule: {schedule!r} is not one of {SCHEDULES}"
+    if schedule in SINGLE:
+        if v != 1:
+            return f"{schedule} runs one stage per rank, not {v}"
+        if schedule == "1F1B" and m < pp:
+            return f"1F1B needs at least as many microbatches as stages ({m} < {pp})"
+        return None
+    if pp < 2:
+        return f"{schedule} needs at least 2 pipeline ranks"
+    if schedule in V_SHAPED and v != 2:
+        return f"{schedule} needs exactly 2 chunks per rank, not {v}"
+    if v < 2:
+        return f"{schedule} needs at least 2 chunks per rank"
+    if m < pp:
+        return (f"{schedule} with fewer microbatches than ranks ({m} < {pp}) leaves ranks "
+                f"idle a whole round (torch runs it; the planner does not offer it)")
+    if schedule == "DualPipeV" and m < pp * v:
+        return f"DualPipeV needs at least as many microbatches as stages ({m} < {pp * v})"
+    if schedule in ("Interleaved1F1B", "InterleavedZeroBubble"):
+        rounds = max(1, m // pp)
+        if m % rounds:
+            return (f"{schedule} needs the microbatches ({m}) to be a multiple of the rounds "
+                    f"max(1, m // pp) = {rounds}")
+    return None
+
+
+def placement(schedule: str, pp: int, v: int) -> tuple[int, ...]:
+    """The rank of each global stage (torch's generate_stage_to_rank_mapping)."""
+    from torch.distributed.pipelining._utils import generate_stage_to_rank_mapping
+
+    style = "v" if schedule in V_SHAPED else "loop"
+    mapping = generate_stage_to_rank_mapping(pp, pp * v, style=style)
+    return tuple(mapping[s] for s in range(pp * v))
+
+
+@lru_cache(maxsize=512)
+def actions(schedule: str, pp: int, v: int, m: int) -> tuple[tuple[Act, ...], ...]:
+    """Each rank's compute actions in the order torch runs them. Prices what torch would
+    refuse at this m too (1F1B with m < pp); the search offers only what runs (refusal)."""
+    why = refusal(schedule, pp, v, max(m, pp * v))
+    if why:
+        raise ValueError(f"schedule: {why}")
+    if pp == 1:  # no pipeline: each microbatch forward then backward
+        return (tuple(a for i in range(m) for a in (Act(0, "F", i), Act(0, "B", i))),)
+    from torch.distributed.pipelining import schedules as ts
+
+    if schedule in SINGLE:
+        return tuple(_single_stage_order(schedule, pp, m, r) for r in range(pp))
+    cls = ts.get_schedule_class(schedule)
+    bare = object.__new__(cls)  # the order needs pp, v and m only: no stages, no group
+    bare._n_microbatches = m
+    bare._num_stages = bare.num_stages = pp * v
+    bare.pp_group_size, bare.n_local_stages = pp, v
+    bare.number_of_rounds = max(1, m // pp)
+    bare.microbatches_per_round = m // bare.number_of_rounds
+    order = {r: bare._calculate_single_rank_operations(r) for r in range(pp)}
+    if schedule == "InterleavedZeroBubble":
+        bare.pipeline_order = order
+        order = bare._add_bubbles_to_actions(pp * v)
+    out = []
+    for r in range(pp):
+        mine = []
+        for a in order[r]:
+            if a is None:
+                continue
+            for leaf in (a.sub_actions or (a,)):  # an overlapped F+B runs both
+                kind = leaf.computation_type.value
+                if kind in ("F", "B", "I", "W"):
+                    mine.append(Act(leaf.stage_index, kind, leaf.microbatch_index))
+        out.append(tuple(mine))
+    return tuple(out)
+
+
+def _single_stage_order(schedule: str, pp: int, m: int, rank: int) -> tuple[Act, ...]:
+    """GPipe: every forward, then every backward. 1F1B: pp - rank - 1 forwards, then one
+    forward and one backward in turn, then the remaining backwards: the order
+    Schedule1F1B._step_microbatches runs (its `_get_pipeline_order`, a picture helper,
+    skips microbatch 0's forward on the last rank, so it is not used here)."""
+    if schedule == "GPipe":
+        return (tuple(Act(rank, "F", i) for i in range(m))
+                + tuple(Act(rank, "B", i) for i in range(m)))
+    warmup = min(pp - rank - 1, m)
+    order = [Act(rank, "F", i) for i in range(warmup)]
+    for i in range(m - warmup):
+        order += [Act(rank, "F", warmup + i), Act(rank, "B", i)]
+    order += [Act(rank, "B", i) for i in range(m - warmup, m)]
+    return tuple(order)
+
+
+@dataclass(frozen=True)
+class Timed:
+    rank: int
+    stage: int
+    kind: str  # F, B, I or W
+    microbatch: int
+    start_s: float
+    end_s: float
+
+
+@dataclass(frozen=True)
+class Simulation:
+    """A schedule run with given times: every action's start and end, and per rank its
+    busy time, its bubble (makespan - busy) and its peak activations in flight."""
+
+    schedule: str
+    pp: int
+    chunks: int
+    microbatches: int
+    actions: tuple[Timed, ...]
+    makespan_s: float
+    busy_s: tuple[float, ...]
+    in_flight: tuple[int, ...]  # per global stage: its microbatches held at once, at most
+    peak_activation_bytes: tuple[float, ...]  # per rank, from the order itself
+
+    @property
+    def bubble_s(self) -> tuple[float, ...]:
+        return tuple(self.makespan_s - b for b in self.busy_s)
+
+    @property
+    def busiest_rank(self) -> int:
+        return max(range(self.pp), key=lambda r: self.busy_s[r])
+
+    @property
+    def busiest_bubble_s(self) -> float:
+        """The bubble of the busiest rank: what the schedule adds to its work."""
+        return self.bubble_s[self.busiest_rank]
+
+
+@lru_cache(maxsize=512)
+def in_flight(schedule: str, pp: int, v: int, m: int) -> tuple[int, ...]:
+    """Per global stage, the most microbatches whose activations it holds at once."""
+    return _memory(schedule, pp, v, m, None)[0]
+
+
+def _memory(schedule, pp, v, m, activation_bytes):
+    ranks = placement(schedule, pp, v) if pp > 1 else (0,) * v
+    peak = [0] * (pp * v)
+    peak_bytes = [0.0] * pp
+    for r, order in enumerate(actions(schedule, pp, v, m)):
+        live = {s: 0 for s in range(pp * v) if ranks[s] == r}
+        held = 0.0
+        # a B frees its activations unless a W of the same microbatch follows (DualPipeV
+        # mixes full and split backwards on one stage)
+        split = {(a.stage, a.microbatch) for a in order if a.kind == "W"}
+        for a in order:
+            if a.kind == "F":
+                live[a.stage] += 1
+                held += activation_bytes[a.stage] if activation_bytes else 0.0
+                peak[a.stage] = max(peak[a.stage], live[a.stage])
+                peak_bytes[r] = max(peak_bytes[r], held)
+            elif a.kind == "W" or (a.kind == "B" and (a.stage, a.microbatch) not in split):
+                live[a.stage] -= 1
+                held -= activation_bytes[a.stage] if activation_bytes else 0.0
+    return tuple(peak), tuple(peak_bytes)
+
+
+def simulate(schedule: str, pp: int, v: int, m: int, forward_s, input_s, weight_s,
+             hop_s: float = 0.0, activation_bytes=None) -> Simulation:
+    """Run the schedule's action lists with per-global-stage times (a full backward takes
+    input_s + weight_s) and `hop_s` per transfer between ranks."""
+    S = pp * v
+    for name, xs in (("forward_s", forward_s), ("input_s", input_s), ("weight_s", weight_s)):
+        if len(xs) != S:
+            raise ValueError(f"{name}: {len(xs)} values for {S} stages (pp {pp} x v {v})")
+    ranks = placement(schedule, pp, v) if pp > 1 else (0,) * v
+    orders = actions(schedule, pp, v, m)
+    length = {"F": forward_s, "I": input_s, "W": weight_s}
+
+    def duration(a: Act) -> float:
+        if a.kind == "B":
+            return float(input_s[a.stage]) + float(weight_s[a.stage])
+        return float(length[a.kind][a.stage])
+
+    def hop(a: int, b: int) -> float:
+        return hop_s if ranks[a] != ranks[b] else 0.0
+
+    done: dict[tuple[str, int, int], float] = {}  # ("F"|"G"|"W", stage, mb): end time
+    free = [0.0] * pp
+    busy = [0.0] * pp
+    nxt = [0] * pp
+    timed: list[Timed] = []
+    remaining = sum(len(o) for o in orders)
+    while remaining:
+        progressed = False
+        for r in range(pp):
+            while nxt[r] < len(orders[r]):
+                a = orders[r][nxt[r]]
+                s, i = a.stage, a.microbatch
+                if a.kind == "F":
+                    need = [("F", s - 1, i, hop(s - 1, s))] if s > 0 else []
+                elif a.kind in ("B", "I"):
+                    need = [("F", s, i, 0.0)]
+                    if s < S - 1:
+                        need.append(("G", s + 1, i, hop(s + 1, s)))
+                else:
+                    need = [("G", s, i, 0.0)]
+                if any(k[:3] not in done for k in need):
+                    break
+                ready = max((done[k[:3]] + k[3] for k in need), default=0.0)
+                start = max(free[r], ready)
+                end = start + duration(a)
+                timed.append(Timed(r, s, a.kind, i, start, end))
+                if a.kind == "F":
+                    done[("F", s, i)] = end
+                elif a.kind == "B":
+                    done[("G", s, i)] = done[("W", s, i)] = end
+                elif a.kind == "I":
+                    done[("G", s, i)] = end
+                else:
+                    done[("W", s, i)] = end
+                free[r] = end
+                busy[r] += end - start
+                nxt[r] += 1
+                remaining -= 1
+                progressed = True
+        if not progressed:
+            stuck = {r: orders[r][nxt[r]] for r in range(pp) if nxt[r] < len(orders[r])}
+            raise AssertionError(f"{schedule} (pp {pp}, v {v}, m {m}) deadlocked at {stuck}")
+    flight, peak_bytes = _memory(schedule, pp, v, m, activation_bytes)
+    return Simulation(schedule, pp, v, m, tuple(timed), max(free), tuple(busy), flight,
+                      peak_bytes)
+
+
+@lru_cache(maxsize=4096)
+def uniform_bubble(schedule: str, pp: int, v: int, m: int) -> float:
+    """The busiest rank's bubble, in chunk times, when every chunk takes 1 (forward 1/3,
+    input gradient 1/3, weight gradient 1/3) and hops are free: the schedule's own bubble,
+    what the stage cut's integer program charges it (planner.stages)."""
+    S = pp * v
+    third = [1 / 3] * S
+    return simulate(schedule, pp, v, m, third, third, third).busiest_bubble_s
+
+
+def price(schedule: str, pp: int, v: int, m: int, microbatch_s, hop_s: float = 0.0,
+          activation_bytes=None) -> Simulation:
+    """The simulation the planner prices a stage cut with and the timeline picture draws:
+    each global stage's per-microbatch time (compute, its collectives and its blocking
+    transfers) split into forward, input gradient and weight gradient as 1 : 1 : 1 (a
+    matmul's backward is two products of its forward's size, one per gradient)."""
+    third = [float(t) / 3 for t in microbatch_s]
+    return simulate(schedule, pp, v, m, third, third, third, hop_s, activation_bytes)
