@@ -202,6 +202,10 @@ def data_parallel_over(module: nn.Module, synced: set[str]) -> nn.Module:
         return module
     ignored = [name for name, _ in module.named_parameters() if name not in synced]
     ignored += [name for name, _ in module.named_buffers()]
+    # DDP names a parameter of the root module ".name" when it builds its buckets
+    # (f"{module_name}.{param_name}" with module_name ""): ignore both spellings, or a
+    # bare parameter of the root (a position table) is all-reduced though it is whole
+    ignored += [f".{name}" for name in ignored if "." not in name]
     DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(module, ignored)
     ddp = DistributedDataParallel(module, device_ids=None)
     ddp.register_comm_hook(None, sum_gradients_hook)
