@@ -200,7 +200,12 @@ def data_parallel_over(module: nn.Module, synced: set[str]) -> nn.Module:
 
     if not synced:
         return module
-    ignored = [name for name, _ in module.named_parameters() if name not in synced]
+    # every name a parameter goes by: DDP checks each module's own name for it, so a tied
+    # weight left whole (replicated) must be ignored under its alias too (lm_head.weight
+    # beside transformer.wte.weight), or DDP all-reduces its complete gradient
+    kept = {id(p) for name, p in module.named_parameters() if name in synced}
+    ignored = [name for name, p in module.named_parameters(remove_duplicate=False)
+               if id(p) not in kept]
     ignored += [name for name, _ in module.named_buffers()]
     # DDP names a parameter of the root module ".name" when it builds its buckets
     # (f"{module_name}.{param_name}" with module_name ""): ignore both spellings, or a
