@@ -25,6 +25,7 @@ from torch.distributed.tensor.parallel import parallelize_module
 from torch.utils import _pytree as pytree
 
 from executor.inputs import main_input
+from planner.choices import rows_visible
 from executor.styles import (MeanOverRanks, Reshard, broadcast_replicated,
                              data_parallel_over, params_of, placement, tensor_parallel_style)
 from planner.plan import LayerPlan, Plan
@@ -121,7 +122,10 @@ def parallelize_modules(model: nn.Module, plan: Plan, mesh: DeviceMesh) -> nn.Mo
             handed[layer.node] = own
             continue
         outside = {wanted(layer.node, r) for r in readers.get(layer.node, []) if paths[r.node] is None}
-        if layer.node in outputs:
+        if layer.node in outputs or rows_visible(layer.output_shape, batch):
+            # a module's output is what the model's own code holds next: it may read its
+            # sizes to shape another tensor (`hidden_states.shape[0]` to view q, k, v), so
+            # every batch-sized tensor the code sees is split by rows alike
             outside.add(Layout.BATCH)
         if len(outside) > 1:
             raise ValueError(f"plan: layer {layer.name!r} feeds ops that want {sorted(outside)}; "

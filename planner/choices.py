@@ -153,6 +153,9 @@ def layer_choices(graph: ModelGraph, cluster: Cluster, optimizer: str,
                                  reshard_overhead_s=overhead, own_style=own_style)
             if graph.tracer == "export":
                 matrix = matrix + unrealizable(producer, row, takes)
+                if producer.layer.op == "call_module" and rows_visible(
+                        producer.layer.output.shape, graph.batch_size):
+                    matrix = _through_rows(producer, takes, ctx, link, overhead, own_style)
             edges.append(Edge(src, dst, matrix))
     sink = len(rows)
     for name in graph.outputs:
@@ -164,6 +167,24 @@ def layer_choices(graph: ModelGraph, cluster: Cluster, optimizer: str,
         edges.append(Edge(src, sink, matrix))
     problem = Problem(tuple(nodes), tuple(edges), memory_budget_bytes, ties)
     return Choices(problem, tuple(rows), ctx)
+
+
+def rows_visible(shape, batch: int) -> bool:
+    """A module's output the model's own code sees split by rows (torch.export graphs,
+    executor.modules): it has the batch in dim 0."""
+    return bool(shape) and shape[0] == batch
+
+
+def _through_rows(producer: LayerChoices, takes: list[Layout], ctx: CostContext, link,
+                  overhead: float, own_style: list[bool]):
+    """The edge out of a module of a torch.export graph: its output is handed on split by
+    rows (rows_visible) and each reader changes it to what it takes from there."""
+    nbytes = producer.layer.output.nbytes
+    out = edge_matrix([s.gives for s in producer.strategies], [Layout.BATCH], nbytes,
+                      ctx.ranks, link, reshard_overhead_s=overhead)
+    into = edge_matrix([Layout.BATCH], takes, nbytes, ctx.ranks, link,
+                       reshard_overhead_s=overhead, own_style=own_style)
+    return out + into
 
 
 # What layers sharing a parameter may run: every reader holds it whole, and its gradient
