@@ -165,6 +165,7 @@ def parallelize_modules(model: nn.Module, plan: Plan, mesh: DeviceMesh) -> nn.Mo
                         f"changes layouts only at modules: re-plan with this hyplan")
 
     tp_styles = {}
+    hooked: dict[str, tuple] = {}  # module path -> the hand-over its hooks make
     for layer in plan.layers:
         path = paths[layer.node]
         if path is None:
@@ -175,6 +176,16 @@ def parallelize_modules(model: nn.Module, plan: Plan, mesh: DeviceMesh) -> nn.Mo
             continue
         arrives, shape = handed[main], gives[main][1]
         own = Layout(layer.output_layout)
+        # a module called more than once (ALBERT's shared layer: "path", "path#2", ...)
+        # gets its hooks once; every call must need the same hand-over
+        handover = (layer.strategy, arrives, wanted(main, layer), own, handed[layer.node])
+        if path in hooked:
+            if hooked[path] != handover:
+                raise ValueError(f"plan: module {path!r} is called more than once, and its "
+                                 f"calls need different layout changes ({hooked[path]} vs "
+                                 f"{handover}); re-plan with this hyplan")
+            continue
+        hooked[path] = handover
         if layer.model_parallel:
             tp_styles[path] = tensor_parallel_style(
                 layer.strategy, handed[layer.node], placement(arrives.forward, shape),
