@@ -115,11 +115,6 @@ def test_four_ranks_train_like_one_process():
     assert_runs_match(jobs, run_ranks(run_plans, 4, jobs))
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "random plans still find planner/executor disagreements (benchmarks/random_plans.py: "
-    "128 of 217 matched one process, 178 ran; vit's first draw here fails): until they all "
-    "match, this test fails and says so; when they do, it passes and strict xfail asks for "
-    "this mark to go"))
 def test_random_plans_from_the_planners_options_train_like_one_process():
     """A few random feasible plans (tests/random_plans.py: the real integer program under a
     random objective) of models with tied and bare parameters; benchmarks/random_plans.py
