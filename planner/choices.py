@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
 from planner.problem import Edge, Node, Option, Problem
 from profiler.graph import Layer, ModelGraph
 from strategies.catalog import Cost, CostContext, Strategy, candidates
@@ -65,8 +67,6 @@ def module_executor_options(layer: Layer, options: list[Strategy]) -> list[Strat
 def unrealizable(producer: LayerChoices, consumer: LayerChoices, takes: list[Layout]):
     """Penalty matrix: a layout change into an op outside a module cannot be made by the
     module executor (modules change layouts in their hooks), unless it comes from a module."""
-    import numpy as np
-
     out = np.zeros((len(producer.strategies), len(takes)))
     if consumer.layer.op == "call_module" or producer.layer.op == "call_module":
         return out
@@ -106,6 +106,8 @@ def layer_choices(graph: ModelGraph, cluster: Cluster, optimizer: str,
         options = candidates(layer, ctx)
         if levers:
             options = with_memory_levers(layer, options, ctx)
+        if graph.tracer == "export":  # before any baseline's rule: see the docstring
+            options = module_executor_options(layer, options)
         if layer.node in sharing:
             # a shared parameter is held whole in every plan kind: a baseline's rule (all
             # split, all sharded) does not apply to the layers that read it
@@ -124,8 +126,6 @@ def layer_choices(graph: ModelGraph, cluster: Cluster, optimizer: str,
                                  f"{ctx.ranks} devices; it can use "
                                  f"{sorted({s.name for s in options})}")
             options = kept
-        if graph.tracer == "export":
-            options = module_executor_options(layer, options)
         rows.append(LayerChoices(layer, tuple(options), tuple(s.cost(layer, ctx) for s in options)))
 
     if pin:
@@ -155,7 +155,8 @@ def layer_choices(graph: ModelGraph, cluster: Cluster, optimizer: str,
                 matrix = matrix + unrealizable(producer, row, takes)
                 if producer.layer.op == "call_module" and rows_visible(
                         producer.layer.output.shape, graph.batch_size):
-                    matrix = _through_rows(producer, takes, ctx, link, overhead, own_style)
+                    matrix = _through_rows(producer, row, takes, ctx, link, overhead,
+                                           own_style)
             edges.append(Edge(src, dst, matrix))
     sink = len(rows)
     for name in graph.outputs:
@@ -175,15 +176,18 @@ def rows_visible(shape, batch: int) -> bool:
     return bool(shape) and shape[0] == batch
 
 
-def _through_rows(producer: LayerChoices, takes: list[Layout], ctx: CostContext, link,
-                  overhead: float, own_style: list[bool]):
+def _through_rows(producer: LayerChoices, consumer: LayerChoices, takes: list[Layout],
+                  ctx: CostContext, link, overhead: float, own_style: list[bool]):
     """The edge out of a module of a torch.export graph: its output is handed on split by
-    rows (rows_visible) and each reader changes it to what it takes from there."""
+    rows (rows_visible) and each reader changes it to what it takes from there; an op
+    outside modules cannot change it, so it takes the rows or nothing."""
     nbytes = producer.layer.output.nbytes
     out = edge_matrix([s.gives for s in producer.strategies], [Layout.BATCH], nbytes,
                       ctx.ranks, link, reshard_overhead_s=overhead)
     into = edge_matrix([Layout.BATCH], takes, nbytes, ctx.ranks, link,
                        reshard_overhead_s=overhead, own_style=own_style)
+    if consumer.layer.op != "call_module":
+        into = np.where(np.array([[t == Layout.BATCH for t in takes]]), into, UNREALIZABLE_S)
     return out + into
 
 
