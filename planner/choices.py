@@ -106,7 +106,7 @@ def layer_choices(graph: ModelGraph, cluster: Cluster, optimizer: str,
         options = candidates(layer, ctx)
         if levers:
             options = with_memory_levers(layer, options, ctx)
-        if graph.tracer == "export":  # before any baseline's rule: see the docstring
+        if graph.tracer == "export":  # first: no baseline's rule may undo what it keeps
             options = module_executor_options(layer, options)
         if layer.node in sharing:
             # a shared parameter is held whole in every plan kind: a baseline's rule (all
@@ -147,16 +147,16 @@ def layer_choices(graph: ModelGraph, cluster: Cluster, optimizer: str,
             producer = rows[src]
             takes = [batch_free_takes(producer.layer, s.takes, graph.batch_size)
                      for s in row.strategies]
-            matrix = edge_matrix([s.gives for s in producer.strategies], takes,
-                                 producer.layer.output.nbytes, ctx.ranks, link,
-                                 backward=not producer.layer.is_input,
-                                 reshard_overhead_s=overhead, own_style=own_style)
-            if graph.tracer == "export":
-                matrix = matrix + unrealizable(producer, row, takes)
-                if producer.layer.op == "call_module" and rows_visible(
-                        producer.layer.output.shape, graph.batch_size):
-                    matrix = _through_rows(producer, row, takes, ctx, link, overhead,
-                                           own_style)
+            if (graph.tracer == "export" and producer.layer.op == "call_module"
+                    and rows_visible(producer.layer.output.shape, graph.batch_size)):
+                matrix = _through_rows(producer, row, takes, ctx, link, overhead, own_style)
+            else:
+                matrix = edge_matrix([s.gives for s in producer.strategies], takes,
+                                     producer.layer.output.nbytes, ctx.ranks, link,
+                                     backward=not producer.layer.is_input,
+                                     reshard_overhead_s=overhead, own_style=own_style)
+                if graph.tracer == "export":
+                    matrix = matrix + unrealizable(producer, row, takes)
             edges.append(Edge(src, dst, matrix))
     sink = len(rows)
     for name in graph.outputs:
