@@ -25,9 +25,9 @@ from torch.distributed.tensor.parallel import parallelize_module
 from torch.utils import _pytree as pytree
 
 from executor.inputs import main_input
-from planner.choices import rows_visible
 from executor.styles import (MeanOverRanks, Reshard, broadcast_replicated,
                              data_parallel_over, params_of, placement, tensor_parallel_style)
+from planner.choices import rows_visible
 from planner.plan import LayerPlan, Plan
 from strategies.layouts import Layout
 
