@@ -18,8 +18,7 @@ import torch.fx as fx
 from torch import nn
 
 from planner.plan import Plan
-from profiler.export_trace import fingerprint_modules
-from profiler.trace import fingerprint, fx_trace
+from profiler.trace import fingerprint, fingerprint_modules, fx_trace
 from strategies.catalog import leaf_types
 
 HOW_TO_AGREE = ("make the plan once and hand it to every rank: planner.optimize under the "

@@ -144,16 +144,24 @@ def read_marker(path: str | Path) -> dict:
                               f"delete that folder to resume from an older one") from None
 
 
+def check_marker(path: str | Path, plan: Plan) -> dict:
+    """The checkpoint's marker, refused (CheckpointError) unless it was saved for the model
+    `plan` was made for: the one fingerprint check of a checkpoint, made by `load` on every
+    rank and by `hyplan train` before any process starts."""
+    marker = read_marker(path)
+    if marker.get("fingerprint") != plan.fingerprint:
+        raise CheckpointError(
+            f"checkpoint: {path} was saved for a {marker.get('model')} with fingerprint "
+            f"{marker.get('fingerprint')}, the plan is for {plan.model} ({plan.fingerprint}); "
+            f"pass an empty or new directory as --checkpoint-dir")
+    return marker
+
+
 def load(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer,
          plan: Plan) -> int:
     """Load a complete checkpoint into this rank's model and optimizer, resharding to the
     current plan; returns the step it was saved after. Call on every rank."""
-    marker = read_marker(path)
-    if marker.get("fingerprint") != plan.fingerprint:
-        raise CheckpointError(
-            f"checkpoint: {path} was saved for a {marker.get('model')} with graph fingerprint "
-            f"{marker.get('fingerprint')}, the plan is for {plan.model} "
-            f"({plan.fingerprint}); use another --checkpoint-dir")
+    marker = check_marker(path, plan)
     options = _BY_NAME if marker.get("optim_keys") == "name" else _BY_INDEX
     state = _state(model, optimizer, options)
     dcp.load(state, storage_reader=_SafeReader(path), planner=_SafeLoadPlanner())

@@ -88,13 +88,11 @@ def check_processes(plan, nnodes: str, nproc_per_node: int) -> None:
 def check_checkpoints(plan, directory: str | None) -> None:
     if not directory:
         return
-    from executor.checkpoint import CheckpointError, latest_checkpoint, read_marker
+    from executor.checkpoint import check_marker, latest_checkpoint
 
     found = latest_checkpoint(directory)
-    if found and read_marker(found[1]).get("fingerprint") != plan.fingerprint:
-        raise CheckpointError(
-            f"--checkpoint-dir: {directory} holds checkpoints of another model "
-            f"({read_marker(found[1]).get('model')}); pass an empty or new directory")
+    if found:
+        check_marker(found[1], plan)
 
 
 _WORKER_OPTIONS = ("steps", "lr", "checkpoint_dir", "checkpoint_every", "keep", "seed",

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 from ortools.linear_solver import pywraplp
 
+from planner.numerics import mip_solver
 from planner.problem import Infeasible, Problem, Solution
 from planner.ties import expand, merge_ties
 
@@ -44,7 +45,6 @@ REDUCTIONS = frozenset(
 )
 
 RELATIVE_GAP = 1e-9  # "optimal" means proven to this relative gap
-FEASIBILITY_TOL = 1e-9  # SCIP's numerics/feastol, in the scaled memory units below
 _GB = 1e9
 
 
@@ -157,7 +157,7 @@ def _solve_in_units(problem: Problem, time_limit_s: float, reductions: frozenset
         if cutoff is not None and lp_bound > cutoff * (1 + RELATIVE_GAP):
             raise _cut_off(lp_bound, cutoff)
 
-    solver, backend = _create_solver()
+    solver, backend = mip_solver()
     model = _Model(solver, reduced)
     _variables(model)
     _one_strategy_per_node(model)
@@ -595,26 +595,6 @@ class _Model:
     rows: dict = field(default_factory=dict)  # ("one", n), ("src", k), ("dst", k), "memory"
     memory_coefficients: dict[int, np.ndarray] = field(default_factory=dict)
     memory_rhs: float = 0.0
-
-
-def _create_solver() -> tuple[pywraplp.Solver, str]:
-    solver = pywraplp.Solver.CreateSolver("SCIP")
-    if solver is not None:
-        # The memory row is scaled to coefficients ≤ 1; the default 1e-6 would let it
-        # overflow by a millionth of the largest per-layer memory spread.
-        # Probing in presolve is off: SCIP 10.0.0 presolve then cut off the optimum of
-        # small instances whose optimum fills the budget exactly (23 of 16,000 random
-        # instances, against brute force; tests/test_ilp.py keeps such instances), and
-        # without it 1,000-layer chains solve as fast or faster.
-        accepted = solver.SetSolverSpecificParametersAsString(
-            f"numerics/feastol = {FEASIBILITY_TOL}\npropagating/probing/maxprerounds = 0\n"
-        )
-        assert accepted, "SCIP refused a parameter name; check the SCIP version"
-        return solver, "SCIP"
-    solver = pywraplp.Solver.CreateSolver("CBC")
-    if solver is None:
-        raise RuntimeError("OR-Tools has neither SCIP nor CBC; reinstall ortools")
-    return solver, "CBC"
 
 
 def _variables(m: _Model, integer: bool = True) -> None:

@@ -73,6 +73,7 @@ import numpy as np
 from ortools.linear_solver import pywraplp
 
 from planner import ilp, schedules
+from planner.numerics import mip_solver
 from planner.problem import Edge, Infeasible, Node, Option, Problem
 from planner.schedules import SCHEDULES
 _GB = 1e9
@@ -256,7 +257,7 @@ def solve_stages(problem: StageProblem, pp: int, microbatches: int, schedule: st
     # in units of the largest single time: SCIP drops coefficients below 1e-9 (planner.ilp)
     unit_s = _time_unit_s(problem)
     problem = _in_units(problem, unit_s)
-    solver = pywraplp.Solver.CreateSolver("SCIP") or pywraplp.Solver.CreateSolver("CBC")
+    solver, _ = mip_solver(relative_gap)
     inf = solver.infinity()
     units = problem.unit_layers()
 
@@ -386,8 +387,6 @@ def solve_stages(problem: StageProblem, pp: int, microbatches: int, schedule: st
             for r in range(1, pp):
                 solver.Add(sum(stage_time[:r]) + m * stage_time[r] + Smax <= cutoff_s / unit_s,
                            f"cutoff[{r}]")
-    solver.SetSolverSpecificParametersAsString(
-        f"limits/gap = {relative_gap}\n")
     solver.SetTimeLimit(max(1, int((time_limit_s - (time.perf_counter() - start)) * 1000)))
     status = solver.Solve()
     if status == pywraplp.Solver.NOT_SOLVED:

@@ -14,7 +14,6 @@ layer's strategy by module path, so the layers that carry decisions are modules.
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import replace
 from collections.abc import Callable, Sequence
 
@@ -26,7 +25,7 @@ from torch.utils import _pytree as pytree
 from torch.utils.flop_counter import FlopCounterMode
 
 from profiler.graph import Layer, ModelGraph, TensorMeta, canonical_names, count_once
-from profiler.trace import TraceError, _module_attrs, call_facts
+from profiler.trace import TraceError, _module_attrs, call_facts, fingerprint_modules
 
 
 def _is_torch_leaf(module: nn.Module) -> bool:
@@ -47,14 +46,6 @@ def export(model: nn.Module, args: tuple, kwargs: dict) -> torch.export.Exported
             f"keyword arguments a training forward takes (e.g. example_kwargs={{'use_cache': "
             f"False}}), or move data-dependent Python out of forward"
         ) from error
-
-
-def fingerprint_modules(model: nn.Module) -> str:
-    """A hash of the module tree (paths, classes, parameter shapes): what an exported plan
-    is checked against, since the executor runs the module itself."""
-    parts = [f"{n}:{type(m).__name__}" for n, m in model.named_modules()]
-    parts += [f"{n}:{tuple(p.shape)}" for n, p in model.named_parameters()]
-    return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
 
 
 def _unit_path(node: fx.Node, modules: dict, is_unit: Callable[[nn.Module], bool]) -> str | None:

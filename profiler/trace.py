@@ -92,6 +92,14 @@ def fingerprint(gm: fx.GraphModule) -> str:
     return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
 
 
+def fingerprint_modules(model: nn.Module) -> str:
+    """A hash of the module tree (paths, classes, parameter shapes): what an exported plan
+    is checked against, since the executor runs the module itself."""
+    parts = [f"{n}:{type(m).__name__}" for n, m in model.named_modules()]
+    parts += [f"{n}:{tuple(p.shape)}" for n, p in model.named_parameters()]
+    return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
+
+
 def _target_name(node: fx.Node) -> str:
     if node.op in ("call_module", "get_attr", "call_method"):
         return str(node.target)
