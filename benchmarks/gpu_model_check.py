@@ -35,7 +35,8 @@ from planner.optimize import profiled_graph
 from planner.plan3d import to_plan
 from planner.search import Shape, search
 from profiler.presets import LLMShape, build_llm, llm_shape, load_llm
-from strategies.cluster import Cluster, parse_devices
+from strategies.cluster import Cluster
+from strategies.parse import parse_devices
 
 GEMM, ATTENTION, MEMORY = "GEMMs (Linear)", "attention blocks", "memory-bound ops"
 

@@ -24,7 +24,7 @@ from planner.choices import layer_choices
 from planner.ilp import solve
 from planner.optimize import trace_model
 from profiler import profile
-from strategies.cluster import parse_devices
+from strategies.parse import parse_devices
 from strategies.precision import at_precision
 
 

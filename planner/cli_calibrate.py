@@ -1,7 +1,7 @@
 """`hyplan calibrate`: measure this machine's compute and collectives again.
 
 Planning for this machine (`--devices 2xcpu`) calibrates on first use and caches the
-profile (profiler.profile_cache); this verb measures again, more thoroughly unless
+profile (strategies.profile_cache); this verb measures again, more thoroughly unless
 `--quick`, and replaces the cached profiles, so later plans price with the new figures.
 `--out FILE` also writes one profile of every count, for `--devices 2xFILE` elsewhere.
 
@@ -14,8 +14,8 @@ from __future__ import annotations
 
 
 def _calibrate(args) -> int:
-    from profiler.calibrate import ClusterProfile
-    from profiler.profile_cache import refresh
+    from strategies.calibrated import ClusterProfile
+    from strategies.profile_cache import refresh
 
     if any(p < 1 for p in args.processes):
         raise ValueError(f"--processes: each count must be at least 1, got {args.processes}")

@@ -26,7 +26,8 @@ from profiler import profile, trace
 from profiler.export_trace import export_trace
 from profiler.trace import TraceError
 from strategies.catalog import OPTIMIZER_STATE_FACTOR, leaf_types, unit_types
-from strategies.cluster import Cluster, cpu_threads_per_device, parse_devices
+from strategies.cluster import Cluster, cpu_threads_per_device
+from strategies.parse import parse_devices
 from strategies.precision import at_precision
 
 GB = 1e9

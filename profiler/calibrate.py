@@ -1,6 +1,7 @@
-"""`hyplan calibrate`: measure this machine and save a cluster profile the planner accepts.
+"""`hyplan calibrate`'s measurements: what this machine does, in raw figures.
 
-Three measurements, each the figure the cost model divides by:
+Three measurements, each the figure the cost model divides by (the fits that turn them into
+links and devices are `strategies.calibrated`, above this package):
 
 - compute: achieved FLOP/s of matmul and conv2d and copy bandwidth per op class, with
   `torch.utils.benchmark` (median of blocked runs), at the threads each process gets;
@@ -11,39 +12,27 @@ Three measurements, each the figure the cost model divides by:
   other), and DDP's bucket all-reduce with the ranks started together; each call timed
   from the moment its last rank arrives to the moment its last rank leaves (a rank that
   arrives early sleeps and gives its core away: that wait is the peers' compute, not the
-  collective's cost); then alpha (latency per message) and beta (bandwidth per rank)
-  fitted per collective by least squares against the ring formulas of
-  `strategies.collectives` (relative error weighted, so 1 KB counts as much as 128 MB),
-  piecewise where the bandwidth changes with size (`fit_collective`: past the shared
-  cache gloo's copies stream from memory, about half as fast);
+  collective's cost);
 - DTensor's fixed costs: a tiny Linear run through ColwiseParallel / RowwiseParallel, and
-  a tiny DTensor redistribute, against the plain op and the fitted collective they issue.
-
-The profile is pydantic JSON: `--devices profile.json` (or `4xprofile.json`) plans on it.
-
-    hyplan calibrate --processes 2 4 --out cpu-profile.json
+  a tiny DTensor redistribute, against the plain op (the collective they issue is
+  subtracted by `strategies.calibrated` with the fitted link).
 """
 
 from __future__ import annotations
 
-import datetime
 import os
-import platform
 import statistics
 import time
-from pathlib import Path
-from typing import Literal
+from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 import torch.distributed as dist
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict
 
-from strategies.cluster import Cluster
-from strategies.collectives import COEFFICIENTS
-from strategies.devices import CollectiveFit, DeviceSpec, LinkSpec, Regime, shared_cache_bytes
+from profiler.launch import run_ranks, wait_for_quiet
+from profiler.machine import threads as thread_count
+from profiler.profile import median_time
 
-PROFILE_SCHEMA = "hyplan.cluster-profile/1"
 # Up to 128 MB. Past the shared cache gloo's copies stream from memory on every rank at
 # once: a 64-128 MB all-gather took twice what a fit on sizes <= 32 MB predicts, and one
 # line fitted through 128 MB overpriced every smaller message (4-process median error 8% ->
@@ -52,9 +41,9 @@ SIZES = (1 << 10, 16 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 32 << 20, 64 
          128 << 20)
 QUICK_SIZES = (1 << 10, 1 << 20, 8 << 20, 32 << 20, 64 << 20, 128 << 20)
 # a second regime must at least halve the one line's squared relative error to be kept
-SPLIT_GAIN = 0.5
 MEASURED = ("all_reduce", "bucket_all_reduce", "all_gather", "reduce_scatter", "all_to_all",
             "send_recv")
+
 
 
 class Sample(BaseModel):
@@ -67,196 +56,6 @@ class Sample(BaseModel):
     nbytes: int
     seconds: float
 
-
-class ClusterProfile(BaseModel):
-    """A measured machine: its device, its links per process count, DTensor's overheads,
-    and the raw samples the fits came from (so a fit can be checked or redone)."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    schema_id: Literal["hyplan.cluster-profile/1"] = Field(PROFILE_SCHEMA, alias="schema")
-    created: str
-    host: str
-    torch_version: str
-    backend: str
-    cores: int
-    threads_per_process: int
-    cpu_model: str = ""
-    quick: bool = False  # made by the quick calibration (first use of a local device)
-    seconds: float = 0.0  # how long measuring took
-    device: DeviceSpec
-    links: dict[int, LinkSpec] = Field(description="fitted link per process count")
-    dtensor_layer_overhead_s: dict[int, float] = Field(default_factory=dict)
-    dtensor_reshard_overhead_s: dict[int, float] = Field(default_factory=dict)
-    # compute- and memory-bound ops run on every process at once, against alone
-    compute_slowdown: dict[int, float] = Field(default_factory=dict)
-    memory_slowdown: dict[int, float] = Field(default_factory=dict)
-    step_overhead_s: dict[int, float] = Field(default_factory=dict)
-    fsdp_overhead_s_per_byte: dict[int, float] = Field(default_factory=dict)
-    samples: list[Sample] = Field(default_factory=list)
-
-    def _nearest(self, table: dict[int, object], count: int):
-        if not table:
-            return None
-        return table[min(table, key=lambda k: (abs(k - count), -k))]
-
-    def cluster(self, devices_per_node: int | None = None, nodes: int | None = None) -> Cluster:
-        """A Cluster of `devices_per_node` of the measured devices (default: the largest
-        process count measured), with the link fitted at that count (or the nearest)."""
-        per_node = devices_per_node or max(self.links, default=1)
-        link = self._nearest(self.links, per_node)
-        slowdown = self.compute_slowdown.get(per_node)
-        if slowdown is None and self.device.kind == "cpu":
-            # not measured at this count: the time-sharing rule from the nearest count
-            # measured (or from none: the bare share of the cores)
-            from strategies.cluster import time_sharing_slowdown
-
-            measured_at = min(self.compute_slowdown or {per_node: 1.0},
-                              key=lambda k: (abs(k - per_node), -k))
-            slowdown = time_sharing_slowdown(
-                per_node, measured_at, self.threads_per_process, self.cores,
-                self.compute_slowdown.get(measured_at) or max(
-                    1.0, measured_at * self.threads_per_process / self.cores))
-        elif slowdown is None:
-            slowdown = self._nearest(self.compute_slowdown, per_node) or 1.0
-        if link is None:  # one process: nothing was communicated; the loopback default
-            from strategies.devices import CPU_LINK
-
-            link = CPU_LINK
-        return Cluster(
-            device=self.device, nodes=nodes or 1, devices_per_node=per_node,
-            intra_node=link, inter_node=link,
-            cores=self.cores if self.device.kind == "cpu" else 0,
-            threads_per_device=self.threads_per_process,
-            dtensor_layer_overhead_s=self._nearest(self.dtensor_layer_overhead_s, per_node) or 0.0,
-            dtensor_reshard_overhead_s=self._nearest(self.dtensor_reshard_overhead_s, per_node) or 0.0,
-            compute_slowdown=slowdown,
-            memory_slowdown=self._nearest(self.memory_slowdown, per_node) or slowdown,
-            step_overhead_s=self._nearest(self.step_overhead_s, per_node) or 0.0,
-            fsdp_overhead_s_per_byte=self._nearest(self.fsdp_overhead_s_per_byte,
-                                                   per_node) or 0.0,
-            source=self.describe())
-
-    def describe(self) -> str:
-        """Which measurement this is, for explain(): host, when, how."""
-        how = "quick calibration" if self.quick else "hyplan calibrate"
-        counts = "/".join(str(p) for p in sorted(self.links)) or "1"
-        return (f"{how} of {self.host} ({self.cpu_model or self.device.name}, {self.cores} "
-                f"cores, {counts} processes, torch {self.torch_version}), made {self.created}")
-
-    def save(self, path: str | Path) -> None:
-        path = Path(path)
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(self.model_dump_json(indent=2, by_alias=True))
-        tmp.replace(path)
-
-
-def load_profile(path: str | Path) -> ClusterProfile:
-    """Read a profile written by `hyplan calibrate`; a bad file is a one-line error."""
-    try:
-        text = Path(path).read_text()
-    except OSError as error:
-        raise ValueError(f"devices: cannot read cluster profile {str(path)!r} "
-                         f"({error.strerror}); write one with `hyplan calibrate --out "
-                         f"{path}`") from None
-    try:
-        return ClusterProfile.model_validate_json(text)
-    except ValidationError as error:
-        first = error.errors()[0]
-        where = ".".join(str(p) for p in first["loc"]) or "(top level)"
-        raise ValueError(f"devices: {path} is not a hyplan cluster profile (field {where}: "
-                         f"{first['msg']}); re-create it with `hyplan calibrate`") from None
-
-
-# --- the fit ------------------------------------------------------------------------------
-
-def fit_alpha_beta(samples: list[Sample]) -> CollectiveFit:
-    """alpha and beta of one collective from timings (any mix of sizes and rank counts).
-
-    Each sample reads t = a(P)·α + b(P)·n·(1/β) (`strategies.collectives.COEFFICIENTS`):
-    linear in (α, 1/β). Rows are divided by t, so the fit minimizes relative error and a
-    1 KB message weighs as much as a 32 MB one; α or 1/β that come out negative (noise on a
-    link with no visible latency) are clamped at zero and the other refitted alone.
-    """
-    if not samples:
-        raise ValueError("fit_alpha_beta: no samples")
-    names = {s.collective for s in samples}
-    if len(names) != 1:
-        raise ValueError(f"fit_alpha_beta: samples of one collective only, got {sorted(names)}")
-    coefficients = COEFFICIENTS[names.pop()]
-    rows, targets = [], []
-    for s in samples:
-        if s.seconds <= 0:
-            raise ValueError(f"fit_alpha_beta: non-positive time {s.seconds} for {s}")
-        a, b = coefficients(s.ranks)
-        rows.append([a / s.seconds, b * s.nbytes / s.seconds])
-        targets.append(1.0)
-    x, y = np.array(rows), np.array(targets)
-    (alpha, inv_beta), *_ = np.linalg.lstsq(x, y, rcond=None)
-    if alpha < 0:
-        alpha, inv_beta = 0.0, float(np.linalg.lstsq(x[:, 1:], y, rcond=None)[0][0])
-    if inv_beta <= 0:
-        inv_beta = 1e-15  # no measurable size dependence: an effectively infinite link
-        alpha = max(0.0, float(np.linalg.lstsq(x[:, :1], y, rcond=None)[0][0]))
-    return CollectiveFit(latency_s=float(alpha), bandwidth_bytes_per_s=float(1.0 / inv_beta))
-
-
-def _squared_error(fit: CollectiveFit, samples: list[Sample]) -> float:
-    """Sum over samples of ((predicted - measured) / measured)^2."""
-    total = 0.0
-    for s in samples:
-        a, b = COEFFICIENTS[s.collective](s.ranks)
-        alpha, beta = fit.alpha_beta(s.nbytes)
-        total += ((a * alpha + b * s.nbytes / beta) / s.seconds - 1.0) ** 2
-    return total
-
-
-def _two_lines(samples: list[Sample], above_bytes: float) -> CollectiveFit:
-    lower = fit_alpha_beta([s for s in samples if s.nbytes <= above_bytes])
-    upper = fit_alpha_beta([s for s in samples if s.nbytes > above_bytes])
-    return CollectiveFit(latency_s=lower.latency_s,
-                         bandwidth_bytes_per_s=lower.bandwidth_bytes_per_s,
-                         regimes=(Regime(above_bytes=above_bytes, latency_s=upper.latency_s,
-                                         bandwidth_bytes_per_s=upper.bandwidth_bytes_per_s),))
-
-
-def fit_collective(samples: list[Sample], split_bytes: float | None = None,
-                   min_sizes: int = 2) -> CollectiveFit:
-    """One collective's cost, piecewise where its bandwidth changes with size.
-
-    With `split_bytes` (on CPU: the shared cache, past which gloo's copies stream from
-    memory), sizes up to it get one line and sizes past it another (`fit_alpha_beta` on
-    each side), when each side has `min_sizes` sizes; else one line. Without it, every
-    split of the measured sizes (the lower range with one size more than `min_sizes`)
-    is tried and the one with the least squared relative error is kept if it at least
-    halves the one line's (SPLIT_GAIN): where a library changes protocol with size and
-    the machine says nothing of where. Data made by two exact lines is recovered
-    exactly; a searched split lies at the largest size measured below the change."""
-    sizes = sorted({s.nbytes for s in samples})
-    if split_bytes is not None:
-        below = sum(n <= split_bytes for n in sizes)
-        if below < min_sizes or len(sizes) - below < min_sizes:
-            return fit_alpha_beta(samples)
-        return _two_lines(samples, split_bytes)
-    one = fit_alpha_beta(samples)
-    best, best_error = one, _squared_error(one, samples) * SPLIT_GAIN
-    for i in range(min_sizes + 1, len(sizes) - min_sizes + 1):
-        fit = _two_lines(samples, sizes[i - 1])
-        error = _squared_error(fit, samples)
-        if error < best_error:
-            best, best_error = fit, error
-    return best
-
-
-def fit_link(samples: list[Sample], name: str, source: str,
-             split_bytes: float | None = None) -> LinkSpec:
-    """A LinkSpec with one (piecewise, `fit_collective`) fit per collective; its own
-    figures are all-reduce's for small messages."""
-    fits = {c: fit_collective([s for s in samples if s.collective == c], split_bytes)
-            for c in sorted({s.collective for s in samples})}
-    base = fits.get("all_reduce") or next(iter(fits.values()))
-    return LinkSpec(name=name, bandwidth_bytes_per_s=base.bandwidth_bytes_per_s,
-                    latency_s=base.latency_s, source=source, collectives=fits)
 
 
 # --- measuring, inside each rank ------------------------------------------------------------
@@ -446,8 +245,6 @@ def contention_ops(device: torch.device, repeats: int = 15) -> dict[str, float]:
     64 rows) and a memory-bound one (a 256 MB copy), each ~30 ms so that time slices
     average out. Run alone and on every rank at once, their ratio is what sharing the
     machine costs: cores, caches and memory bandwidth."""
-    from profiler.profile import median_time
-
     torch.manual_seed(0)
     linear = torch.nn.Linear(2048, 2048).to(device)
     x = torch.randn(64, 2048, device=device)
@@ -524,8 +321,6 @@ def _contention(rank: int, device, quiet_wait_s: float, trials: int = 5,
     """Rank 0 alone (the others idle in a barrier), then every rank at once, in turn
     `trials` times: the median of the ratios, so that load elsewhere on the machine, which
     drifts, weighs on both sides alike."""
-    from profiler.launch import wait_for_quiet
-
     ratios: dict[str, list[float]] = {"compute": [], "memory": []}
     for _ in range(trials):
         if quiet_wait_s > 0 and rank == 0:
@@ -553,8 +348,6 @@ def repeats_for(nbytes: int, repeats: int) -> int:
 
 def _rank_measure(rank: int, world: int, sizes, repeats: int, quiet_wait_s: float = 0.0,
                   quick: bool = False) -> dict:
-    from profiler.launch import wait_for_quiet
-
     device = torch.device("cuda", rank) if dist.get_backend() == "nccl" else torch.device("cpu")
     together = _contention(rank, device, quiet_wait_s, trials=3 if quick else 5,
                            repeats=5 if quick else 9)
@@ -587,12 +380,25 @@ def _rank_measure(rank: int, world: int, sizes, repeats: int, quiet_wait_s: floa
 
 # --- compute ---------------------------------------------------------------------------------
 
-def measure_compute(threads: int, device: str = "cpu") -> DeviceSpec:
+@dataclass(frozen=True)
+class ComputeRates:
+    """What `measure_compute` found: achieved rates, not a DeviceSpec (that is
+    `strategies.calibrated.device_spec`'s to build)."""
+
+    name: str  # "cpu", or the CUDA device's name
+    kind: str  # "cpu" or "cuda"
+    threads: int
+    matmul_flops: float  # per second, float32
+    conv2d_flops: float
+    copy_bytes_per_s: float
+    memory_bytes: float
+    half_flops: dict[str, float] = field(default_factory=dict)  # CUDA: bfloat16, float16
+
+
+def measure_compute(threads: int, device: str = "cpu") -> ComputeRates:
     """Achieved FLOP/s of matmul and conv2d, and copy bandwidth (256 MB, out of cache),
     on `device` with `threads` intra-op threads, by torch.utils.benchmark medians."""
     from torch.utils import benchmark
-
-    from profiler.machine import threads as thread_count
 
     dev = torch.device(device)
 
@@ -624,133 +430,25 @@ def measure_compute(threads: int, device: str = "cpu") -> DeviceSpec:
     else:
         memory = float(os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
         name = "cpu"
-    return DeviceSpec(
-        name=name, kind=dev.type, efficiency=1.0,
-        peak_flops={"float32": matmul, "bfloat16": matmul / 2, "float16": matmul / 4}
-        if dev.type == "cpu" else {"float32": matmul, **half},
-        op_flops={"matmul": matmul, "conv2d": conv},
-        memory_bytes=memory, memory_bandwidth_bytes_per_s=bandwidth,
-        cache_bytes=shared_cache_bytes() if dev.type == "cpu" else 0.0,
-        source=f"measured by hyplan calibrate ({threads} threads, torch.utils.benchmark)")
+    return ComputeRates(name=name, kind=dev.type, threads=threads, matmul_flops=matmul,
+                        conv2d_flops=conv, copy_bytes_per_s=bandwidth, memory_bytes=memory,
+                        half_flops=half)
 
 
-# --- the whole calibration -------------------------------------------------------------------
+# --- collectives on `world` ranks --------------------------------------------------------------
 
-def calibrate(processes=(2, 4), quick: bool = False, repeats: int | None = None,
-              log=print, quiet_wait_s: float = 0.0, kind: str | None = None) -> ClusterProfile:
-    """Measure this machine: compute at the threads each of max(processes) gets, and the
-    collectives on every process count of at least 2 in `processes` (`(1,)`: compute
-    only). `quiet_wait_s`: before each measurement, wait up to that long for other
-    processes' load to pause. `kind`: "cpu" or "cuda" (default: CUDA where this machine
-    has max(processes) GPUs)."""
-    from profiler.launch import run_ranks
-    from profiler.machine import cpu_model
-    from strategies.cluster import cpu_threads_per_device
-
-    started = time.perf_counter()
-    cuda = torch.cuda.is_available() and torch.cuda.device_count() >= max(processes)
-    if kind is not None:
-        if kind == "cuda" and not cuda:
-            raise ValueError(f"calibrate: {max(processes)} CUDA devices asked for, this "
-                             f"machine has {torch.cuda.device_count()}")
-        cuda = kind == "cuda"
-    backend = "nccl" if cuda else "gloo"
-    sizes = QUICK_SIZES if quick else SIZES
-    repeats = repeats or (10 if quick else 25)
-    cores = os.cpu_count() or 1
-    threads = torch.get_num_threads() if cuda else cpu_threads_per_device(max(processes))
-
-    log(f"compute: matmul, conv2d and a 256 MB copy with {threads} thread(s)")
-    if quiet_wait_s > 0:
-        from profiler.launch import wait_for_quiet
-
-        wait_for_quiet(quiet_wait_s)
-    device = measure_compute(threads, "cuda" if cuda else "cpu")
-    log(f"  matmul {device.op_flops['matmul'] / 1e9:.1f} GFLOP/s, conv2d "
-        f"{device.op_flops['conv2d'] / 1e9:.1f} GFLOP/s, copy "
-        f"{device.memory_bandwidth_bytes_per_s / 1e9:.1f} GB/s")
-
-    links, layer_overhead, reshard_overhead, all_samples = {}, {}, {}, []
-    compute_slowdown, memory_slowdown, step_overhead, fsdp_overhead = {}, {}, {}, {}
-    for world in (p for p in processes if p >= 2):
-        log(f"collectives on {world} {backend} ranks: {', '.join(MEASURED)}, "
-            f"{len(sizes)} sizes x {repeats} repeats")
-        per_rank = run_ranks(_rank_measure, world, sizes, repeats, quiet_wait_s, quick,
-                             backend=backend, threads=1 if backend == "gloo" else threads)
-        samples = []
-        for i, (name, nbytes, _) in enumerate(per_rank[0]["spans"]):
-            t = _call_seconds([r["spans"][i][2] for r in per_rank])
-            samples.append(Sample(collective=name, ranks=world, nbytes=nbytes,
-                                  seconds=t / 2 if name == "send_recv" else t))
-        if backend == "gloo":  # DTensor's all-to-all on gloo is an all-gather (see above)
-            samples += [s.model_copy(update={"collective": "all_to_all"})
-                        for s in samples if s.collective == "all_gather"]
-        all_samples += samples
-        # on CPU the regimes change where the processes' data spills the shared cache
-        link = fit_link(samples, f"{backend} ({world} processes)",
-                        f"fitted by hyplan calibrate on {platform.node()}",
-                        split_bytes=device.cache_bytes or None)
-        links[world] = link
-        for name, fit in link.collectives.items():
-            line = (f"  {name:<17} alpha {fit.latency_s * 1e3:7.3f} ms   beta "
-                    f"{fit.bandwidth_bytes_per_s / 1e9:6.2f} GB/s")
-            for r in fit.regimes:
-                line += (f"; past {r.above_bytes / 2**20:g} MB: alpha {r.latency_s * 1e3:.3f} "
-                         f"ms, beta {r.bandwidth_bytes_per_s / 1e9:.2f} GB/s")
-            log(line)
-        layer_overhead[world], reshard_overhead[world] = _overheads(per_rank, world, link)
-        for key, table in (("compute", compute_slowdown), ("memory", memory_slowdown)):
-            table[world] = max(1.0, per_rank[0]["contention"][key])
-        step_overhead[world] = _fixed_step(per_rank, world, link)
-        log(f"  a distributed step's fixed cost: {step_overhead[world] * 1e3:.2f} ms")
-        fsdp_overhead[world] = _fsdp_per_byte(per_rank, world, link)
-        log(f"  FSDP2 beyond its collectives: {fsdp_overhead[world] * 1e9:.2f} ms per MB "
-            f"of sharded weights")
-        log(f"  all {world} at once: compute {compute_slowdown[world]:.2f}x, memory "
-            f"{memory_slowdown[world]:.2f}x slower than one process alone")
-        log(f"  DTensor: {layer_overhead[world] * 1e3:.2f} ms per parallel layer, "
-            f"{reshard_overhead[world] * 1e3:.2f} ms per redistribute (fwd + bwd)")
-    return ClusterProfile(
-        created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        host=platform.node(), torch_version=torch.__version__, backend=backend, cores=cores,
-        threads_per_process=threads, cpu_model=cpu_model(), quick=quick,
-        seconds=round(time.perf_counter() - started, 1), device=device, links=links,
-        dtensor_layer_overhead_s=layer_overhead, dtensor_reshard_overhead_s=reshard_overhead,
-        compute_slowdown=compute_slowdown, memory_slowdown=memory_slowdown,
-        step_overhead_s=step_overhead, fsdp_overhead_s_per_byte=fsdp_overhead,
-        samples=all_samples)
-
-
-def _overheads(per_rank: list[dict], world: int, link: LinkSpec) -> tuple[float, float]:
-    """DTensor's own seconds per parallel layer and per redistribute: the measured step
-    less the plain op and the collective it issues (priced by the fitted link)."""
-    from strategies.collectives import all_gather_s, all_reduce_s
-
-    d = {k: max(r["dtensor"][k] for r in per_rank) for k in per_rank[0]["dtensor"]}
-    # column: backward all-reduces the partial input gradient; row: forward all-reduces
-    # the partial output
-    column = d["column"] - d["plain"] - all_reduce_s(d["row_bytes"], world, link)
-    row = d["row"] - d["plain"] - all_reduce_s(d["row_bytes"], world, link)
-    reshard = d["reshard"] - all_gather_s(d["tiny_bytes"], world, link)
-    return max(0.0, (column + row) / 2), max(0.0, reshard)
-
-
-def _fsdp_per_byte(per_rank: list[dict], world: int, link: LinkSpec) -> float:
-    """FSDP2's seconds per byte of weights beyond its collectives (two all-gathers and a
-    reduce-scatter per layer, priced by the fitted link) and the plain step."""
-    from strategies.collectives import all_gather_s, reduce_scatter_s
-
-    d = {k: max(r["fsdp"][k] for r in per_rank) for k in per_rank[0]["fsdp"]}
-    p = d["layer_bytes"]
-    collectives = d["layers"] * (2 * all_gather_s(p, world, link)
-                                 + reduce_scatter_s(p, world, link))
-    return max(0.0, d["fsdp"] - d["plain"] - collectives) / (d["layers"] * p)
-
-
-def _fixed_step(per_rank: list[dict], world: int, link: LinkSpec) -> float:
-    """A DDP step less the plain step and its gradient all-reduce (fitted link)."""
-    from strategies.collectives import collective_time_s
-
-    d = {k: max(r["step"][k] for r in per_rank) for k in per_rank[0]["step"]}
-    sync = collective_time_s("bucket_all_reduce", d["grad_bytes"], world, link)
-    return max(0.0, d["ddp"] - d["plain"] - sync)
+def measure_collectives(world: int, sizes, repeats: int, quiet_wait_s: float, quick: bool,
+                        backend: str, threads: int) -> tuple[list[Sample], list[dict]]:
+    """(one Sample per collective and size, each rank's raw measurements) from `world`
+    spawned ranks: the figures `strategies.calibrated` fits links and overheads to."""
+    per_rank = run_ranks(_rank_measure, world, sizes, repeats, quiet_wait_s, quick,
+                         backend=backend, threads=1 if backend == "gloo" else threads)
+    samples = []
+    for i, (name, nbytes, _) in enumerate(per_rank[0]["spans"]):
+        t = _call_seconds([r["spans"][i][2] for r in per_rank])
+        samples.append(Sample(collective=name, ranks=world, nbytes=nbytes,
+                              seconds=t / 2 if name == "send_recv" else t))
+    if backend == "gloo":  # DTensor's all-to-all on gloo is an all-gather (see above)
+        samples += [s.model_copy(update={"collective": "all_to_all"})
+                    for s in samples if s.collective == "all_gather"]
+    return samples, per_rank

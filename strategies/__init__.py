@@ -13,9 +13,10 @@ from strategies.catalog import (
     candidates,
     register,
 )
-from strategies.cluster import Cluster, parse_devices
+from strategies.cluster import Cluster
 from strategies.devices import DEVICES, DeviceSpec, LinkSpec
 from strategies.layouts import Layout
+from strategies.parse import parse_devices
 from strategies.rowwise import register_rowwise
 from strategies.transformer import (
     AttentionSpec, HeadParallel, VocabParallel, register_attention,

@@ -17,7 +17,7 @@ apart from the blocking collectives of tensor-parallel layers and layout changes
 after a burst of compute, as a step meets them); uncalibrated links price both alike.
 
 Every formula is `a(P)·α + b(P)·n/β`; `COEFFICIENTS` holds (a, b), which is also what
-`profiler.calibrate` fits measured timings against. α and β come from the link, per
+`strategies.calibrated` fits measured timings against. α and β come from the link, per
 collective and size range where `hyplan calibrate` measured them (see LinkSpec.alpha_beta).
 
 `b(P)·n` is also what each rank sends over the link: `collective_bytes` reports that volume

@@ -1,5 +1,5 @@
 """A fixed profile of "this machine" for the test suite: what planning for `Nxcpu` reads
-from the cache (profiler.profile_cache), so that tests plan through the shipped path
+from the cache (strategies.profile_cache), so that tests plan through the shipped path
 without paying a calibration each (a quick one takes about a minute here) and price with
 the same figures on every run. The figures are those of the model hyplan used before
 calibration shipped: the gloo loopback link of strategies.devices and processes beyond
@@ -8,8 +8,8 @@ calibration."""
 
 import os
 
-from profiler.calibrate import ClusterProfile
-from profiler.profile_cache import machine_key, max_calibrated_processes, profile_path
+from strategies.calibrated import ClusterProfile
+from strategies.profile_cache import machine_key, max_calibrated_processes, profile_path
 from strategies.devices import CPU_LINK, DeviceSpec
 
 GB = 1e9

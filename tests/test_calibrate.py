@@ -4,7 +4,8 @@ import random
 
 import pytest
 
-from profiler.calibrate import ClusterProfile, Sample, fit_alpha_beta, fit_link, load_profile
+from profiler.calibrate import Sample
+from strategies.calibrated import ClusterProfile, fit_alpha_beta, fit_link, load_profile
 from strategies import parse_devices
 from strategies.collectives import COEFFICIENTS, collective_time_s
 from strategies.devices import DeviceSpec, LinkSpec

@@ -7,7 +7,7 @@ import random
 
 from profiler.graph import Layer, TensorMeta
 from strategies.catalog import CostContext, compute_s
-from strategies.cluster import parse_devices
+from strategies.parse import parse_devices
 from strategies.devices import DEVICES
 from strategies.gpu_compute import gemm_efficiency, gemm_s, linear_s, tile_wave_efficiency
 

@@ -17,7 +17,7 @@ from planner.stages import (
     LayerOptions, StageProblem, brute_force, evaluate, in_flight, lower_bound, solve_stages,
 )
 from profiler import profile, trace
-from strategies.cluster import parse_devices
+from strategies.parse import parse_devices
 
 
 def _random_problem(rng, units=4, layers=5) -> StageProblem:

@@ -12,7 +12,7 @@ import models
 import planner
 from planner.cli import main
 from profiler.machine import cpu_model
-from profiler.profile_cache import cache_dir, machine_key, profile_path
+from strategies.profile_cache import cache_dir, machine_key, profile_path
 from strategies import parse_devices
 
 

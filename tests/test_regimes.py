@@ -3,7 +3,8 @@ compute priced by how many processes share the cores at once (hand-computed figu
 
 import pytest
 
-from profiler.calibrate import ClusterProfile, Sample, fit_collective, fit_link
+from profiler.calibrate import Sample
+from strategies.calibrated import ClusterProfile, fit_collective, fit_link
 from strategies.collectives import COEFFICIENTS, collective_time_s
 from strategies.cluster import Cluster, time_sharing_slowdown
 from strategies.devices import CollectiveFit, DeviceSpec, LinkSpec, Regime

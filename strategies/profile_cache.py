@@ -27,7 +27,8 @@ import sys
 from contextlib import contextmanager
 from pathlib import Path
 
-from profiler.calibrate import ClusterProfile, calibrate, load_profile
+from profiler.machine import cpu_model
+from strategies.calibrated import ClusterProfile, calibrate, load_profile
 
 CACHE_ENV = "HYPLAN_CACHE_DIR"
 
@@ -52,8 +53,6 @@ def _model_name(kind: str) -> str:
         import torch
 
         return torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no-gpu"
-    from profiler.machine import cpu_model
-
     return cpu_model()
 
 
@@ -124,7 +123,7 @@ def _calibrate_in_a_fresh_process(count: int, kind: str, path: Path) -> None:
     """Run the quick calibration in a new interpreter: its ranks are spawned processes,
     which import the parent's __main__, and a user's script that plans at top level
     (no `if __name__ == "__main__":`) must not run again in each of them."""
-    done = subprocess.run([sys.executable, "-m", "profiler.profile_cache", str(count), kind,
+    done = subprocess.run([sys.executable, "-m", "strategies.profile_cache", str(count), kind,
                            str(path)], capture_output=True, text=True)
     if done.returncode != 0 or not path.exists():
         tail = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["no output"]

@@ -1,0 +1,349 @@
+"""A measured machine as the cost model reads it: `ClusterProfile` (pydantic JSON, what
+`--devices profile.json` plans on), `load_profile`, the fits, and `calibrate`, which runs
+`profiler.calibrate`'s measurements and fits them.
+
+The fits: alpha (latency per message) and beta (bandwidth per rank) per collective by
+least squares against the ring formulas of `strategies.collectives` (relative error
+weighted, so 1 KB counts as much as 128 MB), piecewise where the bandwidth changes with
+size (`fit_collective`: past the shared cache gloo's copies stream from memory, about half
+as fast); DTensor's, DDP's and FSDP2's fixed costs are what their measured steps take
+beyond the plain step and the collectives the fitted link prices.
+
+    hyplan calibrate --processes 2 4 --out cpu-profile.json
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+import time
+from pathlib import Path
+from typing import Literal
+
+import numpy as np
+import torch
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from profiler.calibrate import (
+    MEASURED, QUICK_SIZES, SIZES, ComputeRates, Sample, measure_collectives, measure_compute,
+)
+from profiler.launch import wait_for_quiet
+from profiler.machine import cpu_model
+from strategies.cluster import Cluster, cpu_threads_per_device, time_sharing_slowdown
+from strategies.collectives import (
+    COEFFICIENTS, all_gather_s, all_reduce_s, collective_time_s, reduce_scatter_s,
+)
+from strategies.devices import (
+    CPU_LINK, CollectiveFit, DeviceSpec, LinkSpec, Regime, shared_cache_bytes,
+)
+
+PROFILE_SCHEMA = "hyplan.cluster-profile/1"
+# a second regime must at least halve the one line's squared relative error to be kept
+SPLIT_GAIN = 0.5
+
+
+class ClusterProfile(BaseModel):
+    """A measured machine: its device, its links per process count, DTensor's overheads,
+    and the raw samples the fits came from (so a fit can be checked or redone)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    schema_id: Literal["hyplan.cluster-profile/1"] = Field(PROFILE_SCHEMA, alias="schema")
+    created: str
+    host: str
+    torch_version: str
+    backend: str
+    cores: int
+    threads_per_process: int
+    cpu_model: str = ""
+    quick: bool = False  # made by the quick calibration (first use of a local device)
+    seconds: float = 0.0  # how long measuring took
+    device: DeviceSpec
+    links: dict[int, LinkSpec] = Field(description="fitted link per process count")
+    dtensor_layer_overhead_s: dict[int, float] = Field(default_factory=dict)
+    dtensor_reshard_overhead_s: dict[int, float] = Field(default_factory=dict)
+    # compute- and memory-bound ops run on every process at once, against alone
+    compute_slowdown: dict[int, float] = Field(default_factory=dict)
+    memory_slowdown: dict[int, float] = Field(default_factory=dict)
+    step_overhead_s: dict[int, float] = Field(default_factory=dict)
+    fsdp_overhead_s_per_byte: dict[int, float] = Field(default_factory=dict)
+    samples: list[Sample] = Field(default_factory=list)
+
+    def _nearest(self, table: dict[int, object], count: int):
+        if not table:
+            return None
+        return table[min(table, key=lambda k: (abs(k - count), -k))]
+
+    def cluster(self, devices_per_node: int | None = None, nodes: int | None = None) -> Cluster:
+        """A Cluster of `devices_per_node` of the measured devices (default: the largest
+        process count measured), with the link fitted at that count (or the nearest)."""
+        per_node = devices_per_node or max(self.links, default=1)
+        link = self._nearest(self.links, per_node)
+        slowdown = self.compute_slowdown.get(per_node)
+        if slowdown is None and self.device.kind == "cpu":
+            # not measured at this count: the time-sharing rule from the nearest count
+            # measured (or from none: the bare share of the cores)
+            measured_at = min(self.compute_slowdown or {per_node: 1.0},
+                              key=lambda k: (abs(k - per_node), -k))
+            slowdown = time_sharing_slowdown(
+                per_node, measured_at, self.threads_per_process, self.cores,
+                self.compute_slowdown.get(measured_at) or max(
+                    1.0, measured_at * self.threads_per_process / self.cores))
+        elif slowdown is None:
+            slowdown = self._nearest(self.compute_slowdown, per_node) or 1.0
+        if link is None:  # one process: nothing was communicated; the loopback default
+            link = CPU_LINK
+        return Cluster(
+            device=self.device, nodes=nodes or 1, devices_per_node=per_node,
+            intra_node=link, inter_node=link,
+            cores=self.cores if self.device.kind == "cpu" else 0,
+            threads_per_device=self.threads_per_process,
+            dtensor_layer_overhead_s=self._nearest(self.dtensor_layer_overhead_s, per_node) or 0.0,
+            dtensor_reshard_overhead_s=self._nearest(self.dtensor_reshard_overhead_s, per_node) or 0.0,
+            compute_slowdown=slowdown,
+            memory_slowdown=self._nearest(self.memory_slowdown, per_node) or slowdown,
+            step_overhead_s=self._nearest(self.step_overhead_s, per_node) or 0.0,
+            fsdp_overhead_s_per_byte=self._nearest(self.fsdp_overhead_s_per_byte,
+                                                   per_node) or 0.0,
+            source=self.describe())
+
+    def describe(self) -> str:
+        """Which measurement this is, for explain(): host, when, how."""
+        how = "quick calibration" if self.quick else "hyplan calibrate"
+        counts = "/".join(str(p) for p in sorted(self.links)) or "1"
+        return (f"{how} of {self.host} ({self.cpu_model or self.device.name}, {self.cores} "
+                f"cores, {counts} processes, torch {self.torch_version}), made {self.created}")
+
+    def save(self, path: str | Path) -> None:
+        path = Path(path)
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(self.model_dump_json(indent=2, by_alias=True))
+        tmp.replace(path)
+
+
+def load_profile(path: str | Path) -> ClusterProfile:
+    """Read a profile written by `hyplan calibrate`; a bad file is a one-line error."""
+    try:
+        text = Path(path).read_text()
+    except OSError as error:
+        raise ValueError(f"devices: cannot read cluster profile {str(path)!r} "
+                         f"({error.strerror}); write one with `hyplan calibrate --out "
+                         f"{path}`") from None
+    try:
+        return ClusterProfile.model_validate_json(text)
+    except ValidationError as error:
+        first = error.errors()[0]
+        where = ".".join(str(p) for p in first["loc"]) or "(top level)"
+        raise ValueError(f"devices: {path} is not a hyplan cluster profile (field {where}: "
+                         f"{first['msg']}); re-create it with `hyplan calibrate`") from None
+
+
+# --- the fit ------------------------------------------------------------------------------
+
+def fit_alpha_beta(samples: list[Sample]) -> CollectiveFit:
+    """alpha and beta of one collective from timings (any mix of sizes and rank counts).
+
+    Each sample reads t = a(P)·α + b(P)·n·(1/β) (`strategies.collectives.COEFFICIENTS`):
+    linear in (α, 1/β). Rows are divided by t, so the fit minimizes relative error and a
+    1 KB message weighs as much as a 32 MB one; α or 1/β that come out negative (noise on a
+    link with no visible latency) are clamped at zero and the other refitted alone.
+    """
+    if not samples:
+        raise ValueError("fit_alpha_beta: no samples")
+    names = {s.collective for s in samples}
+    if len(names) != 1:
+        raise ValueError(f"fit_alpha_beta: samples of one collective only, got {sorted(names)}")
+    coefficients = COEFFICIENTS[names.pop()]
+    rows, targets = [], []
+    for s in samples:
+        if s.seconds <= 0:
+            raise ValueError(f"fit_alpha_beta: non-positive time {s.seconds} for {s}")
+        a, b = coefficients(s.ranks)
+        rows.append([a / s.seconds, b * s.nbytes / s.seconds])
+        targets.append(1.0)
+    x, y = np.array(rows), np.array(targets)
+    (alpha, inv_beta), *_ = np.linalg.lstsq(x, y, rcond=None)
+    if alpha < 0:
+        alpha, inv_beta = 0.0, float(np.linalg.lstsq(x[:, 1:], y, rcond=None)[0][0])
+    if inv_beta <= 0:
+        inv_beta = 1e-15  # no measurable size dependence: an effectively infinite link
+        alpha = max(0.0, float(np.linalg.lstsq(x[:, :1], y, rcond=None)[0][0]))
+    return CollectiveFit(latency_s=float(alpha), bandwidth_bytes_per_s=float(1.0 / inv_beta))
+
+
+def _squared_error(fit: CollectiveFit, samples: list[Sample]) -> float:
+    """Sum over samples of ((predicted - measured) / measured)^2."""
+    total = 0.0
+    for s in samples:
+        a, b = COEFFICIENTS[s.collective](s.ranks)
+        alpha, beta = fit.alpha_beta(s.nbytes)
+        total += ((a * alpha + b * s.nbytes / beta) / s.seconds - 1.0) ** 2
+    return total
+
+
+def _two_lines(samples: list[Sample], above_bytes: float) -> CollectiveFit:
+    lower = fit_alpha_beta([s for s in samples if s.nbytes <= above_bytes])
+    upper = fit_alpha_beta([s for s in samples if s.nbytes > above_bytes])
+    return CollectiveFit(latency_s=lower.latency_s,
+                         bandwidth_bytes_per_s=lower.bandwidth_bytes_per_s,
+                         regimes=(Regime(above_bytes=above_bytes, latency_s=upper.latency_s,
+                                         bandwidth_bytes_per_s=upper.bandwidth_bytes_per_s),))
+
+
+def fit_collective(samples: list[Sample], split_bytes: float | None = None,
+                   min_sizes: int = 2) -> CollectiveFit:
+    """One collective's cost, piecewise where its bandwidth changes with size.
+
+    With `split_bytes` (on CPU: the shared cache, past which gloo's copies stream from
+    memory), sizes up to it get one line and sizes past it another (`fit_alpha_beta` on
+    each side), when each side has `min_sizes` sizes; else one line. Without it, every
+    split of the measured sizes (the lower range with one size more than `min_sizes`)
+    is tried and the one with the least squared relative error is kept if it at least
+    halves the one line's (SPLIT_GAIN): where a library changes protocol with size and
+    the machine says nothing of where. Data made by two exact lines is recovered
+    exactly; a searched split lies at the largest size measured below the change."""
+    sizes = sorted({s.nbytes for s in samples})
+    if split_bytes is not None:
+        below = sum(n <= split_bytes for n in sizes)
+        if below < min_sizes or len(sizes) - below < min_sizes:
+            return fit_alpha_beta(samples)
+        return _two_lines(samples, split_bytes)
+    one = fit_alpha_beta(samples)
+    best, best_error = one, _squared_error(one, samples) * SPLIT_GAIN
+    for i in range(min_sizes + 1, len(sizes) - min_sizes + 1):
+        fit = _two_lines(samples, sizes[i - 1])
+        error = _squared_error(fit, samples)
+        if error < best_error:
+            best, best_error = fit, error
+    return best
+
+
+def fit_link(samples: list[Sample], name: str, source: str,
+             split_bytes: float | None = None) -> LinkSpec:
+    """A LinkSpec with one (piecewise, `fit_collective`) fit per collective; its own
+    figures are all-reduce's for small messages."""
+    fits = {c: fit_collective([s for s in samples if s.collective == c], split_bytes)
+            for c in sorted({s.collective for s in samples})}
+    base = fits.get("all_reduce") or next(iter(fits.values()))
+    return LinkSpec(name=name, bandwidth_bytes_per_s=base.bandwidth_bytes_per_s,
+                    latency_s=base.latency_s, source=source, collectives=fits)
+
+
+
+
+def device_spec(rates: ComputeRates) -> DeviceSpec:
+    """The DeviceSpec of a measured device: rates achieved, so efficiency 1; on a CPU the
+    half-precision rates are what its float32 matmul allows (no tensor cores)."""
+    cpu = rates.kind == "cpu"
+    return DeviceSpec(
+        name=rates.name, kind=rates.kind, efficiency=1.0,
+        peak_flops={"float32": rates.matmul_flops, "bfloat16": rates.matmul_flops / 2,
+                    "float16": rates.matmul_flops / 4}
+        if cpu else {"float32": rates.matmul_flops, **rates.half_flops},
+        op_flops={"matmul": rates.matmul_flops, "conv2d": rates.conv2d_flops},
+        memory_bytes=rates.memory_bytes, memory_bandwidth_bytes_per_s=rates.copy_bytes_per_s,
+        cache_bytes=shared_cache_bytes() if cpu else 0.0,
+        source=f"measured by hyplan calibrate ({rates.threads} threads, torch.utils.benchmark)")
+
+
+# --- the whole calibration -------------------------------------------------------------------
+
+def calibrate(processes=(2, 4), quick: bool = False, repeats: int | None = None,
+              log=print, quiet_wait_s: float = 0.0, kind: str | None = None) -> ClusterProfile:
+    """Measure this machine: compute at the threads each of max(processes) gets, and the
+    collectives on every process count of at least 2 in `processes` (`(1,)`: compute
+    only). `quiet_wait_s`: before each measurement, wait up to that long for other
+    processes' load to pause. `kind`: "cpu" or "cuda" (default: CUDA where this machine
+    has max(processes) GPUs)."""
+    started = time.perf_counter()
+    cuda = torch.cuda.is_available() and torch.cuda.device_count() >= max(processes)
+    if kind is not None:
+        if kind == "cuda" and not cuda:
+            raise ValueError(f"calibrate: {max(processes)} CUDA devices asked for, this "
+                             f"machine has {torch.cuda.device_count()}")
+        cuda = kind == "cuda"
+    backend = "nccl" if cuda else "gloo"
+    sizes = QUICK_SIZES if quick else SIZES
+    repeats = repeats or (10 if quick else 25)
+    cores = os.cpu_count() or 1
+    threads = torch.get_num_threads() if cuda else cpu_threads_per_device(max(processes))
+
+    log(f"compute: matmul, conv2d and a 256 MB copy with {threads} thread(s)")
+    if quiet_wait_s > 0:
+        wait_for_quiet(quiet_wait_s)
+    device = device_spec(measure_compute(threads, "cuda" if cuda else "cpu"))
+    log(f"  matmul {device.op_flops['matmul'] / 1e9:.1f} GFLOP/s, conv2d "
+        f"{device.op_flops['conv2d'] / 1e9:.1f} GFLOP/s, copy "
+        f"{device.memory_bandwidth_bytes_per_s / 1e9:.1f} GB/s")
+
+    links, layer_overhead, reshard_overhead, all_samples = {}, {}, {}, []
+    compute_slowdown, memory_slowdown, step_overhead, fsdp_overhead = {}, {}, {}, {}
+    for world in (p for p in processes if p >= 2):
+        log(f"collectives on {world} {backend} ranks: {', '.join(MEASURED)}, "
+            f"{len(sizes)} sizes x {repeats} repeats")
+        samples, per_rank = measure_collectives(world, sizes, repeats, quiet_wait_s, quick,
+                                                backend, threads)
+        all_samples += samples
+        # on CPU the regimes change where the processes' data spills the shared cache
+        link = fit_link(samples, f"{backend} ({world} processes)",
+                        f"fitted by hyplan calibrate on {platform.node()}",
+                        split_bytes=device.cache_bytes or None)
+        links[world] = link
+        for name, fit in link.collectives.items():
+            line = (f"  {name:<17} alpha {fit.latency_s * 1e3:7.3f} ms   beta "
+                    f"{fit.bandwidth_bytes_per_s / 1e9:6.2f} GB/s")
+            for r in fit.regimes:
+                line += (f"; past {r.above_bytes / 2**20:g} MB: alpha {r.latency_s * 1e3:.3f} "
+                         f"ms, beta {r.bandwidth_bytes_per_s / 1e9:.2f} GB/s")
+            log(line)
+        layer_overhead[world], reshard_overhead[world] = _overheads(per_rank, world, link)
+        for key, table in (("compute", compute_slowdown), ("memory", memory_slowdown)):
+            table[world] = max(1.0, per_rank[0]["contention"][key])
+        step_overhead[world] = _fixed_step(per_rank, world, link)
+        log(f"  a distributed step's fixed cost: {step_overhead[world] * 1e3:.2f} ms")
+        fsdp_overhead[world] = _fsdp_per_byte(per_rank, world, link)
+        log(f"  FSDP2 beyond its collectives: {fsdp_overhead[world] * 1e9:.2f} ms per MB "
+            f"of sharded weights")
+        log(f"  all {world} at once: compute {compute_slowdown[world]:.2f}x, memory "
+            f"{memory_slowdown[world]:.2f}x slower than one process alone")
+        log(f"  DTensor: {layer_overhead[world] * 1e3:.2f} ms per parallel layer, "
+            f"{reshard_overhead[world] * 1e3:.2f} ms per redistribute (fwd + bwd)")
+    return ClusterProfile(
+        created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        host=platform.node(), torch_version=torch.__version__, backend=backend, cores=cores,
+        threads_per_process=threads, cpu_model=cpu_model(), quick=quick,
+        seconds=round(time.perf_counter() - started, 1), device=device, links=links,
+        dtensor_layer_overhead_s=layer_overhead, dtensor_reshard_overhead_s=reshard_overhead,
+        compute_slowdown=compute_slowdown, memory_slowdown=memory_slowdown,
+        step_overhead_s=step_overhead, fsdp_overhead_s_per_byte=fsdp_overhead,
+        samples=all_samples)
+
+
+def _overheads(per_rank: list[dict], world: int, link: LinkSpec) -> tuple[float, float]:
+    """DTensor's own seconds per parallel layer and per redistribute: the measured step
+    less the plain op and the collective it issues (priced by the fitted link)."""
+    d = {k: max(r["dtensor"][k] for r in per_rank) for k in per_rank[0]["dtensor"]}
+    # column: backward all-reduces the partial input gradient; row: forward all-reduces
+    # the partial output
+    column = d["column"] - d["plain"] - all_reduce_s(d["row_bytes"], world, link)
+    row = d["row"] - d["plain"] - all_reduce_s(d["row_bytes"], world, link)
+    reshard = d["reshard"] - all_gather_s(d["tiny_bytes"], world, link)
+    return max(0.0, (column + row) / 2), max(0.0, reshard)
+
+
+def _fsdp_per_byte(per_rank: list[dict], world: int, link: LinkSpec) -> float:
+    """FSDP2's seconds per byte of weights beyond its collectives (two all-gathers and a
+    reduce-scatter per layer, priced by the fitted link) and the plain step."""
+    d = {k: max(r["fsdp"][k] for r in per_rank) for k in per_rank[0]["fsdp"]}
+    p = d["layer_bytes"]
+    collectives = d["layers"] * (2 * all_gather_s(p, world, link)
+                                 + reduce_scatter_s(p, world, link))
+    return max(0.0, d["fsdp"] - d["plain"] - collectives) / (d["layers"] * p)
+
+
+def _fixed_step(per_rank: list[dict], world: int, link: LinkSpec) -> float:
+    """A DDP step less the plain step and its gradient all-reduce (fitted link)."""
+    d = {k: max(r["step"][k] for r in per_rank) for k in per_rank[0]["step"]}
+    sync = collective_time_s("bucket_all_reduce", d["grad_bytes"], world, link)
+    return max(0.0, d["ddp"] - d["plain"] - sync)
