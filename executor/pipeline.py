@@ -34,9 +34,8 @@ from torch.distributed.pipelining import (
 )
 from torch.distributed.tensor import DTensor
 
-from executor.parallelize import (
-    _apply_tensor_parallel, _device, _insert_reshards, traced_as_planned,
-)
+from executor.agree import traced_as_planned
+from executor.graph_rewrite import apply_tensor_parallel, device_of, insert_reshards
 from executor.precision import run_in_precision
 from executor.styles import params_of
 from planner.plan import Plan
@@ -187,7 +186,7 @@ def parallelize_3d(model: nn.Module, plan: Plan, *, leaf_modules=()) -> StageMod
     from planner.stages import stage_ranks
 
     gm = traced_as_planned(model, plan, leaf_modules)
-    device = _device(plan)
+    device = device_of(plan)
     pp, dp, tp = (plan.mesh.size(d) for d in ("pp", "dp", "tp"))
     mesh = init_device_mesh(plan.mesh.device_type, (pp, dp, tp), mesh_dim_names=("pp", "dp", "tp"))
     rank = dist.get_rank()
@@ -211,8 +210,8 @@ def parallelize_3d(model: nn.Module, plan: Plan, *, leaf_modules=()) -> StageMod
     modules = []
     for k in mine:
         module = split[k].to(device)
-        _apply_tensor_parallel(module, tp_mesh, layers, gives)
-        _insert_reshards(module, tp_mesh, layers, gives, microbatch_rows(plan),
+        apply_tensor_parallel(module, tp_mesh, layers, gives)
+        insert_reshards(module, tp_mesh, layers, gives, microbatch_rows(plan),
                          final=k == num_stages - 1, mean_over=dp * tp)
         # under autocast; outputs sent on in the compute dtype, the last stage's in fp32
         run_in_precision(module, plan.training_precision, plan.mesh.device_type,

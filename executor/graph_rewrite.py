@@ -1,0 +1,124 @@
+"""A torch.fx plan applied to the traced graph: the rewriting `parallelize` dispatches to,
+and a pipeline stage reuses on its own part of the graph (executor.pipeline).
+
+Steps 1-5 of executor.parallelize's docstring: tensor-parallel styles, a `Reshard` node on
+every edge whose layouts differ, the output gradient's scaling, the levers (FSDP2,
+recomputation), then DDP over the data-parallel layers' weights.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor.parallel import parallelize_module
+
+from executor.agree import traced_as_planned
+from executor.levers import apply_levers
+from executor.styles import (MeanOverRanks, Reshard, broadcast_replicated,
+                             data_parallel_over, params_of, placement, tensor_parallel_style)
+from planner.plan import LayerPlan, Plan
+from strategies.layouts import Layout
+
+
+def device_of(plan: Plan) -> torch.device:
+    """The device this rank computes on under `plan`."""
+    if plan.mesh.device_type == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device(plan.mesh.device_type)
+
+
+def parallelize_graph(model: nn.Module, plan: Plan, mesh: DeviceMesh | None = None,
+                      leaf_modules=()) -> nn.Module:
+    """This rank's traced `model` under a torch.fx `plan` (its precision is the caller's)."""
+    gm = traced_as_planned(model, plan, leaf_modules).to(device_of(plan))
+    mesh = mesh or init_device_mesh(plan.mesh.device_type, (plan.num_devices,))
+
+    layers = {l.node: l for l in plan.layers}
+    gives = {i.name: (Layout(i.layout), i.shape) for i in plan.inputs}
+    gives.update({l.node: (Layout(l.output_layout), l.output_shape) for l in plan.layers})
+
+    apply_tensor_parallel(gm, mesh, layers, gives)
+    insert_reshards(gm, mesh, layers, gives, plan.global_batch)
+    broadcast_replicated(gm, params_of(plan, "replicate"))
+    _apply_levers(gm, layers, mesh, plan)
+    return data_parallel_over(gm, params_of(plan, "data_parallel"))
+
+
+def apply_tensor_parallel(gm: fx.GraphModule, mesh, layers: dict[str, LayerPlan], gives):
+    plan = {}
+    for node in gm.graph.nodes:
+        layer = layers.get(node.name)
+        if node.op != "call_module" or layer is None or not layer.model_parallel:
+            continue
+        layout, shape = [gives[n.name] for n in node.all_input_nodes if n.name in gives][0]
+        plan[str(node.target)] = tensor_parallel_style(
+            layer.strategy, Layout(layer.output_layout), placement(layout.forward, shape),
+            layer.output_shape, gm.get_submodule(str(node.target)))
+    if plan:
+        parallelize_module(gm, mesh, plan)
+
+
+def _tuple_source(node: fx.Node, gives) -> fx.Node | None:
+    """The planned tensor a tuple-yielding node (split, chunk) reads, when it reads one."""
+    srcs = [n for n in node.all_input_nodes if n.name in gives]
+    return srcs[0] if len(srcs) == 1 and len(node.all_input_nodes) == 1 else None
+
+
+def insert_reshards(gm: fx.GraphModule, mesh, layers: dict[str, LayerPlan], gives,
+                     plan_batch: int, final: bool = True, mean_over: int | None = None):
+    """`final`: the graph's outputs are the model's (resharded to rows, gradient scaled by
+    1/`mean_over`, default the mesh size); else they leave in their own layouts (a
+    pipeline stage's outputs, which the next stage reshards itself)."""
+    count = 0
+
+    def reshard(before: fx.Node, src: fx.Node, dst_layout: Layout) -> fx.Node:
+        nonlocal count
+        layout, shape = gives[src.name]
+        name = f"hyplan_reshard_{count}"
+        count += 1
+        gm.add_submodule(name, Reshard(mesh, layout, dst_layout, shape))
+        with gm.graph.inserting_before(before):
+            return gm.graph.call_module(name, (src,))
+
+    for node in list(gm.graph.nodes):
+        layer = layers.get(node.name)
+        if layer is not None and not layer.model_parallel:
+            for src in list(node.all_input_nodes):
+                target = node
+                if src.name not in gives:
+                    inner = _tuple_source(src, gives) if src.op == "call_function" else None
+                    if inner is None:
+                        continue
+                    target, src = src, inner  # split/chunk: reshard what it splits
+                want = Layout(layer.input_layout)
+                layout, shape = gives[src.name]
+                if want == Layout.BATCH and (not shape or shape[0] != plan_batch):
+                    want = Layout.REPLICATE_PARTIAL_GRAD  # see planner.choices.batch_free_takes
+                if layout != want and src in target.all_input_nodes:
+                    target.replace_input_with(src, reshard(target, src, want))
+        if node.op == "output" and final:
+            world = mean_over or mesh.size()
+            gm.add_submodule("hyplan_mean_over_ranks", MeanOverRanks(world))
+            for src in list(node.all_input_nodes):
+                if src.name not in gives:
+                    continue
+                out = src
+                if gives[src.name][0] != Layout.BATCH:
+                    out = reshard(node, src, Layout.BATCH)
+                with gm.graph.inserting_before(node):
+                    scaled = gm.graph.call_module("hyplan_mean_over_ranks", (out,))
+                node.replace_input_with(src, scaled)
+    gm.graph.lint()
+    gm.recompile()
+
+
+def _apply_levers(gm: fx.GraphModule, layers: dict[str, LayerPlan], mesh, plan: Plan) -> None:
+    """fsdp layers: FSDP2 fully_shard; recomputed layers: checkpointed (executor.levers)."""
+    targets = [(str(n.target), layers[n.name].strategy, layers[n.name].recompute)
+               for n in gm.graph.nodes if n.op == "call_module" and n.name in layers
+               and (layers[n.name].recompute or layers[n.name].strategy == "fsdp")]
+    if targets:
+        apply_levers(gm, targets, mesh, plan.training_precision)
+
