@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 from planner.choices import layer_choices
 from planner.ilp import solve
-from planner.optimize import profiled_graph
+from planner.profiled import profiled_graph
 from planner.plan3d import to_plan
 from planner.search import Shape, search
 from profiler.presets import LLMShape, build_llm, llm_shape, load_llm

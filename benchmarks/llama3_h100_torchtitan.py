@@ -15,7 +15,7 @@ import time
 
 import planner
 from gpu_model_check import RUNS, bf16, price_fsdp
-from planner.throughput import llm_throughput
+from planner.report.throughput import llm_throughput
 from profiler.presets import load_llm
 
 PUBLISHED = 5762  # tokens/s/GPU, torchtitan table 1, FSDP without torch.compile

@@ -27,8 +27,8 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
 import gpt  # noqa: E402
 
-from planner.explain import mesh_lines, pipeline_lines, search_lines, summary  # noqa: E402
-from planner.optimize import PlanDoesNotFit  # noqa: E402
+from planner.report.explain import mesh_lines, pipeline_lines, search_lines, summary  # noqa: E402
+from planner.profiled import PlanDoesNotFit  # noqa: E402
 from planner.plan3d import optimize_3d  # noqa: E402
 
 

@@ -22,7 +22,7 @@ from torch import nn
 
 from planner.choices import layer_choices
 from planner.ilp import solve
-from planner.optimize import trace_model
+from planner.profiled import trace_model
 from profiler import profile
 from strategies.parse import parse_devices
 from strategies.precision import at_precision

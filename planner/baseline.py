@@ -22,11 +22,15 @@ from collections.abc import Callable, Sequence
 
 from torch import nn
 
+from planner.assemble import assemble
 from planner.choices import Choices, layer_choices
 from planner.ilp import solve
 from planner.once import plan_once
 from planner.plan import BaselinePredicted, Plan
+from planner.plan3d import plan_3d
 from planner.problem import Solution
+from planner.profiled import profiled_graph
+from planner.search import shapes
 from planner.volume import communication_bytes
 from profiler.graph import Layer, ModelGraph
 from strategies.catalog import Strategy
@@ -135,8 +139,6 @@ def baseline(model: nn.Module, devices, kind: str, example_inputs: Sequence | No
              leaf_modules=(), measure: bool | None = None, time_limit_s: float = 60.0) -> Plan:
     """The `kind` baseline ("ddp", "tensor", "fsdp" or "pipeline") for `model` on
     `devices`, as a Plan the executor runs like any other."""
-    from planner.optimize import _plan, profiled_graph
-
     started = time.perf_counter()
     if _check(kind) is None:
         return _pipeline(model, devices, example_inputs, example_kwargs, optimizer,
@@ -145,18 +147,14 @@ def baseline(model: nn.Module, devices, kind: str, example_inputs: Sequence | No
                                     leaf_modules, measure)
     choices, solution = solve_baseline(graph, cluster, optimizer, kind, time_limit_s)
     budget = cluster.device.memory_bytes
-    return _plan(graph, cluster, optimizer, choices, solution, budget, None, None,
-                 time.perf_counter() - started)
+    return assemble(graph, cluster, optimizer, choices, solution, budget, None, None,
+                    time.perf_counter() - started)
 
 
 def _pipeline(model, devices, example_inputs, example_kwargs, optimizer, leaf_modules, measure,
               time_limit_s, started) -> Plan:
     """The best plan with pipeline stages and no tensor parallelism, within device memory
     (fitting a model is what pipelines are for)."""
-    from planner.optimize import profiled_graph
-    from planner.plan3d import plan_3d
-    from planner.search import shapes
-
     graph, cluster = profiled_graph(model, devices, example_inputs, example_kwargs,
                                     leaf_modules, measure)
     if graph.tracer == "export":

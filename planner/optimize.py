@@ -12,30 +12,16 @@ from collections.abc import Iterable, Sequence
 
 from torch import nn
 
-from planner.choices import OUTPUT, Choices, layer_choices
-from strategies.memory import lever_fields, split_name
+from planner.assemble import assemble
+from planner.baseline import LABELS, ONE_D_KINDS, available, solve_baseline, summarize
+from planner.choices import Choices, layer_choices
 from planner.ilp import solve
 from planner.once import plan_once
-from planner.plan import (
-    InputPlan, LayerPlan, MeshPlan, Plan, Predicted, SolverReport,
-)
+from planner.plan import Plan
+from planner.plan3d import choose_mesh
 from planner.problem import Infeasible, Solution
-from planner.reasons import reasons
-from planner.volume import communication_bytes
-from profiler import profile, trace
-from profiler.export_trace import export_trace
-from profiler.trace import TraceError
-from strategies.catalog import OPTIMIZER_STATE_FACTOR, leaf_types, unit_types
-from strategies.cluster import Cluster, cpu_threads_per_device
-from strategies.parse import parse_devices
-from strategies.precision import at_precision
-
-GB = 1e9
-
-
-class PlanDoesNotFit(ValueError):
-    """No assignment of strategies fits the devices' memory."""
-
+from planner.profiled import GB, PlanDoesNotFit, check_arguments, profiled_graph
+from strategies.cluster import Cluster
 
 # Where the optimum beats the best standard plan by less than this, optimize() keeps the
 # standard plan. On this project's CPU fidelity benchmark single plans' predictions err by
@@ -98,8 +84,6 @@ def optimize(
 
     budget = memory_limit_bytes or cluster.device.memory_bytes
     if mesh != "1d":
-        from planner.plan3d import choose_mesh
-
         return choose_mesh(mesh, graph, cluster, optimizer, budget, started,
                            lambda: _plan_1d(graph, cluster, optimizer, budget, pin,
                                             time_limit_s, started, prefer_standard),
@@ -119,7 +103,7 @@ def _plan_1d(graph, cluster: Cluster, optimizer: str, budget: float, pin, time_l
                    time_limit_s)
     dp = (data_parallel.objective_s + cluster.step_overhead_s,
           dp_choices.problem.memory_of(data_parallel.choice))
-    plan = _plan(graph, cluster, optimizer, choices, solution, budget, dp[0],
+    plan = assemble(graph, cluster, optimizer, choices, solution, budget, dp[0],
                  single.objective_s, time.perf_counter() - started, dp[1])
     if cluster.num_devices == 1:
         return plan
@@ -137,8 +121,6 @@ def _prefer_standard(plan: Plan, solved: dict, graph, cluster: Cluster, optimize
     """The optimum, or the fastest standard plan that fits when it is within `tolerance`
     of it (ties at the model's resolution go to the plan people know). `dp`: pure data
     parallelism's (step time, memory per device)."""
-    from planner.baseline import LABELS
-
     best_s = plan.predicted.step_time_s
     baselines = plan.predicted.baselines
     times = {kind: b.step_time_s for kind, b in baselines.items() if b.fits is not False}
@@ -146,7 +128,7 @@ def _prefer_standard(plan: Plan, solved: dict, graph, cluster: Cluster, optimize
         if times[kind] > best_s * (1 + tolerance):
             break
         choices, solution = solved[kind]
-        standard = _plan(graph, cluster, optimizer, choices, solution, budget, dp[0], single_s,
+        standard = assemble(graph, cluster, optimizer, choices, solution, budget, dp[0], single_s,
                          time.perf_counter() - started, dp[1])
         if [l.strategy for l in standard.layers] == [l.strategy for l in plan.layers]:
             return plan.model_copy(update={"standard_choice": f"the optimum is the "
@@ -163,8 +145,6 @@ def _prefer_standard(plan: Plan, solved: dict, graph, cluster: Cluster, optimize
 
 def _baselines(graph, cluster: Cluster, optimizer: str, time_limit_s: float) -> dict:
     """{kind: (choices, solution)} of every available 1-D baseline."""
-    from planner.baseline import ONE_D_KINDS, available, solve_baseline
-
     solved = {}
     for kind in available(ONE_D_KINDS):
         try:
@@ -177,63 +157,10 @@ def _baselines(graph, cluster: Cluster, optimizer: str, time_limit_s: float) -> 
 def _with_baselines(plan: Plan, solved: dict, cluster: Cluster, budget: float) -> Plan:
     """The plan, its prediction carrying each baseline's step time, communication and
     memory, and whether it fits `budget`."""
-    from planner.baseline import summarize
-
     records = {kind: summarize(choices, solution, cluster, budget)
                for kind, (choices, solution) in solved.items()}
     predicted = plan.predicted.model_copy(update={"baselines": records})
     return plan.model_copy(update={"predicted": predicted})
-
-
-def check_arguments(optimizer: str, example_inputs, memory_limit_bytes: float | None) -> None:
-    """The checks every planning entry point makes before it traces anything."""
-    if optimizer not in OPTIMIZER_STATE_FACTOR:
-        raise ValueError(f"optimizer: {optimizer!r} is not one of {sorted(OPTIMIZER_STATE_FACTOR)}")
-    if example_inputs is None:
-        raise ValueError("example_inputs: pass an example batch, e.g. example_inputs=(images,)")
-    if memory_limit_bytes is not None and memory_limit_bytes <= 0:
-        raise ValueError(f"memory_limit_bytes: must be positive, got {memory_limit_bytes}")
-
-
-def profiled_graph(model: nn.Module, devices, example_inputs, example_kwargs=None,
-                   leaf_modules=(), measure: bool | None = None, tracer: str = "auto",
-                   precision: str | None = None):
-    """(traced and profiled graph, Cluster): the first two steps of the flow, shared by
-    optimize() and the baselines (layer timings are cached by shape, so a second call on
-    the same model costs no measuring). The Cluster records `precision` (None: its own or
-    the device's default) and the graph's activations are sized in it."""
-    cluster = parse_devices(devices).at_precision(precision)
-    ranks = cluster.num_devices
-    graph = trace_model(model, example_inputs, example_kwargs, leaf_modules, tracer)
-    if measure is None:
-        measure = cluster.device.kind == "cpu"
-    graph = profile(graph, measure=measure, measure_batch=max(1, graph.batch_size // ranks),
-                    threads=cpu_threads_per_device(ranks) if cluster.device.kind == "cpu" else None,
-                    ranks=ranks)
-    return at_precision(graph, cluster.training_precision), cluster
-
-
-def trace_model(model: nn.Module, example_inputs, example_kwargs=None, leaf_modules=(),
-                tracer: str = "auto"):
-    """The model's ModelGraph by torch.fx, or by torch.export where fx cannot follow it."""
-    if tracer not in ("auto", "fx", "export"):
-        raise ValueError(f"tracer: {tracer!r} is not one of 'auto', 'fx', 'export'")
-    if tracer != "export":
-        try:
-            return trace(model, example_inputs, example_kwargs,
-                         tuple(leaf_modules) + leaf_types(model))
-        except TraceError as fx_error:
-            if tracer == "fx":
-                raise
-            first = fx_error
-    else:
-        first = None
-    try:
-        return export_trace(model, example_inputs, example_kwargs, unit_types(model))
-    except TraceError as error:
-        if first is None:
-            raise
-        raise TraceError(f"{first} -- and {error}") from error
 
 
 def _solve_within_memory(choices: Choices, budget: float, time_limit_s: float) -> Solution:
@@ -249,62 +176,3 @@ def _solve_within_memory(choices: Choices, budget: float, time_limit_s: float) -
             f"lower the batch, use a lighter optimizer (optimizer='sgd'), or raise "
             f"memory_limit_bytes"
         ) from None
-
-
-def _plan(graph, cluster: Cluster, optimizer: str, choices: Choices, solution: Solution,
-          budget: float, data_parallel_s: float, single_s: float, seconds: float,
-          data_parallel_memory_bytes: float | None = None) -> Plan:
-    problem, choice = choices.problem, list(solution.choice)
-    reshard_in = [0.0] * len(problem.nodes)
-    reshard_out = [0.0] * len(problem.nodes)
-    for e in problem.edges:
-        cost = float(e.cost_s[choice[e.src], choice[e.dst]])
-        if problem.nodes[e.dst].name == OUTPUT:
-            reshard_out[e.src] += cost
-        else:
-            reshard_in[e.dst] += cost
-    why = reasons(choices, choice)
-
-    layers, inputs = [], []
-    for i, row in enumerate(choices.layers):
-        strategy, cost, layer = row.strategies[choice[i]], row.costs[choice[i]], row.layer
-        if layer.is_input:
-            inputs.append(InputPlan(name=layer.node, layout=strategy.gives.value,
-                                    shape=list(layer.output.shape)))
-            continue
-        layers.append(LayerPlan(
-            name=layer.name, node=layer.node, kind=layer.kind,
-            output_shape=list(layer.output.shape), strategy=split_name(strategy.name)[0],
-            input_layout=strategy.takes.value, output_layout=strategy.gives.value,
-            model_parallel=strategy.model_parallel, compute_s=cost.compute_s,
-            communication_s=cost.communication_s, update_s=cost.update_s,
-            reshard_in_s=reshard_in[i] + reshard_out[i], memory_bytes=cost.memory_bytes,
-            param_bytes=layer.param_bytes, params=list(layer.params), reason=why[i], inputs=list(layer.inputs),
-            **lever_fields(strategy, cost)))
-
-    compute = sum(l.compute_s for l in layers)
-    update = sum(l.update_s for l in layers)
-    memory = problem.memory_of(choice)
-    ranks = cluster.num_devices
-    # what every distributed step costs whatever the plan (calibrated; the same for every
-    # choice, so outside the integer program's objective)
-    fixed = cluster.step_overhead_s if ranks > 1 else 0.0
-    predicted = Predicted(
-        step_time_s=solution.objective_s + fixed, compute_s=compute, other_s=update,
-        communication_s=solution.objective_s - compute - update, fixed_s=fixed,
-        memory_bytes=[memory] * ranks, memory_limit_bytes=budget,
-        communication_bytes=communication_bytes(choices, choice),
-        data_parallel_step_time_s=data_parallel_s,
-        data_parallel_memory_bytes=data_parallel_memory_bytes,
-        single_device_step_time_s=single_s)
-    mesh = MeshPlan(shape=[ranks], dim_names=["devices"], device_type=cluster.device.kind,
-                    nodes=cluster.nodes, devices_per_node=cluster.devices_per_node)
-    report = SolverReport(
-        status=solution.status, objective_s=solution.objective_s, bound_s=solution.bound_s,
-        seconds=solution.seconds, backend=solution.backend,
-        num_variables=solution.num_variables, num_constraints=solution.num_constraints,
-        planning_seconds=seconds)
-    return Plan(model=graph.model_name, fingerprint=graph.fingerprint,
-                global_batch=graph.batch_size, optimizer=optimizer, cluster=cluster,
-                mesh=mesh, inputs=inputs, layers=layers, predicted=predicted, solver=report,
-                tracer=graph.tracer, outputs=list(graph.outputs))

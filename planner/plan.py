@@ -9,13 +9,28 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Literal
+from typing import Callable, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from strategies.cluster import Cluster
 
 SCHEMA_VERSION = 1
+
+# Plan.explain() is public API, but the words live in the report (planner/report/explain.py),
+# which sits above the planner: it reads the baselines' labels, and the planner never imports
+# the report. A record at the bottom importing it would close a cycle through the whole
+# planner. So the report hands its renderer down when it is imported, and `planner`'s
+# __init__ imports the report: any Plan, made here or read from JSON, finds it. A hook, not
+# a function-local import, so that the module graph says what depends on what.
+_explainer: "Callable[[Plan], str] | None" = None
+
+
+def set_explainer(render: "Callable[[Plan], str]") -> None:
+    """Install the function `Plan.explain()` renders with (planner.report.explain does, on
+    import)."""
+    global _explainer
+    _explainer = render
 
 
 class _Data(BaseModel):
@@ -329,10 +344,12 @@ class Plan(_Data):
         raise KeyError(f"no layer {name!r} in the plan; layers: {[l.name for l in self.layers]}")
 
     def explain(self) -> str:
-        """The dry run in words and a table: nothing executes."""
-        from planner.explain import explain
-
-        return explain(self)
+        """The dry run in words and a table: nothing executes (planner.report.explain,
+        installed by `set_explainer`)."""
+        if _explainer is None:
+            raise RuntimeError("Plan.explain: no report installed; import planner (whose "
+                               "__init__ imports planner.report) before calling it")
+        return _explainer(self)
 
     # --- files ------------------------------------------------------------------------
 

@@ -13,7 +13,7 @@ from collections.abc import Iterable, Sequence
 from torch import nn
 
 from planner.once import plan_once
-from planner.optimize import GB, PlanDoesNotFit, check_arguments, profiled_graph
+from planner.profiled import GB, PlanDoesNotFit, check_arguments, profiled_graph
 from planner.plan import (
     CandidateReport, InputPlan, LayerPlan, MemoryBreakdown, MeshPlan, PipelinePlan, Plan,
     Predicted, SearchReport, SolverReport, StagePlan,

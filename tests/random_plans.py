@@ -17,7 +17,8 @@ import numpy as np
 
 from planner.choices import layer_choices
 from planner.ilp import solve
-from planner.optimize import _plan, profiled_graph
+from planner.assemble import assemble
+from planner.profiled import profiled_graph
 from planner.plan import Plan
 
 
@@ -41,6 +42,6 @@ def random_plans(model, devices: str, inputs, count: int, seed: int,
         seen.add(drawn.choice)
         real = replace(drawn, objective_s=problem.cost_of(drawn.choice),
                        bound_s=problem.cost_of(drawn.choice))
-        plans.append(_plan(graph, cluster, optimizer, choices, real, cluster.device.memory_bytes,
-                           None, None, time.perf_counter()))
+        plans.append(assemble(graph, cluster, optimizer, choices, real, cluster.device.memory_bytes,
+                              None, None, time.perf_counter()))
     return plans

@@ -12,7 +12,7 @@ from torch import nn
 import models
 import planner
 from distributed import run_ranks
-from planner.compare import compare, render
+from planner.report.compare import compare, render
 from strategies import parse_devices
 from test_parallel_equivalence import _train_planned, _train_single
 

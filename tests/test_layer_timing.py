@@ -6,7 +6,7 @@ import torch
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
-from planner.optimize import trace_model
+from planner.profiled import trace_model
 
 # the module (the package's `profiler.profile` attribute is the function of that name)
 layer_timing = importlib.import_module("profiler.profile")

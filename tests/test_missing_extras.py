@@ -45,7 +45,7 @@ def test_show_with_plot_without_matplotlib_names_the_extra(plan_file, no_matplot
 
 def test_plot_api_without_matplotlib_raises_missing_extra(plan_file, no_matplotlib, tmp_path):
     from planner import Plan
-    from planner.plot import write_plots
+    from planner.report.plot import write_plots
 
     with pytest.raises(MissingExtra, match=r"needs matplotlib; install it with pip install "
                                            r"'hyplan\[plot\]'"):

@@ -5,7 +5,7 @@ import pytest
 
 import planner
 from planner.cli import main
-from planner.plot import PipelineTimeline, simulate, stage_order, timeline_from_plan
+from planner.report.plot import PipelineTimeline, simulate, stage_order, timeline_from_plan
 from test_cli import MLP
 
 
@@ -47,7 +47,7 @@ def test_plan_and_show_write_the_pictures(tmp_path, capsys):
 
 
 def test_uniform_pipeline_bubble_is_every_stage_waiting_pp_minus_one_microbatches():
-    from planner.plot import bubble_s
+    from planner.report.plot import bubble_s
 
     p, m, f, b = 4, 8, 1.0, 2.0
     for schedule in ("gpipe", "1f1b"):
@@ -68,11 +68,18 @@ def test_pipelined_transformer_plan_draws_the_plans_bubble(tmp_path, capsys):
     for name in ("strategy_map", "memory", "timeline"):
         assert (tmp_path / f"{name}.png").stat().st_size > 5000
     t = timeline_from_plan(plan)
-    assert t.stages == len(plan.pipeline.stages)
-    from planner.plot import bubble_s, memory_by_device
+    assert t.stages * t.chunks == len(plan.pipeline.stages)  # a row per rank, chunks on it
+    from planner.report.plot import bubble_s, memory_by_device
 
     assert bubble_s(t) == pytest.approx(plan.predicted.bubble_s, rel=1e-6)
-    assert _step_and_bubble(t)[0] == pytest.approx(plan.predicted.step_time_s, rel=0.02)
+    # the planner's step (planner.stages.evaluate): the schedule's makespan, then the largest
+    # per-rank gradient sync + update; the timeline draws each rank's after its own last
+    # action, which ends sooner when another rank holds the largest update (DualPipeV, v=2)
+    work = [a for a in simulate(t) if a.microbatch is not None]
+    once = max(s + u for s, u in zip(t.sync_s or [0.0] * t.stages, t.update_s or [0.0] * t.stages))
+    assert max(a.end_s for a in work) + once == pytest.approx(plan.predicted.step_time_s,
+                                                              rel=0.02)
+    assert _step_and_bubble(t)[0] <= plan.predicted.step_time_s * (1 + 1e-9)
     breakdown = plan.predicted.memory_breakdown
     assert sum(r.parameters * ((r.last_device or r.device) - r.device + 1)
                for r in memory_by_device(plan)) == pytest.approx(

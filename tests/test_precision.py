@@ -13,7 +13,7 @@ from torch import nn
 
 import planner
 from planner.choices import layer_choices
-from planner.optimize import profiled_graph
+from planner.profiled import profiled_graph
 from strategies import DEVICES, LinkSpec, parse_devices
 from strategies.precision import default_precision, parse_precision
 

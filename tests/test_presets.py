@@ -8,7 +8,7 @@ import math
 import pytest
 
 from planner.cli import main
-from planner.throughput import llm_throughput
+from planner.report.throughput import llm_throughput
 from profiler.presets import PRESETS, LLMShape, load_llm
 
 # published parameter counts (model cards / papers), in billions

@@ -110,7 +110,7 @@ def test_a_pipeline_stage_waiting_for_its_input_holds_no_core():
     # cores with one process computing at a time: its layers cost 1/2.2 of what they cost
     # when all 4 compute at once
     import models
-    from planner.optimize import profiled_graph
+    from planner.profiled import profiled_graph
     from planner.search import CostCache, build
 
     link = LinkSpec(name="l", bandwidth_bytes_per_s=1e9, latency_s=1e-3)

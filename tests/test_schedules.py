@@ -6,7 +6,7 @@ import pytest
 
 import models
 from planner.plan3d import optimize_3d
-from planner.plot import bubble_s, timeline_from_plan
+from planner.report.plot import bubble_s, timeline_from_plan
 from planner.schedules import (
     SCHEDULES, actions, chunks_allowed, in_flight, placement, refusal, simulate,
     uniform_bubble,

@@ -3,7 +3,7 @@
 The verb checks what it can before any process starts (the plan file, the model's
 fingerprint against the plan's, the process count against the plan's devices, an existing
 checkpoint directory), then runs `python -m torch.distributed.run` with the launch options
-passed through, each worker running `python -m planner.cli_train` (the `worker` below):
+passed through, each worker running `python -m planner.cli.train` (the `worker` below):
 
     hyplan train plan.json examples/mlp.py --steps 100 --checkpoint-dir ckpt --nproc-per-node 2
     # node 0 and node 1 of a two-node job:
@@ -60,7 +60,7 @@ def check_model(plan, factory) -> None:
     """Refuse a plan made for another model, before any process starts: the executor's
     own check (executor.agree), for fx and export plans alike."""
     from executor.agree import check_model as check_model_matches
-    from planner.cli import build_model
+    from planner.cli.model_args import build_model
 
     model, _ = build_model(factory, plan.global_batch, "meta")
     check_model_matches(model, plan)
@@ -113,7 +113,7 @@ def torchrun_command(args) -> list[str]:
         value = getattr(args, name)
         if value is not None and not (single and name == "nnodes"):
             cmd.append(f"--{name.replace('_', '-')}={value}")
-    cmd += ["-m", "planner.cli_train", args.plan, args.model]
+    cmd += ["-m", "planner.cli.train", args.plan, args.model]
     for name in _WORKER_OPTIONS:
         value = getattr(args, name)
         if value is not None:
@@ -124,7 +124,7 @@ def torchrun_command(args) -> list[str]:
 
 def run_train(args) -> int:
     """`hyplan train`: check, then launch torchrun and wait for it."""
-    from planner.cli import load_factory
+    from planner.cli.model_args import load_factory
 
     plan = read_plan(args.plan)
     if args.steps < 0:
@@ -161,7 +161,7 @@ def run_train(args) -> int:
     return 0
 
 
-def add_parser(commands) -> None:
+def add_train(commands) -> None:
     """Register `hyplan train` on the top-level subparsers."""
     p = commands.add_parser(
         "train", help="train with a saved plan under torchrun (checkpoints, resume, restarts)",
@@ -220,9 +220,9 @@ def worker(argv: Sequence[str] | None = None) -> int:
 
     from executor import train
     from executor.data import synthetic_dataset
-    from planner.cli import forward_kwargs, load_factory
+    from planner.cli.model_args import forward_kwargs, load_factory
 
-    p = argparse.ArgumentParser(prog="planner.cli_train")
+    p = argparse.ArgumentParser(prog="planner.cli.train")
     p.add_argument("plan")
     p.add_argument("model")
     p.add_argument("--steps", type=int, default=100)

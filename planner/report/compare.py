@@ -1,4 +1,5 @@
-"""`hyplan compare`: the chosen plan beside the hand-written baselines, in one table.
+"""The chosen plan beside the hand-written baselines, in one table (`hyplan compare`,
+planner.cli.compare, prints it).
 
 Every row is costed by the same model on the same profiled graph (layer timings are cached
 by shape, so the baselines cost no extra measuring). A baseline this build cannot cost gets
@@ -18,9 +19,9 @@ from rich.table import Table
 from torch import nn
 
 from planner.baseline import BASELINES, LABELS, _missing, baseline
-from planner.explain import _gb, _ms, does_not_fit
 from planner.optimize import optimize
 from planner.plan import Plan
+from planner.report.explain import _gb, _ms, does_not_fit
 
 
 @dataclass(frozen=True)
@@ -116,40 +117,3 @@ def render(rows: list[Row], width: int = 130) -> str:
                       f"{verdict}. ratio = step time / hyplan's; sent/device = bytes each "
                       f"device sends per step.", highlight=False)
     return buffer.getvalue()
-
-
-def _compare_command(args) -> int:
-    """The body of `hyplan compare` (registered in planner.cli)."""
-    from planner.cli import _cluster, build_model, load_factory, parse_memory
-
-    if args.batch <= 0:
-        raise ValueError(f"--batch: the global batch must be positive, got {args.batch}")
-    memory_limit = parse_memory(args.memory_limit) if args.memory_limit else None
-    cluster = _cluster(args.devices, args.dtype, args.precision)
-    model, inputs = build_model(load_factory(args.model), args.batch,
-                                "cpu" if cluster.device.kind == "cpu" else "meta")
-    rows = compare(model, cluster, inputs, optimizer=args.optimizer,
-                   memory_limit_bytes=memory_limit)
-    print(render(rows), end="")
-    return 0
-
-
-def add_compare(commands) -> None:
-    """Register the `compare` verb on the CLI's subcommands."""
-    cmp = commands.add_parser(
-        "compare", help="the chosen plan against the DDP / FSDP / tensor / pipeline baselines",
-        description="Plan MODEL as `hyplan plan` does, cost the hand-written baselines (pure "
-        "data parallel, Megatron-style tensor parallel, FSDP, pipeline) with the same model, "
-        "and print them side by side.")
-    cmp.add_argument("model", metavar="MODEL",
-                     help="a Python file or package.module[:factory], as for `hyplan plan`")
-    cmp.add_argument("--devices", required=True,
-                     help="COUNTxNAME, NODESxCOUNTxNAME or [COUNTx]PROFILE.json")
-    cmp.add_argument("--batch", required=True, type=int, help="the global batch")
-    cmp.add_argument("--optimizer", default="adam",
-                     choices=["adam", "adamw", "sgd", "sgd_momentum"])
-    cmp.add_argument("--memory-limit", metavar="SIZE", help="per device, e.g. 40GB")
-    cmp.add_argument("--precision", default=None, choices=["bf16-mixed", "fp16-mixed", "fp32"],
-                     help="the training precision (default: the device's, as `hyplan plan`)")
-    cmp.add_argument("--dtype", default=None, help="read the FLOP rate at this dtype")
-    cmp.set_defaults(run=_compare_command)

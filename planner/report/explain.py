@@ -7,8 +7,9 @@ import io
 from rich.console import Console
 from rich.table import Table
 
-from planner.explain_levers import lever_lines
-from planner.plan import Plan
+from planner.baseline import LABELS
+from planner.plan import Plan, set_explainer
+from planner.report.levers import lever_lines
 
 
 def _ms(seconds: float) -> str:
@@ -36,8 +37,6 @@ def baseline_lines(p) -> list[str]:
     """Pure data parallelism and each hand-written baseline beside the plan: its step time
     and communication volume and how much faster the plan is, or, where it does not fit the
     memory limit, what it would need."""
-    from planner.baseline import LABELS
-
     lines = []
     ddp = p.baselines.get("ddp")
     if p.data_parallel_step_time_s:
@@ -210,3 +209,6 @@ def explain(plan: Plan, width: int = 130) -> str:
         if layer.param_bytes or layer.model_parallel:
             console.print(f"  {layer.name}: {layer.reason}", highlight=False, soft_wrap=True)
     return buffer.getvalue()
+
+
+set_explainer(explain)  # Plan.explain() renders with this (see planner.plan.set_explainer)

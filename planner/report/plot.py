@@ -37,7 +37,7 @@ ACTION_LABELS = {"communication": "communication (collectives, sends, gradient s
 def _pyplot():
     from planner.extras import require
 
-    matplotlib = require("matplotlib", "drawing a plan (planner.plot)")
+    matplotlib = require("matplotlib", "drawing a plan (planner.report.plot)")
     matplotlib.use("Agg")  # files only, no display
     import matplotlib.pyplot as plt
 

@@ -1,0 +1,76 @@
+"""One Plan from a solution of the 1-D integer program: each layer's strategy with its
+reason (planner.reasons) and costs, the input layouts, and the predicted step.
+"""
+
+from __future__ import annotations
+
+from planner.choices import OUTPUT, Choices
+from planner.plan import InputPlan, LayerPlan, MeshPlan, Plan, Predicted, SolverReport
+from planner.problem import Solution
+from planner.reasons import reasons
+from planner.volume import communication_bytes
+from strategies.cluster import Cluster
+from strategies.memory import lever_fields, split_name
+
+
+def assemble(graph, cluster: Cluster, optimizer: str, choices: Choices, solution: Solution,
+             budget: float, data_parallel_s: float | None, single_s: float | None,
+             seconds: float,
+             data_parallel_memory_bytes: float | None = None) -> Plan:
+    """The Plan of a 1-D solution: each layer's strategy, its reason and its costs, and the
+    prediction (step time = the objective plus the fixed step overhead), with the pure
+    data-parallel and one-device step times it is compared against (None: not costed)."""
+    problem, choice = choices.problem, list(solution.choice)
+    reshard_in = [0.0] * len(problem.nodes)
+    reshard_out = [0.0] * len(problem.nodes)
+    for e in problem.edges:
+        cost = float(e.cost_s[choice[e.src], choice[e.dst]])
+        if problem.nodes[e.dst].name == OUTPUT:
+            reshard_out[e.src] += cost
+        else:
+            reshard_in[e.dst] += cost
+    why = reasons(choices, choice)
+
+    layers, inputs = [], []
+    for i, row in enumerate(choices.layers):
+        strategy, cost, layer = row.strategies[choice[i]], row.costs[choice[i]], row.layer
+        if layer.is_input:
+            inputs.append(InputPlan(name=layer.node, layout=strategy.gives.value,
+                                    shape=list(layer.output.shape)))
+            continue
+        layers.append(LayerPlan(
+            name=layer.name, node=layer.node, kind=layer.kind,
+            output_shape=list(layer.output.shape), strategy=split_name(strategy.name)[0],
+            input_layout=strategy.takes.value, output_layout=strategy.gives.value,
+            model_parallel=strategy.model_parallel, compute_s=cost.compute_s,
+            communication_s=cost.communication_s, update_s=cost.update_s,
+            reshard_in_s=reshard_in[i] + reshard_out[i], memory_bytes=cost.memory_bytes,
+            param_bytes=layer.param_bytes, params=list(layer.params), reason=why[i], inputs=list(layer.inputs),
+            **lever_fields(strategy, cost)))
+
+    compute = sum(l.compute_s for l in layers)
+    update = sum(l.update_s for l in layers)
+    memory = problem.memory_of(choice)
+    ranks = cluster.num_devices
+    # what every distributed step costs whatever the plan (calibrated; the same for every
+    # choice, so outside the integer program's objective)
+    fixed = cluster.step_overhead_s if ranks > 1 else 0.0
+    predicted = Predicted(
+        step_time_s=solution.objective_s + fixed, compute_s=compute, other_s=update,
+        communication_s=solution.objective_s - compute - update, fixed_s=fixed,
+        memory_bytes=[memory] * ranks, memory_limit_bytes=budget,
+        communication_bytes=communication_bytes(choices, choice),
+        data_parallel_step_time_s=data_parallel_s,
+        data_parallel_memory_bytes=data_parallel_memory_bytes,
+        single_device_step_time_s=single_s)
+    mesh = MeshPlan(shape=[ranks], dim_names=["devices"], device_type=cluster.device.kind,
+                    nodes=cluster.nodes, devices_per_node=cluster.devices_per_node)
+    report = SolverReport(
+        status=solution.status, objective_s=solution.objective_s, bound_s=solution.bound_s,
+        seconds=solution.seconds, backend=solution.backend,
+        num_variables=solution.num_variables, num_constraints=solution.num_constraints,
+        planning_seconds=seconds)
+    return Plan(model=graph.model_name, fingerprint=graph.fingerprint,
+                global_batch=graph.batch_size, optimizer=optimizer, cluster=cluster,
+                mesh=mesh, inputs=inputs, layers=layers, predicted=predicted, solver=report,
+                tracer=graph.tracer, outputs=list(graph.outputs))

@@ -1,0 +1,5 @@
+"""`python -m planner.cli`: the `hyplan` command."""
+
+from planner.cli.command import main
+
+raise SystemExit(main())

@@ -1,0 +1,73 @@
+"""What every planning entry (optimize, optimize_3d, baseline) does first: check its
+arguments, trace the model (torch.fx, or torch.export where fx cannot follow it) and
+profile it on the cluster; and the error each raises when nothing fits.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from profiler import profile, trace
+from profiler.export_trace import export_trace
+from profiler.trace import TraceError
+from strategies.catalog import OPTIMIZER_STATE_FACTOR, leaf_types, unit_types
+from strategies.cluster import cpu_threads_per_device
+from strategies.parse import parse_devices
+from strategies.precision import at_precision
+
+GB = 1e9
+
+
+class PlanDoesNotFit(ValueError):
+    """No assignment of strategies fits the devices' memory."""
+
+
+def check_arguments(optimizer: str, example_inputs, memory_limit_bytes: float | None) -> None:
+    """The checks every planning entry point makes before it traces anything."""
+    if optimizer not in OPTIMIZER_STATE_FACTOR:
+        raise ValueError(f"optimizer: {optimizer!r} is not one of {sorted(OPTIMIZER_STATE_FACTOR)}")
+    if example_inputs is None:
+        raise ValueError("example_inputs: pass an example batch, e.g. example_inputs=(images,)")
+    if memory_limit_bytes is not None and memory_limit_bytes <= 0:
+        raise ValueError(f"memory_limit_bytes: must be positive, got {memory_limit_bytes}")
+
+
+def profiled_graph(model: nn.Module, devices, example_inputs, example_kwargs=None,
+                   leaf_modules=(), measure: bool | None = None, tracer: str = "auto",
+                   precision: str | None = None):
+    """(traced and profiled graph, Cluster): the first two steps of the flow, shared by
+    optimize() and the baselines (layer timings are cached by shape, so a second call on
+    the same model costs no measuring). The Cluster records `precision` (None: its own or
+    the device's default) and the graph's activations are sized in it."""
+    cluster = parse_devices(devices).at_precision(precision)
+    ranks = cluster.num_devices
+    graph = trace_model(model, example_inputs, example_kwargs, leaf_modules, tracer)
+    if measure is None:
+        measure = cluster.device.kind == "cpu"
+    graph = profile(graph, measure=measure, measure_batch=max(1, graph.batch_size // ranks),
+                    threads=cpu_threads_per_device(ranks) if cluster.device.kind == "cpu" else None,
+                    ranks=ranks)
+    return at_precision(graph, cluster.training_precision), cluster
+
+
+def trace_model(model: nn.Module, example_inputs, example_kwargs=None, leaf_modules=(),
+                tracer: str = "auto"):
+    """The model's ModelGraph by torch.fx, or by torch.export where fx cannot follow it."""
+    if tracer not in ("auto", "fx", "export"):
+        raise ValueError(f"tracer: {tracer!r} is not one of 'auto', 'fx', 'export'")
+    if tracer != "export":
+        try:
+            return trace(model, example_inputs, example_kwargs,
+                         tuple(leaf_modules) + leaf_types(model))
+        except TraceError as fx_error:
+            if tracer == "fx":
+                raise
+            first = fx_error
+    else:
+        first = None
+    try:
+        return export_trace(model, example_inputs, example_kwargs, unit_types(model))
+    except TraceError as error:
+        if first is None:
+            raise
+        raise TraceError(f"{first} -- and {error}") from error
