@@ -28,6 +28,8 @@ import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from planner.cli_progress import search_progress
+
 EXIT_USAGE = 2
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "b": 1}
@@ -220,9 +222,11 @@ def _plan(args) -> int:
         model, inputs = build_model(factory, args.batch, device)
         kwargs = forward_kwargs(factory)
     try:
-        plan = planner.optimize(model, cluster, example_inputs=inputs, example_kwargs=kwargs,
-                                optimizer=args.optimizer, memory_limit_bytes=memory_limit,
-                                mesh=args.mesh, **_prefer_standard(args))
+        with search_progress():
+            plan = planner.optimize(model, cluster, example_inputs=inputs,
+                                    example_kwargs=kwargs, optimizer=args.optimizer,
+                                    memory_limit_bytes=memory_limit, mesh=args.mesh,
+                                    **_prefer_standard(args))
     except planner.PlanDoesNotFit as error:  # name the flags, not the Python arguments
         message = str(error).replace("optimizer='sgd'", "--optimizer sgd")
         raise planner.PlanDoesNotFit(message.replace("memory_limit_bytes", "--memory-limit")) \

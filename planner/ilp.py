@@ -608,6 +608,8 @@ def _create_solver() -> tuple[pywraplp.Solver, str]:
         # without it 1,000-layer chains solve as fast or faster.
         accepted = solver.SetSolverSpecificParametersAsString(
             f"numerics/feastol = {FEASIBILITY_TOL}\npropagating/probing/maxprerounds = 0\n"
+            # Ctrl-C reaches Python when the solve returns (planner.search's interrupt)
+            "misc/catchctrlc = FALSE\n"
         )
         assert accepted, "SCIP refused a parameter name; check the SCIP version"
         return solver, "SCIP"

@@ -386,8 +386,10 @@ def solve_stages(problem: StageProblem, pp: int, microbatches: int, schedule: st
             for r in range(1, pp):
                 solver.Add(sum(stage_time[:r]) + m * stage_time[r] + Smax <= cutoff_s / unit_s,
                            f"cutoff[{r}]")
+    # misc/catchctrlc: Ctrl-C reaches Python when the solve returns, so the search can
+    # stop and hand back its best plan (planner.search)
     solver.SetSolverSpecificParametersAsString(
-        f"limits/gap = {relative_gap}\n")
+        f"limits/gap = {relative_gap}\nmisc/catchctrlc = FALSE\n")
     solver.SetTimeLimit(max(1, int((time_limit_s - (time.perf_counter() - start)) * 1000)))
     status = solver.Solve()
     if status == pywraplp.Solver.NOT_SOLVED:
