@@ -27,7 +27,10 @@ def mip_solver(relative_gap: float | None = None) -> tuple[pywraplp.Solver, str]
         # instances, against brute force; tests/test_ilp.py keeps such instances), and
         # without it 1,000-layer chains solve as fast or faster.
         # One string: a second SetSolverSpecificParametersAsString replaces the first.
-        settings = f"numerics/feastol = {FEASIBILITY_TOL}\npropagating/probing/maxprerounds = 0\n"
+        # misc/catchctrlc off: Ctrl-C reaches Python when the solve returns, so the 3-D
+        # search stops there and hands back its best plan (planner.search).
+        settings = (f"numerics/feastol = {FEASIBILITY_TOL}\n"
+                    "propagating/probing/maxprerounds = 0\nmisc/catchctrlc = FALSE\n")
         if relative_gap is not None:
             settings += f"limits/gap = {relative_gap}\n"
         accepted = solver.SetSolverSpecificParametersAsString(settings)

@@ -159,7 +159,7 @@ class CandidateReport(_Data):
     schedule: str
     chunks: int = 1
     outcome: Literal["best", "solved", "pruned_by_bound", "does_not_fit", "dominated",
-                     "infeasible", "time_limit"]
+                     "infeasible", "time_limit", "skipped"]
     step_time_s: float | None = Field(None, description="solved: the optimum for this shape")
     bound_s: float | None = Field(None, description="a lower bound on its step time")
     note: str = ""

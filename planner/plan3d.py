@@ -7,6 +7,7 @@ runs on the devices.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Iterable, Sequence
 
@@ -186,13 +187,15 @@ def to_plan(graph, cluster: Cluster, optimizer: str, budget: float, result: Sear
                     device_type=cluster.device.kind, nodes=cluster.nodes,
                     devices_per_node=cluster.devices_per_node, groups=groups,
                     group_links=links)
-    # a candidate left unproven matters only while its bound is below the chosen plan
-    unresolved = [c for c in result.candidates
-                  if (c.outcome == "time_limit" or (c.solution and c.solution.status != "optimal"))
-                  and (c.bound_s is None or c.bound_s < step * (1 - 1e-9))]
-    bound = min([solution.bound_s] + [c.bound_s for c in unresolved if c.bound_s is not None])
+    # a candidate left open (time limit, skipped, unproven) matters only while its bound is
+    # below the chosen plan
+    open_bound = result.open_bound_s()
+    bound = min(solution.bound_s, open_bound if open_bound is not None else math.inf)
+    status = "optimal" if open_bound is None else "feasible"
+    if result.interrupted:
+        status = "interrupted"
     report = SolverReport(
-        status="optimal" if not unresolved else "feasible", objective_s=step, bound_s=bound,
+        status=status, objective_s=step, bound_s=bound,
         seconds=result.stats["solve_seconds"], backend="SCIP (stage MIP) + search",
         num_variables=solution.num_variables, num_constraints=solution.num_constraints,
         planning_seconds=seconds)
@@ -280,7 +283,8 @@ def _baselines(result: SearchResult, graph, cluster: Cluster, optimizer: str):
 def _best_per_shape(result: SearchResult) -> list[CandidateReport]:
     """Per mesh shape (pp, dp, tp), its best solved candidate, else its best bound."""
     by_shape: dict[tuple, object] = {}
-    rank = {"best": 0, "solved": 1, "pruned_by_bound": 2, "time_limit": 2, "infeasible": 3,
+    rank = {"best": 0, "solved": 1, "pruned_by_bound": 2, "time_limit": 2, "skipped": 2,
+            "infeasible": 3,
             "does_not_fit": 4, "dominated": 5}
     for c in result.candidates:
         key = (c.shape.pp, c.shape.dp, c.shape.tp)

@@ -32,6 +32,7 @@ import numpy as np
 
 from planner.choices import OUTPUT
 from planner.problem import Edge
+from planner.progress import Progress, report
 from planner.schedules import SCHEDULES, chunks_allowed, refusal
 from planner.stages import (
     LayerOptions, StageProblem, StageSolution, TimeLimit, estimate, lower_bound,
@@ -69,7 +70,9 @@ class Shape:
 @dataclass
 class Candidate:
     shape: Shape
-    outcome: str  # best | solved | pruned_by_bound | does_not_fit | dominated | infeasible | time_limit
+    # best | solved | pruned_by_bound | does_not_fit | dominated | infeasible | time_limit
+    # | skipped (not solved and not ruled out by a bound: chunked estimates, an interrupt)
+    outcome: str
     bound_s: float | None = None
     solution: StageSolution | None = None
     note: str = ""
@@ -91,6 +94,29 @@ class SearchResult:
     @property
     def pruned(self) -> int:
         return len(self.candidates) - self.solved
+
+    @property
+    def interrupted(self) -> bool:
+        return bool(self.stats.get("interrupted"))
+
+    def open_bound_s(self) -> float | None:
+        """The least lower bound of a candidate not settled (time limit, skipped, or
+        solved without proof) that could still beat the best: the search's gap is to it."""
+        best = self.best.solution.times.step_s if self.best else None
+        bounds = [c.bound_s for c in self.candidates if _open(c) and c.bound_s is not None
+                  and (best is None or c.bound_s < best * (1 - 1e-9))]
+        return min(bounds, default=None)
+
+
+def _open(c: "Candidate") -> bool:
+    return c.outcome in ("time_limit", "skipped") or (
+        c.solution is not None and c.solution.status != "optimal")
+
+
+def _words(shape: "Shape") -> str:
+    chunks = f" v={shape.chunks}" if shape.chunks > 1 else ""
+    return (f"pp {shape.pp} x dp {shape.dp} x tp {shape.tp}, m {shape.microbatches} "
+            f"{shape.schedule}{chunks}")
 
 
 def _divisors(n: int) -> list[int]:
@@ -419,40 +445,79 @@ def search(graph: ModelGraph, cluster: Cluster, optimizer: str, budget_bytes: fl
             best = c
 
     chunked_tries = 0
-    # First pass, best bound first, each candidate briefly: a hard one met before any
-    # incumbent exists would otherwise spend the whole limit proving a plan far from best.
-    for guess, c in ranked:
-        bound = c.bound_s
-        incumbent = best.solution.times.step_s if best else None
-        if incumbent is not None and bound >= incumbent * (1 - 1e-9):
-            c.note = f"bound {bound * 1e3:.3g} ms >= best {incumbent * 1e3:.3g} ms"
-            continue
-        if c.shape.chunks > 1:
-            # not a bound: chunked schedules are dropped on their balanced estimate, which
-            # the cut can only miss by imbalance (their bound leaves the bubble out), and
-            # only the CHUNKED_TRIES best are solved (their stage MIPs are the hardest)
-            if incumbent is not None and guess >= incumbent * (1 - 1e-9):
-                c.note = f"estimate {guess * 1e3:.3g} ms >= best {incumbent * 1e3:.3g} ms"
+    settled = len(out) - len(ranked)  # dropped before any solve: dominated, does not fit
+
+    def tell(current: str = "") -> None:
+        open_bounds = [c.bound_s for _, c in ranked if c.bound_s is not None
+                       and (_open(c) or c.outcome == "pruned_by_bound" and not c.note)]
+        report(Progress(len(out), settled, sum(c.seconds > 0 for c in out),
+                        best.solution.times.step_s if best else None,
+                        min(open_bounds, default=None), current))
+
+    interrupted = False
+    try:
+        # First pass, best bound first, each candidate briefly: a hard one met before any
+        # incumbent exists would otherwise spend the whole limit proving a plan far from
+        # best.
+        for guess, c in ranked:
+            bound = c.bound_s
+            incumbent = best.solution.times.step_s if best else None
+            if incumbent is not None and bound >= incumbent * (1 - 1e-9):
+                c.note = f"bound {bound * 1e3:.3g} ms >= best {incumbent * 1e3:.3g} ms"
+                settled += 1
+                tell()
                 continue
-            if chunked_tries >= CHUNKED_TRIES:
-                c.note = f"not solved: past the {CHUNKED_TRIES} best chunked estimates"
+            if c.shape.chunks > 1:
+                # not a bound: chunked schedules are dropped on their balanced estimate,
+                # which the cut can only miss by imbalance (their bound leaves the bubble
+                # out), and only the CHUNKED_TRIES best are solved (their stage MIPs are
+                # the hardest); what is dropped so is "skipped", and counts in the gap
+                if incumbent is not None and guess >= incumbent * (1 - 1e-9):
+                    c.outcome = "skipped"
+                    c.note = (f"estimate {guess * 1e3:.3g} ms >= best "
+                              f"{incumbent * 1e3:.3g} ms")
+                    settled += 1
+                    continue
+                if chunked_tries >= CHUNKED_TRIES:
+                    c.outcome = "skipped"
+                    c.note = f"not solved: past the {CHUNKED_TRIES} best chunked estimates"
+                    settled += 1
+                    continue
+                chunked_tries += 1
+                tell(_words(c.shape))
+                attempt(c, min(time_limit_s, CHUNKED_PASS_S))
+                settled += c.outcome != "time_limit"
+                tell()
                 continue
-            chunked_tries += 1
-            attempt(c, min(time_limit_s, CHUNKED_PASS_S))
-            continue
-        attempt(c, min(time_limit_s, FIRST_PASS_S))
-    # Second pass: what is left open and might still beat the best, now cut off at it
-    # (an integer program whose LP bound is above the cutoff ends at once).
-    for _, c in ranked:
-        incumbent = best.solution.times.step_s if best else None
-        open_ = c.outcome == "time_limit" or (c.solution is not None and c is not best
-                                              and c.solution.status != "optimal")
-        if c.shape.chunks > 1:
-            continue  # chunked candidates get the first pass only
-        if open_ and (incumbent is None or c.bound_s < incumbent * (1 - 1e-9)):
-            attempt(c, time_limit_s)
+            tell(_words(c.shape))
+            attempt(c, min(time_limit_s, FIRST_PASS_S))
+            settled += c.outcome != "time_limit"
+            tell()
+        # Second pass: what is left open and might still beat the best, now cut off at it
+        # (an integer program whose LP bound is above the cutoff ends at once).
+        for _, c in ranked:
+            incumbent = best.solution.times.step_s if best else None
+            open_ = c.outcome == "time_limit" or (c.solution is not None and c is not best
+                                                  and c.solution.status != "optimal")
+            if c.shape.chunks > 1:
+                continue  # chunked candidates get the first pass only
+            if open_ and (incumbent is None or c.bound_s < incumbent * (1 - 1e-9)):
+                tell(_words(c.shape))
+                attempt(c, time_limit_s)
+                settled += c.outcome != "time_limit"
+                tell()
+    except KeyboardInterrupt:
+        # Ctrl-C: the best plan so far, with its gap to what was left open (SCIP is told
+        # not to catch the signal, so it arrives when the solve in progress returns)
+        if best is None:
+            raise
+        interrupted = True
+        for _, c in ranked:
+            if c.seconds == 0 and c.outcome == "pruned_by_bound" and not c.note:
+                c.outcome, c.note = "skipped", "not solved: interrupted"
     if best is not None:
         best.outcome = "best"
     stats = {"layer_costs_computed": cache.misses, "layer_costs_reused": cache.hits,
-             "problems_built": len(built), "solve_seconds": solve_seconds}
+             "problems_built": len(built), "solve_seconds": solve_seconds,
+             "interrupted": interrupted}
     return SearchResult(best, problem_of(best.shape) if best else None, out, time.perf_counter() - started, stats)

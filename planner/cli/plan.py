@@ -9,6 +9,7 @@ saved plan.
 from __future__ import annotations
 
 import planner
+from planner.cli.progress import search_progress
 from planner.cli.model_args import (
     build_model, cluster_arg, forward_kwargs, load_factory, parse_memory,
 )
@@ -51,9 +52,11 @@ def _plan(args) -> int:
         model, inputs = build_model(factory, args.batch, device)
         kwargs = forward_kwargs(factory)
     try:
-        plan = planner.optimize(model, cluster, example_inputs=inputs, example_kwargs=kwargs,
-                                optimizer=args.optimizer, memory_limit_bytes=memory_limit,
-                                mesh=args.mesh, **_prefer_standard(args))
+        with search_progress():
+            plan = planner.optimize(model, cluster, example_inputs=inputs,
+                                    example_kwargs=kwargs, optimizer=args.optimizer,
+                                    memory_limit_bytes=memory_limit, mesh=args.mesh,
+                                    **_prefer_standard(args))
     except planner.PlanDoesNotFit as error:  # name the flags, not the Python arguments
         message = str(error).replace("optimizer='sgd'", "--optimizer sgd")
         raise planner.PlanDoesNotFit(message.replace("memory_limit_bytes", "--memory-limit")) \

@@ -1,0 +1,56 @@
+"""A long search tells its progress, and Ctrl-C (a real SIGINT) hands back the best plan
+found so far with its gap instead of a traceback."""
+
+from __future__ import annotations
+
+import signal
+
+import pytest
+import torch
+from torch import nn
+
+from planner.plan3d import optimize_3d
+from planner.progress import listening
+
+
+def _model():
+    return nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(),
+                         nn.Linear(256, 64))
+
+
+def test_progress_counts_up_to_every_candidate():
+    seen = []
+    with listening(seen.append):
+        plan = optimize_3d(_model(), "2x2xV100", (torch.randn(32, 64),), measure=False)
+    assert seen, "the search told nothing"
+    settled = [p.settled for p in seen]
+    assert settled == sorted(settled)  # never goes back
+    last = seen[-1]
+    assert last.candidates == plan.search.candidates
+    assert last.solved == plan.search.solved
+    assert last.best_s == pytest.approx(plan.predicted.step_time_s)
+    if last.bound_s is not None:
+        assert last.bound_s <= last.best_s * (1 + 1e-9)
+
+
+def test_ctrl_c_returns_the_best_plan_with_its_gap():
+    def interrupt_after_first_incumbent(p):
+        if p.best_s is not None and not p.current:
+            signal.raise_signal(signal.SIGINT)  # as the terminal sends it
+
+    with listening(interrupt_after_first_incumbent):
+        plan = optimize_3d(_model(), "2x2xV100", (torch.randn(32, 64),), measure=False)
+    assert plan.solver.status == "interrupted"
+    assert plan.solver.bound_s <= plan.solver.objective_s
+    assert plan.predicted.step_time_s == plan.solver.objective_s
+    assert "Solver: interrupted" in plan.explain()
+    outcomes = {c.outcome for c in plan.search.best_per_shape}
+    assert "best" in outcomes
+
+
+def test_ctrl_c_before_any_plan_is_a_keyboard_interrupt():
+    def interrupt_at_once(p):
+        signal.raise_signal(signal.SIGINT)
+
+    with listening(interrupt_at_once), pytest.raises(KeyboardInterrupt):
+        optimize_3d(_model(), "2x2xV100", (torch.randn(32, 64),), measure=False)
