@@ -3,13 +3,13 @@
 In a fixed order, like torchtitan's parallelize functions:
 1. check the plan belongs to this model and this world size, and every rank holds it;
 2. tensor parallelism: model-parallel layers get DTensor parallel styles, told the layout
-   their input arrives in;
+   their input arrives in (split by tokens, Shard(1), after sequence-parallel norms);
 3. layout changes: a `Reshard` node on every other edge whose layouts differ, and on the
    way out, where each rank gets back the rows it passed;
 4. gradient scaling: the output gradient is divided by the world size once, so all
    gradient reductions are sums;
-5. data parallelism: DDP over the data-parallel layers' weights (the others are ignored by
-   it), summing gradients;
+5. data parallelism: DDP over the data- and sequence-parallel layers' weights (the others
+   are ignored by it), summing gradients;
 6. precision: the forward under autocast, outputs in fp32 (executor.precision).
 """
 
@@ -24,7 +24,8 @@ from torch.distributed.tensor.parallel import parallelize_module
 
 from executor.agree import PlanMismatch, check_model, check_same_plan, traced_as_planned
 from executor.styles import (MeanOverRanks, Reshard, broadcast_replicated,
-                             data_parallel_over, params_of, placement, tensor_parallel_style)
+                             data_parallel_over, params_of, placement, summed_params,
+                             tensor_parallel_style)
 from planner.plan import LayerPlan, Plan
 from strategies.layouts import Layout
 
@@ -74,7 +75,7 @@ def parallelize(model: nn.Module, plan: Plan, *, mesh: DeviceMesh | None = None,
     _insert_reshards(gm, mesh, layers, gives, plan.global_batch)
     broadcast_replicated(gm, params_of(plan, "replicate"))
     _apply_levers(gm, layers, mesh, plan)
-    return _in_precision(data_parallel_over(gm, params_of(plan, "data_parallel")), plan)
+    return _in_precision(data_parallel_over(gm, summed_params(plan)), plan)
 
 
 def _in_precision(module: nn.Module, plan: Plan) -> nn.Module:
