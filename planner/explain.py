@@ -8,6 +8,7 @@ from rich.console import Console
 from rich.table import Table
 
 from planner.explain_levers import lever_lines
+from planner.explain_sequence import sequence_lines
 from planner.plan import Plan
 
 
@@ -201,7 +202,7 @@ def explain(plan: Plan, width: int = 130) -> str:
         extra = [f"Mesh choice: {plan.mesh_choice}"] + extra
     if plan.standard_choice:
         extra = [f"Standard plan: {plan.standard_choice}"] + extra
-    extra += lever_lines(plan)
+    extra += lever_lines(plan) + sequence_lines(plan)
     for line in summary(plan) + extra:
         console.print(line, highlight=False, soft_wrap=True)
     console.print(table(plan))

@@ -60,11 +60,14 @@ def _tokenwise(layer: Layer) -> bool:
     if layer.module_type is not None:
         known = any(matches(layer.module_type, key) for key in _SEQUENCEWISE)
         return known and layer.attrs.get("normalized_dims", 1) == 1
-    shapes = layer.attrs.get("in_shapes", ())
-    # element-wise over inputs all of the output's shape: a broadcast operand (a bias, a
-    # [seq, hidden] position table) would need its own split
+    shapes = [tuple(s) for s in layer.attrs.get("in_shapes", ())]
+    # element-wise over inputs all of the output's shape (dim 0 aside: the 3-D search scales
+    # the output to a microbatch, not the inputs): a broadcast operand (a bias, a [seq,
+    # hidden] position table) would need its own split
+    out = layer.output.shape
     return (layer.kind in ELEMENTWISE and layer.kind not in _FACTORIES and not layer.params
-            and bool(shapes) and all(tuple(s) == layer.output.shape for s in shapes))
+            and bool(shapes) and len({s[:1] for s in shapes}) == 1
+            and all(len(s) == len(out) and s[1:] == out[1:] for s in shapes))
 
 
 @dataclass(frozen=True)

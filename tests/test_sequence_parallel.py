@@ -1,7 +1,8 @@
 """Sequence parallelism (strategies.sequence): priced as Megatron-SP says (the reduce-scatter
 and all-gather send what the all-reduce sent; norms keep 1/P of their activation), chosen by
-the solver where memory is tight, and run: a GPT planned with its norms and residual adds
-split by tokens trains to the single-process parameters on 2 and 4 gloo ranks."""
+the solver where memory is tight or it pays, and run: a GPT planned with its norms and
+residual adds split by tokens trains to the single-process parameters on 2 gloo ranks, and
+as 2 pipeline stages of 2 tensor-parallel ranks each on 4."""
 
 import sys
 from pathlib import Path
@@ -203,20 +204,58 @@ def _train_planned(rank, world, plan_json, rows):
     return executor.full_parameters(model, dict(_model().named_parameters()))
 
 
-@pytest.mark.parametrize("ranks", [2, 4])
-def test_gpt_sequence_parallel_matches_single_process(ranks):
-    """One row per rank (each rank gets its rows of the logits back, as every plan hands
-    them), the norms and residual adds pinned to their tokens."""
-    model, rows = _model(), ranks
+def test_gpt_sequence_parallel_matches_single_process():
+    """2 ranks, one row each (each rank gets its rows of the logits back, as every 1-D
+    plan hands them), the norms and residual adds pinned to their tokens."""
+    model, ranks = _model(), 2
     pin = _pins(model)
-    plan = planner.optimize(model, f"{ranks}xcpu", example_inputs=(_batch(0, rows)[0],), pin=pin,
-                            measure=False)
+    plan = planner.optimize(model, f"{ranks}xcpu", example_inputs=(_batch(0, ranks)[0],),
+                            pin=pin, measure=False)
     by_name = {l.name: l for l in plan.layers}
     assert {k: by_name[k].strategy for k in pin} == pin
     for i in range(len(model.h)):  # the reductions reduce-scatter into tokens
         for name in (f"h.{i}.attn", f"h.{i}.mlp.proj"):
             assert by_name[name].output_layout == "sequence"
-    assert "sequence-parallel" in plan.explain()
-    results = run_ranks(_train_planned, ranks, plan.to_json(), rows)
-    expected = {k: v.detach() for k, v in _train(_model(), lambda b: b, rows).named_parameters()}
+    line = next(l for l in plan.explain().splitlines() if l.startswith("Sequence parallel:"))
+    assert "h.0.ln_1" in line and f"1/{ranks} of the tokens" in line
+    results = run_ranks(_train_planned, ranks, plan.to_json(), ranks)
+    expected = {k: v.detach() for k, v in _train(_model(), lambda b: b, ranks).named_parameters()}
     assert_ranks_match(results, expected)
+
+
+def _loss(logits, targets):
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+def _train_3d(rank, world, plan_json, rows):
+    from torch.distributed.tensor import DTensor
+
+    plan = planner.Plan.from_json(plan_json)
+    model = executor.parallelize(_model(), plan)
+    opt = torch.optim.SGD(model.parameters(), lr=LR, foreach=False)
+    for step in range(STEPS):
+        executor.train_step(model, plan, _batch(step, rows), _loss, opt)
+    return {name: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
+            for name, p in model.stage.named_parameters()}
+
+
+def test_gpt_pipeline_of_sequence_parallel_stages_matches_single_process():
+    """4 ranks: 2 pipeline stages (1F1B, 2 microbatches), each tensor-parallel over 2 with
+    its norms on their tokens: the norms' gradients are summed over the stage's group."""
+    from planner.plan3d import optimize_3d
+    from planner.search import Shape
+
+    model, rows = _model(), 4
+    plan = optimize_3d(model, "4xcpu", (_batch(0, rows)[0],), measure=False,
+                       only=[Shape(2, 1, 2, 2, "1F1B")], pin=_pins(model))
+    assert plan.mesh.shape == [2, 1, 2]
+    assert sum(l.strategy == "sequence_parallel" for l in plan.layers) == 9
+    results = run_ranks(_train_3d, 4, plan.to_json(), rows)
+    expected = {k: v.detach() for k, v in _train(_model(), lambda b: b, rows).named_parameters()}
+    seen = set()
+    for rank, params in enumerate(results):
+        for key, value in params.items():
+            seen.add(key)
+            torch.testing.assert_close(value.reshape(expected[key].shape), expected[key],
+                                       rtol=1e-5, atol=1e-6, msg=lambda m: f"rank {rank}, {key}: {m}")
+    assert seen == set(expected)
