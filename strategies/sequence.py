@@ -30,15 +30,12 @@ from typing import ClassVar
 from torch import nn
 
 from profiler.graph import Layer
-from strategies.catalog import DataParallel, Strategy, matches, offer_everywhere
+from strategies.catalog import DataParallel, Strategy, matches, offer_everywhere, register
 from strategies.layouts import Layout, sequence_splits
 from strategies.rowwise import ELEMENTWISE
 
 # module types that treat each token on its own (norms over the hidden dim, dropout)
-_SEQUENCEWISE: set[type | str] = {
-    nn.LayerNorm, nn.RMSNorm, nn.Dropout,
-    "transformers.models.llama.modeling_llama.LlamaRMSNorm",
-}
+_SEQUENCEWISE: set[type | str] = {nn.LayerNorm, nn.RMSNorm, nn.Dropout}
 # element-wise ops that make a tensor from sizes: on a rank's tokens they would use the
 # whole sequence's
 _FACTORIES = {"arange", "zeros", "ones", "full", "empty", "new_full", "new_empty",
@@ -48,11 +45,13 @@ _FACTORIES = {"arange", "zeros", "ones", "full", "empty", "new_full", "new_empty
 
 def register_sequencewise(module_type: type | str) -> None:
     """Say that `module_type` (a class or its qualified name) treats each token on its own,
-    so it may run sequence-parallel: a norm over the last dim, say::
+    so it may run sequence-parallel, e.g. an RMSNorm written in plain ops (traced as one
+    layer from then on, as torch's own norms are; its rows stay independent too)::
 
         register_sequencewise("my_library.MyRMSNorm")
     """
     _SEQUENCEWISE.add(module_type)
+    register(module_type, rowwise=True, leaf=True)
 
 
 def _tokenwise(layer: Layer) -> bool:
@@ -94,3 +93,4 @@ class SequenceParallel(Strategy):
 
 
 offer_everywhere(SequenceParallel())
+register_sequencewise("transformers.models.llama.modeling_llama.LlamaRMSNorm")

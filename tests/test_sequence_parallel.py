@@ -99,6 +99,40 @@ def test_offered_only_where_the_sequence_splits():
     assert not SequenceParallel().applies(_layer(graph, "h.0.mlp.fc"), ctx)  # a Linear
 
 
+class _RMSNorm(torch.nn.Module):
+    """An RMSNorm in plain ops, as Llama writes it: fx would trace into it."""
+
+    def __init__(self, width):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.ones(width))
+
+    def forward(self, x):
+        return self.weight * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+
+
+class _Block(torch.nn.Module):
+    def __init__(self, width=16):
+        super().__init__()
+        self.fc, self.drop = torch.nn.Linear(width, width), torch.nn.Dropout(0.0)
+        self.rms, self.ln = _RMSNorm(width), torch.nn.LayerNorm((8, width))
+
+    def forward(self, x):
+        return self.ln(self.rms(self.drop(self.fc(x))))
+
+
+def test_offered_to_dropout_and_norms_over_the_hidden_dim():
+    """Dropout and a registered RMSNorm (kept whole as one layer) may run on their tokens;
+    a LayerNorm over (seq, hidden) mixes tokens and may not."""
+    from strategies import register_sequencewise
+    from strategies.catalog import leaf_types
+
+    model, x = _Block(), torch.randn(2, 8, 16)
+    register_sequencewise(_RMSNorm)
+    graph = trace(model, (x,), leaf_modules=leaf_types(model))
+    offered = {l.name: SequenceParallel().applies(l, _ctx(2, 2)) for l in graph.layers}
+    assert offered == {"x": False, "fc": False, "drop": True, "rms": True, "ln": False}
+
+
 def test_not_offered_where_code_reads_the_sizes():
     """Attention traced op by op reads `batch, seq, _ = x.shape` of the norm's output."""
     model = gpt.GPT(layers=1, width=32, heads=4, seq=8, vocab=VOCAB)
