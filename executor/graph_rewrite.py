@@ -17,7 +17,8 @@ from torch.distributed.tensor.parallel import parallelize_module
 from executor.agree import traced_as_planned
 from executor.levers import apply_levers
 from executor.styles import (MeanOverRanks, Reshard, broadcast_replicated,
-                             data_parallel_over, params_of, placement, tensor_parallel_style)
+                             data_parallel_over, params_of, placement, summed_params,
+                             tensor_parallel_style)
 from planner.plan import LayerPlan, Plan
 from strategies.layouts import Layout
 
@@ -43,7 +44,7 @@ def parallelize_graph(model: nn.Module, plan: Plan, mesh: DeviceMesh | None = No
     insert_reshards(gm, mesh, layers, gives, plan.global_batch)
     broadcast_replicated(gm, params_of(plan, "replicate"))
     _apply_levers(gm, layers, mesh, plan)
-    return data_parallel_over(gm, params_of(plan, "data_parallel"))
+    return data_parallel_over(gm, summed_params(plan))
 
 
 def apply_tensor_parallel(gm: fx.GraphModule, mesh, layers: dict[str, LayerPlan], gives):

@@ -7,13 +7,13 @@ executor.graph_rewrite, which rewrites the traced graph in a fixed order, like t
 parallelize functions:
 1. check the plan belongs to this model (the traced graph's fingerprint);
 2. tensor parallelism: model-parallel layers get DTensor parallel styles, told the layout
-   their input arrives in;
+   their input arrives in (split by tokens, Shard(1), after sequence-parallel norms);
 3. layout changes: a `Reshard` node on every other edge whose layouts differ, and on the
    way out, where each rank gets back the rows it passed;
 4. gradient scaling: the output gradient is divided by the world size once, so all
    gradient reductions are sums;
-5. data parallelism: DDP over the data-parallel layers' weights (the others are ignored by
-   it), summing gradients;
+5. data parallelism: DDP over the data- and sequence-parallel layers' weights (the others
+   are ignored by it), summing gradients;
 6. precision: the forward under autocast, outputs in fp32 (executor.precision).
 """
 

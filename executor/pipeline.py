@@ -37,7 +37,7 @@ from torch.distributed.tensor import DTensor
 from executor.agree import traced_as_planned
 from executor.graph_rewrite import apply_tensor_parallel, device_of, insert_reshards
 from executor.precision import run_in_precision
-from executor.styles import params_of
+from executor.styles import summed_params
 from planner.plan import Plan
 from strategies.layouts import Layout
 
@@ -153,9 +153,9 @@ class StageModel(nn.Module):
         self.tp_rank = mesh.get_local_rank("tp")
         self.dp_rank = mesh.get_local_rank("dp")
         self.schedule = None
-        # rows split over dp x tp: data-parallel layers' parameters (their module's or
-        # bare ones) hold partial gradients over the whole stage group
-        split_rows = params_of(plan, "data_parallel") if self.tp > 1 else set()
+        # rows (or tokens) split over dp x tp: data- and sequence-parallel layers'
+        # parameters (their module's or bare ones) hold partial gradients over the stage group
+        split_rows = summed_params(plan) if self.tp > 1 else set()
         self.sum_over_stage, self.sum_over_dp = [], []
         for name, param in self.stage.named_parameters():
             (self.sum_over_stage if name in split_rows else self.sum_over_dp).append(param)

@@ -30,6 +30,8 @@ def placement(p: Placement, shape) -> Shard | Replicate | Partial:
         return Shard(0)
     if p == Placement.SHARD_FEATURE:
         return Shard(feature_dim(shape))
+    if p == Placement.SHARD_SEQUENCE:
+        return Shard(1)
     return Replicate() if p == Placement.REPLICATE else Partial()
 
 
@@ -166,6 +168,16 @@ def tensor_parallel_style(strategy: str, output_layout: Layout, input_placement,
         return HeadParallelAttention(spec, input_placement, out)
     raise ValueError(f"no tensor-parallel style for strategy {strategy!r}; register one with "
                      f"executor.register_style")
+
+
+def summed_params(plan) -> set[str]:
+    """Parameters whose layers split the activation, so that each rank's gradient is a
+    partial sum to add up over the group: data-parallel layers (rows) and sequence-parallel
+    ones (tokens). The latter run as plain modules on their tokens, as Megatron-SP does:
+    torch's SequenceParallel style would leave their gradients Partial DTensors, summed
+    each time the optimizer reads them (AdamW: 3 all-reduces per weight per step, outside
+    DDP's buckets)."""
+    return params_of(plan, "data_parallel") | params_of(plan, "sequence_parallel")
 
 
 def sum_gradients_hook(state, bucket):

@@ -81,9 +81,9 @@ class HeadParallelAttention(ParallelStyle):
     """Split an attention module's heads across the mesh (Megatron's attention split).
 
     Its hidden states arrive in `input_layout` and are made whole once (gradient returned
-    partial); other tensor arguments split by rows (a mask, rotary tables) are gathered
-    whole; the output leaves in `output_layout` (Replicate: all-reduce, Shard(0):
-    reduce-scatter)::
+    partial); other tensor arguments split alike (a mask, rotary tables) are gathered
+    whole; the output leaves in `output_layout` (Replicate: all-reduce, Shard(0) or, in
+    sequence parallelism, Shard(1): reduce-scatter)::
 
         parallelize_module(model, mesh, {"h.0.attn": HeadParallelAttention(spec, Shard(0))})
     """
@@ -109,14 +109,15 @@ class HeadParallelAttention(ParallelStyle):
             x = args[0] if where == 0 else kwargs[where]
             rest = args[1:] if where == 0 else args
             kwargs = {k: v for k, v in kwargs.items() if k != where}
-            local_rows = x.shape[0]
+            dim = layout.dim if isinstance(layout, Shard) and layout.dim in (0, 1) else None
+            local = x.shape[dim] if dim is not None else None
             x = DTensor.from_local(x, mesh, [layout], run_check=False)
             x = x.redistribute(mesh, [Replicate()]).to_local(grad_placements=[Partial()])
 
-            def whole(v):
-                if (isinstance(v, torch.Tensor) and layout == Shard(0) and v.dim() > 0
-                        and v.shape[0] == local_rows and local_rows != x.shape[0]):
-                    return DTensor.from_local(v, mesh, [Shard(0)], run_check=False).full_tensor()
+            def whole(v):  # split alike (by rows, or by tokens in sequence parallelism)
+                if (isinstance(v, torch.Tensor) and dim is not None and v.dim() > dim
+                        and v.shape[dim] == local and local != x.shape[dim]):
+                    return DTensor.from_local(v, mesh, [layout], run_check=False).full_tensor()
                 if isinstance(v, tuple):
                     return tuple(whole(t) for t in v)
                 return v

@@ -52,6 +52,8 @@ def module_executor_options(layer: Layer, options: list[Strategy]) -> list[Strat
     outside unit modules run on whatever each rank holds: the inputs come split by rows,
     and such an op is row-split wherever it can be; whole only when it does not see the
     batch at all (a constant such as a position table)."""
+    # the model's own code holds module outputs split by rows: no token split survives it
+    options = [s for s in options if Layout.SEQUENCE not in (s.takes, s.gives)]
     if layer.is_input:
         return [s for s in options if s.name == "data_parallel"] or options
     if layer.op == "call_module":

@@ -301,7 +301,7 @@ def build(cache: CostCache, pp: int, dp: int, tp: int, rows: int,
             param_local = layer.param_bytes / tp if s.model_parallel else layer.param_bytes
             weights = weights_memory(param_local, ctx)
             own_sync = c.notes.get("gradient_all_reduce_s", 0.0)
-            if s.name == "data_parallel":  # rows split over tp too: sync over dp x tp
+            if s.name in ("data_parallel", "sequence_parallel"):  # split over tp too: dp x tp
                 sync = all_reduce_s(layer.param_bytes, dp * tp, sync_link)
             else:
                 sync = all_reduce_s(param_local, dp, sync_link)

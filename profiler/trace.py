@@ -124,6 +124,8 @@ def _module_attrs(module: nn.Module) -> dict:
             "num_embeddings", "embedding_dim", "nf", "nx", "num_heads", "heads", "n_head",
             "num_key_value_heads")
     attrs = {k: getattr(module, k) for k in keys if isinstance(getattr(module, k, None), int)}
+    if isinstance(getattr(module, "normalized_shape", None), tuple):  # LayerNorm, RMSNorm
+        attrs["normalized_dims"] = len(module.normalized_shape)
     config = getattr(module, "config", None)  # Hugging Face modules keep their sizes there
     for key in ("num_attention_heads", "num_key_value_heads"):
         if isinstance(getattr(config, key, None), int):
@@ -293,6 +295,15 @@ def call_facts(node: fx.Node, in_shape) -> dict:
     return facts
 
 
+def _shape_read(node: fx.Node) -> dict:
+    """{"shape_read": True} where code reads the value's sizes (`x.shape`, `x.size()`):
+    splitting it on a dim other than rows would hand that code a rank's size."""
+    read = any((u.op == "call_method" and u.target in ("size", "numel"))
+               or (u.op == "call_function" and u.target is getattr and u.args[1:2] == ("shape",))
+               for u in node.users)
+    return {"shape_read": True} if read else {}
+
+
 def _layer(node: fx.Node, value: torch.Tensor, modules: dict, values: dict | None = None) -> Layer:
     inputs = tuple(n.name for n in node.all_input_nodes)
     if node.op == "call_module":
@@ -300,13 +311,13 @@ def _layer(node: fx.Node, value: torch.Tensor, modules: dict, values: dict | Non
         return Layer(
             name=str(node.target), node=node.name, op=node.op, kind=type(module).__name__,
             inputs=inputs, output=TensorMeta.of(value), module_type=type(module),
-            attrs=_module_attrs(module))
+            attrs=_module_attrs(module) | _shape_read(node))
     kind = "input" if node.op == "placeholder" else _target_name(node)
     attrs = {}
     if node.op in ("call_function", "call_method"):
         shapes = [tuple(values[n.name].shape) for n in node.all_input_nodes
                   if isinstance((values or {}).get(n.name), torch.Tensor)]
-        attrs = call_facts(node, shapes[0] if shapes else None)
+        attrs = call_facts(node, shapes[0] if shapes else None) | _shape_read(node)
         attrs["in_shapes"] = tuple(shapes)
     return Layer(name=node.name, node=node.name, op=node.op, kind=kind, inputs=inputs,
                  output=TensorMeta.of(value), attrs=attrs)

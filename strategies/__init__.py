@@ -18,6 +18,7 @@ from strategies.devices import DEVICES, DeviceSpec, LinkSpec
 from strategies.layouts import Layout
 from strategies.parse import parse_devices
 from strategies.rowwise import register_rowwise
+from strategies.sequence import SequenceParallel, register_sequencewise
 from strategies.transformer import (
     AttentionSpec, HeadParallel, VocabParallel, register_attention,
 )
@@ -27,4 +28,5 @@ __all__ = [
     "DataParallel", "DeviceSpec", "FeatureParallel", "Layout", "LinkSpec", "Replicate",
     "RowParallel", "Strategy", "candidates", "parse_devices", "register",
     "AttentionSpec", "HeadParallel", "VocabParallel", "register_attention", "register_rowwise",
+    "SequenceParallel", "register_sequencewise",
 ]

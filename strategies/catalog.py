@@ -25,7 +25,7 @@ from strategies.cluster import Cluster
 from strategies.collectives import (
     COEFFICIENTS, all_gather_s, all_reduce_s, collective_bytes, reduce_scatter_s,
 )
-from strategies.layouts import Layout
+from strategies.layouts import Layout, sequence_splits
 from strategies.precision import Precision
 from strategies.rowwise import featurewise_binary, keeps_rows
 
@@ -257,7 +257,8 @@ class ChannelParallel(ColumnParallel):
 class RowParallel(Strategy):
     """Split a Linear's input features across the devices (Megatron's row split): each
     device multiplies its features, and the partial outputs are summed, by an all-reduce
-    (gives the output replicated) or a reduce-scatter (gives it split by rows)."""
+    (gives the output replicated) or a reduce-scatter (gives it split by rows, or by
+    tokens for sequence-parallel norms: strategies.sequence)."""
 
     name: ClassVar[str] = "row_parallel"
     model_parallel: ClassVar[bool] = True
@@ -266,11 +267,12 @@ class RowParallel(Strategy):
 
     def applies(self, layer, ctx):
         ok = layer.attrs.get("in_features", 0) % ctx.ranks == 0
-        return ok and (self.gives != Layout.BATCH or _rows_split(layer, ctx))
+        return ok and (self.gives != Layout.BATCH or _rows_split(layer, ctx)) and (
+            self.gives != Layout.SEQUENCE or sequence_splits(layer, ctx.batch, ctx.ranks))
 
     def cost(self, layer, ctx):
         n = layer.output.nbytes
-        if self.gives == Layout.BATCH:
+        if self.gives in (Layout.BATCH, Layout.SEQUENCE):
             # forward reduce-scatter; backward gathers the row-split gradient
             comm = reduce_scatter_s(n, ctx.ranks, ctx.link) + all_gather_s(n, ctx.ranks, ctx.link)
             sent = (collective_bytes("reduce_scatter", n, ctx.ranks)
@@ -348,6 +350,12 @@ _REGISTRY: dict[type | str, tuple[Strategy, ...]] = {}
 _ROWWISE: set[type | str] = set()  # module types whose batch rows stay independent
 _FEATUREWISE: set[type | str] = set()  # parameter-free, each feature on its own
 _LEAVES: set[type | str] = set()  # traced as one layer (fx does not look inside)
+_EVERY_LAYER: list[Strategy] = []  # offered to every layer, its `applies` deciding
+
+
+def offer_everywhere(strategy: Strategy) -> None:
+    """Offer `strategy` to every layer, module or op (strategies.sequence's)."""
+    _EVERY_LAYER.append(strategy)
 
 
 def register(module_type: type | str, *strategies: Strategy, rowwise: bool = False,
@@ -395,7 +403,8 @@ def leaf_types(model: nn.Module) -> tuple[type, ...]:
     return tuple(t for t in types if any(matches(t, key) for key in _LEAVES))
 
 
-register(nn.Linear, ColumnParallel(), RowParallel(), RowParallel(gives=Layout.BATCH))
+register(nn.Linear, ColumnParallel(), RowParallel(), RowParallel(gives=Layout.BATCH),
+         RowParallel(gives=Layout.SEQUENCE))
 register(nn.Conv2d, ChannelParallel())
 
 
@@ -411,6 +420,7 @@ def candidates(layer: Layer, ctx: CostContext) -> list[Strategy]:
                 if matches(layer.module_type, module_type):
                     options.extend(extra)
         options.append(FeatureParallel())
+        options.extend(_EVERY_LAYER)
     usable = [s for s in options
               if (_batch_ok(layer, ctx) if isinstance(s, DataParallel) else s.applies(layer, ctx))]
     if layer.params and layer.op != "call_module":

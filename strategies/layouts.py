@@ -21,6 +21,7 @@ class Placement(str, Enum):
 
     SHARD_BATCH = "shard(batch)"  # Shard(0): each rank holds its rows
     SHARD_FEATURE = "shard(feature)"  # Shard(1) for NCHW maps, Shard(-1) otherwise
+    SHARD_SEQUENCE = "shard(sequence)"  # Shard(1) of [batch, seq, hidden]: its tokens
     REPLICATE = "replicate"
     PARTIAL = "partial"  # each rank holds a summand of the value
 
@@ -32,6 +33,7 @@ class Layout(str, Enum):
     FEATURE = "feature"  # features (or channels) split, as a column-parallel output
     REPLICATE = "replicate"  # every rank has the whole tensor and the whole gradient
     REPLICATE_PARTIAL_GRAD = "replicate/partial-grad"  # what a model-parallel layer takes
+    SEQUENCE = "sequence"  # tokens split (dim 1), as Megatron-SP keeps norms and dropout
 
     @property
     def forward(self) -> Placement:
@@ -47,13 +49,24 @@ _FORWARD = {
     Layout.FEATURE: Placement.SHARD_FEATURE,
     Layout.REPLICATE: Placement.REPLICATE,
     Layout.REPLICATE_PARTIAL_GRAD: Placement.REPLICATE,
+    Layout.SEQUENCE: Placement.SHARD_SEQUENCE,
 }
 _GRAD = {
     Layout.BATCH: Placement.SHARD_BATCH,
     Layout.FEATURE: Placement.SHARD_FEATURE,
     Layout.REPLICATE: Placement.REPLICATE,
     Layout.REPLICATE_PARTIAL_GRAD: Placement.PARTIAL,
+    Layout.SEQUENCE: Placement.SHARD_SEQUENCE,
 }
+
+
+def sequence_splits(layer, batch: int, ranks: int) -> bool:
+    """A layer's output the sequence layout can split: [batch, seq, hidden] with seq a
+    multiple of the ranks (torch's SequenceParallel shards dim 1), whose sizes no code reads
+    (`b, t, c = x.size()` would read each rank's seq/P and shape a whole tensor by it)."""
+    shape = layer.output.shape
+    return (len(shape) == 3 and shape[0] == batch and shape[1] % ranks == 0
+            and not layer.attrs.get("shape_read", False))
 
 
 def redistribution(src: Placement, dst: Placement) -> str | None:

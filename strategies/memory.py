@@ -76,13 +76,13 @@ def _weights_part(inner: Strategy, layer: Layer, ctx: CostContext) -> float:
 
 def input_bytes(layer: Layer, inner: Strategy, ctx: CostContext) -> float:
     """Bytes of the input a checkpointed layer keeps on each rank: its output's size scaled
-    by in/out features for a Linear-like layer, split by rows when it takes rows."""
+    by in/out features for a Linear-like layer, split when it takes rows (or tokens)."""
     out_features = layer.attrs.get("out_features", layer.attrs.get("nf"))
     in_features = layer.attrs.get("in_features", layer.attrs.get("nx"))
     whole = layer.output.nbytes
     if out_features and in_features:
         whole = whole * in_features / out_features
-    return whole / ctx.ranks if inner.takes == Layout.BATCH else whole
+    return whole / ctx.ranks if inner.takes in (Layout.BATCH, Layout.SEQUENCE) else whole
 
 
 @dataclass(frozen=True)

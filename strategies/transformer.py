@@ -10,12 +10,10 @@
 - Vocabulary-parallel embedding (`VocabParallel`): the table split by rows (tokens), each
   rank looks up the ids it owns and the partial outputs are summed. The LM head is a
   Linear over the vocabulary: its column split gives vocabulary-sharded logits.
-- Sequence-parallel norms: Megatron-SP replaces the all-reduce after a row-parallel layer
-  by a reduce-scatter and runs LayerNorm and dropout on 1/P of the rows, all-gathering
-  before the next column-parallel layer. Here the rows are the batch's: the row-parallel
-  layers' `gives=BATCH` variants reduce-scatter, the norms run `data_parallel` on their
-  rows, and the edge into the next column split all-gathers: the same collectives and the
-  same 1/P activation memory, chosen by the solver where they pay.
+- Sequence parallelism (strategies.sequence): the same reduction as a reduce-scatter on
+  the sequence dim (`gives=SEQUENCE`), norms, dropout and residual adds on 1/P of the
+  tokens, an all-gather into the next column split, as Megatron-SP and torchtitan run it.
+  The `gives=BATCH` variants do the same on the batch's rows, where a replica has P rows.
 
 Hugging Face's layer types are registered by qualified name, so nothing here imports
 transformers: GPT-2's `Conv1D` (a Linear with its weight transposed), GPT-2's and Llama's
@@ -35,7 +33,7 @@ from strategies.catalog import (
     ColumnParallel, Cost, RowParallel, Strategy, compute_s, register, update_s, weights_memory,
 )
 from strategies.collectives import all_gather_s, all_reduce_s, collective_bytes, reduce_scatter_s
-from strategies.layouts import Layout
+from strategies.layouts import Layout, sequence_splits
 
 
 @dataclass(frozen=True)
@@ -75,18 +73,23 @@ def _output_reduction(layer: Layer, gives: Layout, ctx) -> tuple[float, float, f
     """(time, bytes kept, bytes sent per rank) of summing a row-split layer's partial
     outputs into `gives` (and its gradient back)."""
     n = layer.output.nbytes
-    if gives == Layout.BATCH:
+    if gives in (Layout.BATCH, Layout.SEQUENCE):
         return (reduce_scatter_s(n, ctx.ranks, ctx.link) + all_gather_s(n, ctx.ranks, ctx.link),
                 n / ctx.ranks, (collective_bytes("reduce_scatter", n, ctx.ranks)
                     + collective_bytes("all_gather", n, ctx.ranks)))
     return all_reduce_s(n, ctx.ranks, ctx.link), n, collective_bytes("all_reduce", n, ctx.ranks)
 
 
+def _tokens_ok(gives: Layout, layer: Layer, ctx) -> bool:
+    """A reduce-scatter into the sequence layout needs an output it can split by tokens."""
+    return gives != Layout.SEQUENCE or sequence_splits(layer, ctx.batch, ctx.ranks)
+
+
 @dataclass(frozen=True)
 class HeadParallel(Strategy):
     """Attention with its heads split across the ranks (Megatron's attention split): takes
     the hidden states replicated (their gradient comes back partial), gives the output
-    replicated (all-reduce) or split by rows (reduce-scatter)."""
+    replicated (all-reduce) or split by rows or tokens (reduce-scatter)."""
 
     name: ClassVar[str] = "head_parallel"
     model_parallel: ClassVar[bool] = True
@@ -96,7 +99,8 @@ class HeadParallel(Strategy):
     def applies(self, layer, ctx):
         q, kv = _heads(layer)
         rows_ok = self.gives != Layout.BATCH or ctx.batch % ctx.ranks == 0
-        return q > 0 and q % ctx.ranks == 0 and kv % ctx.ranks == 0 and rows_ok
+        return (q > 0 and q % ctx.ranks == 0 and kv % ctx.ranks == 0 and rows_ok
+                and _tokens_ok(self.gives, layer, ctx))
 
     def cost(self, layer, ctx):
         comm, kept, sent = _output_reduction(layer, self.gives, ctx)
@@ -122,7 +126,8 @@ class VocabParallel(Strategy):
     def applies(self, layer, ctx):
         rows_ok = self.gives != Layout.BATCH or ctx.batch % ctx.ranks == 0
         return layer.attrs.get("num_embeddings", 0) % ctx.ranks == 0 and rows_ok \
-            and bool(layer.output.shape) and layer.output.shape[0] == ctx.batch
+            and bool(layer.output.shape) and layer.output.shape[0] == ctx.batch \
+            and _tokens_ok(self.gives, layer, ctx)
 
     def cost(self, layer, ctx):
         comm, kept, sent = _output_reduction(layer, self.gives, ctx)
@@ -151,7 +156,8 @@ class Conv1DRowParallel(RowParallel):
 
     def applies(self, layer, ctx):
         ok = layer.attrs.get("nx", 0) % ctx.ranks == 0
-        return ok and (self.gives != Layout.BATCH or ctx.batch % ctx.ranks == 0)
+        return ok and (self.gives != Layout.BATCH or ctx.batch % ctx.ranks == 0) \
+            and _tokens_ok(self.gives, layer, ctx)
 
 
 def register_attention(module_type: type | str, qkv: str | tuple[str, str, str], out: str,
@@ -165,14 +171,16 @@ def register_attention(module_type: type | str, qkv: str | tuple[str, str, str],
     -1, head_dim), chunk(3)), or name the attributes to divide by the ranks in `divide`.
     """
     ATTENTION[module_type] = AttentionSpec(qkv, out, tuple(divide))
-    register(module_type, HeadParallel(), HeadParallel(gives=Layout.BATCH), rowwise=True,
-             leaf=True)
+    register(module_type, HeadParallel(), HeadParallel(gives=Layout.BATCH),
+             HeadParallel(gives=Layout.SEQUENCE), rowwise=True, leaf=True)
 
 
 _HF = "transformers.models."
-register(nn.Embedding, VocabParallel(), VocabParallel(gives=Layout.BATCH))
+register(nn.Embedding, VocabParallel(), VocabParallel(gives=Layout.BATCH),
+         VocabParallel(gives=Layout.SEQUENCE))
 register("transformers.pytorch_utils.Conv1D", Conv1DColumnParallel(), Conv1DRowParallel(),
-         Conv1DRowParallel(gives=Layout.BATCH), rowwise=True)
+         Conv1DRowParallel(gives=Layout.BATCH), Conv1DRowParallel(gives=Layout.SEQUENCE),
+         rowwise=True)
 for _act in ("NewGELUActivation", "GELUActivation", "FastGELUActivation", "QuickGELUActivation",
              "GELUTanh", "SiLUActivation", "PytorchGELUTanh", "ClassInstantier"):
     register(f"transformers.activations.{_act}", rowwise=True, featurewise=True)

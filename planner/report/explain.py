@@ -10,6 +10,7 @@ from rich.table import Table
 from planner.baseline import LABELS
 from planner.plan import Plan, set_explainer
 from planner.report.levers import lever_lines
+from planner.report.sequence import sequence_lines
 
 
 def _ms(seconds: float) -> str:
@@ -200,7 +201,7 @@ def explain(plan: Plan, width: int = 130) -> str:
         extra = [f"Mesh choice: {plan.mesh_choice}"] + extra
     if plan.standard_choice:
         extra = [f"Standard plan: {plan.standard_choice}"] + extra
-    extra += lever_lines(plan)
+    extra += lever_lines(plan) + sequence_lines(plan)
     for line in summary(plan) + extra:
         console.print(line, highlight=False, soft_wrap=True)
     console.print(table(plan))

@@ -21,7 +21,7 @@ from planner.plan import Plan
 STRATEGY_COLORS = {  # one hue per idea: data parallel blue, model-parallel splits warm
     "data_parallel": "#4C72B0", "replicate": "#8C8C8C", "column_parallel": "#DD8452",
     "row_parallel": "#C44E52", "channel_parallel": "#DA8BC3", "vocab_parallel": "#937860",
-    "feature_parallel": "#8172B3",
+    "feature_parallel": "#8172B3", "sequence_parallel": "#64B5CD",
 }
 KIND_COLORS = {"compute": None, "communication": "#2F2F2F", "reshard": "#A0A0A0",
                "update": "#55A868"}
