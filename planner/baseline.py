@@ -153,16 +153,17 @@ def _pipeline(model, devices, example_inputs, example_kwargs, optimizer, leaf_mo
               time_limit_s, started) -> Plan:
     """The best plan with pipeline stages and no tensor parallelism, within device memory
     (fitting a model is what pipelines are for)."""
+    from planner.block_cuts import why_no_blocks
     from planner.optimize import profiled_graph
     from planner.plan3d import plan_3d
     from planner.search import shapes
 
     graph, cluster = profiled_graph(model, devices, example_inputs, example_kwargs,
                                     leaf_modules, measure)
-    if graph.tracer == "export":
-        raise ValueError(f"baseline: 'pipeline' needs a model torch.fx can trace; "
-                         f"{graph.model_name} is traced by torch.export, whose plans have no "
-                         f"pipeline stages yet")
+    why = why_no_blocks(graph) if graph.tracer == "export" else ""
+    if why:
+        raise ValueError(f"baseline: 'pipeline' cuts a model torch.export traced only between "
+                         f"its transformer blocks, and {why}")
     if graph.tied_groups():
         raise ValueError(f"baseline: 'pipeline' cannot cut {graph.model_name}: layers share "
                          f"a parameter (tied weights), which must stay in one stage")
