@@ -57,6 +57,10 @@ def parallelize(model: nn.Module, plan: Plan, *, mesh: DeviceMesh | None = None,
         from profiler.allocator import keep_freed_memory
 
         keep_freed_memory()  # the memory policy the plan's layer times were measured under
+    if plan.is_mesh_3d and plan.tracer == "export":  # stages of a decoder's own modules
+        from executor.hf_stages import parallelize_decoder_3d
+
+        return parallelize_decoder_3d(model, plan)
     if plan.is_mesh_3d:  # pipeline x data x tensor: this rank's stage
         from executor.pipeline import parallelize_3d
 
