@@ -42,7 +42,7 @@ from executor.precision import run_in_precision
 from executor.styles import MeanOverRanks
 from planner.plan import Plan
 from planner.stages import stage_ranks
-from profiler.blocks import find_blocks
+from profiler.blocks import decoder_blocks
 
 
 class KeptBlocks(nn.ModuleList):
@@ -220,10 +220,10 @@ class _ScaledOutput(nn.Module):
 
 def stage_modules(model: nn.Module, plan: Plan, num_stages: int, k: int) -> DecoderStage:
     """Stage k of `plan` built from `model` (see DecoderStage)."""
-    blocks = find_blocks(model)
-    if not blocks:
-        raise ValueError(f"pipeline: {type(model).__name__} has no list of repeated blocks "
-                         f"to cut between; plan it with mesh='1d'")
+    blocks, why = decoder_blocks(model)
+    if why:
+        raise ValueError(f"pipeline: {why}, so its stages cannot be built from its modules; "
+                         f"plan it with mesh='1d'")
     index = {path: i for i, path in enumerate(blocks)}
     if plan.pipeline is None:  # one stage: the whole model
         return DecoderStage(model, blocks, list(range(len(blocks))), [], [], True, True)

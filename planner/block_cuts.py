@@ -30,7 +30,7 @@ def block_units(graph: ModelGraph) -> list[str] | None:
 def why_no_blocks(graph: ModelGraph) -> str:
     """'' when a pipeline may cut `graph` at its blocks, else why not, in a few words."""
     if not graph.blocks:
-        return f"{graph.model_name} has no list of repeated blocks (an nn.ModuleList of one class)"
+        return graph.no_blocks_why or f"{graph.model_name} has no transformer blocks recorded"
     seen = [block_of(graph.scopes.get(l.node, ""), graph.blocks) for l in graph.layers]
     order = [b for b in seen if b is not None]
     if sorted(set(order)) != list(range(len(graph.blocks))) or order != sorted(order):

@@ -25,7 +25,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils import _pytree as pytree
 from torch.utils.flop_counter import FlopCounterMode
 
-from profiler.blocks import find_blocks
+from profiler.blocks import decoder_blocks
 from profiler.graph import Layer, ModelGraph, TensorMeta, canonical_names, count_once
 from profiler.trace import TraceError, _module_attrs, call_facts
 
@@ -202,9 +202,10 @@ def export_trace(model: nn.Module, example_inputs: Sequence, example_kwargs: dic
     flops = _count_flops(program, args, kwargs, group, node_of)
     layers = [_with_flops(l, flops.get(l.node, 0)) for l in count_once(layers, model)]
     del by_key
+    blocks, why = decoder_blocks(model)
     return ModelGraph(type(model).__name__, tuple(layers), tuple(dict.fromkeys(outputs)), batch,
                       fingerprint_modules(model), module=None, example_kwargs=kwargs,
-                      tracer="export", blocks=find_blocks(model), scopes=scopes)
+                      tracer="export", blocks=blocks, scopes=scopes, no_blocks_why=why)
 
 
 def _find(graph: fx.Graph, name: str) -> fx.Node:

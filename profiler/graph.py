@@ -97,8 +97,9 @@ class ModelGraph:
     example_kwargs: dict = field(default_factory=dict, compare=False, repr=False)
     tracer: str = "fx"  # "fx" (profiler.trace) or "export" (profiler.export_trace)
     # export graphs: the model's transformer blocks (profiler.blocks), where a pipeline may
-    # cut, and per layer node the innermost module that ran it ("" for the root's own code)
+    # cut, or why it may not; per layer node the innermost module that ran it ("": the root)
     blocks: tuple[str, ...] = ()
+    no_blocks_why: str = ""
     scopes: dict = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self):
