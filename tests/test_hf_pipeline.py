@@ -3,16 +3,21 @@ search cuts them only between transformer blocks, and the stages built from the 
 own modules (executor.hf_stages), run by torch.distributed.pipelining, train exactly as one
 process does: after 3 SGD steps every parameter equals the single-process run's."""
 
+import functools
+import time
+
 import pytest
 import torch
 
 import executor
 from distributed import run_ranks
-from planner.block_cuts import AFTER, BEFORE, block_units
-from planner.optimize import trace_model
+import planner
+from planner.block_cuts import AFTER, BEFORE
+from planner.optimize import profiled_graph
 from planner.plan import Plan
-from planner.plan3d import optimize_3d
-from planner.search import Shape
+from planner.plan3d import plan_3d
+from planner.search import CostCache, Shape, build, group_link, search, units
+from strategies.collectives import send_recv_s
 from zoo import ZOO, ZooModel, _DECODER, _hf, _seeded, _tokens, reference, token_loss
 
 STEPS, LR = 3, 0.05
@@ -28,32 +33,41 @@ GPT2_UNTIED = ZooModel("gpt2_untied", _seeded(_hf(
 MODELS = {m.name: m for m in (LLAMA4, GPT2_UNTIED, ZOO["llama"])}
 
 
-def _plan(entry: ZooModel, shape: Shape) -> Plan:
-    example = entry.batch(0)[:entry.inputs]
-    world = shape.pp * shape.dp * shape.tp
-    return optimize_3d(entry.make(), f"{world}xcpu", example, {"use_cache": False},
-                       measure=False, optimizer="sgd", only=[shape])
-
-
-def _train_planned(rank, world, plan_json, name):
-    plan = Plan.from_json(plan_json)
+@functools.lru_cache(maxsize=None)
+def _profiled(name: str, world: int):
+    """(graph, cluster) of a model on `world` CPU devices, traced once per test session."""
     entry = MODELS[name]
-    model = executor.parallelize(entry.make(), plan)
-    opt = torch.optim.SGD(list(model.parameters()) or [{"params": []}], lr=LR, foreach=False)
-    losses = [executor.train_step(model, plan, entry.batch(step), entry.loss, opt)
-              for step in range(STEPS)]
-    return {k: p.detach().clone() for k, p in model.stage.named_parameters()}, losses
+    return profiled_graph(entry.make(), f"{world}xcpu", entry.batch(0)[:entry.inputs],
+                          {"use_cache": False}, measure=False)
 
 
-def _check(name: str, shape: Shape) -> Plan:
-    entry = MODELS[name]
-    plan = _plan(entry, shape)
-    assert plan.tracer == "export" and plan.mesh.shape == [shape.pp, shape.dp, shape.tp]
-    results = run_ranks(_train_planned, shape.pp * shape.dp * shape.tp, plan.to_json(), name)
-    expected = reference(entry, STEPS)
-    seen = set()
-    if shape.pp > 1:  # each rank holds its stage's parameters only
+def _plan(name: str, shape: Shape) -> Plan:
+    graph, cluster = _profiled(name, shape.pp * shape.dp * shape.tp)
+    return plan_3d(graph, cluster, "sgd", cluster.device.memory_bytes, time.perf_counter(),
+                   only=[shape])
+
+
+def _train_planned(rank, world, jobs):
+    """Each job (model name, plan JSON): this rank's parameters and losses after STEPS."""
+    out = []
+    for name, plan_json in jobs:
+        plan = Plan.from_json(plan_json)
+        entry = MODELS[name]
+        model = executor.parallelize(entry.make(), plan)
+        opt = torch.optim.SGD(list(model.parameters()) or [{"params": []}], lr=LR,
+                              foreach=False)
+        losses = [executor.train_step(model, plan, entry.batch(step), entry.loss, opt)
+                  for step in range(STEPS)]
+        out.append(({k: p.detach().clone() for k, p in model.stage.named_parameters()},
+                    losses))
+    return out
+
+
+def _assert_equal_to_one_process(name: str, plan: Plan, results: list) -> None:
+    expected = reference(MODELS[name], STEPS)
+    if plan.mesh.size("pp") > 1:  # each rank holds its stage's parameters only
         assert all(len(params) < len(expected) for params, _ in results)
+    seen = set()
     for rank, (params, losses) in enumerate(results):
         assert losses == pytest.approx(results[0][1], rel=1e-6), f"rank {rank}"
         for key, value in params.items():
@@ -61,11 +75,34 @@ def _check(name: str, shape: Shape) -> Plan:
             torch.testing.assert_close(value, expected[key], rtol=1e-5, atol=1e-6,
                                        msg=lambda m: f"rank {rank}, {key}: {m}")
     assert seen == set(expected)  # every parameter lives on some stage
+
+
+TWO_RANKS = {"llama_1f1b": ("llama4", Shape(2, 1, 1, 2, "1F1B")),
+             # GPT-2 adds a learned position table before its blocks: the second stage
+             # must not add it again (executor.hf_stages.PositionZeros)
+             "gpt2_gpipe": ("gpt2_untied", Shape(2, 1, 1, 4, "GPipe")),
+             "llama_interleaved": ("llama4", Shape(2, 1, 1, 4, "Interleaved1F1B", 2))}
+
+
+@pytest.fixture(scope="module")
+def two_rank_runs():
+    """Every 2-rank plan made here, then run in one launch (starting ranks is the slow part)."""
+    plans = {key: _plan(name, shape) for key, (name, shape) in TWO_RANKS.items()}
+    jobs = [(TWO_RANKS[key][0], plan.to_json()) for key, plan in plans.items()]
+    per_rank = run_ranks(_train_planned, 2, jobs)
+    return {key: (plans[key], [runs[i] for runs in per_rank]) for i, key in enumerate(plans)}
+
+
+def _check(runs, key: str) -> Plan:
+    name, shape = TWO_RANKS[key]
+    plan, results = runs[key]
+    assert plan.tracer == "export" and plan.mesh.shape == [shape.pp, shape.dp, shape.tp]
+    _assert_equal_to_one_process(name, plan, results)
     return plan
 
 
-def test_llama_two_stages_equal_single_process():
-    plan = _check("llama4", Shape(2, 1, 1, 2, "1F1B"))
+def test_llama_two_stages_equal_single_process(two_rank_runs):
+    plan = _check(two_rank_runs, "llama_1f1b")
     first, last = plan.pipeline.stages
     assert first.modules[:2] == ["model.embed_tokens", "model.rotary_emb"]
     assert last.modules[-2:] == ["model.norm", "lm_head"]
@@ -73,18 +110,72 @@ def test_llama_two_stages_equal_single_process():
     assert blocks == [f"model.layers.{i}" for i in range(4)]
 
 
-def test_gpt2_two_stages_gpipe_equal_single_process():
-    """GPT-2 adds a learned position table before its blocks: the second stage must not
-    add it again (executor.hf_stages.PositionZeros)."""
-    plan = _check("gpt2_untied", Shape(2, 1, 1, 4, "GPipe"))
+def test_gpt2_two_stages_gpipe_equal_single_process(two_rank_runs):
+    plan = _check(two_rank_runs, "gpt2_gpipe")
     assert plan.pipeline.stages[0].modules[:2] == ["transformer.wte", "transformer.wpe"]
     assert plan.pipeline.stages[-1].modules[-1] == "lm_head"
 
 
-def test_llama_two_chunks_per_rank_equal_single_process():
-    plan = _check("llama4", Shape(2, 1, 1, 4, "Interleaved1F1B", 2))
+def test_llama_two_chunks_per_rank_equal_single_process(two_rank_runs):
+    plan = _check(two_rank_runs, "llama_interleaved")
     assert [s.pipeline_rank for s in plan.pipeline.stages] == [0, 1, 0, 1]
 
 
 def test_llama_pipeline_times_data_parallel_4_ranks_equals_single_process():
-    _check("llama4", Shape(2, 2, 1, 2, "1F1B"))
+    plan = _plan("llama4", Shape(2, 2, 1, 2, "1F1B"))
+    per_rank = run_ranks(_train_planned, 4, [("llama4", plan.to_json())])
+    _assert_equal_to_one_process("llama4", plan, [runs[0] for runs in per_rank])
+
+
+# --- planning: cuts between blocks only -------------------------------------------------
+
+
+def test_units_of_a_decoder_are_its_blocks_with_the_embeddings_and_the_head_around_them():
+    graph, _ = _profiled("llama4", 2)
+    assert list(dict.fromkeys(units(graph))) == (
+        [BEFORE] + [f"model.layers.{i}" for i in range(4)] + [AFTER])
+
+
+@pytest.mark.parametrize("shape", [Shape(2, 1, 1, 2, "1F1B"), Shape(4, 1, 1, 4, "1F1B"),
+                                   Shape(2, 1, 1, 4, "Interleaved1F1B", 2),
+                                   Shape(3, 1, 1, 4, "GPipe")])
+def test_search_cuts_a_decoder_only_between_blocks(shape):
+    graph, _ = _profiled("llama4", shape.pp)
+    plan = _plan("llama4", shape)
+    unit = dict(zip((l.name for l in graph.layers), units(graph)))
+    stage_of_unit: dict[str, set] = {}
+    for layer in plan.layers:
+        stage_of_unit.setdefault(unit[layer.name], set()).add(layer.stage)
+    assert all(len(stages) == 1 for stages in stage_of_unit.values()), stage_of_unit
+    stages = plan.pipeline.stages
+    assert stages[0].modules[0] == "model.embed_tokens" and stages[-1].modules[-1] == "lm_head"
+    listed = [m for s in stages for m in s.modules]
+    assert listed == ["model.embed_tokens", "model.rotary_emb",
+                      *(f"model.layers.{i}" for i in range(4)), "model.norm", "lm_head"]
+
+
+def test_a_cut_sends_the_hidden_state_alone_and_the_search_offers_no_tp_inside_stages():
+    """Positions, mask and rotary tables are recomputed by each stage: a cut between blocks
+    costs the hidden state forward and its gradient back, nothing more."""
+    graph, cluster = _profiled("llama4", 4)
+    rows = graph.batch_size // 2
+    problem = build(CostCache(graph, cluster, "sgd"), 2, 1, 1, rows).problem
+    hidden_bytes = rows * 8 * 32 * 4  # rows x sequence x width, fp32
+    expected = 2 * send_recv_s(hidden_bytes, group_link(cluster, 2))
+    for u in range(2, len(problem.units) - 1):  # cuts between two blocks
+        assert problem.cut_s[u] == pytest.approx(expected, rel=1e-9), problem.units[u]
+    result = search(graph, cluster, "sgd", None, max_microbatches=2, time_limit_s=20)
+    assert result.best is not None and all(c.shape.tp == 1 for c in result.candidates)
+    assert any(c.shape.pp > 1 for c in result.candidates)
+
+
+def test_auto_mesh_on_a_model_without_decoder_blocks_says_why_in_one_line():
+    entry = ZOO["bert"]
+    inputs = entry.batch(0)[:entry.inputs]
+    plan = planner.optimize(entry.make(), "2xcpu", inputs, optimizer="sgd", measure=False,
+                            mesh="auto")
+    assert plan.pipeline is None and "not held by its base model" in plan.mesh_choice
+    with pytest.raises(ValueError, match="transformer blocks") as error:
+        planner.optimize(entry.make(), "2xcpu", inputs, optimizer="sgd", measure=False,
+                         mesh="3d")
+    assert "\n" not in str(error.value)
