@@ -81,7 +81,8 @@ TWO_RANKS = {"llama_1f1b": ("llama4", Shape(2, 1, 1, 2, "1F1B")),
              # GPT-2 adds a learned position table before its blocks: the second stage
              # must not add it again (executor.hf_stages.PositionZeros)
              "gpt2_gpipe": ("gpt2_untied", Shape(2, 1, 1, 4, "GPipe")),
-             "llama_interleaved": ("llama4", Shape(2, 1, 1, 4, "Interleaved1F1B", 2))}
+             # two blocks in four stages: one of the embeddings alone, one of the head alone
+             "llama_interleaved": ("llama", Shape(2, 1, 1, 4, "Interleaved1F1B", 2))}
 
 
 @pytest.fixture(scope="module")
@@ -119,6 +120,9 @@ def test_gpt2_two_stages_gpipe_equal_single_process(two_rank_runs):
 def test_llama_two_chunks_per_rank_equal_single_process(two_rank_runs):
     plan = _check(two_rank_runs, "llama_interleaved")
     assert [s.pipeline_rank for s in plan.pipeline.stages] == [0, 1, 0, 1]
+    assert [s.modules for s in plan.pipeline.stages] == [
+        ["model.embed_tokens", "model.rotary_emb"], ["model.layers.0"], ["model.layers.1"],
+        ["model.norm", "lm_head"]]
 
 
 def test_llama_pipeline_times_data_parallel_4_ranks_equals_single_process():
