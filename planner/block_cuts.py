@@ -39,6 +39,26 @@ def why_no_blocks(graph: ModelGraph) -> str:
     last = len(seen) - 1 - seen[::-1].index(len(graph.blocks) - 1)
     if any(b is None for b in seen[first:last + 1]):
         return f"{graph.model_name} runs code between its blocks"
+    return _stream_resumable(graph, first)
+
+
+# What may touch the hidden state before the first block, so that a later stage resumes it
+# from `inputs_embeds` (executor.hf_stages): the token embedding (the first layer with
+# weights), added position tables, dropout, and these ops
+RESUMABLE_OPS = ("add", "to", "_to_copy", "alias", "clone", "view", "dropout")
+
+
+def _stream_resumable(graph: ModelGraph, first_block_layer: int) -> str:
+    carried = carries_weights(graph)
+    stream = [l for l in graph.layers[:first_block_layer] if l.node in carried]
+    for i, layer in enumerate(stream):
+        if layer.op == "call_module":
+            if i == 0 or layer.kind in ("Embedding", "Dropout"):
+                continue
+        elif layer.kind in RESUMABLE_OPS:
+            continue
+        return (f"{graph.model_name} runs {layer.kind} ({layer.name}) on the hidden state "
+                f"before its first block, which a later stage cannot resume")
     return ""
 
 

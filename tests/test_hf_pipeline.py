@@ -12,11 +12,12 @@ import torch
 import executor
 from distributed import run_ranks
 import planner
-from planner.block_cuts import AFTER, BEFORE
+from planner.block_cuts import AFTER, BEFORE, block_units, why_no_blocks
 from planner.optimize import profiled_graph
 from planner.plan import Plan
 from planner.plan3d import plan_3d
 from planner.search import CostCache, Shape, build, group_link, search, units
+from profiler.graph import Layer, ModelGraph, TensorMeta
 from strategies.collectives import send_recv_s
 from zoo import ZOO, ZooModel, _DECODER, _hf, _seeded, _tokens, reference, token_loss
 
@@ -183,3 +184,39 @@ def test_auto_mesh_on_a_model_without_decoder_blocks_says_why_in_one_line():
         planner.optimize(entry.make(), "2xcpu", inputs, optimizer="sgd", measure=False,
                          mesh="3d")
     assert "\n" not in str(error.value)
+
+
+def _decoder_graph(op_before_blocks: str) -> ModelGraph:
+    """Token ids -> embedding -> `op` -> two blocks of one Linear each -> head."""
+    meta = TensorMeta((4, 8, 32), "float32", 4 * 8 * 32 * 4)
+
+    def layer(name, node, kind, inputs, params=(), op="call_module"):
+        return Layer(name=name, node=node, op=op, kind=kind, inputs=inputs, output=meta,
+                     params=params)
+
+    layers = (layer("input_ids", "input_ids", "input", (), op="placeholder"),
+              layer("model.embed_tokens", "embedding", "Embedding", ("input_ids",),
+                    ("model.embed_tokens.weight",)),
+              layer(op_before_blocks, op_before_blocks, op_before_blocks, ("embedding",),
+                    op="call_function"),
+              layer("model.layers.0.mlp", "linear", "Linear", (op_before_blocks,),
+                    ("model.layers.0.mlp.weight",)),
+              layer("model.layers.1.mlp", "linear_1", "Linear", ("linear",),
+                    ("model.layers.1.mlp.weight",)),
+              layer("lm_head", "linear_2", "Linear", ("linear_1",), ("lm_head.weight",)))
+    scopes = {"embedding": "model.embed_tokens", op_before_blocks: "model",
+              "linear": "model.layers.0.mlp", "linear_1": "model.layers.1.mlp",
+              "linear_2": "lm_head"}
+    return ModelGraph("Decoder", layers, ("linear_2",), 4, "f", tracer="export",
+                      blocks=("model.layers.0", "model.layers.1"), scopes=scopes)
+
+
+def test_a_decoder_that_changes_the_hidden_state_before_its_blocks_is_not_cut():
+    """A later stage resumes the model's forward from `inputs_embeds`: an added table or
+    dropout there is undone on that stage (executor.hf_stages), a product is not."""
+    assert why_no_blocks(_decoder_graph("add")) == ""
+    assert block_units(_decoder_graph("add")) == [BEFORE] * 3 + [
+        "model.layers.0", "model.layers.1", AFTER]
+    why = why_no_blocks(_decoder_graph("mul"))
+    assert "runs mul (mul) on the hidden state before its first block" in why
+    assert block_units(_decoder_graph("mul")) is None
