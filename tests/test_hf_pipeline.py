@@ -83,7 +83,9 @@ TWO_RANKS = {"llama_1f1b": ("llama4", Shape(2, 1, 1, 2, "1F1B")),
              # must not add it again (executor.hf_stages.PositionZeros)
              "gpt2_gpipe": ("gpt2_untied", Shape(2, 1, 1, 4, "GPipe")),
              # two blocks in four stages: one of the embeddings alone, one of the head alone
-             "llama_interleaved": ("llama", Shape(2, 1, 1, 4, "Interleaved1F1B", 2))}
+             "llama_interleaved": ("llama", Shape(2, 1, 1, 4, "Interleaved1F1B", 2)),
+             # no pipeline: data parallel with 2 microbatches accumulated, one stage
+             "llama_accumulated": ("llama", Shape(1, 2, 1, 2, "1F1B"))}
 
 
 @pytest.fixture(scope="module")
@@ -124,6 +126,11 @@ def test_llama_two_chunks_per_rank_equal_single_process(two_rank_runs):
     assert [s.modules for s in plan.pipeline.stages] == [
         ["model.embed_tokens", "model.rotary_emb"], ["model.layers.0"], ["model.layers.1"],
         ["model.norm", "lm_head"]]
+
+
+def test_llama_one_stage_with_accumulated_microbatches_equals_single_process(two_rank_runs):
+    plan = _check(two_rank_runs, "llama_accumulated")
+    assert plan.pipeline is None and plan.microbatches == 2
 
 
 def test_llama_pipeline_times_data_parallel_4_ranks_equals_single_process():
