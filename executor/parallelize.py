@@ -25,6 +25,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from executor.agree import PlanMismatch, check_model, check_same_plan
 from executor.graph_rewrite import device_of, parallelize_graph
+from executor.hf_stages import parallelize_decoder_3d
 from executor.modules import parallelize_modules
 from executor.pipeline import parallelize_3d
 from executor.precision import run_in_precision
@@ -52,6 +53,8 @@ def parallelize(model: nn.Module, plan: Plan, *, mesh: DeviceMesh | None = None,
     check_same_plan(plan)  # before any other collective: different plans would deadlock
     if plan.mesh.device_type == "cpu":
         keep_freed_memory()  # the memory policy the plan's layer times were measured under
+    if plan.is_mesh_3d and plan.tracer == "export":  # stages of a decoder's own modules
+        return parallelize_decoder_3d(model, plan)
     if plan.is_mesh_3d:  # pipeline x data x tensor: this rank's stage
         return parallelize_3d(model, plan, leaf_modules=leaf_modules)
     if plan.tracer == "export":

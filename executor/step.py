@@ -45,7 +45,10 @@ def train_step(model: torch.nn.Module, plan: Plan, batch: Sequence, loss_fn: Cal
     scaler = loss_scaler(optimizer, plan)
     optimizer.zero_grad()
     if plan.is_mesh_3d:
-        if forward_kwargs:  # a stage is a graph of tensors; the planner makes 3-D plans from fx
+        # an fx stage is a graph of tensors; a decoder's stages pass use_cache=False
+        # themselves (executor.hf_stages) and take nothing else
+        if forward_kwargs and not (plan.tracer == "export"
+                                   and forward_kwargs == {"use_cache": False}):
             raise ValueError(f"forward_kwargs: a pipelined plan takes none, got "
                              f"{sorted(forward_kwargs)}; plan with mesh='1d'")
         loss = _step_3d(model, plan, batch, loss_fn, scaler)

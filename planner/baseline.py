@@ -23,6 +23,7 @@ from collections.abc import Callable, Sequence
 from torch import nn
 
 from planner.assemble import assemble
+from planner.block_cuts import why_no_blocks
 from planner.choices import Choices, layer_choices
 from planner.ilp import solve
 from planner.once import plan_once
@@ -157,10 +158,10 @@ def _pipeline(model, devices, example_inputs, example_kwargs, optimizer, leaf_mo
     (fitting a model is what pipelines are for)."""
     graph, cluster = profiled_graph(model, devices, example_inputs, example_kwargs,
                                     leaf_modules, measure)
-    if graph.tracer == "export":
-        raise ValueError(f"baseline: 'pipeline' needs a model torch.fx can trace; "
-                         f"{graph.model_name} is traced by torch.export, whose plans have no "
-                         f"pipeline stages yet")
+    why = why_no_blocks(graph) if graph.tracer == "export" else ""
+    if why:
+        raise ValueError(f"baseline: 'pipeline' cuts a model torch.export traced only between "
+                         f"its transformer blocks, and {why}")
     if graph.tied_groups():
         raise ValueError(f"baseline: 'pipeline' cannot cut {graph.model_name}: layers share "
                          f"a parameter (tied weights), which must stay in one stage")

@@ -13,6 +13,7 @@ from collections.abc import Iterable, Sequence
 
 from torch import nn
 
+from planner.block_cuts import recorded_module, why_no_blocks
 from planner.once import plan_once
 from planner.profiled import GB, PlanDoesNotFit, check_arguments, profiled_graph
 from planner.plan import (
@@ -43,21 +44,32 @@ def optimize_3d(
     relative_gap: float = 1e-6,
     only: list[Shape] | None = None,
     pin: dict[str, str] | None = None,
+    tracer: str = "auto",
 ) -> Plan:
     """Choose the mesh (pipeline x data x tensor), the stage cut, the microbatches, the
     schedule and each layer's strategy for one training step on `example_inputs` (dim 0:
     the global batch). Arguments as planner.optimize; `max_microbatches` caps m; `only`
     restricts the search to the given shapes (e.g. to compare one shape with the best);
-    `pin` {layer: strategy} fixes a layer's strategy on shapes where it applies."""
+    `pin` {layer: strategy} fixes a layer's strategy on shapes where it applies. A model
+    torch.fx cannot trace (`tracer` "auto" or "export") is cut only between its
+    transformer blocks (planner.block_cuts), its stages run without tensor parallelism."""
     started = time.perf_counter()
     check_arguments(optimizer, example_inputs, memory_limit_bytes)
-    # the pipeline executor splits an fx graph, so the 3-D search plans fx-traced models
     graph, cluster = profiled_graph(model, devices, example_inputs, example_kwargs,
-                                    leaf_modules, measure, tracer="fx", precision=precision)
+                                    leaf_modules, measure, tracer=tracer, precision=precision)
+    refuse_unsplittable(graph)
     budget = memory_limit_bytes or cluster.device.memory_bytes
     return plan_3d(graph, cluster, optimizer, budget, started,
                    max_microbatches=max_microbatches, time_limit_s=time_limit_s,
                    relative_gap=relative_gap, only=only, pin=pin)
+
+
+def refuse_unsplittable(graph) -> None:
+    """A torch.export graph is pipelined only at its blocks: refuse one without them."""
+    why = why_no_blocks(graph) if graph.tracer == "export" else ""
+    if why:
+        raise ValueError(f"mesh: '3d' cuts a model torch.export traced only between its "
+                         f"transformer blocks, and {why}; use mesh='1d'")
 
 
 def plan_3d(graph, cluster: Cluster, optimizer: str, budget: float, started: float, *,
@@ -148,7 +160,7 @@ def to_plan(graph, cluster: Cluster, optimizer: str, budget: float, result: Sear
         stages.append(StagePlan(
             index=k, pipeline_rank=r,
             layers=[l.name for l, s in zip(graph.layers, stage) if s == k and not l.is_input],
-            modules=list(unit_names[starts[k]:starts[k + 1]]),
+            modules=_stage_modules(graph, stage, k, unit_names[starts[k]:starts[k + 1]]),
             ranks=sorted(q for g in groups["tp"][r * dp:(r + 1) * dp] for q in g),
             microbatch_s=times.microbatch_s[k], send_s=times.send_s[k],
             step_s=times.once_s[k], memory=MemoryBreakdown(**stage_memory[k])))
@@ -205,7 +217,18 @@ def to_plan(graph, cluster: Cluster, optimizer: str, budget: float, result: Sear
     return Plan(model=graph.model_name, fingerprint=graph.fingerprint,
                 global_batch=graph.batch_size, optimizer=optimizer, cluster=cluster,
                 mesh=mesh, inputs=inputs, layers=layers, predicted=predicted, solver=report,
-                pipeline=pipeline, microbatches=m, search=search_report)
+                pipeline=pipeline, microbatches=m, search=search_report, tracer=graph.tracer,
+                outputs=list(graph.outputs))
+
+
+def _stage_modules(graph, stage: list[int], k: int, units) -> list[str]:
+    """The module paths stage k runs: its units (fx), or for an export graph its blocks
+    and the modules around them (the embeddings first, the final norm and head last),
+    which the executor builds the stage from."""
+    if graph.tracer != "export":
+        return list(units)
+    found = (recorded_module(graph, l.node) for l, s in zip(graph.layers, stage) if s == k)
+    return list(dict.fromkeys(p for p in found if p is not None))
 
 
 def why_schedule(result: SearchResult, shape: Shape, times) -> str:
@@ -314,12 +337,13 @@ def choose_mesh(mesh: str, graph, cluster: Cluster, optimizer: str, budget: floa
     3-D search predicts a step at least AS_GOOD faster, or the 1-D plan does not fit; the
     plan returned says which won in `mesh_choice`. 1-D plans are simpler to run (no
     stages, the user's loop unchanged), so a tie goes to them."""
-    if graph.tracer != "fx":
+    why = why_no_blocks(graph) if graph.tracer == "export" else ""
+    if why:
         if mesh == "3d":
-            raise ValueError(f"mesh: '3d' needs a model torch.fx can trace ({graph.model_name} "
-                             f"was traced by torch.export); use mesh='1d'")
+            refuse_unsplittable(graph)
         return plan_1d().model_copy(update={
-            "mesh_choice": "auto: 1-D (pipeline stages need a model torch.fx can trace)"})
+            "mesh_choice": f"auto: 1-D (pipeline stages of a torch.export graph cut between "
+                           f"transformer blocks; {why})"})
     if mesh == "3d":
         return plan_3d(graph, cluster, optimizer, budget, started, pin=pin,
                        time_limit_s=time_limit_s)

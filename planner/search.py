@@ -30,6 +30,7 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
+from planner.block_cuts import block_units, carries_weights, why_no_blocks
 from planner.choices import OUTPUT
 from planner.problem import Edge
 from planner.progress import Progress, report
@@ -171,7 +172,11 @@ def rank_groups(pp: int, dp: int, tp: int) -> dict[str, list[list[int]]]:
 def units(graph: ModelGraph) -> list[str]:
     """Per layer, its unit: the outermost module that owns it (a transformer block, an
     embedding), or its own node for top-level functions. Inputs join the next layer's unit.
-    A unit is a maximal run of layers with one owner, so cuts fall on module boundaries."""
+    A unit is a maximal run of layers with one owner, so cuts fall on module boundaries.
+    A torch.export graph is cut between its transformer blocks only (planner.block_cuts);
+    one without a block list is one unit, never cut."""
+    if graph.tracer == "export":
+        return block_units(graph) or ["model"] * len(graph.layers)
     stacks = {}
     if graph.module is not None:
         for node in graph.module.graph.nodes:
@@ -345,11 +350,14 @@ def build(cache: CostCache, pp: int, dp: int, tp: int, rows: int,
     for name in graph.outputs:
         last_use[index[name]] = len(unit_names)
     cut_s = [0.0] * len(unit_names)
+    # an export graph's stages recompute what depends on positions alone (planner.block_cuts)
+    sent = (carries_weights(graph) if graph.tracer == "export"
+            else {layer.node for layer in graph.layers})
     if pp > 1:
         for u in range(1, len(unit_names)):
             t = 0.0
             for src, until in last_use.items():
-                if unit_of[src] < u <= until:
+                if unit_of[src] < u <= until and graph.layers[src].node in sent:
                     nbytes = scaled_layers[src].output.nbytes
                     grad = 0 if scaled_layers[src].is_input else 1
                     t += (1 + grad) * send_recv_s(nbytes, link)
@@ -375,6 +383,8 @@ def search(graph: ModelGraph, cluster: Cluster, optimizer: str, budget_bytes: fl
                                                 schedules)
     if graph.tied_groups():  # a shared parameter lives in one stage: no pipeline cuts
         todo = [s for s in todo if s.pp == 1]
+    if graph.tracer == "export":  # stages cut at blocks, run without tensor parallelism
+        todo = [s for s in todo if s.tp == 1 and (s.pp == 1 or not why_no_blocks(graph))]
     built: dict[tuple, Built] = {}
 
     def problem_of(shape: Shape) -> Built:

@@ -24,6 +24,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils import _pytree as pytree
 from torch.utils.flop_counter import FlopCounterMode
 
+from profiler.blocks import decoder_blocks
 from profiler.graph import Layer, ModelGraph, TensorMeta, canonical_names, count_once
 from profiler.trace import TraceError, _module_attrs, call_facts, fingerprint_modules
 
@@ -144,6 +145,7 @@ def export_trace(model: nn.Module, example_inputs: Sequence, example_kwargs: dic
     # a tuple-valued op (split) is no layer: its items' readers read what it read
     layers: list[Layer] = []
     node_of: dict[str, str] = {}  # layer key -> the fx node that carries its output
+    scopes: dict[str, str] = {}  # layer node -> the innermost module that ran it
     for key in order:
         nodes = members[key]
         inside = {n.name for n in nodes}
@@ -153,6 +155,10 @@ def export_trace(model: nn.Module, example_inputs: Sequence, example_kwargs: dic
             continue
         out = max(outs, key=lambda n: value(n).numel()) if len(outs) > 1 else outs[0]
         node_of[key] = out.name
+        stack = list((out.meta.get("nn_module_stack") or {}).values())
+        path = key.split("#")[0]
+        scopes[out.name] = (path if path in modules and nodes[0].op != "placeholder"
+                            else stack[-1][0] if stack else "")
         srcs = [src for n in nodes for src in n.all_input_nodes
                 if src.name not in inside and not (src.op == "placeholder" and src.name not in user_inputs)]
         layer = _export_layer(key, nodes, out, srcs, modules, batch)
@@ -187,9 +193,10 @@ def export_trace(model: nn.Module, example_inputs: Sequence, example_kwargs: dic
     flops = _count_flops(program, args, kwargs, group, node_of)
     layers = [_with_flops(l, flops.get(l.node, 0)) for l in count_once(layers, model)]
     del by_key
+    blocks, why = decoder_blocks(model)
     return ModelGraph(type(model).__name__, tuple(layers), tuple(dict.fromkeys(outputs)), batch,
                       fingerprint_modules(model), module=None, example_kwargs=kwargs,
-                      tracer="export")
+                      tracer="export", blocks=blocks, scopes=scopes, no_blocks_why=why)
 
 
 def _find(graph: fx.Graph, name: str) -> fx.Node:

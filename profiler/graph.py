@@ -96,6 +96,11 @@ class ModelGraph:
     module: torch.fx.GraphModule | None = field(default=None, compare=False, repr=False)
     example_kwargs: dict = field(default_factory=dict, compare=False, repr=False)
     tracer: str = "fx"  # "fx" (profiler.trace) or "export" (profiler.export_trace)
+    # export graphs: the model's transformer blocks (profiler.blocks), where a pipeline may
+    # cut, or why it may not; per layer node the innermost module that ran it ("": the root)
+    blocks: tuple[str, ...] = ()
+    no_blocks_why: str = ""
+    scopes: dict = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self):
         object.__setattr__(self, "_by_node", {layer.node: layer for layer in self.layers})

@@ -1,0 +1,271 @@
+"""Run a pipelined plan of a Hugging Face decoder-only causal LM (a torch.export graph).
+
+torch.fx cannot rewrite such a model, so its stages are built as torchtitan builds Llama's
+(torchtitan/distributed/pipeline_parallel.py): from the model's own modules, each stage
+keeping only its blocks. The planner cut it between transformer blocks
+(planner.block_cuts) and each StagePlan lists its module paths: the first stage the
+embeddings (and rotary tables) and its blocks, middle stages their blocks, the last its
+blocks, the final norm and the head. A stage runs the model's own forward:
+
+- the first stage from token ids, the others from the hidden state it receives, passed as
+  `inputs_embeds`: the model's forward recomputes positions, the causal mask and rotary
+  embeddings from the sequence length on every stage, so only the hidden state travels;
+- a stage that is not first has no token embedding, an added position table gives zeros
+  and dropout before the blocks is off (it ran on the first stage); a probe checks at
+  build time that the hidden state then reaches the first block unchanged, and refuses
+  a model whose forward transforms it there (Gemma scales it, for one);
+- a stage that is not last ends at its blocks: the final norm is an identity and the head
+  is never called.
+
+Nothing is deep-copied: a stage is a shallow copy of the modules on the paths it changes
+(the model, the module that holds the blocks), sharing every block and weight with the
+model it came from, so two chunks of one rank (interleaved schedules) are two such copies.
+Parameters keep the model's own names. The schedule, the gradient sums over the dp group
+and the loss scaling are executor.pipeline's, as for fx stages; the stages run without
+tensor parallelism (the planner offers tp = 1 for them).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.pipelining import PipelineStage
+
+from executor.agree import check_model
+from executor.graph_rewrite import device_of
+from executor.pipeline import StageModel
+from executor.precision import run_in_precision
+from executor.styles import MeanOverRanks
+from planner.plan import Plan
+from planner.stages import stage_ranks
+from profiler.blocks import decoder_blocks
+
+
+class KeptBlocks(nn.ModuleList):
+    """The blocks one stage keeps, under their indices in the whole model (so parameter
+    names stay "model.layers.5...."), iterated in order as the model's forward does."""
+
+    def __init__(self, blocks=()):
+        super().__init__()
+        items = blocks.items() if isinstance(blocks, dict) else enumerate(blocks)
+        for index, block in items:
+            self.add_module(str(index), block)
+
+
+class PositionZeros(nn.Module):
+    """Stands for an added position table on a stage after the first: the first stage
+    added it already, so here it adds nothing."""
+
+    def __init__(self, table: nn.Embedding):
+        super().__init__()
+        self.dim = table.embedding_dim
+
+    def forward(self, positions: torch.Tensor) -> torch.Tensor:
+        return torch.zeros(*positions.shape, self.dim, device=positions.device)
+
+
+class NotOnThisStage(nn.Module):
+    """Stands for a module another stage runs (the token embedding, the head): calling it
+    here is a bug in the stage split, said plainly."""
+
+    def __init__(self, path: str):
+        super().__init__()
+        self.path = path
+
+    def forward(self, *args, **kwargs):
+        raise RuntimeError(f"pipeline stage: {self.path!r} runs on another stage")
+
+
+class _Arrived(Exception):
+    def __init__(self, hidden: torch.Tensor):
+        super().__init__("probe")
+        self.hidden = hidden
+
+
+class _Catch(nn.Module):
+    def forward(self, hidden, *args, **kwargs):
+        raise _Arrived(hidden)
+
+
+def _copied(module: nn.Module) -> nn.Module:
+    out = copy.copy(module)
+    out._modules = dict(module._modules)  # children replaced here stay the copy's own
+    return out
+
+
+class _Surgery:
+    """A shallow copy of a model whose submodules can be replaced by path without touching
+    the model: each module on a replaced path is copied once, the rest are shared."""
+
+    def __init__(self, model: nn.Module):
+        self.root = _copied(model)
+        self._copied: dict[str, nn.Module] = {"": self.root}
+
+    def module(self, path: str) -> nn.Module:
+        """The module at `path`, copied (with its ancestors) so its children can be set."""
+        if path in self._copied:
+            return self._copied[path]
+        parent_path, _, name = path.rpartition(".")
+        parent = self.module(parent_path)
+        mine = self._copied[path] = _copied(parent._modules[name])
+        parent._modules[name] = mine
+        return mine
+
+    def get(self, path: str) -> nn.Module:
+        return self.root.get_submodule(path)
+
+    def replace(self, path: str, new: nn.Module) -> None:
+        parent_path, _, name = path.rpartition(".")
+        self.module(parent_path)._modules[name] = new
+
+
+class DecoderStage(nn.Module):
+    """One stage of a decoder-only causal LM (see the module docstring): forward(x) takes
+    token ids (first stage) or the hidden state, and gives the hidden state, or the logits
+    (last stage). Its parameters are its modules', under the model's own names."""
+
+    def __init__(self, model: nn.Module, blocks: tuple[str, ...], keep: list[int],
+                 before: list[str], after: list[str], first: bool, last: bool):
+        super().__init__()
+        base_path, _, list_name = blocks[0].rsplit(".", 1)[0].rpartition(".")
+        cut = _Surgery(model)
+        base = cut.module(base_path)  # what holds the blocks: model.model, model.transformer
+        whole = base._modules[list_name]
+        base._modules[list_name] = KeptBlocks({i: whole[i] for i in keep})
+        config = getattr(base, "config", None)
+        if config is not None:  # the forward walks config.num_hidden_layers blocks
+            config = copy.copy(config)
+            config.num_hidden_layers = len(keep)
+            if isinstance(getattr(config, "layer_types", None), list):
+                config.layer_types = [config.layer_types[i] for i in keep]
+            base.config = config
+        if not first:
+            embedding = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+            for path in before:
+                module = cut.get(path)
+                if module is embedding:
+                    cut.replace(path, NotOnThisStage(path))
+                elif isinstance(module, nn.Embedding):
+                    cut.replace(path, PositionZeros(module))
+                elif isinstance(module, nn.Dropout):
+                    cut.replace(path, nn.Identity())
+                elif any(True for _ in module.parameters()):
+                    raise ValueError(f"pipeline: {path!r} runs before the blocks and holds "
+                                     f"weights, but is not an embedding; plan this model "
+                                     f"with mesh='1d'")
+        if not last:  # the base's final norm passes the hidden state; the head is not called
+            for path in after:
+                inside = not base_path or path.startswith(base_path + ".")
+                cut.replace(path, nn.Identity() if inside else NotOnThisStage(path))
+        object.__setattr__(self, "_root", cut.root)  # called, not registered twice
+        object.__setattr__(self, "_base", base)
+        self._modules = cut.root._modules  # parameters named as the model names them
+        self.first, self.last = first, last
+        if not first:
+            self._check_hidden_passes(blocks, list_name)
+
+    def _check_hidden_passes(self, blocks, list_name: str) -> None:
+        """Refuse a model whose forward changes `inputs_embeds` before the first block."""
+        base = self._base
+        kept = base._modules[list_name]
+        config = getattr(base, "config", None)
+        count = config.num_hidden_layers if config is not None else None
+        base._modules[list_name] = KeptBlocks([_Catch()])
+        if config is not None:
+            config.num_hidden_layers = 1
+        weight = next(self.parameters(), None)
+        hidden = getattr(getattr(self._root, "config", None), "hidden_size", None)
+        probe = torch.randn(1, 2, hidden, device=weight.device if weight is not None else None)
+        try:
+            base(inputs_embeds=probe, use_cache=False)
+            arrived = None
+        except _Arrived as caught:
+            arrived = caught.hidden
+        finally:
+            base._modules[list_name] = kept
+            if config is not None:
+                config.num_hidden_layers = count
+        if arrived is None or not torch.equal(arrived, probe):
+            raise ValueError(f"pipeline: {type(self._root).__name__}'s forward changes the "
+                             f"hidden state before its first block (other than an added "
+                             f"position table or dropout), so a later stage cannot resume it "
+                             f"there; plan this model with mesh='1d'")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        given = {"input_ids": x} if self.first else {"inputs_embeds": x}
+        if self.last:
+            out = self._root(**given, use_cache=False)
+            return out.logits if hasattr(out, "logits") else out[0]
+        out = self._base(**given, use_cache=False)
+        return out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
+
+
+class _ScaledOutput(nn.Module):
+    """The last stage's logits, their gradient divided by the dp replicas: every gradient
+    reduction after it is a sum (executor.styles.MeanOverRanks)."""
+
+    def __init__(self, stage: DecoderStage, ranks: int):
+        super().__init__()
+        self._modules = stage._modules
+        object.__setattr__(self, "_stage", stage)
+        object.__setattr__(self, "_scale", MeanOverRanks(ranks))
+
+    def forward(self, x):
+        return self._scale(self._stage(x))
+
+
+def stage_modules(model: nn.Module, plan: Plan, num_stages: int, k: int) -> DecoderStage:
+    """Stage k of `plan` built from `model` (see DecoderStage)."""
+    blocks, why = decoder_blocks(model)
+    if why:
+        raise ValueError(f"pipeline: {why}, so its stages cannot be built from its modules; "
+                         f"plan it with mesh='1d'")
+    index = {path: i for i, path in enumerate(blocks)}
+    if plan.pipeline is None:  # one stage: the whole model
+        return DecoderStage(model, blocks, list(range(len(blocks))), [], [], True, True)
+    stages = plan.pipeline.stages
+    keep = [index[p] for p in stages[k].modules if p in index]
+    before = [p for p in stages[0].modules if p not in index]
+    before = before[:next((i for i, p in enumerate(stages[0].modules) if p in index),
+                          len(stages[0].modules))]
+    after = [p for p in stages[-1].modules if p not in index and p not in before]
+    return DecoderStage(model, blocks, keep, before, after, k == 0, k == num_stages - 1)
+
+
+def parallelize_decoder_3d(model: nn.Module, plan: Plan) -> StageModel:
+    """This rank's StageModel under a 3-D plan of a torch.export graph; every rank calls it
+    with the same model (same initial weights)."""
+    check_model(model, plan)
+    pp, dp, tp = (plan.mesh.size(d) for d in ("pp", "dp", "tp"))
+    if tp != 1:
+        raise ValueError(f"plan: tensor parallelism inside pipeline stages of a model traced "
+                         f"by torch.export is not run yet (tp = {tp}); re-plan with this "
+                         f"hyplan, which offers tp = 1 for such stages")
+    device = device_of(plan)
+    mesh = init_device_mesh(plan.mesh.device_type, (pp, dp, tp), mesh_dim_names=("pp", "dp", "tp"))
+    rank = dist.get_rank()
+    stage_index = rank // (dp * tp)
+    stage_groups = [dist.new_group(list(range(j * dp * tp, (j + 1) * dp * tp)))
+                    for j in range(pp)]
+    chunks = plan.pipeline.chunks if plan.pipeline else 1
+    schedule = plan.pipeline.schedule if plan.pipeline else "1F1B"
+    num_stages = pp * chunks
+    ranks_of = stage_ranks(schedule, pp, chunks)
+    mine = [k for k in range(num_stages) if ranks_of[k] == stage_index]
+    modules = []
+    for k in mine:
+        stage = stage_modules(model, plan, num_stages, k).to(device)
+        last = k == num_stages - 1
+        module = _ScaledOutput(stage, dp * tp) if last else stage
+        run_in_precision(module, plan.training_precision, plan.mesh.device_type, last=last)
+        modules.append(module)
+    result = StageModel(modules, mine, plan, mesh, stage_index, device, stage_groups[stage_index])
+    if pp > 1:
+        result._pipeline_stages = [
+            PipelineStage(module, k, num_stages, device, group=mesh.get_group("pp"))
+            for k, module in zip(mine, modules)]
+    return result
