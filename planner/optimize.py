@@ -24,6 +24,7 @@ from planner.reasons import reasons
 from planner.volume import communication_bytes
 from profiler import profile, trace
 from profiler.export_trace import export_trace
+from profiler.repeat_blocks import trace_repeated
 from profiler.trace import TraceError
 from strategies.catalog import OPTIMIZER_STATE_FACTOR, leaf_types, unit_types
 from strategies.cluster import Cluster, cpu_threads_per_device, parse_devices
@@ -70,7 +71,9 @@ def optimize(
     are this machine's CPU). leaf_modules: module types or paths fx should not trace into.
     pin: {layer name: strategy} to fix some layers' strategies; the rest are optimized.
     tracer: "fx", "export" (torch.export, for models fx cannot follow, such as Hugging Face
-    transformers), or "auto": fx, and torch.export where fx fails.
+    transformers), "auto": fx, and torch.export where fx fails, or "blocks": torch.export
+    of three of the model's `config.num_hidden_layers` alike blocks, repeated to all of
+    them (profiler.repeat_blocks; the same graph in a fraction of the time, for LLMs).
     mesh: "1d" (one group of all devices, each layer data- or model-parallel), "3d" (search
     pipeline x data x tensor meshes, stage cuts, microbatches and schedules:
     planner.plan3d), or "auto" (both; the 1-D plan unless a 3-D one is predicted at least
@@ -215,8 +218,10 @@ def profiled_graph(model: nn.Module, devices, example_inputs, example_kwargs=Non
 def trace_model(model: nn.Module, example_inputs, example_kwargs=None, leaf_modules=(),
                 tracer: str = "auto"):
     """The model's ModelGraph by torch.fx, or by torch.export where fx cannot follow it."""
-    if tracer not in ("auto", "fx", "export"):
-        raise ValueError(f"tracer: {tracer!r} is not one of 'auto', 'fx', 'export'")
+    if tracer not in ("auto", "fx", "export", "blocks"):
+        raise ValueError(f"tracer: {tracer!r} is not one of 'auto', 'fx', 'export', 'blocks'")
+    if tracer == "blocks":  # torch.export of three blocks, repeated (profiler.repeat_blocks)
+        return trace_repeated(model, example_inputs, example_kwargs, unit_types(model))
     if tracer != "export":
         try:
             return trace(model, example_inputs, example_kwargs,
