@@ -191,11 +191,12 @@ def graph_of_program(model: nn.Module, program: torch.export.ExportedProgram, ar
         return [r for s in src.all_input_nodes if s.name not in seen
                 for r in resolve(s, seen + (src.name,))]
 
+    by_name = {n.name: n for n in graph.nodes}
     fixed = []
     for layer in layers:
         inputs = []
         for src_name in layer.inputs:
-            src = _find(graph, src_name)
+            src = by_name[src_name]
             inputs.extend(r for r in resolve(src) if r != layer.node)
         fixed.append(replace(layer, inputs=tuple(dict.fromkeys(inputs))))
     layers = fixed
@@ -211,13 +212,6 @@ def graph_of_program(model: nn.Module, program: torch.export.ExportedProgram, ar
     return ModelGraph(type(model).__name__, tuple(layers), tuple(dict.fromkeys(outputs)), batch,
                       fingerprint_modules(model), module=None, example_kwargs=kwargs,
                       tracer="export")
-
-
-def _find(graph: fx.Graph, name: str) -> fx.Node:
-    for n in graph.nodes:
-        if n.name == name:
-            return n
-    raise KeyError(name)
 
 
 def _export_layer(key: str, nodes: list[fx.Node], out: fx.Node, srcs: list[fx.Node],

@@ -71,3 +71,15 @@ def test_blocks_told_apart_by_the_config_are_traced_whole():
         model = transformers.AutoModelForCausalLM.from_config(config)
     assert block_list(model) is None
     assert block_list(_model("llama", 4))[0] == "model.layers"
+
+
+def test_optimize_plans_the_same_from_repeated_blocks():
+    import planner
+
+    model = _model("llama", 5)
+    ids = torch.zeros(8, 16, dtype=torch.long, device="meta")
+    plans = [planner.optimize(model, "2x4xH100", example_inputs=(ids,),
+                              example_kwargs={"use_cache": False}, tracer=tracer)
+             for tracer in ("export", "blocks")]
+    whole, repeated = (p.model_dump(exclude={"solver"}) for p in plans)
+    assert repeated == whole  # every layer's strategy, the prediction, the fingerprint
