@@ -57,7 +57,9 @@ def optimize(
     are this machine's CPU). leaf_modules: module types or paths fx should not trace into.
     pin: {layer name: strategy} to fix some layers' strategies; the rest are optimized.
     tracer: "fx", "export" (torch.export, for models fx cannot follow, such as Hugging Face
-    transformers), or "auto": fx, and torch.export where fx fails.
+    transformers), "auto": fx, and torch.export where fx fails, or "blocks": torch.export
+    of three of the model's `config.num_hidden_layers` alike blocks, repeated to all of
+    them (profiler.repeat_blocks; the same graph in a fraction of the time, for LLMs).
     mesh: "1d" (one group of all devices, each layer data- or model-parallel), "3d" (search
     pipeline x data x tensor meshes, stage cuts, microbatches and schedules:
     planner.plan3d), or "auto" (both; the 1-D plan unless a 3-D one is predicted at least

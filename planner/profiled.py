@@ -9,6 +9,7 @@ from torch import nn
 
 from profiler import profile, trace
 from profiler.export_trace import export_trace
+from profiler.repeat_blocks import trace_repeated
 from profiler.trace import TraceError
 from strategies.catalog import OPTIMIZER_STATE_FACTOR, leaf_types, unit_types
 from strategies.cluster import cpu_threads_per_device
@@ -53,8 +54,10 @@ def profiled_graph(model: nn.Module, devices, example_inputs, example_kwargs=Non
 def trace_model(model: nn.Module, example_inputs, example_kwargs=None, leaf_modules=(),
                 tracer: str = "auto"):
     """The model's ModelGraph by torch.fx, or by torch.export where fx cannot follow it."""
-    if tracer not in ("auto", "fx", "export"):
-        raise ValueError(f"tracer: {tracer!r} is not one of 'auto', 'fx', 'export'")
+    if tracer not in ("auto", "fx", "export", "blocks"):
+        raise ValueError(f"tracer: {tracer!r} is not one of 'auto', 'fx', 'export', 'blocks'")
+    if tracer == "blocks":  # torch.export of three blocks, repeated (profiler.repeat_blocks)
+        return trace_repeated(model, example_inputs, example_kwargs, unit_types(model))
     if tracer != "export":
         try:
             return trace(model, example_inputs, example_kwargs,

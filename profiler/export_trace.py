@@ -82,11 +82,23 @@ def export_trace(model: nn.Module, example_inputs: Sequence, example_kwargs: dic
     """Trace `model` with torch.export into a ModelGraph (see the module docstring).
     `unit_types`: module classes kept whole as one layer, besides torch.nn's own leaves."""
     args, kwargs = tuple(example_inputs), dict(example_kwargs or {})
+    _batch(args)
+    return graph_of_program(model, export(model, args, kwargs), args, kwargs, unit_types)
+
+
+def _batch(args: tuple) -> int:
     tensors = [x for x in args if isinstance(x, torch.Tensor)]
     if not tensors or tensors[0].dim() == 0:
         raise ValueError("example_inputs: pass at least one tensor whose dim 0 is the batch")
-    batch = tensors[0].shape[0]
-    program = export(model, args, kwargs)
+    return tensors[0].shape[0]
+
+
+def graph_of_program(model: nn.Module, program: torch.export.ExportedProgram, args: tuple,
+                     kwargs: dict, unit_types: tuple[type, ...] = ()) -> ModelGraph:
+    """The ModelGraph of `model` as exported in `program` on (`args`, `kwargs`): layers,
+    their FLOPs on fake tensors, parameters counted once (export_trace's second half,
+    apart so that profiler.repeat_blocks can read the program's node names too)."""
+    batch = _batch(args)
     graph = program.graph_module.graph
     modules = dict(model.named_modules())
 
@@ -176,11 +188,12 @@ def export_trace(model: nn.Module, example_inputs: Sequence, example_kwargs: dic
         return [r for s in src.all_input_nodes if s.name not in seen
                 for r in resolve(s, seen + (src.name,))]
 
+    by_name = {n.name: n for n in graph.nodes}
     fixed = []
     for layer in layers:
         inputs = []
         for src_name in layer.inputs:
-            src = _find(graph, src_name)
+            src = by_name[src_name]
             inputs.extend(r for r in resolve(src) if r != layer.node)
         fixed.append(replace(layer, inputs=tuple(dict.fromkeys(inputs))))
     layers = fixed
@@ -197,13 +210,6 @@ def export_trace(model: nn.Module, example_inputs: Sequence, example_kwargs: dic
     return ModelGraph(type(model).__name__, tuple(layers), tuple(dict.fromkeys(outputs)), batch,
                       fingerprint_modules(model), module=None, example_kwargs=kwargs,
                       tracer="export", blocks=blocks, scopes=scopes, no_blocks_why=why)
-
-
-def _find(graph: fx.Graph, name: str) -> fx.Node:
-    for n in graph.nodes:
-        if n.name == name:
-            return n
-    raise KeyError(name)
 
 
 def _export_layer(key: str, nodes: list[fx.Node], out: fx.Node, srcs: list[fx.Node],

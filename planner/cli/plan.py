@@ -56,6 +56,7 @@ def _plan(args) -> int:
             plan = planner.optimize(model, cluster, example_inputs=inputs,
                                     example_kwargs=kwargs, optimizer=args.optimizer,
                                     memory_limit_bytes=memory_limit, mesh=args.mesh,
+                                    tracer="blocks" if llm else "auto",
                                     **_prefer_standard(args))
     except planner.PlanDoesNotFit as error:  # name the flags, not the Python arguments
         message = str(error).replace("optimizer='sgd'", "--optimizer sgd")
