@@ -85,16 +85,12 @@ def _kind(node: fx.Node) -> str:
     return getattr(target, "_opname", None) or getattr(target, "__name__", str(target))
 
 
-def export_trace(model: nn.Module, example_inputs: Sequence, example_kwargs: dict | None = None,
-                 unit_types: tuple[type, ...] = ()) -> ModelGraph:
-    """Trace `model` with torch.export into a ModelGraph (see the module docstring).
-    `unit_types`: module classes kept whole as one layer, besides torch.nn's own leaves."""
-    args, kwargs = tuple(example_inputs), dict(example_kwargs or {})
-    tensors = [x for x in args if isinstance(x, torch.Tensor)]
-    if not tensors or tensors[0].dim() == 0:
-        raise ValueError("example_inputs: pass at least one tensor whose dim 0 is the batch")
-    batch = tensors[0].shape[0]
-    program = export(model, args, kwargs)
+def group_ops(program: torch.export.ExportedProgram, model: nn.Module,
+              unit_types: tuple[type, ...] = ()) -> tuple[dict, dict, list]:
+    """(fx node name -> layer key, layer key -> its nodes, layer keys in order): the ops of
+    an exported graph grouped into layers as the module docstring says. Shared by the
+    tracer and by profiler.export_timing, which groups a re-export at another batch the
+    same way."""
     graph = program.graph_module.graph
     modules = dict(model.named_modules())
 
@@ -141,6 +137,23 @@ def export_trace(model: nn.Module, example_inputs: Sequence, example_kwargs: dic
             order.append(key)
         members[key].append(node)
         group[node.name] = key
+    return group, members, order
+
+
+def export_trace(model: nn.Module, example_inputs: Sequence, example_kwargs: dict | None = None,
+                 unit_types: tuple[type, ...] = ()) -> ModelGraph:
+    """Trace `model` with torch.export into a ModelGraph (see the module docstring).
+    `unit_types`: module classes kept whole as one layer, besides torch.nn's own leaves."""
+    args, kwargs = tuple(example_inputs), dict(example_kwargs or {})
+    tensors = [x for x in args if isinstance(x, torch.Tensor)]
+    if not tensors or tensors[0].dim() == 0:
+        raise ValueError("example_inputs: pass at least one tensor whose dim 0 is the batch")
+    batch = tensors[0].shape[0]
+    program = export(model, args, kwargs)
+    graph = program.graph_module.graph
+    modules = dict(model.named_modules())
+    user_inputs = set(program.graph_signature.user_inputs)
+    group, members, order = group_ops(program, model, unit_types)
 
     def value(n: fx.Node):
         return n.meta.get("val")
@@ -198,7 +211,7 @@ def export_trace(model: nn.Module, example_inputs: Sequence, example_kwargs: dic
     del by_key
     return ModelGraph(type(model).__name__, tuple(layers), tuple(dict.fromkeys(outputs)), batch,
                       fingerprint_modules(model), module=None, example_kwargs=kwargs,
-                      tracer="export")
+                      tracer="export", units=tuple(unit_types))
 
 
 def _find(graph: fx.Graph, name: str) -> fx.Node:

@@ -96,6 +96,8 @@ class ModelGraph:
     module: torch.fx.GraphModule | None = field(default=None, compare=False, repr=False)
     example_kwargs: dict = field(default_factory=dict, compare=False, repr=False)
     tracer: str = "fx"  # "fx" (profiler.trace) or "export" (profiler.export_trace)
+    # the module classes an export graph kept whole, so that a re-export groups the same way
+    units: tuple[type, ...] = field(default=(), compare=False, repr=False)
 
     def __post_init__(self):
         object.__setattr__(self, "_by_node", {layer.node: layer for layer in self.layers})

@@ -23,6 +23,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from profiler.graph import Layer, ModelGraph
 from profiler.allocator import keep_freed_memory
+from profiler.export_timing import measure_export_times
 from profiler.machine import threads as thread_count
 from profiler.trace import to_meta, materialize, meta_params, run_node
 
@@ -31,26 +32,40 @@ _TIMES: dict[tuple, float] = {}
 
 
 def profile(graph: ModelGraph, measure: bool = False, measure_batch: int | None = None,
-            threads: int | None = None, ranks: int = 1) -> ModelGraph:
+            threads: int | None = None, ranks: int = 1, model: nn.Module | None = None,
+            example_inputs=None) -> ModelGraph:
     """Add FLOPs to every layer and, with `measure`, time each layer on this machine's CPU
     at `measure_batch` rows (default: the graph's batch) with `threads` intra-op threads,
     and Linear / Conv2d layers also at the shapes a `ranks`-way split gives them. A graph
-    from torch.export already carries its FLOPs and is returned as it is."""
+    from torch.export already carries its FLOPs; its layers are timed from `model` and
+    `example_inputs` (profiler.export_timing), and left untimed without them."""
     if graph.tracer == "export":
-        return graph
-    flops = count_flops(graph)
+        if not measure or model is None or example_inputs is None:
+            return graph
+        flops = {layer.node: (layer.fwd_flops, layer.bwd_flops) for layer in graph.layers}
+    else:
+        flops = count_flops(graph)
     times: dict[str, float] = {}
     shards: dict[str, dict[str, float]] = {}
     batch = measure_batch or graph.batch_size
     if measure:
         keep_freed_memory()  # as the ranks run (profiler.allocator)
         with thread_count(threads):
-            times = measure_times(graph, batch)
-            if times:
-                shards = measure_shards(graph, ranks)
+            if graph.tracer == "export":
+                by_name = measure_export_times(graph, model, example_inputs, batch, median_time)
+                times = {layer.node: by_name[layer.name] for layer in graph.layers
+                         if layer.name in by_name}
+                if times:
+                    times.update({l.node: 0.0 for l in graph.layers if l.is_input})
+                    shards = measure_shards(graph, ranks, dict(model.named_modules()))
+            else:
+                times = measure_times(graph, batch)
+                if times:
+                    shards = measure_shards(graph, ranks)
     layers = tuple(
         replace(layer, fwd_flops=flops[layer.node][0], bwd_flops=flops[layer.node][1],
-                measured_s=times.get(layer.node), measured_batch=batch if times else None,
+                measured_s=times.get(layer.node),
+                measured_batch=batch if layer.node in times else None,
                 measured_shards=shards.get(layer.node, {}),
                 measured_parts=ranks if layer.node in shards else None)
         for layer in graph.layers
@@ -260,12 +275,14 @@ def _time_module(module: nn.Module, shape: tuple[int, ...], input_grad: bool) ->
     return median_time(step)
 
 
-def measure_shards(graph: ModelGraph, parts: int) -> dict[str, dict[str, float]]:
+def measure_shards(graph: ModelGraph, parts: int,
+                   modules: dict[str, nn.Module] | None = None) -> dict[str, dict[str, float]]:
     """{fx node name: {"whole" | "out" | "in": seconds}} for Linear and Conv2d layers over
     the whole batch: unsplit, and one of `parts` shards split by output or input features
-    (the shapes replicate, column / channel and row parallelism run at)."""
-    gm = graph.module
-    modules = dict(gm.named_modules())
+    (the shapes replicate, column / channel and row parallelism run at). `modules`: the
+    layers' modules by name (default: the fx graph's)."""
+    if modules is None:
+        modules = dict(graph.module.named_modules())
     out: dict[str, dict[str, float]] = {}
     for layer in graph.layers:
         module = modules.get(layer.name) if layer.op == "call_module" else None
