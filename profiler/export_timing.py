@@ -27,11 +27,11 @@ _TIMES: dict[tuple, float] = {}
 
 
 def measure_export_times(graph: ModelGraph, model: nn.Module, example_inputs, batch: int,
-                         median_time) -> dict[str, float]:
+                         timer) -> dict[str, float]:
     """{layer name: seconds of forward + backward at `batch` rows} for the layers of the
     export graph `graph` of `model`; {} (FLOP rates then price them) when the weights are
-    on the meta device or the model does not run at that batch. `median_time(fn)` times
-    one call (profiler.profile's)."""
+    on the meta device or the model does not run at that batch. `timer(fn)` times
+    one call (profiler.profile.timed)."""
     if any(p.is_meta for p in model.parameters()):
         return {}
     args = _rows(tuple(example_inputs), graph.batch_size, batch)
@@ -60,7 +60,7 @@ def measure_export_times(graph: ModelGraph, model: nn.Module, example_inputs, ba
                                     if src not in nodes))
         cache = (_ops_key(nodes, inputs, values), torch.get_num_threads())
         if cache not in _TIMES:
-            _TIMES[cache] = median_time(
+            _TIMES[cache] = timer(
                 lambda: _forward_backward(runner, nodes, inputs, out, values, params))
         times[key] = _TIMES[cache]
     return times

@@ -52,7 +52,7 @@ def profile(graph: ModelGraph, measure: bool = False, measure_batch: int | None 
         keep_freed_memory()  # as the ranks run (profiler.allocator)
         with thread_count(threads):
             if graph.tracer == "export":
-                by_name = measure_export_times(graph, model, example_inputs, batch, median_time)
+                by_name = measure_export_times(graph, model, example_inputs, batch, timed)
                 times = {layer.node: by_name[layer.name] for layer in graph.layers
                          if layer.name in by_name}
                 if times:
@@ -157,18 +157,33 @@ def count_flops(graph: ModelGraph) -> dict[str, tuple[int, int]]:
     return result
 
 
-def median_time(fn, repeats: int = 5, budget_s: float = 0.3) -> float:
+def median_time(fn, repeats: int = 5, budget_s: float = 0.3, clock=time.perf_counter) -> float:
     """Median seconds of `fn` after one warm-up call: `repeats` calls, more (up to 25) while
-    they fit in `budget_s`, so that quick ops are not decided by one noisy sample."""
+    they fit in `budget_s`, so that quick ops are not decided by one noisy sample. `clock`:
+    wall time by default; layer timing passes `layer_clock()`."""
     fn()
     times: list[float] = []
     spent = 0.0
     while len(times) < repeats or (spent < budget_s and len(times) < 25):
-        start = time.perf_counter()
+        start = clock()
         fn()
-        times.append(time.perf_counter() - start)
+        times.append(clock() - start)
         spent += times[-1]
     return statistics.median(times)
+
+
+def layer_clock():
+    """The clock a layer is timed by: with one intra-op thread, this process's CPU time,
+    which is the op's own time on an idle core whatever else the machine runs (on a shared
+    machine, wall time prices others' load into every layer: 2.5x on a 2-core VM under
+    load 8, where CPU time stayed within 5%); with several threads, wall time. Sharing
+    the cores among the ranks is priced apart (Cluster.compute_slowdown)."""
+    return time.process_time if torch.get_num_threads() == 1 else time.perf_counter
+
+
+def timed(fn) -> float:
+    """One layer's median seconds by `layer_clock()`."""
+    return median_time(fn, clock=layer_clock())
 
 
 def _shape_key(value):
@@ -229,7 +244,7 @@ def measure_times(graph: ModelGraph, batch: int) -> dict[str, float]:
             if layer is not None:
                 key = _node_key(node, modules, local, needs_grad)
                 if key not in _TIMES:
-                    _TIMES[key] = median_time(step)
+                    _TIMES[key] = timed(step)
                 times[node.name] = _TIMES[key]
             needs_grad[node.name] = isinstance(out, torch.Tensor) and out.requires_grad
             values[node.name] = out.detach() if isinstance(out, torch.Tensor) else out
@@ -272,7 +287,7 @@ def _time_module(module: nn.Module, shape: tuple[int, ...], input_grad: bool) ->
         targets = [inp] * input_grad + list(module.parameters())
         torch.autograd.grad(y, targets, torch.ones_like(y))
 
-    return median_time(step)
+    return timed(step)
 
 
 def measure_shards(graph: ModelGraph, parts: int,

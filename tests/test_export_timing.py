@@ -25,7 +25,7 @@ def test_timed_ops_are_each_layers_forward_and_backward(monkeypatch):
     # Count the FLOPs of what is timed instead of timing it: every matmul layer of GPT-2
     # runs its forward, its weight gradient and its input gradient (3x its forward), at
     # half the batch on 2 processes, as a data-parallel rank does.
-    def flops_of(fn):
+    def flops_of(fn, *args, **kwargs):
         with FlopCounterMode(display=False) as counter:
             fn()
         return float(counter.get_total_flops())
