@@ -24,6 +24,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from profiler.graph import Layer, ModelGraph
 from profiler.allocator import keep_freed_memory
 from profiler.export_timing import measure_export_times
+from profiler.whole_step import glue_factor, whole_step_s
 from profiler.machine import threads as thread_count
 from profiler.trace import to_meta, materialize, meta_params, run_node
 
@@ -38,7 +39,8 @@ def profile(graph: ModelGraph, measure: bool = False, measure_batch: int | None 
     at `measure_batch` rows (default: the graph's batch) with `threads` intra-op threads,
     and Linear / Conv2d layers also at the shapes a `ranks`-way split gives them. A graph
     from torch.export already carries its FLOPs; its layers are timed from `model` and
-    `example_inputs` (profiler.export_timing), and left untimed without them."""
+    `example_inputs` (profiler.export_timing), and left untimed without them. Given the
+    model, every time is scaled by its whole step's glue (profiler.whole_step)."""
     if graph.tracer == "export":
         if not measure or model is None or example_inputs is None:
             return graph
@@ -62,6 +64,13 @@ def profile(graph: ModelGraph, measure: bool = False, measure_batch: int | None 
                 times = measure_times(graph, batch)
                 if times:
                     shards = measure_shards(graph, ranks)
+            if times and model is not None and example_inputs is not None:
+                glue = glue_factor(whole_step_s(model, example_inputs, graph.example_kwargs,
+                                                graph.batch_size, batch, timed),
+                                   sum(times.values()))
+                times = {node: t * glue for node, t in times.items()}
+                shards = {node: {k: t * glue for k, t in by.items()}
+                          for node, by in shards.items()}
     layers = tuple(
         replace(layer, fwd_flops=flops[layer.node][0], bwd_flops=flops[layer.node][1],
                 measured_s=times.get(layer.node),

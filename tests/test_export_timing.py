@@ -3,6 +3,7 @@ fx layers are: each layer's own forward and backward, at the rows one rank runs.
 
 import importlib
 
+import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
@@ -78,3 +79,25 @@ def test_planner_prices_hf_layers_from_measurements():
     ratios = {l.name: l.compute_s / measured[l.name] for l in plan.layers
               if l.param_bytes and measured.get(l.name)}
     assert head.compute_s > 0 and len(set(round(r, 9) for r in ratios.values())) == 1
+
+
+def test_whole_step_leaves_the_model_as_it_was():
+    # the glue measurement runs the user's model for real: its gradients and BatchNorm
+    # statistics must be what they were before planning
+    from torch import nn
+
+    from profiler.profile import timed
+    from profiler.whole_step import glue_factor, whole_step_s
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.BatchNorm1d(32), nn.ReLU(), nn.Linear(32, 4))
+    grad = torch.ones_like(model[0].weight)
+    model[0].weight.grad = grad
+    before = model[1].running_mean.clone()
+    step_s = whole_step_s(model, (torch.randn(8, 16),), {}, 8, 4, timed)
+    assert step_s is not None and step_s > 0
+    assert model[0].weight.grad is grad and model[3].weight.grad is None
+    assert torch.equal(model[1].running_mean, before)
+    assert glue_factor(step_s, step_s / 1.2) == pytest.approx(1.2)
+    assert glue_factor(step_s, 2 * step_s) == 1.0 and glue_factor(None, 1.0) == 1.0
+    assert glue_factor(10 * step_s, step_s) == 1.5
