@@ -2,22 +2,24 @@
 plan runs for real, for several models and every plan kind, on 2 and 4 gloo processes.
 
 Models: the MLP of examples/mlp.py (batch 32), the FC-heavy CNN of benchmarks/fc_heavy_cnn.py
-(batch 32), a small all-convolutional-ish CNN (batch 32) and a tiny GPT from examples/gpt.py
-(2 layers, width 128, 4 heads, 64 tokens, vocabulary 512; batch 8). Plan kinds:
+(batch 32), a small all-convolutional-ish CNN (batch 32), a tiny GPT from examples/gpt.py
+(2 layers, width 128, 4 heads, 64 tokens, vocabulary 512; batch 8), and two Hugging Face
+models traced by torch.export, random init: GPT-2 and Llama (2 layers, width 128, 4 heads,
+Llama with 2 key-value heads and a 512-wide MLP; 64 tokens, vocabulary 512; batch 8). Plan kinds:
 pure data parallel (`planner.baseline(..., "ddp")`), pure model parallel (`"tensor"`,
 Megatron-style), sharded data parallel (`"fsdp"`, FSDP2 on every layer), pipeline stages
-(`"pipeline"`, run through `executor.train_step`) and hyplan's chosen hybrid
+(`"pipeline"`, run through `executor.train_step`; fx-traced models only) and hyplan's chosen hybrid
 (`planner.optimize`), all planned as a user plans: `--devices Nxcpu`, priced with the
 profile hyplan makes on first use (the quick calibration, into a fresh cache directory
 unless --cache-dir or --profile is given; its seconds are reported), all run by `executor.parallelize` in one loop: SGD (lr 0.01, foreach=False), the model's
 loss, 4 warm-up steps, then --steps timed steps. Plans that are the same plan (hyplan's
 choice is often one of the baselines) are one program: they are run once and share the
 figure, so that a difference between them is never noise.
---rounds rounds go over all cases in turn, so
-a slow spell hits different cases in different rounds; a case's figure is the slowest
-rank's median over all its timed steps of all rounds (single steps of one plan vary by
+--runs runs go over all cases in turn, so
+a slow spell hits different cases in different runs; a case's figure is the slowest
+rank's median over all its timed steps of all runs (single steps of one plan vary by
 -30%..+60% here: gloo wake-ups, the scheduler, the other rank), and "spread" is the range of
-its per-round medians over that figure. The ranks keep freed memory (profiler.allocator)
+its per-run medians over that figure (the run-to-run spread). The ranks keep freed memory (profiler.allocator)
 as layer timing does.
 
 Beside each figure: the CPU (in cores) that processes other than the ranks used during the
@@ -25,7 +27,7 @@ round, from /proc/stat less the ranks' own CPU time; each case reports its round
 most such load. With P processes on a 2-core machine anything else running skews the
 timing; rerun on an idle machine for final figures.
 
-    python benchmarks/fidelity.py [--worlds 2 4] [--steps 8] [--cache-dir DIR | --profile FILE]
+    python benchmarks/fidelity.py [--procs 2 4] [--runs 3] [--steps 8] [--cache-dir DIR | --profile FILE]
 """
 
 from __future__ import annotations
@@ -107,8 +109,40 @@ def _gpt(batch):
     return model, ids, targets, NextTokenLoss()
 
 
+def _hf_lm(config_name: str, model_name: str, **config):
+    """A Hugging Face causal LM from its config (random init, dropout off, no cache: what
+    tests/zoo.py builds, at a width whose step takes tens of ms here), traced by
+    torch.export; 64 tokens, vocabulary 512, next-token loss on the logits."""
+    def build(batch):
+        import transformers
+
+        cfg = getattr(transformers, config_name)(vocab_size=512, bos_token_id=0,
+                                                 eos_token_id=0, **config)
+        for key in ("resid_pdrop", "embd_pdrop", "attn_pdrop", "attention_dropout"):
+            if hasattr(cfg, key):
+                setattr(cfg, key, 0.0)
+        cfg.use_cache = False
+        torch.manual_seed(0)
+        model = getattr(transformers, model_name)(cfg).train()
+        g = torch.Generator().manual_seed(1)
+        ids = torch.randint(0, 512, (batch, 64), generator=g)
+        targets = torch.randint(0, 512, (batch, 64), generator=g)
+
+        def loss(output, target):
+            return F.cross_entropy(output.logits.flatten(0, 1), target.flatten())
+
+        return model, ids, targets, loss
+    return build
+
+
 MODELS = {"mlp": (_mlp, 32), "fc_cnn": (_fc_cnn, 32), "small_cnn": (_small_cnn, 32),
-          "gpt_tiny": (_gpt, 8)}
+          "gpt_tiny": (_gpt, 8),
+          "hf_gpt2": (_hf_lm("GPT2Config", "GPT2LMHeadModel", n_layer=2, n_embd=128,
+                             n_head=4, n_positions=128), 8),
+          "hf_llama": (_hf_lm("LlamaConfig", "LlamaForCausalLM", hidden_size=128,
+                              intermediate_size=512, num_hidden_layers=2,
+                              num_attention_heads=4, num_key_value_heads=2,
+                              max_position_embeddings=128, pad_token_id=0), 8)}
 
 
 def _leaves(model_key: str) -> tuple:
@@ -236,10 +270,12 @@ def main() -> None:
     parser.add_argument("--cache-dir", metavar="DIR",
                         help="hyplan's cache directory to plan with (default: a fresh one, so "
                         "that first use calibrates as it does for a new user)")
-    parser.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
-    parser.add_argument("--steps", type=int, default=8, help="timed steps per case and round")
-    parser.add_argument("--rounds", type=int, default=3,
-                        help="rounds over all cases; a case's figure is the median of all its steps")
+    parser.add_argument("--procs", "--worlds", dest="worlds", type=int, nargs="+",
+                        default=[2, 4], help="gloo processes (2, 4 or both)")
+    parser.add_argument("--steps", type=int, default=8, help="timed steps per case and run")
+    parser.add_argument("--runs", "--rounds", dest="rounds", type=int, default=3,
+                        help="runs over all cases; a case's figure is the median of all its "
+                        "steps, its spread the range of its per-run medians")
     parser.add_argument("--wait", type=float, default=10.0,
                         help="seconds to wait, before each case, for other load to pause")
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))

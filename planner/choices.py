@@ -155,7 +155,7 @@ def layer_choices(graph: ModelGraph, cluster: Cluster, optimizer: str,
             else:
                 matrix = edge_matrix([s.gives for s in producer.strategies], takes,
                                      producer.layer.output.nbytes, ctx.ranks, link,
-                                     backward=not producer.layer.is_input,
+                                     backward=has_gradient(producer.layer),
                                      reshard_overhead_s=overhead, own_style=own_style)
                 if graph.tracer == "export":
                     matrix = matrix + unrealizable(producer, row, takes)
@@ -170,6 +170,12 @@ def layer_choices(graph: ModelGraph, cluster: Cluster, optimizer: str,
         edges.append(Edge(src, sink, matrix))
     problem = Problem(tuple(nodes), tuple(edges), memory_budget_bytes, ties)
     return Choices(problem, tuple(rows), ctx)
+
+
+def has_gradient(layer: Layer) -> bool:
+    """Does a gradient flow back into this layer's output? Not into a model input, nor
+    into an integer or boolean value (token ids, a mask)."""
+    return not layer.is_input and layer.output.dtype.startswith(("float", "bfloat", "complex"))
 
 
 def rows_visible(shape, batch: int) -> bool:

@@ -47,7 +47,7 @@ def profiled_graph(model: nn.Module, devices, example_inputs, example_kwargs=Non
         measure = cluster.device.kind == "cpu"
     graph = profile(graph, measure=measure, measure_batch=max(1, graph.batch_size // ranks),
                     threads=cpu_threads_per_device(ranks) if cluster.device.kind == "cpu" else None,
-                    ranks=ranks)
+                    ranks=ranks, model=model, example_inputs=example_inputs)
     return at_precision(graph, cluster.training_precision), cluster
 
 

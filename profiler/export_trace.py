@@ -93,12 +93,12 @@ def _batch(args: tuple) -> int:
     return tensors[0].shape[0]
 
 
-def graph_of_program(model: nn.Module, program: torch.export.ExportedProgram, args: tuple,
-                     kwargs: dict, unit_types: tuple[type, ...] = ()) -> ModelGraph:
-    """The ModelGraph of `model` as exported in `program` on (`args`, `kwargs`): layers,
-    their FLOPs on fake tensors, parameters counted once (export_trace's second half,
-    apart so that profiler.repeat_blocks can read the program's node names too)."""
-    batch = _batch(args)
+def group_ops(program: torch.export.ExportedProgram, model: nn.Module,
+              unit_types: tuple[type, ...] = ()) -> tuple[dict, dict, list]:
+    """(fx node name -> layer key, layer key -> its nodes, layer keys in order): the ops of
+    an exported graph grouped into layers as the module docstring says. Shared by the
+    tracer and by profiler.export_timing, which groups a re-export at another batch the
+    same way."""
     graph = program.graph_module.graph
     modules = dict(model.named_modules())
 
@@ -145,6 +145,19 @@ def graph_of_program(model: nn.Module, program: torch.export.ExportedProgram, ar
             order.append(key)
         members[key].append(node)
         group[node.name] = key
+    return group, members, order
+
+
+def graph_of_program(model: nn.Module, program: torch.export.ExportedProgram, args: tuple,
+                     kwargs: dict, unit_types: tuple[type, ...] = ()) -> ModelGraph:
+    """The ModelGraph of `model` as exported in `program` on (`args`, `kwargs`): layers,
+    their FLOPs on fake tensors, parameters counted once (export_trace's second half,
+    apart so that profiler.repeat_blocks can read the program's node names too)."""
+    batch = _batch(args)
+    graph = program.graph_module.graph
+    modules = dict(model.named_modules())
+    user_inputs = set(program.graph_signature.user_inputs)
+    group, members, order = group_ops(program, model, unit_types)
 
     def value(n: fx.Node):
         return n.meta.get("val")
@@ -209,7 +222,8 @@ def graph_of_program(model: nn.Module, program: torch.export.ExportedProgram, ar
     blocks, why = decoder_blocks(model)
     return ModelGraph(type(model).__name__, tuple(layers), tuple(dict.fromkeys(outputs)), batch,
                       fingerprint_modules(model), module=None, example_kwargs=kwargs,
-                      tracer="export", blocks=blocks, scopes=scopes, no_blocks_why=why)
+                      tracer="export", blocks=blocks, scopes=scopes, no_blocks_why=why,
+                      units=tuple(unit_types))
 
 
 def _export_layer(key: str, nodes: list[fx.Node], out: fx.Node, srcs: list[fx.Node],

@@ -101,6 +101,8 @@ class ModelGraph:
     blocks: tuple[str, ...] = ()
     no_blocks_why: str = ""
     scopes: dict = field(default_factory=dict, compare=False, repr=False)
+    # the module classes an export graph kept whole, so that a re-export groups the same way
+    units: tuple[type, ...] = field(default=(), compare=False, repr=False)
 
     def __post_init__(self):
         object.__setattr__(self, "_by_node", {layer.node: layer for layer in self.layers})

@@ -23,6 +23,8 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from profiler.graph import Layer, ModelGraph
 from profiler.allocator import keep_freed_memory
+from profiler.export_timing import measure_export_times
+from profiler.whole_step import glue_factor, whole_step_s
 from profiler.machine import threads as thread_count
 from profiler.trace import to_meta, materialize, meta_params, run_node
 
@@ -31,26 +33,48 @@ _TIMES: dict[tuple, float] = {}
 
 
 def profile(graph: ModelGraph, measure: bool = False, measure_batch: int | None = None,
-            threads: int | None = None, ranks: int = 1) -> ModelGraph:
+            threads: int | None = None, ranks: int = 1, model: nn.Module | None = None,
+            example_inputs=None) -> ModelGraph:
     """Add FLOPs to every layer and, with `measure`, time each layer on this machine's CPU
     at `measure_batch` rows (default: the graph's batch) with `threads` intra-op threads,
     and Linear / Conv2d layers also at the shapes a `ranks`-way split gives them. A graph
-    from torch.export already carries its FLOPs and is returned as it is."""
+    from torch.export already carries its FLOPs; its layers are timed from `model` and
+    `example_inputs` (profiler.export_timing), and left untimed without them. Given the
+    model, every time is scaled by its whole step's glue (profiler.whole_step)."""
     if graph.tracer == "export":
-        return graph
-    flops = count_flops(graph)
+        if not measure or model is None or example_inputs is None:
+            return graph
+        flops = {layer.node: (layer.fwd_flops, layer.bwd_flops) for layer in graph.layers}
+    else:
+        flops = count_flops(graph)
     times: dict[str, float] = {}
     shards: dict[str, dict[str, float]] = {}
     batch = measure_batch or graph.batch_size
     if measure:
         keep_freed_memory()  # as the ranks run (profiler.allocator)
         with thread_count(threads):
-            times = measure_times(graph, batch)
-            if times:
-                shards = measure_shards(graph, ranks)
+            if graph.tracer == "export":
+                by_name = measure_export_times(graph, model, example_inputs, batch, timed)
+                times = {layer.node: by_name[layer.name] for layer in graph.layers
+                         if layer.name in by_name}
+                if times:
+                    times.update({l.node: 0.0 for l in graph.layers if l.is_input})
+                    shards = measure_shards(graph, ranks, dict(model.named_modules()))
+            else:
+                times = measure_times(graph, batch)
+                if times:
+                    shards = measure_shards(graph, ranks)
+            if times and model is not None and example_inputs is not None:
+                glue = glue_factor(whole_step_s(model, example_inputs, graph.example_kwargs,
+                                                graph.batch_size, batch, timed),
+                                   sum(times.values()))
+                times = {node: t * glue for node, t in times.items()}
+                shards = {node: {k: t * glue for k, t in by.items()}
+                          for node, by in shards.items()}
     layers = tuple(
         replace(layer, fwd_flops=flops[layer.node][0], bwd_flops=flops[layer.node][1],
-                measured_s=times.get(layer.node), measured_batch=batch if times else None,
+                measured_s=times.get(layer.node),
+                measured_batch=batch if layer.node in times else None,
                 measured_shards=shards.get(layer.node, {}),
                 measured_parts=ranks if layer.node in shards else None)
         for layer in graph.layers
@@ -142,18 +166,33 @@ def count_flops(graph: ModelGraph) -> dict[str, tuple[int, int]]:
     return result
 
 
-def median_time(fn, repeats: int = 5, budget_s: float = 0.3) -> float:
+def median_time(fn, repeats: int = 5, budget_s: float = 0.3, clock=time.perf_counter) -> float:
     """Median seconds of `fn` after one warm-up call: `repeats` calls, more (up to 25) while
-    they fit in `budget_s`, so that quick ops are not decided by one noisy sample."""
+    they fit in `budget_s`, so that quick ops are not decided by one noisy sample. `clock`:
+    wall time by default; layer timing passes `layer_clock()`."""
     fn()
     times: list[float] = []
     spent = 0.0
     while len(times) < repeats or (spent < budget_s and len(times) < 25):
-        start = time.perf_counter()
+        start = clock()
         fn()
-        times.append(time.perf_counter() - start)
+        times.append(clock() - start)
         spent += times[-1]
     return statistics.median(times)
+
+
+def layer_clock():
+    """The clock a layer is timed by: with one intra-op thread, this process's CPU time,
+    which is the op's own time on an idle core whatever else the machine runs (on a shared
+    machine, wall time prices others' load into every layer: 2.5x on a 2-core VM under
+    load 8, where CPU time stayed within 5%); with several threads, wall time. Sharing
+    the cores among the ranks is priced apart (Cluster.compute_slowdown)."""
+    return time.process_time if torch.get_num_threads() == 1 else time.perf_counter
+
+
+def timed(fn) -> float:
+    """One layer's median seconds by `layer_clock()`."""
+    return median_time(fn, clock=layer_clock())
 
 
 def _shape_key(value):
@@ -214,7 +253,7 @@ def measure_times(graph: ModelGraph, batch: int) -> dict[str, float]:
             if layer is not None:
                 key = _node_key(node, modules, local, needs_grad)
                 if key not in _TIMES:
-                    _TIMES[key] = median_time(step)
+                    _TIMES[key] = timed(step)
                 times[node.name] = _TIMES[key]
             needs_grad[node.name] = isinstance(out, torch.Tensor) and out.requires_grad
             values[node.name] = out.detach() if isinstance(out, torch.Tensor) else out
@@ -257,15 +296,17 @@ def _time_module(module: nn.Module, shape: tuple[int, ...], input_grad: bool) ->
         targets = [inp] * input_grad + list(module.parameters())
         torch.autograd.grad(y, targets, torch.ones_like(y))
 
-    return median_time(step)
+    return timed(step)
 
 
-def measure_shards(graph: ModelGraph, parts: int) -> dict[str, dict[str, float]]:
+def measure_shards(graph: ModelGraph, parts: int,
+                   modules: dict[str, nn.Module] | None = None) -> dict[str, dict[str, float]]:
     """{fx node name: {"whole" | "out" | "in": seconds}} for Linear and Conv2d layers over
     the whole batch: unsplit, and one of `parts` shards split by output or input features
-    (the shapes replicate, column / channel and row parallelism run at)."""
-    gm = graph.module
-    modules = dict(gm.named_modules())
+    (the shapes replicate, column / channel and row parallelism run at). `modules`: the
+    layers' modules by name (default: the fx graph's)."""
+    if modules is None:
+        modules = dict(graph.module.named_modules())
     out: dict[str, dict[str, float]] = {}
     for layer in graph.layers:
         module = modules.get(layer.name) if layer.op == "call_module" else None

@@ -69,6 +69,10 @@ class ClusterProfile(BaseModel):
     step_overhead_s: dict[int, float] = Field(default_factory=dict)
     fsdp_overhead_s_per_byte: dict[int, float] = Field(default_factory=dict)
     samples: list[Sample] = Field(default_factory=list)
+    # CPU (in cores) other processes used while this was measured: DTensor's and a step's
+    # fixed costs are differences of small medians, which others' load inflates up to 100x
+    # (0.19 -> 28 ms per redistribute at load 12 on the 2-core VM)
+    other_load_cores: float | None = None
 
     def _nearest(self, table: dict[int, object], count: int):
         if not table:
@@ -113,13 +117,25 @@ class ClusterProfile(BaseModel):
         how = "quick calibration" if self.quick else "hyplan calibrate"
         counts = "/".join(str(p) for p in sorted(self.links)) or "1"
         return (f"{how} of {self.host} ({self.cpu_model or self.device.name}, {self.cores} "
-                f"cores, {counts} processes, torch {self.torch_version}), made {self.created}")
+                f"cores, {counts} processes, torch {self.torch_version}), made {self.created}"
+                + (f"; made while other processes used {self.other_load_cores:.1f} cores: "
+                   f"its figures are inflated, run `hyplan calibrate` on an idle machine"
+                   if self.busy else ""))
+
+    @property
+    def busy(self) -> bool:
+        """Was the machine busy with other work while this was measured?"""
+        return (self.other_load_cores or 0.0) > BUSY_CORES
 
     def save(self, path: str | Path) -> None:
         path = Path(path)
         tmp = path.with_name(path.name + ".tmp")
         tmp.write_text(self.model_dump_json(indent=2, by_alias=True))
         tmp.replace(path)
+
+
+# other processes' CPU above which a calibration is called busy (a quiet VM shows 0.0-0.1)
+BUSY_CORES = 0.25
 
 
 def load_profile(path: str | Path) -> ClusterProfile:

@@ -45,6 +45,12 @@ def edge_matrix(gives: list[Layout], takes: list[Layout], nbytes: float, ranks: 
     style, whose fixed cost the strategy already counts)."""
     own_style = own_style or [False] * len(takes)
     return np.array([[reshard_s(g, t, nbytes, ranks, link, backward)
-                      + (reshard_overhead_s if g != t and not own else 0.0)
+                      + (reshard_overhead_s if changes(g, t, backward) and not own else 0.0)
                       for t, own in zip(takes, own_style)]
                      for g in gives])
+
+
+def changes(src: Layout, dst: Layout, backward: bool = True) -> bool:
+    """Does the edge change anything? Two layouts that differ only in how a gradient is
+    held change nothing for a value that has no gradient (a mask, token ids)."""
+    return src.forward != dst.forward or (backward and src.grad != dst.grad)

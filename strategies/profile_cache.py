@@ -116,6 +116,10 @@ def local_profile(processes: int, kind: str = "cpu", log=_stderr) -> ClusterProf
         _calibrate_in_a_fresh_process(count, kind, path)
         profile = load_profile(path)
         log(f"hyplan: calibrated in {profile.seconds:.0f} s")
+        if profile.busy:
+            log(f"hyplan: other processes used {profile.other_load_cores:.1f} cores meanwhile; "
+                f"the profile overprices collectives and DTensor: run `hyplan calibrate` "
+                f"when the machine is idle")
     return profile
 
 
@@ -134,7 +138,17 @@ def _calibrate_in_a_fresh_process(count: int, kind: str, path: Path) -> None:
 
 def _main(argv: list[str]) -> None:
     count, kind, path = int(argv[0]), argv[1], Path(argv[2])
-    calibrate((count,), quick=True, log=lambda *_: None, kind=kind).save(path)
+    measured(lambda: calibrate((count,), quick=True, log=lambda *_: None, kind=kind)).save(path)
+
+
+def measured(make) -> ClusterProfile:
+    """`make()`'s profile, with the CPU other processes used meanwhile (its ranks are this
+    process's children, so they do not count)."""
+    from profiler.launch import OtherLoad  # noqa: PLC0415
+
+    with OtherLoad() as load:
+        profile = make()
+    return profile.model_copy(update={"other_load_cores": load.cores})
 
 
 def refresh(processes, quick: bool = False, quiet_wait_s: float = 0.0,
@@ -146,8 +160,8 @@ def refresh(processes, quick: bool = False, quiet_wait_s: float = 0.0,
     for count in sorted(set(processes)):
         path = profile_path(count, kind)
         with _locked(path):
-            profile = calibrate((count,), quick=quick, log=log, quiet_wait_s=quiet_wait_s,
-                                kind=kind)
+            profile = measured(lambda: calibrate((count,), quick=quick, log=log,
+                                                 quiet_wait_s=quiet_wait_s, kind=kind))
             profile.save(path)
         out.append((profile, path))
     return out

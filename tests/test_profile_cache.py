@@ -82,3 +82,15 @@ def test_first_use_of_two_processes_measures_collectives_past_the_cache(fresh_ca
     began = time.perf_counter()
     assert parse_devices("2xcpu") == cluster
     assert time.perf_counter() - began < 1.0
+
+
+def test_a_calibration_on_a_busy_machine_says_so():
+    # DTensor's and a step's fixed costs are differences of small medians: measured while
+    # others' work ran they come out up to 100x too large, and explain() must say so
+    from reference_profile import reference_profile
+
+    quiet = reference_profile(2).model_copy(update={"other_load_cores": 0.05})
+    busy = reference_profile(2).model_copy(update={"other_load_cores": 1.4})
+    assert not quiet.busy and "idle machine" not in quiet.describe()
+    assert busy.busy and "1.4 cores" in busy.describe()
+    assert "hyplan calibrate" in busy.cluster(2, 1).source
