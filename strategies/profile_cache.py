@@ -27,6 +27,7 @@ import sys
 from contextlib import contextmanager
 from pathlib import Path
 
+from profiler.launch import OtherLoad
 from profiler.machine import cpu_model
 from strategies.calibrated import ClusterProfile, calibrate, load_profile
 
@@ -144,8 +145,6 @@ def _main(argv: list[str]) -> None:
 def measured(make) -> ClusterProfile:
     """`make()`'s profile, with the CPU other processes used meanwhile (its ranks are this
     process's children, so they do not count)."""
-    from profiler.launch import OtherLoad  # noqa: PLC0415
-
     with OtherLoad() as load:
         profile = make()
     return profile.model_copy(update={"other_load_cores": load.cores})
