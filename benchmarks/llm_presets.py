@@ -38,10 +38,10 @@ from dataclasses import dataclass
 import planner
 from planner.baseline import LABELS, ONE_D_KINDS, available, solve_baseline, summarize
 from planner.choices import layer_choices
-from planner.optimize import profiled_graph, trace_model
-from planner.throughput import llm_throughput, plan_throughput
+from planner.profiled import profiled_graph, trace_model
+from planner.report.throughput import llm_throughput, plan_throughput
 from profiler.presets import load_llm
-from strategies.cluster import parse_devices
+from strategies.parse import parse_devices
 from strategies.memory import split_name
 
 GB = 1e9

@@ -8,7 +8,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 import planner
-from planner.optimize import profiled_graph, trace_model
+from planner.profiled import profiled_graph, trace_model
 from zoo import ZOO, _hf
 
 export_timing = importlib.import_module("profiler.export_timing")

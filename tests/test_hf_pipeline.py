@@ -13,7 +13,7 @@ import executor
 from distributed import run_ranks
 import planner
 from planner.block_cuts import AFTER, BEFORE, block_units, why_no_blocks
-from planner.optimize import profiled_graph
+from planner.profiled import profiled_graph
 from planner.plan import Plan
 from planner.plan3d import plan_3d
 from planner.search import CostCache, Shape, build, group_link, search, units
