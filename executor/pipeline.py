@@ -18,7 +18,9 @@ In a fixed order, like torchtitan's parallelize functions:
    count); with one stage, a plain loop over microbatches;
 5. data parallelism: after backward, each gradient is summed over the ranks that share its
    weights: the dp group for tensor-parallel and replicated layers, dp x tp for layers
-   data-parallel inside the tp group.
+   data-parallel inside the tp group. A layer the plan shards over dp (`dp_shard`) is
+   FSDP2 `fully_shard` of its module over the dp sub-mesh instead (beside DTensor tensor
+   parallelism over tp: a 2-D (dp, tp) mesh), which reduce-scatters its gradients itself.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from torch.distributed.tensor import DTensor
 
 from executor.agree import traced_as_planned
 from executor.graph_rewrite import apply_tensor_parallel, device_of, insert_reshards
+from executor.levers import apply_levers
 from executor.precision import run_in_precision
 from executor.styles import summed_params
 from planner.plan import Plan
@@ -140,7 +143,7 @@ class StageModel(nn.Module):
     them. `parameters()` are the ones this rank updates; train with `executor.train_step`."""
 
     def __init__(self, chunks: list[fx.GraphModule], indices: list[int], plan: Plan, mesh,
-                 stage_index: int, device, stage_group):
+                 stage_index: int, device, stage_group, sharded: frozenset[str] = frozenset()):
         super().__init__()
         self.chunks, self.chunk_indices = chunks, indices  # not registered: see `stage`
         self.stage = chunks[0] if len(chunks) == 1 else _merged(chunks)
@@ -158,6 +161,8 @@ class StageModel(nn.Module):
         split_rows = summed_params(plan) if self.tp > 1 else set()
         self.sum_over_stage, self.sum_over_dp = [], []
         for name, param in self.stage.named_parameters():
+            if name in sharded:
+                continue  # FSDP2 reduce-scatters it over dp in backward
             (self.sum_over_stage if name in split_rows else self.sum_over_dp).append(param)
 
     def forward(self, *args):
@@ -208,22 +213,37 @@ def parallelize_3d(model: nn.Module, plan: Plan, *, leaf_modules=()) -> StageMod
     gives = {k: (layout, _rows(shape, plan)) for k, (layout, shape) in gives.items()}
     tp_mesh = mesh["tp"]
     modules = []
+    sharded: set[str] = set()
     for k in mine:
         module = split[k].to(device)
         apply_tensor_parallel(module, tp_mesh, layers, gives)
         insert_reshards(module, tp_mesh, layers, gives, microbatch_rows(plan),
                          final=k == num_stages - 1, mean_over=dp * tp)
+        sharded |= shard_over_dp(module, layers, mesh["dp"], plan)
         # under autocast; outputs sent on in the compute dtype, the last stage's in fp32
         run_in_precision(module, plan.training_precision, plan.mesh.device_type,
                          last=k == num_stages - 1)
         modules.append(module)
 
-    model = StageModel(modules, mine, plan, mesh, stage_index, device, stage_groups[stage_index])
+    model = StageModel(modules, mine, plan, mesh, stage_index, device, stage_groups[stage_index],
+                       frozenset(sharded))
     if pp > 1:
         model._pipeline_stages = [
             PipelineStage(module, k, num_stages, device, group=mesh.get_group("pp"))
             for k, module in zip(mine, modules)]
     return model
+
+
+def shard_over_dp(module: fx.GraphModule, layers: dict, dp_mesh, plan: Plan) -> set[str]:
+    """FSDP2 `fully_shard` over the dp sub-mesh of each module the plan marks `dp_shard`
+    (after tensor parallelism, so its DTensor params shard on the (dp, tp) mesh); gradients
+    summed, as executor.levers sets it (the output gradient already carries 1/(dp·tp)).
+    Returns the names of the parameters FSDP now owns."""
+    targets = [(str(n.target), "fsdp", False) for n in module.graph.nodes
+               if n.op == "call_module" and n.name in layers and layers[n.name].dp_shard]
+    if not targets:
+        return set()
+    return apply_levers(module, targets, dp_mesh, plan.training_precision)
 
 
 def microbatch_rows(plan: Plan) -> int:

@@ -67,6 +67,9 @@ class LayerPlan(_Data):
     lever_s: float = Field(0.0, description="time its levers cost per step")
     recompute_s: float = Field(0.0, description="of lever_s: the extra forward of recompute")
     recompute_saved_bytes: float = Field(0.0, description="of saved_bytes: by recompute")
+    dp_shard: bool = Field(False, description="3-D plans: FSDP2 fully_shard of its module "
+                           "over the dp group (weights, gradients, optimizer state 1/dp), "
+                           "beside its strategy over the tp group")
 
 
 class InputPlan(_Data):

@@ -127,9 +127,12 @@ def to_plan(graph, cluster: Cluster, optimizer: str, budget: float, result: Sear
         r = ranks_of[k]
         strategy, cost, opts = built.strategies[i][c], built.costs[i][c], problem.layers[i]
         local = float(built.local_param_bytes[i][c])
+        sharded = bool(built.sharded and built.sharded[i][c])
         for mem in (memory[r], stage_memory[k]):
-            # fp32 masters and autocast's low-precision copy (strategies.precision)
-            mem["parameters_bytes"] += local + precision.weight_copy_bytes(local)
+            # fp32 masters and autocast's low-precision copy (strategies.precision), which
+            # FSDP2 does not keep
+            copy = 0.0 if sharded else precision.weight_copy_bytes(local)
+            mem["parameters_bytes"] += local + copy
             mem["gradients_bytes"] += local
             mem["optimizer_state_bytes"] += state * local
             mem["activations_bytes"] += float(opts.activation_bytes[c]) * flight[k]
@@ -150,7 +153,8 @@ def to_plan(graph, cluster: Cluster, optimizer: str, budget: float, result: Sear
             reshard_in_s=edge_in[i] * m,
             memory_bytes=float(opts.weight_bytes[c]) + float(opts.activation_bytes[c]) * flight[k],
             param_bytes=layer.param_bytes, params=list(layer.params), stage=k,
-            reason=_reason(strategy, k, S, tp, cost, opts, c)))
+            reason=_reason(strategy, k, S, tp, cost, opts, c),
+            **_shard_fields(opts, c, m, sharded)))
     breakdown = [MemoryBreakdown(**b) for b in memory]
 
     unit_names = problem.units
@@ -272,13 +276,29 @@ def why_schedule(result: SearchResult, shape: Shape, times) -> str:
     return head + ("; vs " + "; ".join(parts) if parts else "")
 
 
+def _shard_fields(opts, c: int, m: int, sharded: bool) -> dict:
+    """LayerPlan fields of an fsdp-over-dp layer: the flag, and what it saves and costs
+    per step against the same strategy replicated over dp (when that was an option)."""
+    if not sharded:
+        return {}
+    base = opts.strategies[c].removesuffix("+fsdp")
+    if base not in opts.strategies:
+        return {"dp_shard": True}
+    j = opts.strategies.index(base)
+    lever_s = (m * (opts.microbatch_s[c] - opts.microbatch_s[j])
+               + opts.step_s[c] - opts.step_s[j])
+    return {"dp_shard": True, "saved_bytes": float(opts.weight_bytes[j] - opts.weight_bytes[c]),
+            "lever_s": float(lever_s)}
+
+
 def _reason(strategy, stage: int, pp: int, tp: int, cost, opts, c: int) -> str:
     where = f"stage {stage}: " if pp > 1 else ""
     if len(opts.strategies) == 1:
-        return f"{where}{strategy.name}: the only strategy that applies on a group of {tp}"
+        return (f"{where}{opts.strategies[c]}: the only strategy that applies on a group "
+                f"of {tp}")
     others = [f"{name} {opts.microbatch_s[j] * 1e3:.2f} ms"
               for j, name in enumerate(opts.strategies) if j != c]
-    return (f"{where}{strategy.name} over the {tp}-device tp group, "
+    return (f"{where}{opts.strategies[c]} over the {tp}-device tp group, "
             f"{opts.microbatch_s[c] * 1e3:.2f} ms per microbatch (alone; others: "
             f"{', '.join(others)}; edges decide the rest)")
 

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from planner.block_cuts import block_units, carries_weights, why_no_blocks
+from planner import dp_shard
 from planner.choices import OUTPUT
 from planner.problem import Edge
 from planner.progress import Progress, report
@@ -275,12 +276,14 @@ class Built:
     costs: tuple[tuple, ...]
     layers: tuple[Layer, ...]  # scaled to the microbatch, the sink excluded
     local_param_bytes: tuple[np.ndarray, ...]
+    sharded: tuple[tuple[bool, ...], ...] = ()  # per layer and option: fsdp over dp
 
 
 def build(cache: CostCache, pp: int, dp: int, tp: int, rows: int,
           pin: dict[str, str] | None = None) -> Built:
     """The stage problem of one mesh shape at `rows` rows per microbatch per replica.
-    `pin` maps layer names to the strategy they must use where it applies."""
+    `pin` maps layer names to the option they must use where it applies: a strategy's
+    name, or with "+fsdp" its variant sharded over the dp group (planner.dp_shard)."""
     graph, cluster = cache.graph, cache.cluster
     unit_names: list[str] = []
     unit_of: list[int] = []
@@ -296,29 +299,45 @@ def build(cache: CostCache, pp: int, dp: int, tp: int, rows: int,
     computing = cluster.devices_per_node * m / (m + pp - 1) if pp > 1 else None
     options: list[LayerOptions] = []
     strategies, costs, scaled_layers, local = [], [], [], []
+    sharded_all = []
     for i, layer in enumerate(graph.layers):
         scaled, strats, cs, ctx = cache.layer(layer, tp, rows, computing)
-        if pin and layer.name in pin and any(s.name == pin[layer.name] for s in strats):
-            keep = [j for j, s in enumerate(strats) if s.name == pin[layer.name]]
-            strats, cs = tuple(strats[j] for j in keep), tuple(cs[j] for j in keep)
+        tied = layer.node in cache.tied
+        # each option, then its FSDP-over-dp variant where one is offered (planner.dp_shard)
+        variants = [(s, c, False) for s, c in zip(strats, cs)]
+        variants += [(s, c, True) for s, c in zip(strats, cs)
+                     if dp_shard.offered(layer, s.name, dp, tp, graph.tracer, tied)]
+        names = [s.name + (dp_shard.SUFFIX if sh else "") for s, _, sh in variants]
+        if pin and layer.name in pin and pin[layer.name] in names:
+            keep = [j for j, n in enumerate(names) if n == pin[layer.name]]
+            variants, names = [variants[j] for j in keep], [names[j] for j in keep]
         mb, once, wb, ab, lp = [], [], [], [], []
-        for s, c in zip(strats, cs):
+        for s, c, sh in variants:
             param_local = layer.param_bytes / tp if s.model_parallel else layer.param_bytes
             weights = weights_memory(param_local, ctx)
             own_sync = c.notes.get("gradient_all_reduce_s", 0.0)
-            if s.name in ("data_parallel", "sequence_parallel"):  # split over tp too: dp x tp
+            per_mb = c.compute_s + c.communication_s - own_sync
+            ab.append(c.memory_bytes - weights)
+            if sh:
+                priced = dp_shard.price(param_local, per_mb, dp, sync_link, ctx)
+                mb.append(priced.microbatch_s)
+                once.append(priced.step_s)
+                wb.append(priced.weight_bytes)
+                lp.append(priced.local_param_bytes)
+                continue
+            if s.name in dp_shard.SUMMED_OVER_TP:  # split over tp too: dp x tp
                 sync = all_reduce_s(layer.param_bytes, dp * tp, sync_link)
             else:
                 sync = all_reduce_s(param_local, dp, sync_link)
-            mb.append(c.compute_s + c.communication_s - own_sync)
+            mb.append(per_mb)
             once.append(c.update_s + sync)
             wb.append(weights)
-            ab.append(c.memory_bytes - weights)
             lp.append(param_local)
-        options.append(LayerOptions(layer.name, unit_of[i], tuple(s.name for s in strats),
+        options.append(LayerOptions(layer.name, unit_of[i], tuple(names),
                                     np.array(mb), np.array(once), np.array(wb), np.array(ab)))
-        strategies.append(strats)
-        costs.append(cs)
+        strategies.append(tuple(s for s, _, _ in variants))
+        costs.append(tuple(c for _, c, _ in variants))
+        sharded_all.append(tuple(sh for _, _, sh in variants))
         scaled_layers.append(scaled)
         local.append(np.array(lp))
     sink = len(options)
@@ -363,7 +382,8 @@ def build(cache: CostCache, pp: int, dp: int, tp: int, rows: int,
                     t += (1 + grad) * send_recv_s(nbytes, link)
             cut_s[u] = t
     problem = StageProblem(tuple(options), tuple(edges), tuple(unit_names), tuple(cut_s))
-    return Built(problem, tuple(strategies), tuple(costs), tuple(scaled_layers), tuple(local))
+    return Built(problem, tuple(strategies), tuple(costs), tuple(scaled_layers), tuple(local),
+                 tuple(sharded_all))
 
 
 # --- the search --------------------------------------------------------------------------

@@ -1,0 +1,76 @@
+"""FSDP over the data-parallel group as a per-layer option of the 3-D search.
+
+A layer that runs strategy s over its tp group is normally replicated over the dp group:
+every dp replica keeps the whole tp shard of its weights, gradients and optimizer state and
+the gradients are all-reduced over dp once per step. Its sharded variant ("s+fsdp") is FSDP2
+`fully_shard` of the layer's module over the dp sub-mesh (beside DTensor tensor parallelism
+over the tp sub-mesh: a 2-D (dp, tp) mesh, as torchtitan runs Llama): weights, gradients
+and optimizer state are 1/dp of the tp shard.
+
+Its price, as executor.pipeline runs it: FSDP2 with reshard_after_forward=True gathers the
+weights before each microbatch's forward and again before its backward, and a backward
+reduce-scatters the gradient at once (inside a pipeline schedule or the microbatch loop,
+no `no_sync` is in force), so per microbatch: 2 all-gathers + 1 reduce-scatter + the
+flat-buffer copies (calibrated per byte); per step only the optimizer on the shard. The
+all-reduce over dp is gone. The gathered weights of one layer live only while it runs: the
+transient is one layer's, not in the per-layer sum (as strategies.memory).
+
+Offered where fully_shard can run it: a module (call_module) with weights, not sharing a
+parameter, dp > 1, in an fx graph (a torch.export stage is built from the model's modules by
+executor.hf_stages, which does not shard yet), and not for strategies whose gradients are
+summed over dp x tp (data or sequence parallel inside a tp group larger than one: their
+weights are replicated over tp too, which a dp-only shard does not cover).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from profiler.graph import Layer
+from strategies.catalog import CostContext, update_s, weights_memory
+from strategies.collectives import all_gather_s, reduce_scatter_s
+from strategies.devices import LinkSpec
+
+SUFFIX = "+fsdp"
+SUMMED_OVER_TP = ("data_parallel", "sequence_parallel")
+
+
+@dataclass(frozen=True)
+class ShardedPrice:
+    """One layer's sharded variant: per-microbatch and per-step seconds, bytes per device."""
+
+    microbatch_s: float  # the base option's per-microbatch time + gathers and scatter
+    step_s: float  # the optimizer on the shard (no all-reduce)
+    weight_bytes: float  # weights, gradients, optimizer state: 1/dp of the tp shard
+    local_param_bytes: float
+    gather_s: float  # both all-gathers of one microbatch
+    scatter_s: float  # the reduce-scatter of one microbatch
+
+
+def offered(layer: Layer, strategy: str, dp: int, tp: int, tracer: str, tied: bool) -> bool:
+    """Whether the search offers `strategy`+fsdp for `layer` (module docstring)."""
+    return (dp > 1 and layer.param_bytes > 0 and layer.op == "call_module" and not tied
+            and not layer.is_input and tracer != "export"
+            and not (tp > 1 and strategy in SUMMED_OVER_TP))
+
+
+def price(param_local_bytes: float, base_microbatch_s: float, dp: int, link: LinkSpec,
+          ctx: CostContext) -> ShardedPrice:
+    """The sharded variant of an option whose tp shard holds `param_local_bytes` of
+    weights and costs `base_microbatch_s` per microbatch, over a dp group on `link`."""
+    precision = ctx.precision
+    gather = 2 * all_gather_s(precision.gather_bytes(param_local_bytes), dp, link)
+    scatter = reduce_scatter_s(precision.reduce_bytes(param_local_bytes), dp, link)
+    copies = ctx.cluster.fsdp_overhead_s_per_byte * param_local_bytes
+    shard = param_local_bytes / dp
+    return ShardedPrice(microbatch_s=base_microbatch_s + gather + scatter + copies,
+                        step_s=update_s(shard, ctx),
+                        weight_bytes=weights_memory(shard, ctx, sharded=True),
+                        local_param_bytes=shard, gather_s=gather, scatter_s=scatter)
+
+
+def split(option: str) -> tuple[str, bool]:
+    """("column_parallel", True) for "column_parallel+fsdp"."""
+    if option.endswith(SUFFIX):
+        return option[: -len(SUFFIX)], True
+    return option, False
