@@ -68,6 +68,7 @@ def test_fsdp_beside_tensor_parallel_equals_single_process():
                        "4": "replicate+fsdp"})
     sharded = {l.name for l in plan.layers if l.dp_shard}
     assert sharded == {"0", "2", "4"}
+    assert "column_parallel +fsdp" in plan.explain()  # the dry run shows the lever
 
 
 def test_fsdp_inside_a_pipeline_equals_single_process():

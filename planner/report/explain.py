@@ -104,7 +104,8 @@ def table(plan: Plan) -> Table:
         t.add_column(header, justify=justify, no_wrap=True)
     for layer in plan.layers:
         t.add_row(*([str(layer.stage)] if staged else []), layer.name, layer.kind,
-                  layer.strategy + (" +recompute" if layer.recompute else ""),
+                  layer.strategy + (" +fsdp" if layer.dp_shard else "")
+                  + (" +recompute" if layer.recompute else ""),
                   f"{layer.input_layout} -> {layer.output_layout}", _ms(layer.compute_s),
                   _ms(layer.communication_s), _ms(layer.reshard_in_s), _gb(layer.memory_bytes))
     return t
