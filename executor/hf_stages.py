@@ -22,7 +22,9 @@ Nothing is deep-copied: a stage is a shallow copy of the modules on the paths it
 model it came from, so two chunks of one rank (interleaved schedules) are two such copies.
 Parameters keep the model's own names. The schedule, the gradient sums over the dp group
 and the loss scaling are executor.pipeline's, as for fx stages; the stages run without
-tensor parallelism (the planner offers tp = 1 for them).
+tensor parallelism (the planner offers tp = 1 for them). A module the plan shards over dp
+(`dp_shard`) is FSDP2 `fully_shard` of that module over the dp sub-mesh, which
+reduce-scatters its gradients itself.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from torch.distributed.pipelining import PipelineStage
 
 from executor.agree import check_model
 from executor.graph_rewrite import device_of
+from executor.levers import apply_levers
 from executor.pipeline import StageModel
 from executor.precision import run_in_precision
 from executor.styles import MeanOverRanks
@@ -257,15 +260,30 @@ def parallelize_decoder_3d(model: nn.Module, plan: Plan) -> StageModel:
     ranks_of = stage_ranks(schedule, pp, chunks)
     mine = [k for k in range(num_stages) if ranks_of[k] == stage_index]
     modules = []
+    sharded: set[str] = set()
     for k in mine:
         stage = stage_modules(model, plan, num_stages, k).to(device)
+        sharded |= shard_over_dp(stage, plan, k, mesh["dp"])
         last = k == num_stages - 1
         module = _ScaledOutput(stage, dp * tp) if last else stage
         run_in_precision(module, plan.training_precision, plan.mesh.device_type, last=last)
         modules.append(module)
-    result = StageModel(modules, mine, plan, mesh, stage_index, device, stage_groups[stage_index])
+    result = StageModel(modules, mine, plan, mesh, stage_index, device, stage_groups[stage_index],
+                        frozenset(sharded))
     if pp > 1:
         result._pipeline_stages = [
             PipelineStage(module, k, num_stages, device, group=mesh.get_group("pp"))
             for k, module in zip(mine, modules)]
     return result
+
+
+def shard_over_dp(stage: DecoderStage, plan: Plan, k: int, dp_mesh) -> set[str]:
+    """FSDP2 `fully_shard` over the dp sub-mesh of each module of stage k the plan marks
+    `dp_shard` (an export layer's name is its module's path, planner.dp_shard), with
+    executor.levers' settings: gradients summed (the last stage's output gradient already
+    carries 1/dp). Returns the names of the parameters FSDP now owns, which the stage's
+    own dp all-reduce leaves alone."""
+    targets = [(l.name, "fsdp", False) for l in plan.layers if l.stage == k and l.dp_shard]
+    if not targets:
+        return set()
+    return apply_levers(stage, targets, dp_mesh, plan.training_precision)

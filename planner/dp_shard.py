@@ -16,10 +16,12 @@ all-reduce over dp is gone. The gathered weights of one layer live only while it
 transient is one layer's, not in the per-layer sum (as strategies.memory).
 
 Offered where fully_shard can run it: a module (call_module) with weights, not sharing a
-parameter, dp > 1, in an fx graph (a torch.export stage is built from the model's modules by
-executor.hf_stages, which does not shard yet), and not for strategies whose gradients are
-summed over dp x tp (data or sequence parallel inside a tp group larger than one: their
-weights are replicated over tp too, which a dp-only shard does not cover).
+parameter, dp > 1, and not for strategies whose gradients are summed over dp x tp (data or
+sequence parallel inside a tp group larger than one: their weights are replicated over tp
+too, which a dp-only shard does not cover). In a torch.export graph the layer must be one
+module of the model, named by its path, whose weights are all its own (executor.hf_stages
+shards that module of the stage it builds; a layer that also reads a bare parameter, or a
+second call of a module, is not offered).
 """
 
 from __future__ import annotations
@@ -50,8 +52,14 @@ class ShardedPrice:
 def offered(layer: Layer, strategy: str, dp: int, tp: int, tracer: str, tied: bool) -> bool:
     """Whether the search offers `strategy`+fsdp for `layer` (module docstring)."""
     return (dp > 1 and layer.param_bytes > 0 and layer.op == "call_module" and not tied
-            and not layer.is_input and tracer != "export"
+            and not layer.is_input and (tracer != "export" or _own_module(layer))
             and not (tp > 1 and strategy in SUMMED_OVER_TP))
+
+
+def _own_module(layer: Layer) -> bool:
+    """An export layer that is one module's call whose parameters are all that module's:
+    its name is the module path (a second call is "path#2")."""
+    return "#" not in layer.name and all(p.startswith(layer.name + ".") for p in layer.params)
 
 
 def price(param_local_bytes: float, base_microbatch_s: float, dp: int, link: LinkSpec,

@@ -1,0 +1,106 @@
+"""FSDP over the dp group inside pipelines of Hugging Face decoders (torch.export graphs):
+the 3-D search offers "<strategy>+fsdp" for a layer that is one module of the model
+(planner.dp_shard), executor.hf_stages runs it as FSDP2 `fully_shard` of that module over
+the dp sub-mesh, and after 3 SGD steps every parameter equals the single-process run's."""
+
+import time
+
+import pytest
+import torch
+from torch.distributed.tensor import DTensor
+
+import executor
+from distributed import run_ranks
+from planner.plan import Plan
+from planner.plan3d import plan_3d
+from planner.search import CostCache, Shape, build
+from test_hf_pipeline import LR, MODELS, STEPS, _profiled
+from zoo import reference
+
+# Linear layers, a whole attention module (four weights) and the head
+PIN = {"model.layers.0.mlp.gate_proj": "data_parallel+fsdp",
+       "model.layers.1.self_attn": "data_parallel+fsdp",
+       "model.layers.3.mlp.down_proj": "data_parallel+fsdp",
+       "lm_head": "data_parallel+fsdp",
+       "model.layers.2.mlp.up_proj": "data_parallel"}
+FOUR_RANKS = {"1f1b": Shape(2, 2, 1, 2, "1F1B"),
+              "interleaved": Shape(2, 2, 1, 2, "Interleaved1F1B", 2)}
+
+
+def _plan(shape: Shape, pin: dict) -> Plan:
+    graph, cluster = _profiled("llama4", shape.pp * shape.dp * shape.tp)
+    return plan_3d(graph, cluster, "sgd", cluster.device.memory_bytes, time.perf_counter(),
+                   only=[shape], pin=pin)
+
+
+def _train(rank, world, plans):
+    """Per plan JSON: this rank's whole parameters (FSDP shards gathered) and losses."""
+    out = []
+    for plan_json in plans:
+        plan = Plan.from_json(plan_json)
+        entry = MODELS["llama4"]
+        model = executor.parallelize(entry.make(), plan)
+        opt = torch.optim.SGD(list(model.parameters()) or [{"params": []}], lr=LR,
+                              foreach=False)
+        losses = [executor.train_step(model, plan, entry.batch(step), entry.loss, opt)
+                  for step in range(STEPS)]
+        params = {k: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
+                  for k, p in model.stage.named_parameters()}
+        owned = sorted(k for k, p in model.stage.named_parameters() if isinstance(p, DTensor))
+        out.append((params, losses, owned))
+    return out
+
+
+def _assert_equal_to_one_process(results) -> None:
+    expected = reference(MODELS["llama4"], STEPS)
+    seen = set()
+    for rank, (params, losses, _) in enumerate(results):
+        assert losses == pytest.approx(results[0][1], rel=1e-6), f"rank {rank}"
+        for key, value in params.items():
+            seen.add(key)
+            torch.testing.assert_close(value, expected[key], rtol=1e-5, atol=1e-6,
+                                       msg=lambda m: f"rank {rank}, {key}: {m}")
+    assert seen == set(expected)
+
+
+def _sharded(plan: Plan) -> set[str]:
+    return {l.name for l in plan.layers if l.dp_shard}
+
+
+def test_export_layers_that_are_whole_modules_get_the_sharded_option():
+    graph, cluster = _profiled("llama4", 4)
+    built = build(CostCache(graph, cluster, "sgd"), 2, 2, 1, 2)
+    names = {l.name: l.strategies for l in built.problem.layers}
+    for layer in ("model.layers.0.mlp.gate_proj", "model.layers.1.self_attn", "lm_head",
+                  "model.embed_tokens", "model.norm"):
+        assert any(n.endswith("+fsdp") for n in names[layer]), layer
+    weightless = [l.name for l in graph.layers if l.param_bytes == 0]
+    assert weightless and not any(n.endswith("+fsdp") for w in weightless for n in names[w])
+
+
+def test_fsdp_in_decoder_pipelines_4_ranks_equals_single_process():
+    plans = {key: _plan(shape, PIN) for key, shape in FOUR_RANKS.items()}
+    for plan in plans.values():
+        assert plan.tracer == "export" and plan.pipeline is not None
+        assert _sharded(plan) == {k for k, v in PIN.items() if v.endswith("+fsdp")}
+    assert plans["interleaved"].pipeline.chunks == 2
+    per_rank = run_ranks(_train, 4, [p.to_json() for p in plans.values()])
+    for i, key in enumerate(plans):
+        results = [runs[i] for runs in per_rank]
+        _assert_equal_to_one_process(results)
+        # FSDP owns exactly the pinned modules' weights, on the ranks of their stage
+        owned = set().union(*(set(r[2]) for r in results))
+        assert owned and all(any(o.startswith(m + ".") for m in _sharded(plans[key]))
+                             for o in owned), (key, owned)
+        assert "model.layers.2.mlp.up_proj.weight" not in owned
+
+
+def test_fsdp_without_a_pipeline_2_ranks_equals_single_process():
+    pin = {"model.layers.0.mlp.gate_proj": "data_parallel+fsdp",
+           "model.layers.2.self_attn": "data_parallel+fsdp", "lm_head": "data_parallel+fsdp"}
+    plan = _plan(Shape(1, 2, 1, 2, "1F1B"), pin)
+    assert plan.pipeline is None and _sharded(plan) == set(pin)
+    per_rank = run_ranks(_train, 2, [plan.to_json()])
+    results = [runs[0] for runs in per_rank]
+    _assert_equal_to_one_process(results)
+    assert {o.rsplit(".", 1)[0] for o in results[0][2]} >= {"lm_head"}
