@@ -104,3 +104,35 @@ def test_checkpointed_blocks_in_two_stages_train_as_one_process():
     blocks = [sum(".layers." in m for m in s.modules) for s in plan.pipeline.stages]
     assert [checkpointed for _, _, checkpointed in results] == blocks
     _assert_equal_to_one_process("llama4", plan, [(p, l) for p, l, _ in results])
+
+
+def test_the_stage_programs_start_is_the_fastest_fitting_cut_by_brute_force():
+    """planner.stages.balanced_cut, the start that lets deep pipelines under a tight budget
+    (Llama 3 70B at pp 32) find a plan: the cut of least slowest-stage time that fits."""
+    import itertools
+
+    from planner.stages import balanced_cut
+    graph, cluster = _profiled("llama4", 2)
+    problem = recompute_blocks(build(CostCache(graph, cluster, "sgd"), 3, 1, 1, 1),
+                               graph).problem
+    U, pp, m = len(problem.units), 3, 3
+    per_unit = [[0.0, 0.0, 0.0] for _ in range(U)]  # time, weights, activations
+    for layer in problem.layers:
+        c = int((layer.weight_bytes + layer.activation_bytes).argmin())
+        for j, v in enumerate((layer.microbatch_s, layer.weight_bytes, layer.activation_bytes)):
+            per_unit[layer.unit][j] += float(v[c])
+
+    def priced(starts):
+        bounds = [*starts, U]
+        spans = [per_unit[bounds[k]:bounds[k + 1]] for k in range(pp)]
+        memory = max(sum(w for _, w, _ in s) + in_flight("1F1B", pp, m, k) *
+                     sum(a for _, _, a in s) for k, s in enumerate(spans))
+        return max(sum(t for t, _, _ in s) for s in spans), memory
+
+    cuts = [(0, *c) for c in itertools.combinations(range(1, U), pp - 1)]
+    budget = sorted(priced(c)[1] for c in cuts)[len(cuts) // 3]
+    fitting = [c for c in cuts if priced(c)[1] <= budget]
+    starts, _ = balanced_cut(problem, pp, m, "1F1B", budget)
+    assert priced(starts)[1] <= budget
+    assert priced(starts)[0] == pytest.approx(min(priced(c)[0] for c in fitting), rel=1e-9)
+    assert balanced_cut(problem, pp, m, "1F1B", 0.5 * min(priced(c)[1] for c in cuts)) is None
