@@ -39,7 +39,7 @@ from torch.distributed.pipelining import PipelineStage
 
 from executor.agree import check_model
 from executor.graph_rewrite import device_of
-from executor.levers import apply_levers
+from executor.levers import apply_levers, checkpoint_module
 from executor.pipeline import StageModel
 from executor.precision import run_in_precision
 from executor.styles import MeanOverRanks
@@ -132,13 +132,15 @@ class DecoderStage(nn.Module):
     (last stage). Its parameters are its modules', under the model's own names."""
 
     def __init__(self, model: nn.Module, blocks: tuple[str, ...], keep: list[int],
-                 before: list[str], after: list[str], first: bool, last: bool):
+                 before: list[str], after: list[str], first: bool, last: bool,
+                 recompute: bool = False):
         super().__init__()
         base_path, _, list_name = blocks[0].rsplit(".", 1)[0].rpartition(".")
         cut = _Surgery(model)
         base = cut.module(base_path)  # what holds the blocks: model.model, model.transformer
         whole = base._modules[list_name]
-        base._modules[list_name] = KeptBlocks({i: whole[i] for i in keep})
+        base._modules[list_name] = KeptBlocks(
+            {i: _checkpointed(whole[i]) if recompute else whole[i] for i in keep})
         config = getattr(base, "config", None)
         if config is not None:  # the forward walks config.num_hidden_layers blocks
             config = copy.copy(config)
@@ -207,6 +209,14 @@ class DecoderStage(nn.Module):
         return out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
 
 
+def _checkpointed(block: nn.Module) -> nn.Module:
+    """A shallow copy of `block` (its parameters shared, the model's block untouched) whose
+    forward runs under activation checkpointing (plan.recompute_blocks)."""
+    out = copy.copy(block)
+    checkpoint_module(out)
+    return out
+
+
 class _ScaledOutput(nn.Module):
     """The last stage's logits, their gradient divided by the dp replicas: every gradient
     reduction after it is a sum (executor.styles.MeanOverRanks)."""
@@ -229,14 +239,16 @@ def stage_modules(model: nn.Module, plan: Plan, num_stages: int, k: int) -> Deco
                          f"plan it with mesh='1d'")
     index = {path: i for i, path in enumerate(blocks)}
     if plan.pipeline is None:  # one stage: the whole model
-        return DecoderStage(model, blocks, list(range(len(blocks))), [], [], True, True)
+        return DecoderStage(model, blocks, list(range(len(blocks))), [], [], True, True,
+                            plan.recompute_blocks)
     stages = plan.pipeline.stages
     keep = [index[p] for p in stages[k].modules if p in index]
     before = [p for p in stages[0].modules if p not in index]
     before = before[:next((i for i, p in enumerate(stages[0].modules) if p in index),
                           len(stages[0].modules))]
     after = [p for p in stages[-1].modules if p not in index and p not in before]
-    return DecoderStage(model, blocks, keep, before, after, k == 0, k == num_stages - 1)
+    return DecoderStage(model, blocks, keep, before, after, k == 0, k == num_stages - 1,
+                        plan.recompute_blocks)
 
 
 def parallelize_decoder_3d(model: nn.Module, plan: Plan) -> StageModel:

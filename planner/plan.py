@@ -283,6 +283,9 @@ class Plan(_Data):
     microbatches: int = Field(1, gt=0, description="microbatches per step: the pipeline's, "
                               "or gradient accumulation without one (3-D plans)")
     search: SearchReport | None = Field(None, description="the 3-D search (3-D plans)")
+    recompute_blocks: bool = Field(False, description="3-D plans of a decoder: every "
+                                   "transformer block runs under activation checkpointing "
+                                   "(keeps its input, recomputes its forward in backward)")
     mesh_choice: str = Field("", description="optimize(mesh='auto'): which mesh won and why")
     standard_choice: str = Field("", description="optimize(prefer_standard=...): a standard "
                                  "plan kept in place of a barely faster optimum, and why")

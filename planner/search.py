@@ -31,7 +31,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from planner.block_cuts import block_units, carries_weights, why_no_blocks
-from planner import dp_shard
+from planner import block_recompute, dp_shard
 from planner.choices import OUTPUT
 from planner.problem import Edge
 from planner.progress import Progress, report
@@ -63,6 +63,7 @@ class Shape:
     microbatches: int
     schedule: str
     chunks: int = 1
+    recompute: bool = False  # every transformer block checkpointed (planner.block_recompute)
 
     def rows(self, batch: int) -> int:
         """Rows per microbatch per dp replica."""
@@ -118,7 +119,7 @@ def _open(c: "Candidate") -> bool:
 def _words(shape: "Shape") -> str:
     chunks = f" v={shape.chunks}" if shape.chunks > 1 else ""
     return (f"pp {shape.pp} x dp {shape.dp} x tp {shape.tp}, m {shape.microbatches} "
-            f"{shape.schedule}{chunks}")
+            f"{shape.schedule}{chunks}{' recompute' if shape.recompute else ''}")
 
 
 def _divisors(n: int) -> list[int]:
@@ -277,6 +278,7 @@ class Built:
     layers: tuple[Layer, ...]  # scaled to the microbatch, the sink excluded
     local_param_bytes: tuple[np.ndarray, ...]
     sharded: tuple[tuple[bool, ...], ...] = ()  # per layer and option: fsdp over dp
+    transient_bytes: float = 0.0  # held once per rank beside the problem's memory
 
 
 def build(cache: CostCache, pp: int, dp: int, tp: int, rows: int,
@@ -405,13 +407,27 @@ def search(graph: ModelGraph, cluster: Cluster, optimizer: str, budget_bytes: fl
         todo = [s for s in todo if s.pp == 1]
     if graph.tracer == "export":  # stages cut at blocks, run without tensor parallelism
         todo = [s for s in todo if s.tp == 1 and (s.pp == 1 or not why_no_blocks(graph))]
+    if any(s.recompute for s in todo) and not block_recompute.offered(graph):
+        raise ValueError(f"only: recompute=True checkpoints the transformer blocks of a "
+                         f"decoder torch.export traced, and {graph.model_name} is not one; "
+                         f"drop recompute from the shapes")
+    if only is None and block_recompute.offered(graph):
+        todo += [replace(s, recompute=True) for s in todo]
     built: dict[tuple, Built] = {}
 
     def problem_of(shape: Shape) -> Built:
-        key = (shape.pp, shape.dp, shape.tp, shape.rows(batch))
+        key = (shape.pp, shape.dp, shape.tp, shape.rows(batch), shape.recompute)
         if key not in built:
-            built[key] = build(cache, *key, pin=pin)
+            built[key] = (block_recompute.recompute_blocks(
+                problem_of(replace(shape, recompute=False)), graph)
+                if shape.recompute else build(cache, *key[:4], pin=pin))
         return built[key]
+
+    def budget_of(shape: Shape) -> float | None:
+        """The budget the stage problem may fill: less the recompute transient."""
+        if budget_bytes is None:
+            return None
+        return budget_bytes - problem_of(shape).transient_bytes
 
     out: list[Candidate] = []
     ranked: list[tuple[float, Candidate]] = []
@@ -426,7 +442,7 @@ def search(graph: ModelGraph, cluster: Cluster, optimizer: str, budget_bytes: fl
             out.append(Candidate(shape, "infeasible", note="more stages than modules"))
             continue
         need = min_memory_bytes(b.problem, shape.pp, shape.microbatches, shape.schedule,
-                                shape.chunks)
+                                shape.chunks) + b.transient_bytes
         if budget_bytes is not None and need > budget_bytes:
             out.append(Candidate(shape, "does_not_fit", note=f"needs at least "
                                  f"{need / 1e9:.1f} GB per device"))
@@ -452,7 +468,7 @@ def search(graph: ModelGraph, cluster: Cluster, optimizer: str, budget_bytes: fl
         t0 = time.perf_counter()
         try:
             solution = solve_stages(
-                problem_of(s).problem, s.pp, s.microbatches, s.schedule, budget_bytes,
+                problem_of(s).problem, s.pp, s.microbatches, s.schedule, budget_of(s),
                 limit_s, relative_gap,
                 cutoff_s=None if incumbent is None else incumbent * (1 + 1e-9),
                 chunks=s.chunks)

@@ -387,6 +387,10 @@ def solve_stages(problem: StageProblem, pp: int, microbatches: int, schedule: st
             for r in range(1, pp):
                 solver.Add(sum(stage_time[:r]) + m * stage_time[r] + Smax <= cutoff_s / unit_s,
                            f"cutoff[{r}]")
+    if chunks == 1:  # a start: deep pipelines under a tight budget find none for minutes
+        hint = balanced_cut(given, pp, microbatches, schedule, budget_bytes)
+        if hint is not None:
+            _hint_cut(solver, x, z, *hint)
     solver.SetTimeLimit(max(1, int((time_limit_s - (time.perf_counter() - start)) * 1000)))
     status = solver.Solve()
     if status == pywraplp.Solver.NOT_SOLVED:
@@ -412,6 +416,55 @@ def solve_stages(problem: StageProblem, pp: int, microbatches: int, schedule: st
         bound_s=min(bound, times.step_s),
         seconds=time.perf_counter() - start, num_variables=solver.NumVariables(),
         num_constraints=solver.NumConstraints())
+
+
+def balanced_cut(problem: StageProblem, pp: int, microbatches: int, schedule: str,
+                 budget_bytes: float | None):
+    """(starts, choice): with each layer's least-memory option, the cut into pp stages (one
+    per rank) whose slowest stage is fastest among those that fit the budget, by dynamic
+    programming over units; None when none fits. Cut transfers are left out: it is a start
+    for the integer program, not its answer."""
+    U = len(problem.units)
+    choice = tuple(int(np.argmin(l.weight_bytes + l.activation_bytes)) for l in problem.layers)
+    t, w, a = np.zeros(U + 1), np.zeros(U + 1), np.zeros(U + 1)
+    for l, c in zip(problem.layers, choice):
+        t[l.unit + 1] += l.microbatch_s[c]
+        w[l.unit + 1] += l.weight_bytes[c]
+        a[l.unit + 1] += l.activation_bytes[c]
+    t, w, a = np.cumsum(t), np.cumsum(w), np.cumsum(a)
+    budget = math.inf if budget_bytes is None else budget_bytes
+    best = np.full((pp + 1, U + 1), math.inf)  # best[k][b]: units [0, b) in k stages
+    back = np.zeros((pp + 1, U + 1), dtype=int)
+    best[0][0] = 0.0
+    for k in range(1, pp + 1):
+        f = in_flight(schedule, pp, microbatches, k - 1)
+        for b in range(k, U - (pp - k) + 1):
+            starts_ = np.arange(k - 1, b)
+            fits = (w[b] - w[starts_]) + f * (a[b] - a[starts_]) <= budget
+            value = np.where(fits, np.maximum(best[k - 1][starts_], t[b] - t[starts_]), math.inf)
+            j = int(np.argmin(value))
+            best[k][b], back[k][b] = value[j], starts_[j]
+    if not math.isfinite(best[pp][U]):
+        return None
+    starts, b = [], U
+    for k in range(pp, 0, -1):
+        b = int(back[k][b])
+        starts.append(b)
+    return tuple(reversed(starts)), choice
+
+
+def _hint_cut(solver, x, z, starts, choice) -> None:
+    variables, values = [], []
+    for row, c in zip(x, choice):
+        if len(row) > 1:
+            variables += row
+            values += [float(s == c) for s in range(len(row))]
+    for u, row in enumerate(z):
+        for k in range(1, len(row) - 1):
+            if not isinstance(row[k], float):
+                variables.append(row[k])
+                values.append(float(u >= starts[k]))
+    solver.SetHint(variables, values)
 
 
 def _time_unit_s(problem: StageProblem) -> float:

@@ -85,6 +85,13 @@ def input_bytes(layer: Layer, inner: Strategy, ctx: CostContext) -> float:
     return whole / ctx.ranks if inner.takes in (Layout.BATCH, Layout.SEQUENCE) else whole
 
 
+def recompute_s(layer: Layer, compute_s: float) -> float:
+    """The extra forward a checkpointed layer runs in backward: its forward's FLOP share
+    of `compute_s` (forward + backward), a third when the layer records no FLOPs."""
+    total = layer.fwd_flops + layer.bwd_flops
+    return compute_s * (layer.fwd_flops / total if total else 1 / 3)
+
+
 @dataclass(frozen=True)
 class Recompute(Strategy):
     """`inner` under activation checkpointing (torch.utils.checkpoint around the module)."""
@@ -110,9 +117,7 @@ class Recompute(Strategy):
         base = self.inner.cost(layer, ctx)
         activations = base.memory_bytes - _weights_part(self.inner, layer, ctx)
         kept = input_bytes(layer, self.inner, ctx)
-        total = layer.fwd_flops + layer.bwd_flops
-        forward_share = layer.fwd_flops / total if total else 1 / 3
-        extra = base.compute_s * forward_share
+        extra = recompute_s(layer, base.compute_s)
         notes = dict(base.notes, recompute_saved_bytes=activations - kept, recompute_s=extra,
                      saved_bytes=base.notes.get("saved_bytes", 0.0) + activations - kept,
                      lever_s=base.notes.get("lever_s", 0.0) + extra)

@@ -146,6 +146,10 @@ def memory_line(b) -> str:
 def pipeline_lines(plan: Plan) -> list[str]:
     """Stages with their modules, devices, times and memory; or why there is no pipeline."""
     lines = []
+    if plan.recompute_blocks:
+        lines.append("Activation checkpointing: every transformer block (keeps the hidden "
+                     "state entering it, runs its forward again in backward; activations "
+                     "below include one block's, live during its backward)")
     q = plan.pipeline
     if q is None:
         b = plan.predicted.memory_breakdown

@@ -1,0 +1,138 @@
+"""Whole-block activation checkpointing of a decoder's pipeline (planner.block_recompute):
+priced as keeping each block's input and running its forward again, chosen by the 3-D
+search only where memory binds, and run by executor.hf_stages under
+torch.utils.checkpoint with the same training result as one process."""
+
+import time
+
+import pytest
+import torch
+
+import executor
+from distributed import run_ranks
+from planner.block_recompute import recompute_blocks
+from planner.plan import Plan
+from planner.plan3d import plan_3d
+from planner.search import CostCache, Shape, build, search
+from planner.stages import evaluate, in_flight
+from strategies.memory import recompute_s
+from test_hf_pipeline import MODELS, STEPS, LR, _assert_equal_to_one_process, _profiled
+
+PIPELINE = Shape(2, 1, 1, 2, "1F1B")
+RECOMPUTED = Shape(2, 1, 1, 2, "1F1B", recompute=True)
+
+
+def test_a_block_keeps_its_input_and_runs_its_forward_again():
+    graph, cluster = _profiled("llama4", 2)
+    rows = graph.batch_size // 2
+    plain = build(CostCache(graph, cluster, "sgd"), 2, 1, 1, rows)
+    priced = recompute_blocks(plain, graph)
+    hidden_bytes = rows * 8 * 32 * 4  # rows x sequence x width, fp32: the block's input
+    largest = 0.0
+    for u, name in enumerate(plain.problem.units):
+        members = [i for i, l in enumerate(plain.problem.layers) if l.unit == u]
+        before = sum(float(plain.problem.layers[i].activation_bytes[0]) for i in members)
+        after = sum(float(priced.problem.layers[i].activation_bytes[0]) for i in members)
+        extra_s = sum(float(priced.problem.layers[i].microbatch_s[0]
+                            - plain.problem.layers[i].microbatch_s[0]) for i in members)
+        if name in graph.blocks:
+            forward_s = sum(recompute_s(plain.layers[i], plain.costs[i][0].compute_s)
+                            for i in members)
+            assert after == hidden_bytes and before > 4 * hidden_bytes, name
+            assert extra_s == pytest.approx(forward_s, rel=1e-12) and forward_s > 0
+            largest = max(largest, before)
+        else:  # the embeddings and the head keep theirs
+            assert after == before and extra_s == 0
+    assert priced.transient_bytes == largest
+
+
+def test_the_plan_counts_kept_inputs_in_flight_and_one_block_live_in_backward():
+    graph, cluster = _profiled("llama4", 2)
+    plan = plan_3d(graph, cluster, "sgd", cluster.device.memory_bytes, time.perf_counter(),
+                   only=[RECOMPUTED])
+    assert plan.recompute_blocks and "Activation checkpointing" in plan.explain()
+    rows = graph.batch_size // 2
+    built = recompute_blocks(build(CostCache(graph, cluster, "sgd"), 2, 1, 1, rows), graph)
+    stage_of = {l.name: l.stage for l in plan.layers}
+    for r, memory in enumerate(plan.predicted.memory_breakdown):
+        kept = sum(float(o.activation_bytes[0]) * in_flight("1F1B", 2, 2, r)
+                   for l, o in zip(graph.layers, built.problem.layers)
+                   if stage_of.get(l.name, 0) == r)
+        assert memory.activations_bytes == pytest.approx(kept + built.transient_bytes)
+    assert Plan.from_json(plan.to_json()).recompute_blocks
+
+
+def test_the_search_checkpoints_blocks_only_where_memory_binds():
+    graph, cluster = _profiled("llama4", 2)
+    free = search(graph, cluster, "sgd", None, time_limit_s=20)
+    assert not free.best.shape.recompute  # one more forward, and nothing to save memory for
+    assert any(c.shape.recompute for c in free.candidates)
+    plain = free.built
+    fastest_bytes = max(free.best.solution.times.memory_bytes)
+    # below the plain plans' memory at pp 2, m 2: checkpointing is the way to fit there
+    pinned = search(graph, cluster, "sgd", None, only=[PIPELINE], time_limit_s=20)
+    budget = 0.8 * max(pinned.best.solution.times.memory_bytes)
+    tight = search(graph, cluster, "sgd", budget, time_limit_s=20)
+    best = tight.best
+    assert best.shape.recompute, best.shape
+    assert max(best.solution.times.memory_bytes) + tight.built.transient_bytes <= budget
+    assert budget < fastest_bytes and plain.transient_bytes == 0
+    for c in tight.candidates:  # every plain shape does not fit, or is slower
+        if not c.shape.recompute and c.solution is not None:
+            assert c.solution.times.step_s >= best.solution.times.step_s
+
+
+def _train_recomputed(rank, world, plan_json):
+    """This rank's parameters, losses, and how many of its modules run checkpointed."""
+    plan = Plan.from_json(plan_json)
+    entry = MODELS["llama4"]
+    model = executor.parallelize(entry.make(), plan)
+    opt = torch.optim.SGD(list(model.parameters()), lr=LR, foreach=False)
+    losses = [executor.train_step(model, plan, entry.batch(step), entry.loss, opt)
+              for step in range(STEPS)]
+    checkpointed = sum(getattr(m.forward, "__name__", "") == "recomputed"
+                       for chunk in model.chunks for m in chunk.modules())
+    return ({k: p.detach().clone() for k, p in model.stage.named_parameters()}, losses,
+            checkpointed)
+
+
+def test_checkpointed_blocks_in_two_stages_train_as_one_process():
+    graph, cluster = _profiled("llama4", 2)
+    plan = plan_3d(graph, cluster, "sgd", cluster.device.memory_bytes, time.perf_counter(),
+                   only=[RECOMPUTED])
+    results = run_ranks(_train_recomputed, 2, plan.to_json())
+    blocks = [sum(".layers." in m for m in s.modules) for s in plan.pipeline.stages]
+    assert [checkpointed for _, _, checkpointed in results] == blocks
+    _assert_equal_to_one_process("llama4", plan, [(p, l) for p, l, _ in results])
+
+
+def test_the_stage_programs_start_is_the_fastest_fitting_cut_by_brute_force():
+    """planner.stages.balanced_cut, the start that lets deep pipelines under a tight budget
+    (Llama 3 70B at pp 32) find a plan: the cut of least slowest-stage time that fits."""
+    import itertools
+
+    from planner.stages import balanced_cut
+    graph, cluster = _profiled("llama4", 2)
+    problem = recompute_blocks(build(CostCache(graph, cluster, "sgd"), 3, 1, 1, 1),
+                               graph).problem
+    U, pp, m = len(problem.units), 3, 3
+    per_unit = [[0.0, 0.0, 0.0] for _ in range(U)]  # time, weights, activations
+    for layer in problem.layers:
+        c = int((layer.weight_bytes + layer.activation_bytes).argmin())
+        for j, v in enumerate((layer.microbatch_s, layer.weight_bytes, layer.activation_bytes)):
+            per_unit[layer.unit][j] += float(v[c])
+
+    def priced(starts):
+        bounds = [*starts, U]
+        spans = [per_unit[bounds[k]:bounds[k + 1]] for k in range(pp)]
+        memory = max(sum(w for _, w, _ in s) + in_flight("1F1B", pp, m, k) *
+                     sum(a for _, _, a in s) for k, s in enumerate(spans))
+        return max(sum(t for t, _, _ in s) for s in spans), memory
+
+    cuts = [(0, *c) for c in itertools.combinations(range(1, U), pp - 1)]
+    budget = sorted(priced(c)[1] for c in cuts)[len(cuts) // 3]
+    fitting = [c for c in cuts if priced(c)[1] <= budget]
+    starts, _ = balanced_cut(problem, pp, m, "1F1B", budget)
+    assert priced(starts)[1] <= budget
+    assert priced(starts)[0] == pytest.approx(min(priced(c)[0] for c in fitting), rel=1e-9)
+    assert balanced_cut(problem, pp, m, "1F1B", 0.5 * min(priced(c)[1] for c in cuts)) is None
