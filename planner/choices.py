@@ -2,8 +2,9 @@
 
 Each layer becomes a node whose options are its candidate strategies with their costs; each
 data edge becomes an edge whose matrix prices the layout change between the producer's and
-the consumer's options; a sink node takes the model's outputs split by rows, as the user
-gets them back (each rank the rows it passed).
+the consumer's options; a sink node takes the model's outputs as the user gets them back:
+split by rows (each rank the rows it passed), or whole where the rows do not split evenly
+over the devices (planner.handback).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from planner.handback import output_layout
 from planner.problem import Edge, Node, Option, Problem
 from profiler.graph import Layer, ModelGraph
 from strategies.catalog import Cost, CostContext, Strategy, candidates
@@ -137,7 +139,8 @@ def layer_choices(graph: ModelGraph, cluster: Cluster, optimizer: str,
     nodes = [Node(r.layer.name, tuple(
         Option(s.name, c.time_s, c.memory_bytes, s.takes.value, s.gives.value)
         for s, c in zip(r.strategies, r.costs))) for r in rows]
-    nodes.append(Node(OUTPUT, (Option("output", 0.0, 0.0, Layout.BATCH.value, ""),)))
+    handed = output_layout(graph.batch_size, ctx.ranks)  # rows, or whole where they do not split
+    nodes.append(Node(OUTPUT, (Option("output", 0.0, 0.0, handed.value, ""),)))
 
     link = cluster.link(ctx.ranks)
     overhead = cluster.dtensor_reshard_overhead_s if ctx.ranks > 1 else 0.0
@@ -164,7 +167,7 @@ def layer_choices(graph: ModelGraph, cluster: Cluster, optimizer: str,
     for name in graph.outputs:
         src = index[name]
         producer = rows[src]
-        matrix = edge_matrix([s.gives for s in producer.strategies], [Layout.BATCH],
+        matrix = edge_matrix([s.gives for s in producer.strategies], [handed],
                              producer.layer.output.nbytes, ctx.ranks, link,
                              backward=not producer.layer.is_input, reshard_overhead_s=overhead)
         edges.append(Edge(src, sink, matrix))
