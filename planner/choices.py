@@ -160,7 +160,7 @@ def layer_choices(graph: ModelGraph, cluster: Cluster, optimizer: str,
                                      producer.layer.output.nbytes, ctx.ranks, link,
                                      backward=has_gradient(producer.layer),
                                      reshard_overhead_s=overhead, own_style=own_style)
-                if graph.tracer == "export":
+                if graph.tracer == "export" and ctx.ranks > 1:  # one device: one layout
                     matrix = matrix + unrealizable(producer, row, takes)
             edges.append(Edge(src, dst, matrix))
     sink = len(rows)
@@ -193,12 +193,13 @@ def _through_rows(producer: LayerChoices, consumer: LayerChoices, takes: list[La
     rows (rows_visible) and each reader changes it to what it takes from there; an op
     outside modules cannot change it, so it takes the rows or nothing."""
     nbytes = producer.layer.output.nbytes
-    out = edge_matrix([s.gives for s in producer.strategies], [Layout.BATCH], nbytes,
+    held = output_layout(ctx.batch, ctx.ranks)  # rows, or whole where they do not split
+    out = edge_matrix([s.gives for s in producer.strategies], [held], nbytes,
                       ctx.ranks, link, reshard_overhead_s=overhead)
-    into = edge_matrix([Layout.BATCH], takes, nbytes, ctx.ranks, link,
+    into = edge_matrix([held], takes, nbytes, ctx.ranks, link,
                        reshard_overhead_s=overhead, own_style=own_style)
-    if consumer.layer.op != "call_module":
-        into = np.where(np.array([[t == Layout.BATCH for t in takes]]), into, UNREALIZABLE_S)
+    if consumer.layer.op != "call_module" and ctx.ranks > 1:
+        into = np.where(np.array([[t == held for t in takes]]), into, UNREALIZABLE_S)
     return out + into
 
 
