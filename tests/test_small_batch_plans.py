@@ -157,3 +157,28 @@ def test_every_offered_plan_runs(world, rows):
     plans += random_plans(_model(), f"{world}xcpu", example, count=3, seed=rows)
     assert all(output_whole(p) for p in plans if not p.is_mesh_3d)
     _assert_all_equal_single(plans, world, rows)
+
+
+def _run_zoo(rank, world, jobs, rows):
+    import test_zoo
+    import zoo
+
+    zoo.ROWS = rows  # the zoo's batches read it per call
+    return test_zoo.run_plans(rank, world, jobs)
+
+
+def test_hugging_face_decoder_one_sequence_on_2_ranks(monkeypatch):
+    """torch.export graphs (the module executor): one sequence of Llama and of GPT-2 (tied
+    embeddings) on 2 devices, the optimizer's plan and a vocab-split head's."""
+    import test_zoo
+    import zoo
+
+    monkeypatch.setattr(zoo, "ROWS", 1)
+    jobs = [(name, "optimum", test_zoo.make_plan(name, "optimum").to_json())
+            for name in ("llama", "gpt2")]
+    entry = zoo.ZOO["llama"]
+    split = planner.optimize(entry.make(), "2xcpu", example_inputs=entry.batch(0)[:1],
+                             optimizer="sgd", measure=False, pin={"lm_head": "column_parallel"})
+    assert output_whole(split) and split.layer("lm_head").output_layout == "feature"
+    jobs.append(("llama", "split head", split.to_json()))
+    test_zoo.assert_runs_match(jobs, run_ranks(_run_zoo, 2, jobs, 1))
