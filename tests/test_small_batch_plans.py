@@ -109,6 +109,10 @@ def test_rule_hands_back_rows_only_where_they_split_evenly():
     assert output_layout(3, 2) == Layout.REPLICATE  # uneven shares weigh means wrongly
     plan = _optimize(2, 1, "3d", shape=Shape(1, 1, 2, 1, "1F1B"))
     assert output_whole(plan) and [i.layout for i in plan.inputs] == ["replicate"]
+    assert ("Output: handed back whole to every rank, the targets passed whole (1 rows per "
+            "microbatch of a replica do not split evenly over tp 2") in plan.explain()
+    assert "a batch of 3 does not split evenly over 2 devices" in _optimize(2, 3, "1d").explain()
+    assert "Output:" not in _optimize(2, 2, "1d").explain()
 
 
 def test_gathering_the_vocab_split_logits_is_priced():
