@@ -93,7 +93,7 @@ def summary(plan: Plan) -> list[str]:
             for i in plan.inputs))
     if plan.inputs and output_whole(plan):
         rows, ranks = sharing_group(plan)
-        why = (f"{rows} rows per microbatch of a replica do not split evenly over tp {ranks}"
+        why = (f"a microbatch of {rows} per replica does not split evenly over tp {ranks}"
                if plan.is_mesh_3d else f"a batch of {rows} does not split evenly over "
                f"{ranks} devices")
         lines.append(f"Output: handed back whole to every rank, the targets passed whole "
