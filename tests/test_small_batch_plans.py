@@ -27,6 +27,7 @@ STEPS, VOCAB, SEQ, LR = 3, 64, 8, 0.05
 # the practitioners' tensor-parallel GPT: heads and MLP split, logits split by vocab
 MEGATRON = {"h.0.attn": "head_parallel", "h.0.mlp.fc": "column_parallel",
             "h.0.mlp.proj": "row_parallel", "lm_head": "column_parallel"}
+SEQUENCE = {"h.0.ln_2": "sequence_parallel", "ln_f": "sequence_parallel"}  # norms on tokens
 
 
 def _model():
@@ -152,13 +153,15 @@ def test_4_ranks_one_row_per_replica_equals_single_process():
 def test_every_offered_plan_runs(world, rows):
     """Property: over small batches that do not split over the devices, the optimizer's
     plans (1-D, 3-D, and 3-D over every unpipelined shape it may pick), the Megatron split
-    (1-D and tp 2) and random plans it could have offered (tests/random_plans) all run on
+    (1-D and tp 2, with and without its norms on tokens) and random plans it could have offered (tests/random_plans) all run on
     gloo ranks and equal one process."""
     from planner.search import shapes
 
     example = (_batch(0, rows)[0],)
-    megatron = [_optimize(world, rows, "1d", pin=MEGATRON),
-                _optimize(world, rows, "3d", pin=MEGATRON, shape=Shape(1, 1, world, 1, "1F1B"))]
+    tp = Shape(1, 1, world, 1, "1F1B")
+    megatron = [_optimize(world, rows, mesh, pin=pin, shape=shape)
+                for pin in (MEGATRON, {**MEGATRON, **SEQUENCE})
+                for mesh, shape in (("1d", None), ("3d", tp))]
     assert all(output_whole(p) and p.layer("lm_head").output_layout == "feature"
                for p in megatron)
     plans = [_optimize(world, rows, "1d"), _optimize(world, rows, "3d"), *megatron]
