@@ -7,6 +7,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
+from planner.handback import output_whole
 from planner.plan import Plan
 
 
@@ -22,7 +23,8 @@ def shard_batch(plan: Plan, batch: Sequence, rank: int | None = None) -> tuple:
 
     The first len(plan.inputs) entries are the model's inputs: each is split by rows where
     the plan says `batch`, and passed whole where it says `replicate` (the plan starts
-    model-parallel). The rest (targets) are split by rows, as the model's outputs are.
+    model-parallel). The rest (targets) are split by rows, as the model's outputs are, or
+    passed whole where the rows do not split evenly over the devices (planner.handback).
     """
     if isinstance(batch, RankBatch):
         return tuple(batch)
@@ -41,6 +43,9 @@ def shard_batch(plan: Plan, batch: Sequence, rank: int | None = None) -> tuple:
                 f"shard_batch: entry {i} has {value.shape[0] if value.dim() else 0} rows, the "
                 f"plan was made for a global batch of {plan.global_batch}; pass the whole "
                 f"global batch on every rank, or re-plan with this batch")
-        whole = i < len(plan.inputs) and plan.inputs[i].layout == "replicate"
+        if i < len(plan.inputs):
+            whole = plan.inputs[i].layout == "replicate"
+        else:  # a target: as the model's output is handed back (planner.handback)
+            whole = output_whole(plan)
         out.append(value if whole else value.chunk(world)[rank])
     return tuple(out)

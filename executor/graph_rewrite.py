@@ -19,6 +19,7 @@ from executor.levers import apply_levers
 from executor.styles import (MeanOverRanks, Reshard, broadcast_replicated,
                              data_parallel_over, params_of, placement, summed_params,
                              tensor_parallel_style)
+from planner.handback import output_layout
 from planner.plan import LayerPlan, Plan
 from strategies.layouts import Layout
 
@@ -69,9 +70,10 @@ def _tuple_source(node: fx.Node, gives) -> fx.Node | None:
 
 def insert_reshards(gm: fx.GraphModule, mesh, layers: dict[str, LayerPlan], gives,
                      plan_batch: int, final: bool = True, mean_over: int | None = None):
-    """`final`: the graph's outputs are the model's (resharded to rows, gradient scaled by
-    1/`mean_over`, default the mesh size); else they leave in their own layouts (a
-    pipeline stage's outputs, which the next stage reshards itself)."""
+    """`final`: the graph's outputs are the model's (resharded to rows, or whole where the
+    rows do not split; gradient scaled by 1/`mean_over`, default the mesh size); else they
+    leave in their own layouts (a pipeline stage's outputs, which the next stage reshards
+    itself)."""
     count = 0
 
     def reshard(before: fx.Node, src: fx.Node, dst_layout: Layout) -> fx.Node:
@@ -100,14 +102,19 @@ def insert_reshards(gm: fx.GraphModule, mesh, layers: dict[str, LayerPlan], give
                 if layout != want and src in target.all_input_nodes:
                     target.replace_input_with(src, reshard(target, src, want))
         if node.op == "output" and final:
+            # rows that do not split over the mesh are handed back whole (planner.handback):
+            # the mesh's ranks then compute one loss alike, and count once in the mean
+            handed = output_layout(plan_batch, mesh.size())
             world = mean_over or mesh.size()
+            if handed == Layout.REPLICATE:
+                world //= mesh.size()
             gm.add_submodule("hyplan_mean_over_ranks", MeanOverRanks(world))
             for src in list(node.all_input_nodes):
                 if src.name not in gives:
                     continue
                 out = src
-                if gives[src.name][0] != Layout.BATCH:
-                    out = reshard(node, src, Layout.BATCH)
+                if gives[src.name][0] != handed:
+                    out = reshard(node, src, handed)
                 with gm.graph.inserting_before(node):
                     scaled = gm.graph.call_module("hyplan_mean_over_ranks", (out,))
                 node.replace_input_with(src, scaled)

@@ -27,6 +27,7 @@ from executor.inputs import main_input
 from executor.styles import (MeanOverRanks, Reshard, broadcast_replicated,
                              data_parallel_over, params_of, placement, tensor_parallel_style)
 from planner.choices import rows_visible
+from planner.handback import output_layout
 from planner.plan import LayerPlan, Plan
 from strategies.layouts import Layout
 
@@ -105,6 +106,7 @@ def parallelize_modules(model: nn.Module, plan: Plan, mesh: DeviceMesh) -> nn.Mo
             readers.setdefault(src, []).append(layer)
     paths = {l.node: _module_path(model, l) for l in plan.layers}
     outputs = set(plan.outputs)
+    held = output_layout(batch, mesh.size())
 
     def wanted(src: str, reader: LayerPlan) -> Layout:
         want = Layout(reader.input_layout)
@@ -124,8 +126,9 @@ def parallelize_modules(model: nn.Module, plan: Plan, mesh: DeviceMesh) -> nn.Mo
         if layer.node in outputs or rows_visible(layer.output_shape, batch):
             # a module's output is what the model's own code holds next: it may read its
             # sizes to shape another tensor (`hidden_states.shape[0]` to view q, k, v), so
-            # every batch-sized tensor the code sees is split by rows alike
-            outside.add(Layout.BATCH)
+            # every batch-sized tensor the code sees is split by rows alike (or whole
+            # alike, where the rows do not split over the mesh: planner.handback)
+            outside.add(held)
         if len(outside) > 1:
             raise ValueError(f"plan: layer {layer.name!r} feeds ops that want {sorted(outside)}; "
                              f"re-plan (the module executor makes one change per module output)")
@@ -205,7 +208,8 @@ def parallelize_modules(model: nn.Module, plan: Plan, mesh: DeviceMesh) -> nn.Mo
             raise ValueError(f"plan: {layer.name!r}: unsupported output hand-over")
     if tp_styles:
         parallelize_module(model, mesh, tp_styles)
-    model.register_forward_hook(_scale_outputs(mesh.size()))
+    # a whole output: every rank computes the one loss, counted once in the mean
+    model.register_forward_hook(_scale_outputs(mesh.size() if held == Layout.BATCH else 1))
 
     broadcast_replicated(model, params_of(plan, "replicate"))
     from executor.levers import apply_levers

@@ -32,6 +32,7 @@ import torch.distributed as dist
 
 from executor.batch import shard_batch
 from executor.precision import LossScaler
+from planner.handback import output_whole
 from planner.plan import Plan
 
 
@@ -112,7 +113,8 @@ def _step_3d(model, plan: Plan, batch, loss_fn, scaler=None) -> float:
     inputs = [_microbatches(plan, x.to(model.device), dp_rank, tp_rank,
                             split_tp=plan.inputs[i].layout == "batch")
               for i, x in enumerate(batch[:n])]
-    targets = [_microbatches(plan, y.to(model.device), dp_rank, tp_rank, split_tp=True)
+    whole = output_whole(plan)  # the output and targets, whole over tp (planner.handback)
+    targets = [_microbatches(plan, y.to(model.device), dp_rank, tp_rank, split_tp=not whole)
                for y in batch[n:]]
     m = plan.microbatches
     losses: list[torch.Tensor] = []

@@ -2,8 +2,9 @@
 
 Each layer becomes a node whose options are its candidate strategies with their costs; each
 data edge becomes an edge whose matrix prices the layout change between the producer's and
-the consumer's options; a sink node takes the model's outputs split by rows, as the user
-gets them back (each rank the rows it passed).
+the consumer's options; a sink node takes the model's outputs as the user gets them back:
+split by rows (each rank the rows it passed), or whole where the rows do not split evenly
+over the devices (planner.handback).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from planner.handback import output_layout
 from planner.problem import Edge, Node, Option, Problem
 from profiler.graph import Layer, ModelGraph
 from strategies.catalog import Cost, CostContext, Strategy, candidates
@@ -137,7 +139,8 @@ def layer_choices(graph: ModelGraph, cluster: Cluster, optimizer: str,
     nodes = [Node(r.layer.name, tuple(
         Option(s.name, c.time_s, c.memory_bytes, s.takes.value, s.gives.value)
         for s, c in zip(r.strategies, r.costs))) for r in rows]
-    nodes.append(Node(OUTPUT, (Option("output", 0.0, 0.0, Layout.BATCH.value, ""),)))
+    handed = output_layout(graph.batch_size, ctx.ranks)  # rows, or whole where they do not split
+    nodes.append(Node(OUTPUT, (Option("output", 0.0, 0.0, handed.value, ""),)))
 
     link = cluster.link(ctx.ranks)
     overhead = cluster.dtensor_reshard_overhead_s if ctx.ranks > 1 else 0.0
@@ -157,14 +160,14 @@ def layer_choices(graph: ModelGraph, cluster: Cluster, optimizer: str,
                                      producer.layer.output.nbytes, ctx.ranks, link,
                                      backward=has_gradient(producer.layer),
                                      reshard_overhead_s=overhead, own_style=own_style)
-                if graph.tracer == "export":
+                if graph.tracer == "export" and ctx.ranks > 1:  # one device: one layout
                     matrix = matrix + unrealizable(producer, row, takes)
             edges.append(Edge(src, dst, matrix))
     sink = len(rows)
     for name in graph.outputs:
         src = index[name]
         producer = rows[src]
-        matrix = edge_matrix([s.gives for s in producer.strategies], [Layout.BATCH],
+        matrix = edge_matrix([s.gives for s in producer.strategies], [handed],
                              producer.layer.output.nbytes, ctx.ranks, link,
                              backward=not producer.layer.is_input, reshard_overhead_s=overhead)
         edges.append(Edge(src, sink, matrix))
@@ -190,12 +193,13 @@ def _through_rows(producer: LayerChoices, consumer: LayerChoices, takes: list[La
     rows (rows_visible) and each reader changes it to what it takes from there; an op
     outside modules cannot change it, so it takes the rows or nothing."""
     nbytes = producer.layer.output.nbytes
-    out = edge_matrix([s.gives for s in producer.strategies], [Layout.BATCH], nbytes,
+    held = output_layout(ctx.batch, ctx.ranks)  # rows, or whole where they do not split
+    out = edge_matrix([s.gives for s in producer.strategies], [held], nbytes,
                       ctx.ranks, link, reshard_overhead_s=overhead)
-    into = edge_matrix([Layout.BATCH], takes, nbytes, ctx.ranks, link,
+    into = edge_matrix([held], takes, nbytes, ctx.ranks, link,
                        reshard_overhead_s=overhead, own_style=own_style)
-    if consumer.layer.op != "call_module":
-        into = np.where(np.array([[t == Layout.BATCH for t in takes]]), into, UNREALIZABLE_S)
+    if consumer.layer.op != "call_module" and ctx.ranks > 1:
+        into = np.where(np.array([[t == held for t in takes]]), into, UNREALIZABLE_S)
     return out + into
 
 

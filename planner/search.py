@@ -33,6 +33,7 @@ import numpy as np
 from planner.block_cuts import block_units, carries_weights, why_no_blocks
 from planner import block_recompute, dp_shard
 from planner.choices import OUTPUT
+from planner.handback import output_layout
 from planner.problem import Edge
 from planner.progress import Progress, report
 from planner.schedules import SCHEDULES, chunks_allowed, refusal
@@ -45,7 +46,6 @@ from strategies.catalog import CostContext, candidates, weights_memory
 from strategies.cluster import Cluster
 from strategies.collectives import all_reduce_s, send_recv_s
 from strategies.edges import edge_matrix
-from strategies.layouts import Layout
 
 FIRST_PASS_S = 5.0  # seconds per candidate in the search's first pass
 CHUNKED_PASS_S = 5.0  # seconds per candidate with chunks per rank (one pass only)
@@ -360,7 +360,7 @@ def build(cache: CostCache, pp: int, dp: int, tp: int, rows: int,
         for name in layer.inputs:
             add_edge(index[name], dst, [s.takes for s in strategies[dst]])
     for name in graph.outputs:
-        add_edge(index[name], sink, [Layout.BATCH])
+        add_edge(index[name], sink, [output_layout(rows, tp)])  # planner.handback
 
     # point-to-point at a cut before unit u: the values made before it and used after it
     link = group_link(cluster, 2 * dp * tp)

@@ -8,6 +8,7 @@ from rich.console import Console
 from rich.table import Table
 
 from planner.baseline import LABELS
+from planner.handback import output_whole, sharing_group
 from planner.plan import Plan, set_explainer
 from planner.report.levers import lever_lines
 from planner.report.sequence import sequence_lines
@@ -90,6 +91,13 @@ def summary(plan: Plan) -> list[str]:
         lines.append("Inputs: " + ", ".join(
             f"{i.name} ({'each rank passes its rows' if i.layout == 'batch' else 'every rank passes the whole batch'})"
             for i in plan.inputs))
+    if plan.inputs and output_whole(plan):
+        rows, ranks = sharing_group(plan)
+        why = (f"a microbatch of {rows} per replica does not split evenly over tp {ranks}"
+               if plan.is_mesh_3d else f"a batch of {rows} does not split evenly over "
+               f"{ranks} devices")
+        lines.append(f"Output: handed back whole to every rank, the targets passed whole "
+                     f"({why}; the plan prices the gather)")
     return lines
 
 
