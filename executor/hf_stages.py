@@ -35,12 +35,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.pipelining import PipelineStage
 
 from executor.agree import check_model
 from executor.graph_rewrite import device_of
 from executor.levers import apply_levers, checkpoint_module
-from executor.pipeline import StageModel
+from executor.pipeline import StageModel, staged
 from executor.precision import run_in_precision
 from executor.styles import MeanOverRanks
 from planner.plan import Plan
@@ -280,13 +279,8 @@ def parallelize_decoder_3d(model: nn.Module, plan: Plan) -> StageModel:
         module = _ScaledOutput(stage, dp * tp) if last else stage
         run_in_precision(module, plan.training_precision, plan.mesh.device_type, last=last)
         modules.append(module)
-    result = StageModel(modules, mine, plan, mesh, stage_index, device, stage_groups[stage_index],
-                        frozenset(sharded))
-    if pp > 1:
-        result._pipeline_stages = [
-            PipelineStage(module, k, num_stages, device, group=mesh.get_group("pp"))
-            for k, module in zip(mine, modules)]
-    return result
+    return staged(modules, mine, plan, mesh, stage_index, device, stage_groups[stage_index],
+                  sharded, num_stages)
 
 
 def shard_over_dp(stage: DecoderStage, plan: Plan, k: int, dp_mesh) -> set[str]:

@@ -225,9 +225,17 @@ def parallelize_3d(model: nn.Module, plan: Plan, *, leaf_modules=()) -> StageMod
                          last=k == num_stages - 1)
         modules.append(module)
 
-    model = StageModel(modules, mine, plan, mesh, stage_index, device, stage_groups[stage_index],
+    return staged(modules, mine, plan, mesh, stage_index, device, stage_groups[stage_index],
+                  sharded, num_stages)
+
+
+def staged(modules: list, mine: list[int], plan: Plan, mesh, stage_index: int, device,
+           stage_group, sharded: set[str], num_stages: int) -> "StageModel":
+    """This rank's StageModel over its stage modules, with one PipelineStage per chunk it
+    holds when there is more than one pipeline rank (fx stages and a decoder's alike)."""
+    model = StageModel(modules, mine, plan, mesh, stage_index, device, stage_group,
                        frozenset(sharded))
-    if pp > 1:
+    if plan.mesh.size("pp") > 1:
         model._pipeline_stages = [
             PipelineStage(module, k, num_stages, device, group=mesh.get_group("pp"))
             for k, module in zip(mine, modules)]
