@@ -129,7 +129,9 @@ def _hf_lm(config_name: str, model_name: str, **config):
         targets = torch.randint(0, 512, (batch, 64), generator=g)
 
         def loss(output, target):
-            return F.cross_entropy(output.logits.flatten(0, 1), target.flatten())
+            # the model's output object, or a pipeline's last stage's logits tensor
+            logits = getattr(output, "logits", output)
+            return F.cross_entropy(logits.flatten(0, 1), target.flatten())
 
         return model, ids, targets, loss
     return build
