@@ -559,7 +559,7 @@ def search(graph: ModelGraph, cluster: Cluster, optimizer: str, budget_bytes: fl
             raise
         interrupted = True
         for _, c in ranked:
-            if c.seconds == 0 and c.outcome == "pruned_by_bound" and not c.note:
+            if c.outcome == "pruned_by_bound" and not c.note:  # unvisited, or cut short
                 c.outcome, c.note = "skipped", "not solved: interrupted"
     if best is not None:
         best.outcome = "best"
