@@ -32,18 +32,15 @@ from __future__ import annotations
 import copy
 
 import torch
-import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
 
 from executor.agree import check_model
 from executor.graph_rewrite import device_of
 from executor.levers import apply_levers, checkpoint_module
-from executor.pipeline import StageModel, staged
+from executor.pipeline import StageModel, pipeline_ranks, staged
 from executor.precision import run_in_precision
 from executor.styles import MeanOverRanks
 from planner.plan import Plan
-from planner.stages import stage_ranks
 from profiler.blocks import decoder_blocks
 
 
@@ -254,22 +251,13 @@ def parallelize_decoder_3d(model: nn.Module, plan: Plan) -> StageModel:
     """This rank's StageModel under a 3-D plan of a torch.export graph; every rank calls it
     with the same model (same initial weights)."""
     check_model(model, plan)
-    pp, dp, tp = (plan.mesh.size(d) for d in ("pp", "dp", "tp"))
+    dp, tp = plan.mesh.size("dp"), plan.mesh.size("tp")
     if tp != 1:
         raise ValueError(f"plan: tensor parallelism inside pipeline stages of a model traced "
                          f"by torch.export is not run yet (tp = {tp}); re-plan with this "
                          f"hyplan, which offers tp = 1 for such stages")
     device = device_of(plan)
-    mesh = init_device_mesh(plan.mesh.device_type, (pp, dp, tp), mesh_dim_names=("pp", "dp", "tp"))
-    rank = dist.get_rank()
-    stage_index = rank // (dp * tp)
-    stage_groups = [dist.new_group(list(range(j * dp * tp, (j + 1) * dp * tp)))
-                    for j in range(pp)]
-    chunks = plan.pipeline.chunks if plan.pipeline else 1
-    schedule = plan.pipeline.schedule if plan.pipeline else "1F1B"
-    num_stages = pp * chunks
-    ranks_of = stage_ranks(schedule, pp, chunks)
-    mine = [k for k in range(num_stages) if ranks_of[k] == stage_index]
+    mesh, stage_index, stage_groups, num_stages, mine = pipeline_ranks(plan)
     modules = []
     sharded: set[str] = set()
     for k in mine:

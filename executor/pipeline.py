@@ -42,6 +42,7 @@ from executor.levers import apply_levers
 from executor.precision import run_in_precision
 from executor.styles import summed_params
 from planner.plan import Plan
+from planner.stages import stage_ranks
 from strategies.layouts import Layout
 
 SCHEDULE_CLASSES = {"1F1B": Schedule1F1B, "GPipe": ScheduleGPipe,
@@ -188,22 +189,10 @@ class StageModel(nn.Module):
 
 def parallelize_3d(model: nn.Module, plan: Plan, *, leaf_modules=()) -> StageModel:
     """This rank's StageModel under a 3-D `plan`; every rank calls it with the same model."""
-    from planner.stages import stage_ranks
-
     gm = traced_as_planned(model, plan, leaf_modules)
     device = device_of(plan)
-    pp, dp, tp = (plan.mesh.size(d) for d in ("pp", "dp", "tp"))
-    mesh = init_device_mesh(plan.mesh.device_type, (pp, dp, tp), mesh_dim_names=("pp", "dp", "tp"))
-    rank = dist.get_rank()
-    stage_index = rank // (dp * tp)  # this rank's pipeline rank
-    # every rank creates every stage's group, in the same order
-    stage_groups = [dist.new_group(list(range(k * dp * tp, (k + 1) * dp * tp)))
-                    for k in range(pp)]
-    chunks = plan.pipeline.chunks if plan.pipeline else 1
-    schedule = plan.pipeline.schedule if plan.pipeline else "1F1B"
-    num_stages = pp * chunks
-    ranks_of = stage_ranks(schedule, pp, chunks)
-    mine = [k for k in range(num_stages) if ranks_of[k] == stage_index]
+    dp, tp = plan.mesh.size("dp"), plan.mesh.size("tp")
+    mesh, stage_index, stage_groups, num_stages, mine = pipeline_ranks(plan)
 
     stage_of = {l.node: l.stage for l in plan.layers}
     split = split_stages(gm, stage_of, num_stages)
@@ -227,6 +216,23 @@ def parallelize_3d(model: nn.Module, plan: Plan, *, leaf_modules=()) -> StageMod
 
     return staged(modules, mine, plan, mesh, stage_index, device, stage_groups[stage_index],
                   sharded, num_stages)
+
+
+def pipeline_ranks(plan: Plan):
+    """(mesh, this rank's pipeline rank, every pipeline rank's group, number of stages,
+    the stages this rank holds) under a 3-D plan: what fx and decoder stages both set up
+    first. Every rank creates every stage's group, in the same order."""
+    pp, dp, tp = (plan.mesh.size(d) for d in ("pp", "dp", "tp"))
+    mesh = init_device_mesh(plan.mesh.device_type, (pp, dp, tp), mesh_dim_names=("pp", "dp", "tp"))
+    stage_index = dist.get_rank() // (dp * tp)
+    stage_groups = [dist.new_group(list(range(k * dp * tp, (k + 1) * dp * tp)))
+                    for k in range(pp)]
+    chunks = plan.pipeline.chunks if plan.pipeline else 1
+    schedule = plan.pipeline.schedule if plan.pipeline else "1F1B"
+    num_stages = pp * chunks
+    ranks_of = stage_ranks(schedule, pp, chunks)
+    mine = [k for k in range(num_stages) if ranks_of[k] == stage_index]
+    return mesh, stage_index, stage_groups, num_stages, mine
 
 
 def staged(modules: list, mine: list[int], plan: Plan, mesh, stage_index: int, device,
