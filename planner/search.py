@@ -116,6 +116,11 @@ def _open(c: "Candidate") -> bool:
         c.solution is not None and c.solution.status != "optimal")
 
 
+def _unvisited(c: "Candidate") -> bool:
+    """Ranked but not yet looked at (a visit leaves an outcome or a note)."""
+    return c.outcome == "pruned_by_bound" and not c.note
+
+
 def _words(shape: "Shape") -> str:
     chunks = f" v={shape.chunks}" if shape.chunks > 1 else ""
     return (f"pp {shape.pp} x dp {shape.dp} x tp {shape.tp}, m {shape.microbatches} "
@@ -491,11 +496,13 @@ def search(graph: ModelGraph, cluster: Cluster, optimizer: str, budget_bytes: fl
             best = c
 
     chunked_tries = 0
-    settled = len(out) - len(ranked)  # dropped before any solve: dominated, does not fit
 
     def tell(current: str = "") -> None:
+        """Report where the search stands: candidates dealt with (dropped, pruned, skipped
+        or solved; not those unvisited or at a time limit), and the least bound still open."""
+        settled = sum(not _unvisited(c) and c.outcome != "time_limit" for c in out)
         open_bounds = [c.bound_s for _, c in ranked if c.bound_s is not None
-                       and (_open(c) or c.outcome == "pruned_by_bound" and not c.note)]
+                       and (_open(c) or _unvisited(c))]
         report(Progress(len(out), settled, sum(c.seconds > 0 for c in out),
                         best.solution.times.step_s if best else None,
                         min(open_bounds, default=None), current))
@@ -510,7 +517,6 @@ def search(graph: ModelGraph, cluster: Cluster, optimizer: str, budget_bytes: fl
             incumbent = best.solution.times.step_s if best else None
             if incumbent is not None and bound >= incumbent * (1 - 1e-9):
                 c.note = f"bound {bound * 1e3:.3g} ms >= best {incumbent * 1e3:.3g} ms"
-                settled += 1
                 tell()
                 continue
             if c.shape.chunks > 1:
@@ -522,22 +528,18 @@ def search(graph: ModelGraph, cluster: Cluster, optimizer: str, budget_bytes: fl
                     c.outcome = "skipped"
                     c.note = (f"estimate {guess * 1e3:.3g} ms >= best "
                               f"{incumbent * 1e3:.3g} ms")
-                    settled += 1
                     continue
                 if chunked_tries >= CHUNKED_TRIES:
                     c.outcome = "skipped"
                     c.note = f"not solved: past the {CHUNKED_TRIES} best chunked estimates"
-                    settled += 1
                     continue
                 chunked_tries += 1
                 tell(_words(c.shape))
                 attempt(c, min(time_limit_s, CHUNKED_PASS_S))
-                settled += c.outcome != "time_limit"
                 tell()
                 continue
             tell(_words(c.shape))
             attempt(c, min(time_limit_s, FIRST_PASS_S))
-            settled += c.outcome != "time_limit"
             tell()
         # Second pass: what is left open and might still beat the best, now cut off at it
         # (an integer program whose LP bound is above the cutoff ends at once).
@@ -550,7 +552,6 @@ def search(graph: ModelGraph, cluster: Cluster, optimizer: str, budget_bytes: fl
             if open_ and (incumbent is None or c.bound_s < incumbent * (1 - 1e-9)):
                 tell(_words(c.shape))
                 attempt(c, time_limit_s)
-                settled += c.outcome != "time_limit"
                 tell()
     except KeyboardInterrupt:
         # Ctrl-C: the best plan so far, with its gap to what was left open (SCIP is told
@@ -559,7 +560,7 @@ def search(graph: ModelGraph, cluster: Cluster, optimizer: str, budget_bytes: fl
             raise
         interrupted = True
         for _, c in ranked:
-            if c.outcome == "pruned_by_bound" and not c.note:  # unvisited, or cut short
+            if _unvisited(c):  # or cut short by the interrupt
                 c.outcome, c.note = "skipped", "not solved: interrupted"
     if best is not None:
         best.outcome = "best"
