@@ -32,6 +32,7 @@ class LayerChoices:
     layer: Layer
     strategies: tuple[Strategy, ...]
     costs: tuple[Cost, ...]
+    carries_gradient: bool = True  # ModelGraph.carries_gradient: its edges have a backward
 
 
 @dataclass(frozen=True)
@@ -130,7 +131,8 @@ def layer_choices(graph: ModelGraph, cluster: Cluster, optimizer: str,
                                  f"{ctx.ranks} devices; it can use "
                                  f"{sorted({s.name for s in options})}")
             options = kept
-        rows.append(LayerChoices(layer, tuple(options), tuple(s.cost(layer, ctx) for s in options)))
+        rows.append(LayerChoices(layer, tuple(options), tuple(s.cost(layer, ctx) for s in options),
+                                 graph.carries_gradient(layer.node)))
 
     if pin:
         raise ValueError(f"pin: no layer named {sorted(pin)}; layers: "
@@ -158,7 +160,7 @@ def layer_choices(graph: ModelGraph, cluster: Cluster, optimizer: str,
             else:
                 matrix = edge_matrix([s.gives for s in producer.strategies], takes,
                                      producer.layer.output.nbytes, ctx.ranks, link,
-                                     backward=has_gradient(producer.layer),
+                                     backward=producer.carries_gradient,
                                      reshard_overhead_s=overhead, own_style=own_style)
                 if graph.tracer == "export" and ctx.ranks > 1:  # one device: one layout
                     matrix = matrix + unrealizable(producer, row, takes)
@@ -169,16 +171,10 @@ def layer_choices(graph: ModelGraph, cluster: Cluster, optimizer: str,
         producer = rows[src]
         matrix = edge_matrix([s.gives for s in producer.strategies], [handed],
                              producer.layer.output.nbytes, ctx.ranks, link,
-                             backward=not producer.layer.is_input, reshard_overhead_s=overhead)
+                             backward=producer.carries_gradient, reshard_overhead_s=overhead)
         edges.append(Edge(src, sink, matrix))
     problem = Problem(tuple(nodes), tuple(edges), memory_budget_bytes, ties)
     return Choices(problem, tuple(rows), ctx)
-
-
-def has_gradient(layer: Layer) -> bool:
-    """Does a gradient flow back into this layer's output? Not into a model input, nor
-    into an integer or boolean value (token ids, a mask)."""
-    return not layer.is_input and layer.output.dtype.startswith(("float", "bfloat", "complex"))
 
 
 def rows_visible(shape, batch: int) -> bool:
@@ -194,9 +190,10 @@ def _through_rows(producer: LayerChoices, consumer: LayerChoices, takes: list[La
     outside modules cannot change it, so it takes the rows or nothing."""
     nbytes = producer.layer.output.nbytes
     held = output_layout(ctx.batch, ctx.ranks)  # rows, or whole where they do not split
+    backward = producer.carries_gradient
     out = edge_matrix([s.gives for s in producer.strategies], [held], nbytes,
-                      ctx.ranks, link, reshard_overhead_s=overhead)
-    into = edge_matrix([held], takes, nbytes, ctx.ranks, link,
+                      ctx.ranks, link, backward=backward, reshard_overhead_s=overhead)
+    into = edge_matrix([held], takes, nbytes, ctx.ranks, link, backward=backward,
                        reshard_overhead_s=overhead, own_style=own_style)
     if consumer.layer.op != "call_module" and ctx.ranks > 1:
         into = np.where(np.array([[t == held for t in takes]]), into, UNREALIZABLE_S)
@@ -227,6 +224,6 @@ def tied(graph: ModelGraph, rows: list[LayerChoices], index: dict[str, int]):
             row = rows[i]
             keep = [k for k, s in enumerate(row.strategies) if s.name in allowed]
             rows[i] = LayerChoices(row.layer, tuple(row.strategies[k] for k in keep),
-                                   tuple(row.costs[k] for k in keep))
+                                   tuple(row.costs[k] for k in keep), row.carries_gradient)
         ties.append(tuple(members))
     return tuple(ties)

@@ -33,5 +33,5 @@ def communication_bytes(choices: Choices, choice: Sequence[int]) -> float:
             wanted = rows[edge.dst].strategies[choice[edge.dst]].takes
             takes = batch_free_takes(producer.layer, wanted, ctx.batch)
         sent += reshard_bytes(gives, takes, producer.layer.output.nbytes, ctx.ranks,
-                              backward=not producer.layer.is_input)
+                              backward=producer.carries_gradient)
     return sent

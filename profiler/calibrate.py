@@ -39,7 +39,7 @@ from profiler.profile import median_time
 # 41%), so the fit is piecewise (fit_collective) and the sizes reach past the cache.
 SIZES = (1 << 10, 16 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 32 << 20, 64 << 20,
          128 << 20)
-QUICK_SIZES = (1 << 10, 1 << 20, 8 << 20, 32 << 20, 64 << 20, 128 << 20)
+QUICK_SIZES = (1 << 10, 16 << 10, 256 << 10, 1 << 20, 8 << 20, 32 << 20, 64 << 20, 128 << 20)
 # a second regime must at least halve the one line's squared relative error to be kept
 MEASURED = ("all_reduce", "bucket_all_reduce", "all_gather", "reduce_scatter", "all_to_all",
             "send_recv")
@@ -104,24 +104,19 @@ def _compute_burst(device, seconds: float = 8e-3):
     return burst
 
 
-def _in_step_time(fn, device, repeats: int) -> float:
-    """Seconds of `fn` as a training step meets it: every rank computes for a moment
-    (an ~8 ms burst, about a layer's time here) and then calls it, `repeats` times; the
-    mean of the middle 80%. How long the ranks computed matters: a 1 MB all-reduce took
-    1.6 ms after 0.5 ms bursts, 2.3 ms after 2 ms, 3.5-4.8 ms after 8-25 ms.
+def _in_step_spans(fn, device, repeats: int) -> list[tuple[float, float]]:
+    """(start, end) of each of `repeats` calls of `fn` as a training step meets it: every
+    rank computes for a moment (an ~8 ms burst, about a layer's time here) and then calls
+    it; `_call_seconds` combines the ranks' spans of one call. How long the ranks computed
+    matters: a 1 MB all-reduce took 1.6 ms after 0.5 ms bursts, 2.3 ms after 2 ms, 3.5-4.8
+    ms after 8-25 ms.
 
     Why not back-to-back calls after a barrier: there the ranks arrive together and their
     communication threads are awake. In a step one rank arrives first and sleeps in the
     collective until the other's data wakes it; on this 2-core VM that costs a median 2 ms
     per collective, against 0.2-0.5 ms after a barrier (a 1 KB gloo all-reduce), which made
-    tensor-parallel plans of small models look 2x faster than they ran. And the mean, not
-    the median: such latencies are bimodal, and a step is a sum of many of them."""
-    return _trimmed_mean([end - start for start, end in _in_step_spans(fn, device, repeats)])
-
-
-def _in_step_spans(fn, device, repeats: int) -> list[tuple[float, float]]:
-    """(start, end) of each of `repeats` calls of `fn`, each after a compute burst (see
-    `_in_step_time`); `_call_seconds` combines the ranks' spans of one call."""
+    tensor-parallel plans of small models look 2x faster than they ran. Calls are combined
+    by the mean, not the median: such latencies are bimodal, and a step is a sum of many."""
     span = _span_timer(device)
     burst = _compute_burst(device)
     fn()  # warm up: connections, buffers
@@ -142,6 +137,31 @@ def _together_spans(fn, device, repeats: int) -> list[tuple[float, float]]:
     for _ in range(repeats):
         dist.barrier()
         spans.append(span(fn))
+    return spans
+
+
+def _interleaved_spans(calls: dict, device, rounds: int) -> dict:
+    """{key: [(start, end) per round]} of `calls` ({key: (fn, together)}) timed in turn,
+    one call of each per round: `together` ones after a barrier (`_together_spans`), the
+    others after a compute burst (`_in_step_spans`). Round-robin, not one block per key:
+    this VM's small-message latency switches between modes for seconds at a time (a 1 KB
+    all-gather's mean over 40 back-to-back calls ranged 0.2-1.6 ms from one block to the
+    next), so a block samples one mode and two calibrations disagreed by 2x. Taken in
+    turn, every figure averages the same spell of the machine, as a step's collectives
+    do, and a difference of two (DTensor's overhead) is not a difference of two spells."""
+    span = _span_timer(device)
+    burst = _compute_burst(device)
+    for fn, _ in calls.values():
+        fn()  # warm up: connections, buffers
+    dist.barrier()
+    spans: dict = {key: [] for key in calls}
+    for _ in range(rounds):
+        for key, (fn, together) in calls.items():
+            if together:
+                dist.barrier()
+            else:
+                burst()
+            spans[key].append(span(fn))
     return spans
 
 
@@ -230,11 +250,12 @@ def _dtensor_overheads(rank: int, world: int, device, repeats: int) -> dict[str,
                                run_check=False)
         d.redistribute(mesh, [Replicate()]).to_local().sum().backward()
 
+    spans = _interleaved_spans({"plain": (step_of(plain, x), False),
+                                "column": (step_of(col, x), False),
+                                "row": (step_of(row, x_shard), False),
+                                "reshard": (redistribute, False)}, device, repeats)
     return {
-        "plain": _in_step_time(step_of(plain, x), device, repeats),
-        "column": _in_step_time(step_of(col, x), device, repeats),
-        "row": _in_step_time(step_of(row, x_shard), device, repeats),
-        "reshard": _in_step_time(redistribute, device, repeats),
+        **{key: _trimmed_mean([e - b for b, e in calls]) for key, calls in spans.items()},
         "tiny_bytes": float(x.numel() * x.element_size() * world),
         "row_bytes": float(rows * width * 4),
     }
@@ -289,8 +310,9 @@ def _step_overhead(device, repeats: int = 21) -> dict[str, float]:
     plain, step_of = _two_linears(256, device)
     ddp = DistributedDataParallel(_two_linears(256, device)[0],
                                   device_ids=None if device.type == "cpu" else [device])
-    return {"plain": _in_step_time(step_of(plain), device, repeats),
-            "ddp": _in_step_time(step_of(ddp), device, repeats),
+    spans = _interleaved_spans({"plain": (step_of(plain), False), "ddp": (step_of(ddp), False)},
+                               device, repeats)
+    return {**{key: _trimmed_mean([e - b for b, e in calls]) for key, calls in spans.items()},
             "grad_bytes": float(sum(p.numel() * p.element_size() for p in plain.parameters()))}
 
 
@@ -311,8 +333,9 @@ def _fsdp_step(device, repeats: int = 9) -> dict[str, float]:
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     for layer in (sharded[0], sharded[2]):
         fully_shard(layer, mesh=mesh)
-    return {"plain": _in_step_time(step_of(plain), device, repeats),
-            "fsdp": _in_step_time(step_of(sharded), device, repeats),
+    spans = _interleaved_spans({"plain": (step_of(plain), False),
+                                "fsdp": (step_of(sharded), False)}, device, repeats)
+    return {**{key: _trimmed_mean([e - b for b, e in calls]) for key, calls in spans.items()},
             "layer_bytes": float(2048 * 2049 * 4), "layers": 2.0}
 
 
@@ -336,6 +359,13 @@ def _contention(rank: int, device, quiet_wait_s: float, trials: int = 5,
     return {key: statistics.median(r) if r else 1.0 for key, r in ratios.items()}
 
 
+# Messages up to 1 MB are timed in turn (`_interleaved_spans`), 40 calls each: their time
+# is the latency, bimodal in a step (a rank asleep in the collective or not, 0.3 or 2 ms),
+# and 10 calls in one block moved the fitted latency by 2x from one calibration to the
+# next, and every small model's prediction with it. 40 calls of a few ms cost seconds.
+SMALL_BYTES, SMALL_REPEATS = 1 << 20, 40
+
+
 def repeats_for(nbytes: int, repeats: int) -> int:
     """Fewer calls of the largest messages: a 128 MB gloo all-gather takes 0.2-0.6 s here,
     and its spread is small against its size."""
@@ -351,13 +381,27 @@ def _rank_measure(rank: int, world: int, sizes, repeats: int, quiet_wait_s: floa
     device = torch.device("cuda", rank) if dist.get_backend() == "nccl" else torch.device("cpu")
     together = _contention(rank, device, quiet_wait_s, trials=3 if quick else 5,
                            repeats=5 if quick else 9)
+    names = [name for name in MEASURED
+             if not (name == "send_recv" and world != 2)  # one pair is enough: 2 ranks
+             # DTensor runs it as an all-gather on gloo: calibrate() copies those
+             and not (name == "all_to_all" and dist.get_backend() == "gloo")]
+    small = [(name, nbytes) for name in names for nbytes in sizes if nbytes <= SMALL_BYTES]
+    try:
+        taken = _interleaved_spans(
+            {(name, nbytes): (_collective_call(name, nbytes, rank, world, device),
+                              name == "bucket_all_reduce") for name, nbytes in small},
+            device, max(repeats, SMALL_REPEATS))
+    except RuntimeError as error:  # e.g. a collective the backend lacks
+        if "not supported" not in str(error).lower() and "unsupported" not in str(error).lower():
+            raise
+        taken = {}
     spans = []
-    for name in MEASURED:
-        if name == "send_recv" and world != 2:
-            continue  # one pair is enough; it is measured on 2 ranks
-        if name == "all_to_all" and dist.get_backend() == "gloo":
-            continue  # DTensor runs it as an all-gather on gloo: calibrate() copies those
+    for name in names:
         for nbytes in sizes:
+            if nbytes <= SMALL_BYTES:
+                if (name, nbytes) in taken:
+                    spans.append((name, nbytes, taken[(name, nbytes)]))
+                continue
             if quiet_wait_s > 0:  # on a shared machine, measure between others' bursts
                 if rank == 0:
                     wait_for_quiet(quiet_wait_s)
@@ -373,9 +417,9 @@ def _rank_measure(rank: int, world: int, sizes, repeats: int, quiet_wait_s: floa
             spans.append((name, nbytes, calls))
     # tiny ops: many repeats are cheap, and the difference of two medians needs them
     return {"spans": spans,
-            "dtensor": _dtensor_overheads(rank, world, device, 15 if quick else 31),
-            "contention": together, "step": _step_overhead(device, 11 if quick else 21),
-            "fsdp": _fsdp_step(device, 5 if quick else 9)}
+            "dtensor": _dtensor_overheads(rank, world, device, 31),
+            "contention": together, "step": _step_overhead(device, 21),
+            "fsdp": _fsdp_step(device, 9)}
 
 
 # --- compute ---------------------------------------------------------------------------------

@@ -114,6 +114,22 @@ class ModelGraph:
     def param_bytes(self) -> int:
         return sum(layer.param_bytes for layer in self.layers)
 
+    def carries_gradient(self, node: str) -> bool:
+        """Does a gradient flow back into this layer's output? Only where a trainable
+        parameter lies upstream of it: not into a model input, an integer or boolean value
+        (token ids, a mask), nor a float made from buffers and constants alone (a rotary
+        cos/sin table from `inv_freq`), whose layout change therefore has no backward half."""
+        carrying = self.__dict__.get("_carrying")
+        if carrying is None:
+            carrying = set()
+            for layer in self.layers:  # execution order: inputs come first
+                floating = layer.output.dtype.startswith(("float", "bfloat", "complex"))
+                if floating and not layer.is_input and (
+                        layer.params or any(n in carrying for n in layer.inputs)):
+                    carrying.add(layer.node)
+            object.__setattr__(self, "_carrying", frozenset(carrying))
+        return node in carrying
+
     def tied_groups(self) -> list[tuple[str, ...]]:
         """Layers (by node) that share a parameter, joined transitively: each group must
         treat its parameters as one unit (one strategy, one gradient reduction)."""

@@ -30,7 +30,7 @@ ELEMENTWISE = {
 }
 # row-local: each output row depends on the same input row only, along dims other than 0
 ROW_LOCAL = {
-    "view", "reshape", "_unsafe_view", "flatten", "unflatten", "expand", "unsqueeze",
+    "view", "reshape", "_unsafe_view", "flatten", "unflatten", "expand", "expand_as", "unsqueeze",
     "squeeze", "layer_norm", "rms_norm", "group_norm", "linear", "conv1d", "conv2d",
     "embedding", "scaled_dot_product_attention", "matmul", "bmm", "baddbmm", "mm",
     "addmm", "max_pool2d", "avg_pool2d", "adaptive_avg_pool2d", "cat", "stack",
@@ -94,7 +94,7 @@ def keeps_rows(layer: Layer, batch: int) -> bool:
     attrs = layer.attrs
     in_shape = attrs.get("in_shape")
     if in_shape is not None and (not in_shape or in_shape[0] != batch):
-        return kind in ("getitem", "cat", "stack", "where", "expand")  # tuples, broadcasts
+        return kind in ("getitem", "cat", "stack", "where", "expand", "expand_as")  # broadcasts
     ndim = len(in_shape) if in_shape else len(shape)
     dims = [d % ndim if ndim else d for d in _dims(kind, attrs)]
     if kind in ("transpose", "swapaxes"):
