@@ -36,8 +36,8 @@ from torch import nn
 
 from executor.agree import check_model
 from executor.graph_rewrite import device_of
-from executor.levers import apply_levers, checkpoint_module
-from executor.pipeline import StageModel, pipeline_ranks, staged
+from executor.levers import checkpoint_module
+from executor.pipeline import StageModel, pipeline_ranks, shard_modules, staged
 from executor.precision import run_in_precision
 from executor.styles import MeanOverRanks
 from planner.plan import Plan
@@ -262,7 +262,7 @@ def parallelize_decoder_3d(model: nn.Module, plan: Plan) -> StageModel:
     sharded: set[str] = set()
     for k in mine:
         stage = stage_modules(model, plan, num_stages, k).to(device)
-        sharded |= shard_over_dp(stage, plan, k, mesh["dp"])
+        sharded |= shard_over_dp(stage, plan, k, mesh)
         last = k == num_stages - 1
         module = _ScaledOutput(stage, dp * tp) if last else stage
         run_in_precision(module, plan.training_precision, plan.mesh.device_type, last=last)
@@ -271,13 +271,11 @@ def parallelize_decoder_3d(model: nn.Module, plan: Plan) -> StageModel:
                   sharded, num_stages)
 
 
-def shard_over_dp(stage: DecoderStage, plan: Plan, k: int, dp_mesh) -> set[str]:
-    """FSDP2 `fully_shard` over the dp sub-mesh of each module of stage k the plan marks
-    `dp_shard` (an export layer's name is its module's path, planner.dp_shard), with
-    executor.levers' settings: gradients summed (the last stage's output gradient already
-    carries 1/dp). Returns the names of the parameters FSDP now owns, which the stage's
-    own dp all-reduce leaves alone."""
-    targets = [(l.name, "fsdp", False) for l in plan.layers if l.stage == k and l.dp_shard]
-    if not targets:
-        return set()
-    return apply_levers(stage, targets, dp_mesh, plan.training_precision)
+def shard_over_dp(stage: DecoderStage, plan: Plan, k: int, mesh) -> set[str]:
+    """FSDP2 `fully_shard` over the dp sub-mesh (HSDP layers: the (dp_replicate, dp_shard)
+    mesh) of each module of stage k the plan marks `dp_shard` (an export layer's name is
+    its module's path, planner.dp_shard), with executor.levers' settings: gradients summed
+    (the last stage's output gradient already carries 1/dp). Returns the names of the
+    parameters FSDP now owns, which the stage's own dp all-reduce leaves alone."""
+    marked = [(l.name, l) for l in plan.layers if l.stage == k and l.dp_shard]
+    return shard_modules(stage, marked, mesh, plan)

@@ -21,6 +21,9 @@ In a fixed order, like torchtitan's parallelize functions:
    data-parallel inside the tp group. A layer the plan shards over dp (`dp_shard`) is
    FSDP2 `fully_shard` of its module over the dp sub-mesh instead (beside DTensor tensor
    parallelism over tp: a 2-D (dp, tp) mesh), which reduce-scatters its gradients itself.
+   An HSDP layer (`hsdp`) is `fully_shard` over the 2-D (dp_replicate, dp_shard) mesh the
+   dp dim is made of: sharded inside a node, its gradient shard all-reduced across nodes
+   once per step.
 """
 
 from __future__ import annotations
@@ -208,7 +211,7 @@ def parallelize_3d(model: nn.Module, plan: Plan, *, leaf_modules=()) -> StageMod
         apply_tensor_parallel(module, tp_mesh, layers, gives)
         insert_reshards(module, tp_mesh, layers, gives, microbatch_rows(plan),
                          final=k == num_stages - 1, mean_over=dp * tp)
-        sharded |= shard_over_dp(module, layers, mesh["dp"], plan)
+        sharded |= shard_over_dp(module, layers, mesh, plan)
         # under autocast; outputs sent on in the compute dtype, the last stage's in fp32
         run_in_precision(module, plan.training_precision, plan.mesh.device_type,
                          last=k == num_stages - 1)
@@ -223,7 +226,7 @@ def pipeline_ranks(plan: Plan):
     the stages this rank holds) under a 3-D plan: what fx and decoder stages both set up
     first. Every rank creates every stage's group, in the same order."""
     pp, dp, tp = (plan.mesh.size(d) for d in ("pp", "dp", "tp"))
-    mesh = init_device_mesh(plan.mesh.device_type, (pp, dp, tp), mesh_dim_names=("pp", "dp", "tp"))
+    mesh = _device_mesh(plan.mesh.device_type, pp, dp, tp, plan.mesh.dp_shard_ranks)
     stage_index = dist.get_rank() // (dp * tp)
     stage_groups = [dist.new_group(list(range(k * dp * tp, (k + 1) * dp * tp)))
                     for k in range(pp)]
@@ -233,6 +236,19 @@ def pipeline_ranks(plan: Plan):
     ranks_of = stage_ranks(schedule, pp, chunks)
     mine = [k for k in range(num_stages) if ranks_of[k] == stage_index]
     return mesh, stage_index, stage_groups, num_stages, mine
+
+
+def _device_mesh(device_type: str, pp: int, dp: int, tp: int, shard_ranks: int):
+    """The (pp, dp, tp) DeviceMesh. With HSDP layers (`shard_ranks` > 1) the dp dim is
+    made as (dp_replicate, dp_shard) and flattened back into "dp", as torchtitan's
+    ParallelDims does, so mesh["dp"] serves the rest and mesh["dp_replicate", "dp_shard"]
+    the HSDP layers; the ranks are the same (d = replicate_index * shard_ranks + shard_index)."""
+    if shard_ranks == 1:
+        return init_device_mesh(device_type, (pp, dp, tp), mesh_dim_names=("pp", "dp", "tp"))
+    mesh = init_device_mesh(device_type, (pp, dp // shard_ranks, shard_ranks, tp),
+                            mesh_dim_names=("pp", "dp_replicate", "dp_shard", "tp"))
+    mesh["dp_replicate", "dp_shard"]._flatten("dp")
+    return mesh
 
 
 def staged(modules: list, mine: list[int], plan: Plan, mesh, stage_index: int, device,
@@ -248,16 +264,41 @@ def staged(modules: list, mine: list[int], plan: Plan, mesh, stage_index: int, d
     return model
 
 
-def shard_over_dp(module: fx.GraphModule, layers: dict, dp_mesh, plan: Plan) -> set[str]:
+def shard_over_dp(module: fx.GraphModule, layers: dict, mesh, plan: Plan) -> set[str]:
     """FSDP2 `fully_shard` over the dp sub-mesh of each module the plan marks `dp_shard`
     (after tensor parallelism, so its DTensor params shard on the (dp, tp) mesh); gradients
     summed, as executor.levers sets it (the output gradient already carries 1/(dp·tp)).
     Returns the names of the parameters FSDP now owns."""
-    targets = [(str(n.target), "fsdp", False) for n in module.graph.nodes
-               if n.op == "call_module" and n.name in layers and layers[n.name].dp_shard]
-    if not targets:
-        return set()
-    return apply_levers(module, targets, dp_mesh, plan.training_precision)
+    marked = [(str(n.target), layers[n.name]) for n in module.graph.nodes
+              if n.op == "call_module" and n.name in layers and layers[n.name].dp_shard]
+    return shard_modules(module, marked, mesh, plan)
+
+
+def shard_modules(root: nn.Module, marked: list, mesh, plan: Plan) -> set[str]:
+    """`fully_shard` each (module path, LayerPlan) of `marked`: over mesh["dp"], or for an
+    HSDP layer over mesh["dp_replicate", "dp_shard"] with its cross-node all-reduce on the
+    step's last microbatch only. Returns the names of the parameters FSDP now owns."""
+    owned: set[str] = set()
+    for path, layer in marked:
+        over = mesh["dp_replicate", "dp_shard"] if layer.hsdp else mesh["dp"]
+        owned |= apply_levers(root, [(path, "fsdp", False)], over, plan.training_precision)
+        if layer.hsdp:
+            all_reduce_once_per_step(root.get_submodule(path), plan.microbatches)
+    return owned
+
+
+def all_reduce_once_per_step(module: nn.Module, microbatches: int) -> None:
+    """HSDP gradient accumulation: FSDP2 all-reduces the reduce-scattered gradient shard
+    over the replicas after every backward unless told not to; ask for it at the step's
+    last backward through `module` only (the earlier shards accumulate inside FSDP2), in
+    whatever order the schedule runs the microbatches."""
+    seen = [0]
+
+    def before_backward(mod, grad_output):
+        seen[0] = seen[0] % microbatches + 1
+        mod.set_requires_all_reduce(seen[0] == microbatches, recurse=False)
+
+    module.register_full_backward_pre_hook(before_backward)
 
 
 def microbatch_rows(plan: Plan) -> int:

@@ -1,4 +1,4 @@
-"""FSDP over the data-parallel group as a per-layer option of the 3-D search.
+"""FSDP and HSDP over the data-parallel group as per-layer options of the 3-D search.
 
 A layer that runs strategy s over its tp group is normally replicated over the dp group:
 every dp replica keeps the whole tp shard of its weights, gradients and optimizer state and
@@ -22,6 +22,15 @@ too, which a dp-only shard does not cover). In a torch.export graph the layer mu
 module of the model, named by its path, whose weights are all its own (executor.hf_stages
 shards that module of the stage it builds; a layer that also reads a bare parameter, or a
 second call of a module, is not offered).
+
+HSDP ("s+hsdp") is the same shard kept inside a node: when the dp group spans nodes and a
+node holds more than one of its ranks, the weights are sharded over the dp ranks of one
+node (shard size = dp ranks per node) and replicated across nodes, as FSDP2 runs it on a
+2-D (replicate, shard) mesh. The per-microbatch all-gathers and reduce-scatters then travel
+the intra-node link, and the gradient shard is all-reduced across nodes once per step
+(executor.pipeline asks FSDP2 for that all-reduce on the last microbatch only). It keeps
+more memory than fsdp (1/shard of the tp shard, not 1/dp) and moves fewer bytes over the
+slow link per microbatch: the trade a node boundary makes worth pricing.
 """
 
 from __future__ import annotations
@@ -30,10 +39,11 @@ from dataclasses import dataclass
 
 from profiler.graph import Layer
 from strategies.catalog import CostContext, update_s, weights_memory
-from strategies.collectives import all_gather_s, reduce_scatter_s
+from strategies.collectives import all_gather_s, all_reduce_s, reduce_scatter_s
 from strategies.devices import LinkSpec
 
 SUFFIX = "+fsdp"
+HSDP_SUFFIX = "+hsdp"
 SUMMED_OVER_TP = ("data_parallel", "sequence_parallel")
 
 
@@ -54,6 +64,28 @@ def offered(layer: Layer, strategy: str, dp: int, tp: int, tracer: str, tied: bo
     return (dp > 1 and layer.param_bytes > 0 and layer.op == "call_module" and not tied
             and not layer.is_input and (tracer != "export" or _own_module(layer))
             and not (tp > 1 and strategy in SUMMED_OVER_TP))
+
+
+def hsdp_split(dp: int, tp: int, devices_per_node: int) -> tuple[int, int] | None:
+    """(replicate, shard) sizes of a dp group whose ranks are dp·tp consecutive ranks
+    (planner.search.rank_groups): shard = the dp ranks of one node. None where HSDP does
+    not apply: the group fits in a node, a node holds one dp rank, or nodes do not hold
+    whole tp groups."""
+    if dp * tp <= devices_per_node or devices_per_node % tp:
+        return None
+    shard = devices_per_node // tp
+    if shard < 2 or dp % shard:
+        return None
+    return dp // shard, shard
+
+
+def variants(layer: Layer, strategy: str, dp: int, tp: int, tracer: str, tied: bool,
+             devices_per_node: int) -> list[str]:
+    """The suffixes of the sharded variants the search offers for `strategy` on `layer`:
+    "+fsdp" where `offered`, and "+hsdp" too where the dp group also spans nodes."""
+    if not offered(layer, strategy, dp, tp, tracer, tied):
+        return []
+    return [SUFFIX] + ([HSDP_SUFFIX] if hsdp_split(dp, tp, devices_per_node) else [])
 
 
 def _own_module(layer: Layer) -> bool:
@@ -77,8 +109,37 @@ def price(param_local_bytes: float, base_microbatch_s: float, dp: int, link: Lin
                         local_param_bytes=shard, gather_s=gather, scatter_s=scatter)
 
 
-def split(option: str) -> tuple[str, bool]:
-    """("column_parallel", True) for "column_parallel+fsdp"."""
-    if option.endswith(SUFFIX):
-        return option[: -len(SUFFIX)], True
-    return option, False
+def price_hsdp(param_local_bytes: float, base_microbatch_s: float, dp: int, tp: int,
+               ctx: CostContext) -> ShardedPrice:
+    """The HSDP variant of an option (module docstring): per microbatch the gathers and the
+    scatter over the shard group on the intra-node link, per step the optimizer on the
+    shard and one all-reduce of the gradient shard over the replicas on the inter-node link."""
+    cluster, precision = ctx.cluster, ctx.precision
+    replicas, shard_ranks = hsdp_split(dp, tp, cluster.devices_per_node)
+    inside, across = cluster.intra_node, cluster.inter_node
+    gather = 2 * all_gather_s(precision.gather_bytes(param_local_bytes), shard_ranks, inside)
+    scatter = reduce_scatter_s(precision.reduce_bytes(param_local_bytes), shard_ranks, inside)
+    copies = cluster.fsdp_overhead_s_per_byte * param_local_bytes
+    shard = param_local_bytes / shard_ranks
+    sync = all_reduce_s(precision.reduce_bytes(shard), replicas, across)
+    return ShardedPrice(microbatch_s=base_microbatch_s + gather + scatter + copies,
+                        step_s=update_s(shard, ctx) + sync,
+                        weight_bytes=weights_memory(shard, ctx, sharded=True),
+                        local_param_bytes=shard, gather_s=gather, scatter_s=scatter)
+
+
+def price_variant(suffix: str, param_local_bytes: float, base_microbatch_s: float, dp: int,
+                  tp: int, link: LinkSpec, ctx: CostContext) -> ShardedPrice:
+    """`price` for "+fsdp" (over a dp group on `link`), `price_hsdp` for "+hsdp"."""
+    if suffix == HSDP_SUFFIX:
+        return price_hsdp(param_local_bytes, base_microbatch_s, dp, tp, ctx)
+    return price(param_local_bytes, base_microbatch_s, dp, link, ctx)
+
+
+def split(option: str) -> tuple[str, str]:
+    """("column_parallel", "+fsdp") for "column_parallel+fsdp", ("replicate", "") for
+    "replicate"."""
+    for suffix in (SUFFIX, HSDP_SUFFIX):
+        if option.endswith(suffix):
+            return option[: -len(suffix)], suffix
+    return option, ""

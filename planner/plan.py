@@ -70,6 +70,8 @@ class LayerPlan(_Data):
     dp_shard: bool = Field(False, description="3-D plans: FSDP2 fully_shard of its module "
                            "over the dp group (weights, gradients, optimizer state 1/dp), "
                            "beside its strategy over the tp group")
+    hsdp: bool = Field(False, description="with dp_shard: HSDP, sharded over the dp ranks "
+                       "of one node (mesh.dp_shard_ranks) and replicated across nodes")
 
 
 class InputPlan(_Data):
@@ -98,6 +100,9 @@ class MeshPlan(_Data):
     group_links: dict[str, str] = Field(
         default_factory=dict,
         description="per dim name, the link its groups use ('NVLink 3', 'HDR InfiniBand')")
+    dp_shard_ranks: int = Field(1, description="HSDP layers: the dp dim splits into "
+                                "(dp_replicate = dp / this, dp_shard = this), the dp ranks "
+                                "of one node; 1 when no layer uses HSDP")
 
     def size(self, dim: str) -> int:
         """The mesh's extent along `dim` (1 when the mesh has no such dim)."""

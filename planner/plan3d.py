@@ -13,6 +13,7 @@ from collections.abc import Iterable, Sequence
 
 from torch import nn
 
+from planner import dp_shard
 from planner.block_cuts import recorded_module, why_no_blocks
 from planner.once import plan_once
 from planner.profiled import GB, PlanDoesNotFit, check_arguments, profiled_graph
@@ -204,10 +205,13 @@ def to_plan(graph, cluster: Cluster, optimizer: str, budget: float, result: Sear
         links["dp"] = group_link(cluster, dp * tp).name
     if pp > 1:
         links["pp"] = group_link(cluster, 2 * dp * tp).name
+    # HSDP layers: the dp dim splits into (replicate across nodes, shard inside one)
+    split = dp_shard.hsdp_split(dp, tp, cluster.devices_per_node)
+    shard_ranks = split[1] if any(l.hsdp for l in layers) else 1
     mesh = MeshPlan(shape=[pp, dp, tp], dim_names=["pp", "dp", "tp"],
                     device_type=cluster.device.kind, nodes=cluster.nodes,
                     devices_per_node=cluster.devices_per_node, groups=groups,
-                    group_links=links)
+                    group_links=links, dp_shard_ranks=shard_ranks)
     # a candidate left open (time limit, skipped, unproven) matters only while its bound is
     # below the chosen plan
     open_bound = result.open_bound_s()
@@ -286,13 +290,14 @@ def _shard_fields(opts, c: int, m: int, sharded: bool) -> dict:
     per step against the same strategy replicated over dp (when that was an option)."""
     if not sharded:
         return {}
-    base = opts.strategies[c].removesuffix("+fsdp")
+    base, suffix = dp_shard.split(opts.strategies[c])
+    flags = {"dp_shard": True, "hsdp": suffix == dp_shard.HSDP_SUFFIX}
     if base not in opts.strategies:
-        return {"dp_shard": True}
+        return flags
     j = opts.strategies.index(base)
     lever_s = (m * (opts.microbatch_s[c] - opts.microbatch_s[j])
                + opts.step_s[c] - opts.step_s[j])
-    return {"dp_shard": True, "saved_bytes": float(opts.weight_bytes[j] - opts.weight_bytes[c]),
+    return {**flags, "saved_bytes": float(opts.weight_bytes[j] - opts.weight_bytes[c]),
             "lever_s": float(lever_s)}
 
 

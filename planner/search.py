@@ -282,7 +282,7 @@ class Built:
     costs: tuple[tuple, ...]
     layers: tuple[Layer, ...]  # scaled to the microbatch, the sink excluded
     local_param_bytes: tuple[np.ndarray, ...]
-    sharded: tuple[tuple[bool, ...], ...] = ()  # per layer and option: fsdp over dp
+    sharded: tuple[tuple[str, ...], ...] = ()  # per layer and option: "", "+fsdp", "+hsdp"
     transient_bytes: float = 0.0  # held once per rank beside the problem's memory
 
 
@@ -290,7 +290,8 @@ def build(cache: CostCache, pp: int, dp: int, tp: int, rows: int,
           pin: dict[str, str] | None = None) -> Built:
     """The stage problem of one mesh shape at `rows` rows per microbatch per replica.
     `pin` maps layer names to the option they must use where it applies: a strategy's
-    name, or with "+fsdp" its variant sharded over the dp group (planner.dp_shard)."""
+    name, or with "+fsdp" ("+hsdp") its variant sharded over the dp group (the dp ranks of
+    a node: planner.dp_shard)."""
     graph, cluster = cache.graph, cache.cluster
     unit_names: list[str] = []
     unit_of: list[int] = []
@@ -310,11 +311,11 @@ def build(cache: CostCache, pp: int, dp: int, tp: int, rows: int,
     for i, layer in enumerate(graph.layers):
         scaled, strats, cs, ctx = cache.layer(layer, tp, rows, computing)
         tied = layer.node in cache.tied
-        # each option, then its FSDP-over-dp variant where one is offered (planner.dp_shard)
-        variants = [(s, c, False) for s, c in zip(strats, cs)]
-        variants += [(s, c, True) for s, c in zip(strats, cs)
-                     if dp_shard.offered(layer, s.name, dp, tp, graph.tracer, tied)]
-        names = [s.name + (dp_shard.SUFFIX if sh else "") for s, _, sh in variants]
+        # each option, then its FSDP and HSDP variants where offered (planner.dp_shard)
+        variants = [(s, c, "") for s, c in zip(strats, cs)]
+        variants += [(s, c, sh) for s, c in zip(strats, cs) for sh in dp_shard.variants(
+            layer, s.name, dp, tp, graph.tracer, tied, cluster.devices_per_node)]
+        names = [s.name + sh for s, _, sh in variants]
         if pin and layer.name in pin and pin[layer.name] in names:
             keep = [j for j, n in enumerate(names) if n == pin[layer.name]]
             variants, names = [variants[j] for j in keep], [names[j] for j in keep]
@@ -326,7 +327,7 @@ def build(cache: CostCache, pp: int, dp: int, tp: int, rows: int,
             per_mb = c.compute_s + c.communication_s - own_sync
             ab.append(c.memory_bytes - weights)
             if sh:
-                priced = dp_shard.price(param_local, per_mb, dp, sync_link, ctx)
+                priced = dp_shard.price_variant(sh, param_local, per_mb, dp, tp, sync_link, ctx)
                 mb.append(priced.microbatch_s)
                 once.append(priced.step_s)
                 wb.append(priced.weight_bytes)

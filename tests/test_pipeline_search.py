@@ -110,11 +110,15 @@ def _mlp_graph(batch):
     return profile(trace(model, (torch.randn(batch, 16),)), measure=False)
 
 
-def _brute_force_all(graph, cluster, budget):
+def _brute_force_all(graph, cluster, budget, offered=None):
+    """The best (times, shape) over every shape, cut and option; `offered` collects the
+    options' names."""
     cache = CostCache(graph, cluster, "adam")
     best = None
     for s in shapes(cluster.num_devices, graph.batch_size, schedules=SINGLE):
         b = build(cache, s.pp, s.dp, s.tp, s.rows(graph.batch_size))
+        if offered is not None:
+            offered.update(n for layer in b.problem.layers for n in layer.strategies)
         if s.pp * s.chunks > len(b.problem.units):
             continue
         found = brute_force(b.problem, s.pp, s.microbatches, s.schedule, budget, s.chunks)
@@ -130,13 +134,17 @@ def test_search_equals_brute_force_over_shapes_cuts_and_strategies(devices):
     free = search(graph, cluster, "adam", None, relative_gap=1e-9, schedules=SINGLE)
     # a budget that binds: just under the unconstrained best plan's peak memory
     tight = 0.9 * max(free.best.solution.times.memory_bytes)
+    offered = set()
     for budget in (None, tight):
-        expected = _brute_force_all(graph, cluster, budget)
+        expected = _brute_force_all(graph, cluster, budget, offered)
         got = search(graph, cluster, "adam", budget, relative_gap=1e-9, schedules=SINGLE)
         assert got.best.solution.times.step_s == pytest.approx(expected[0].step_s, rel=1e-7)
         assert got.solved + got.pruned == len(got.candidates)
         if budget is not None:
             assert max(got.best.solution.times.memory_bytes) <= budget * (1 + 1e-7)
+    # the dp sharding options are in the instance: HSDP where dp = 4 spans the two nodes
+    assert any(n.endswith("+fsdp") for n in offered)
+    assert any(n.endswith("+hsdp") for n in offered) == (devices == "2x2xV100")
 
 
 def test_rank_groups_put_tp_on_consecutive_ranks():

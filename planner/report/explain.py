@@ -14,6 +14,11 @@ from planner.report.levers import lever_lines
 from planner.report.sequence import sequence_lines
 
 
+def _sharding(layer) -> str:
+    """" +fsdp" or " +hsdp" after the strategy of a layer sharded over its dp group."""
+    return (" +hsdp" if layer.hsdp else " +fsdp") if layer.dp_shard else ""
+
+
 def _ms(seconds: float) -> str:
     if seconds >= 1.0:
         return f"{seconds:.2f} s"
@@ -112,7 +117,7 @@ def table(plan: Plan) -> Table:
         t.add_column(header, justify=justify, no_wrap=True)
     for layer in plan.layers:
         t.add_row(*([str(layer.stage)] if staged else []), layer.name, layer.kind,
-                  layer.strategy + (" +fsdp" if layer.dp_shard else "")
+                  layer.strategy + _sharding(layer)
                   + (" +recompute" if layer.recompute else ""),
                   f"{layer.input_layout} -> {layer.output_layout}", _ms(layer.compute_s),
                   _ms(layer.communication_s), _ms(layer.reshard_in_s), _gb(layer.memory_bytes))
