@@ -53,6 +53,14 @@ def describe(plan) -> list[str]:
                  f"{'every block' if plan.recompute_blocks else f'{recomputed} layers'}")
     used = Counter(l.strategy for l in plan.layers if l.param_bytes)
     lines.append(f"strategies of layers with weights: {dict(sorted(used.items()))}")
+    shapes = plan.search.best_per_shape if plan.search is not None else []
+    with_tp = [c for c in shapes if c.tp > 1]
+    if with_tp:
+        c = min(with_tp, key=lambda c: c.step_time_s or c.bound_s or float("inf"))
+        step = (f"{c.step_time_s:.3f} s" if c.step_time_s is not None
+                else f">= {c.bound_s or float('inf'):.3f} s")
+        lines.append(f"best shape with tp > 1: pp {c.pp} x dp {c.dp} x tp {c.tp}, {step} "
+                     f"({c.outcome}); {len(with_tp)} of {len(shapes)} mesh shapes have tp > 1")
     pred = plan.predicted
     lines.append(f"predicted step {pred.step_time_s:.3f} s (compute {pred.compute_s:.3f}, "
                  f"communication {pred.communication_s:.3f}, bubble {pred.bubble_s:.3f}), "
