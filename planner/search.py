@@ -258,7 +258,7 @@ class CostCache:
             cluster = cluster.model_copy(update={"intra_node": cluster.inter_node})
         ctx = CostContext(cluster=cluster, ranks=tp, batch=rows, optimizer=self.optimizer)
         options = candidates(scaled, ctx)
-        if self.graph.tracer == "export":  # what executor.modules runs (the 1-D rule)
+        if self.graph.tracer == "export" and tp > 1:  # what executor.modules runs (1-D rule)
             options = module_executor_options(scaled, options)
         if tied:
             options = tied_options(options)
@@ -274,7 +274,6 @@ class CostCache:
                               backward=backward)
             self._edge[key] = hit
         return hit
-
 
     def module_edge(self, producer: LayerChoices, consumer: LayerChoices, ctx: CostContext):
         """An edge of a torch.export graph over a tp group (planner.choices.module_edge)."""
@@ -376,8 +375,8 @@ def build(cache: CostCache, pp: int, dp: int, tp: int, rows: int,
     def add_edge(src: int, dst: int, takes):
         producer = scaled_layers[src]
         if modules and dst < len(graph.layers):  # the module executor's edge rule
-            rows_of = [LayerChoices(scaled_layers[i], strategies[i], costs[i]) for i in (src, dst)]
-            edges.append(Edge(src, dst, cache.module_edge(*rows_of, contexts[dst])))
+            ends = [LayerChoices(scaled_layers[i], strategies[i], costs[i]) for i in (src, dst)]
+            edges.append(Edge(src, dst, cache.module_edge(*ends, contexts[dst])))
             return
         gives = tuple(s.gives for s in strategies[src])
         matrix = cache.edge(gives, tuple(takes), producer.output.nbytes, tp,
