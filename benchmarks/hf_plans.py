@@ -56,9 +56,11 @@ def describe(plan) -> list[str]:
     shapes = plan.search.best_per_shape if plan.search is not None else []
     with_tp = [c for c in shapes if c.tp > 1]
     if with_tp:
-        c = min(with_tp, key=lambda c: c.step_time_s or c.bound_s or float("inf"))
+        solved = [c for c in with_tp if c.step_time_s is not None]
+        c = (min(solved, key=lambda c: c.step_time_s) if solved
+             else min(with_tp, key=lambda c: c.bound_s or float("inf")))
         step = (f"{c.step_time_s:.3f} s" if c.step_time_s is not None
-                else f">= {c.bound_s or float('inf'):.3f} s")
+                else f"not solved, bound {c.bound_s or float('inf'):.3f} s")
         lines.append(f"best shape with tp > 1: pp {c.pp} x dp {c.dp} x tp {c.tp}, {step} "
                      f"({c.outcome}); {len(with_tp)} of {len(shapes)} mesh shapes have tp > 1")
     pred = plan.predicted
