@@ -21,10 +21,18 @@ Nothing is deep-copied: a stage is a shallow copy of the modules on the paths it
 (the model, the module that holds the blocks), sharing every block and weight with the
 model it came from, so two chunks of one rank (interleaved schedules) are two such copies.
 Parameters keep the model's own names. The schedule, the gradient sums over the dp group
-and the loss scaling are executor.pipeline's, as for fx stages; the stages run without
-tensor parallelism (the planner offers tp = 1 for them). A module the plan shards over dp
-(`dp_shard`) is FSDP2 `fully_shard` of that module over the dp sub-mesh, which
-reduce-scatters its gradients itself.
+and the loss scaling are executor.pipeline's, as for fx stages. In the order torchtitan's
+parallelize_llama applies them (TP, then FSDP, then PP):
+
+1. tensor parallelism over the tp sub-mesh: each stage's modules get their planned style
+   and layout hooks by path, as the 1-D export path makes them (executor.modules) on one
+   microbatch of one dp replica's rows: the rows the model's code holds between modules
+   are split over tp where they split evenly, else whole on every tp rank, and the hidden
+   state travels between stages so;
+2. a module the plan shards over dp (`dp_shard`) is FSDP2 `fully_shard` of that module
+   over the dp sub-mesh (beside DTensor tensor parallelism: a 2-D (dp, tp) mesh), which
+   reduce-scatters its gradients itself;
+3. the schedule over the pp group (executor.pipeline.staged).
 """
 
 from __future__ import annotations
@@ -37,11 +45,13 @@ from torch import nn
 from executor.agree import check_model
 from executor.graph_rewrite import device_of
 from executor.levers import checkpoint_module
-from executor.pipeline import StageModel, pipeline_ranks, shard_modules, staged
+from executor.modules import apply_module_layouts, module_path
+from executor.pipeline import StageModel, microbatch_rows, pipeline_ranks, shard_modules, staged
 from executor.precision import run_in_precision
 from executor.styles import MeanOverRanks
 from planner.plan import Plan
 from profiler.blocks import decoder_blocks
+from strategies.layouts import Layout
 
 
 class KeptBlocks(nn.ModuleList):
@@ -252,23 +262,42 @@ def parallelize_decoder_3d(model: nn.Module, plan: Plan) -> StageModel:
     with the same model (same initial weights)."""
     check_model(model, plan)
     dp, tp = plan.mesh.size("dp"), plan.mesh.size("tp")
-    if tp != 1:
-        raise ValueError(f"plan: tensor parallelism inside pipeline stages of a model traced "
-                         f"by torch.export is not run yet (tp = {tp}); re-plan with this "
-                         f"hyplan, which offers tp = 1 for such stages")
     device = device_of(plan)
     mesh, stage_index, stage_groups, num_stages, mine = pipeline_ranks(plan)
     modules = []
     sharded: set[str] = set()
     for k in mine:
         stage = stage_modules(model, plan, num_stages, k).to(device)
+        held = tensor_parallel(stage, model, plan, k, mesh["tp"]) if tp > 1 else Layout.BATCH
         sharded |= shard_over_dp(stage, plan, k, mesh)
         last = k == num_stages - 1
-        module = _ScaledOutput(stage, dp * tp) if last else stage
+        # rows whole over tp: the tp ranks compute one loss alike, counted once in the mean
+        module = _ScaledOutput(stage, dp * tp if held == Layout.BATCH else dp) if last else stage
         run_in_precision(module, plan.training_precision, plan.mesh.device_type, last=last)
         modules.append(module)
     return staged(modules, mine, plan, mesh, stage_index, device, stage_groups[stage_index],
                   sharded, num_stages)
+
+
+def tensor_parallel(stage: DecoderStage, model: nn.Module, plan: Plan, k: int,
+                    tp_mesh) -> Layout:
+    """The plan's tensor parallelism and layout changes over `tp_mesh` on the modules of
+    stage k (executor.modules.apply_module_layouts, on one microbatch of one dp replica).
+    Layouts are derived from the whole plan, so every stage agrees on what travels; a
+    module runs its style and hooks where its layer was planned (a parameter-free module
+    every stage reruns, such as rotary tables, gets none on later stages: it reads only
+    the dtype of the hidden state it is given). Returns the layout the stage's code holds
+    module outputs in (rows over tp, or whole)."""
+    rows = microbatch_rows(plan)
+
+    def scaled(shape):
+        return [rows, *shape[1:]] if shape and shape[0] == plan.global_batch else list(shape)
+
+    layers = [l.model_copy(update={"output_shape": scaled(l.output_shape)}) for l in plan.layers]
+    inputs = [i.model_copy(update={"shape": scaled(i.shape)}) for i in plan.inputs]
+    paths = {l.node: module_path(model, l) for l in layers}
+    return apply_module_layouts(stage, layers, inputs, plan.outputs, rows, tp_mesh, paths,
+                                here=lambda layer: layer.stage == k)
 
 
 def shard_over_dp(stage: DecoderStage, plan: Plan, k: int, mesh) -> set[str]:

@@ -32,7 +32,8 @@ from planner.plan import LayerPlan, Plan
 from strategies.layouts import Layout
 
 
-def _module_path(model: nn.Module, layer: LayerPlan) -> str | None:
+def module_path(model: nn.Module, layer: LayerPlan) -> str | None:
+    """The path of the module a layer is a call of, or None for an op outside modules."""
     path = layer.name.split("#")[0]
     try:
         model.get_submodule(path)
@@ -97,15 +98,38 @@ def _scale_outputs(world: int):
 
 def parallelize_modules(model: nn.Module, plan: Plan, mesh: DeviceMesh) -> nn.Module:
     """This rank's `model` under an exported `plan` (see the module docstring)."""
-    batch = plan.global_batch
-    gives = {i.name: (Layout(i.layout), i.shape) for i in plan.inputs}
-    gives.update({l.node: (Layout(l.output_layout), l.output_shape) for l in plan.layers})
+    paths = {l.node: module_path(model, l) for l in plan.layers}
+    held = apply_module_layouts(model, plan.layers, plan.inputs, plan.outputs,
+                                plan.global_batch, mesh, paths)
+    # a whole output: every rank computes the one loss, counted once in the mean
+    model.register_forward_hook(_scale_outputs(mesh.size() if held == Layout.BATCH else 1))
+
+    broadcast_replicated(model, params_of(plan, "replicate"))
+    from executor.levers import apply_levers
+
+    apply_levers(model, [(paths[l.node], l.strategy, l.recompute) for l in plan.layers
+                         if paths[l.node] is not None and (l.recompute or l.strategy == "fsdp")],
+                 mesh, plan.training_precision)
+    return data_parallel_over(model, params_of(plan, "data_parallel"))
+
+
+def apply_module_layouts(model: nn.Module, layers: list[LayerPlan], inputs, outputs,
+                         batch: int, mesh: DeviceMesh, paths: dict[str, str | None],
+                         here=None) -> Layout:
+    """Tensor parallelism and the layout changes at module boundaries of an exported
+    plan's `layers` over `mesh`, where `batch` rows are split over it; `paths` maps each
+    layer's node to its module path (None: an op outside modules). `here(layer)` says
+    whether this call applies a layer's style and hooks (a pipeline stage applies its own
+    layers', executor.hf_stages); the layouts are derived from all of `layers`. Returns
+    the layout the model's code holds module outputs in: rows, or whole where the rows
+    do not split over the mesh (planner.handback)."""
+    gives = {i.name: (Layout(i.layout), i.shape) for i in inputs}
+    gives.update({l.node: (Layout(l.output_layout), l.output_shape) for l in layers})
     readers: dict[str, list[LayerPlan]] = {}
-    for layer in plan.layers:
+    for layer in layers:
         for src in layer.inputs:
             readers.setdefault(src, []).append(layer)
-    paths = {l.node: _module_path(model, l) for l in plan.layers}
-    outputs = set(plan.outputs)
+    outputs = set(outputs)
     held = output_layout(batch, mesh.size())
 
     def wanted(src: str, reader: LayerPlan) -> Layout:
@@ -117,7 +141,7 @@ def parallelize_modules(model: nn.Module, plan: Plan, mesh: DeviceMesh) -> nn.Mo
 
     # what each module hands on: the layout its readers outside modules take, if not its own
     handed: dict[str, Layout] = {}
-    for layer in plan.layers:
+    for layer in layers:
         own = Layout(layer.output_layout)
         if paths[layer.node] is None:
             handed[layer.node] = own
@@ -133,7 +157,7 @@ def parallelize_modules(model: nn.Module, plan: Plan, mesh: DeviceMesh) -> nn.Mo
             raise ValueError(f"plan: layer {layer.name!r} feeds ops that want {sorted(outside)}; "
                              f"re-plan (the module executor makes one change per module output)")
         handed[layer.node] = outside.pop() if outside else own
-    for i in plan.inputs:
+    for i in inputs:
         handed[i.name] = Layout(i.layout)
 
     def rows_downstream(node: str, seen: frozenset = frozenset()) -> bool:
@@ -150,12 +174,12 @@ def parallelize_modules(model: nn.Module, plan: Plan, mesh: DeviceMesh) -> nn.Mo
                 return True
         return False
 
-    for layer in plan.layers:  # sum such gradients where the value leaves its module
+    for layer in layers:  # sum such gradients where the value leaves its module
         shape = layer.output_shape
         if (paths[layer.node] is not None and handed[layer.node] == Layout.REPLICATE
                 and (not shape or shape[0] != batch) and rows_downstream(layer.node)):
             handed[layer.node] = Layout.REPLICATE_PARTIAL_GRAD
-    for layer in plan.layers:  # ops outside modules cannot change layouts
+    for layer in layers:  # ops outside modules cannot change layouts
         if paths[layer.node] is None:
             for src in layer.inputs:
                 if src in handed and handed[src] != wanted(src, layer) and not (
@@ -168,9 +192,9 @@ def parallelize_modules(model: nn.Module, plan: Plan, mesh: DeviceMesh) -> nn.Mo
 
     tp_styles = {}
     hooked: dict[str, tuple] = {}  # module path -> the hand-over its hooks make
-    for layer in plan.layers:
+    for layer in layers:
         path = paths[layer.node]
-        if path is None:
+        if path is None or (here is not None and not here(layer)):
             continue
         module = model.get_submodule(path)
         main = next((s for s in layer.inputs if s in gives), None)
@@ -202,19 +226,10 @@ def parallelize_modules(model: nn.Module, plan: Plan, mesh: DeviceMesh) -> nn.Mo
         if handed[layer.node] != own:
             module.register_forward_hook(
                 _post_hook(Reshard(mesh, own, handed[layer.node], layer.output_shape)))
-    for layer in plan.layers:  # model-parallel modules that hand on another layout
+    for layer in layers:  # model-parallel modules that hand on another layout
         path = paths[layer.node]
         if path in tp_styles and handed[layer.node] == Layout.REPLICATE_PARTIAL_GRAD:
             raise ValueError(f"plan: {layer.name!r}: unsupported output hand-over")
     if tp_styles:
         parallelize_module(model, mesh, tp_styles)
-    # a whole output: every rank computes the one loss, counted once in the mean
-    model.register_forward_hook(_scale_outputs(mesh.size() if held == Layout.BATCH else 1))
-
-    broadcast_replicated(model, params_of(plan, "replicate"))
-    from executor.levers import apply_levers
-
-    apply_levers(model, [(paths[l.node], l.strategy, l.recompute) for l in plan.layers
-                         if paths[l.node] is not None and (l.recompute or l.strategy == "fsdp")],
-                 mesh, plan.training_precision)
-    return data_parallel_over(model, params_of(plan, "data_parallel"))
+    return held

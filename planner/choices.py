@@ -152,18 +152,15 @@ def layer_choices(graph: ModelGraph, cluster: Cluster, optimizer: str,
         for name in row.layer.inputs:
             src = index[name]
             producer = rows[src]
+            if graph.tracer == "export":
+                edges.append(Edge(src, dst, module_edge(producer, row, ctx, link, overhead)))
+                continue
             takes = [batch_free_takes(producer.layer, s.takes, graph.batch_size)
                      for s in row.strategies]
-            if (graph.tracer == "export" and producer.layer.op == "call_module"
-                    and rows_visible(producer.layer.output.shape, graph.batch_size)):
-                matrix = _through_rows(producer, row, takes, ctx, link, overhead, own_style)
-            else:
-                matrix = edge_matrix([s.gives for s in producer.strategies], takes,
-                                     producer.layer.output.nbytes, ctx.ranks, link,
-                                     backward=producer.carries_gradient,
-                                     reshard_overhead_s=overhead, own_style=own_style)
-                if graph.tracer == "export" and ctx.ranks > 1:  # one device: one layout
-                    matrix = matrix + unrealizable(producer, row, takes)
+            matrix = edge_matrix([s.gives for s in producer.strategies], takes,
+                                 producer.layer.output.nbytes, ctx.ranks, link,
+                                 backward=producer.carries_gradient,
+                                 reshard_overhead_s=overhead, own_style=own_style)
             edges.append(Edge(src, dst, matrix))
     sink = len(rows)
     for name in graph.outputs:
@@ -175,6 +172,26 @@ def layer_choices(graph: ModelGraph, cluster: Cluster, optimizer: str,
         edges.append(Edge(src, sink, matrix))
     problem = Problem(tuple(nodes), tuple(edges), memory_budget_bytes, ties)
     return Choices(problem, tuple(rows), ctx)
+
+
+def module_edge(producer: LayerChoices, consumer: LayerChoices, ctx: CostContext, link,
+                overhead_s: float) -> np.ndarray:
+    """The edge matrix between two layers of a torch.export graph whose `ctx.batch` rows
+    are held by `ctx.ranks` ranks (all devices in a 1-D plan, a tp group in a 3-D one):
+    the module executor changes layouts only at modules (executor.modules), so a module's
+    output goes through the rows the model's code holds, and a layout change into an op
+    outside modules is unrealizable."""
+    takes = [batch_free_takes(producer.layer, s.takes, ctx.batch) for s in consumer.strategies]
+    own_style = [s.model_parallel for s in consumer.strategies]
+    if producer.layer.op == "call_module" and rows_visible(producer.layer.output.shape, ctx.batch):
+        return _through_rows(producer, consumer, takes, ctx, link, overhead_s, own_style)
+    matrix = edge_matrix([s.gives for s in producer.strategies], takes,
+                         producer.layer.output.nbytes, ctx.ranks, link,
+                         backward=producer.carries_gradient, reshard_overhead_s=overhead_s,
+                         own_style=own_style)
+    if ctx.ranks > 1:  # one device: one layout
+        matrix = matrix + unrealizable(producer, consumer, takes)
+    return matrix
 
 
 def rows_visible(shape, batch: int) -> bool:

@@ -53,7 +53,7 @@ def optimize_3d(
     restricts the search to the given shapes (e.g. to compare one shape with the best);
     `pin` {layer: strategy} fixes a layer's strategy on shapes where it applies. A model
     torch.fx cannot trace (`tracer` "auto" or "export") is cut only between its
-    transformer blocks (planner.block_cuts), its stages run without tensor parallelism."""
+    transformer blocks (planner.block_cuts), its tp groups inside a node."""
     started = time.perf_counter()
     check_arguments(optimizer, example_inputs, memory_limit_bytes)
     graph, cluster = profiled_graph(model, devices, example_inputs, example_kwargs,
@@ -154,6 +154,7 @@ def to_plan(graph, cluster: Cluster, optimizer: str, budget: float, result: Sear
             reshard_in_s=edge_in[i] * m,
             memory_bytes=float(opts.weight_bytes[c]) + float(opts.activation_bytes[c]) * flight[k],
             param_bytes=layer.param_bytes, params=list(layer.params), stage=k,
+            inputs=list(layer.inputs),
             reason=_reason(strategy, k, S, tp, cost, opts, c),
             **_shard_fields(opts, c, m, sharded)))
     if built.transient_bytes:  # one block's activations, live again in its backward

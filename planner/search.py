@@ -32,7 +32,7 @@ import numpy as np
 
 from planner.block_cuts import block_units, carries_weights, why_no_blocks
 from planner import block_recompute, dp_shard
-from planner.choices import OUTPUT
+from planner.choices import OUTPUT, LayerChoices, module_edge, module_executor_options
 from planner.handback import output_layout
 from planner.problem import Edge
 from planner.progress import Progress, report
@@ -237,6 +237,7 @@ class CostCache:
         self.tied = {node for group in graph.tied_groups() for node in group}
         self._layer: dict = {}
         self._edge: dict = {}
+        self._module_edge: dict = {}
         self.hits = self.misses = 0
 
     def layer(self, layer: Layer, tp: int, rows: int, computing: float | None = None):
@@ -257,6 +258,8 @@ class CostCache:
             cluster = cluster.model_copy(update={"intra_node": cluster.inter_node})
         ctx = CostContext(cluster=cluster, ranks=tp, batch=rows, optimizer=self.optimizer)
         options = candidates(scaled, ctx)
+        if self.graph.tracer == "export" and tp > 1:  # what executor.modules runs (1-D rule)
+            options = module_executor_options(scaled, options)
         if tied:
             options = tied_options(options)
         value = (scaled, tuple(options), tuple(s.cost(scaled, ctx) for s in options), ctx)
@@ -270,6 +273,19 @@ class CostCache:
             hit = edge_matrix(list(gives), list(takes), nbytes, tp, group_link(self.cluster, tp),
                               backward=backward)
             self._edge[key] = hit
+        return hit
+
+    def module_edge(self, producer: LayerChoices, consumer: LayerChoices, ctx: CostContext):
+        """An edge of a torch.export graph over a tp group (planner.choices.module_edge)."""
+        def key(row: LayerChoices):
+            return (row.layer.op, row.layer.is_input, row.layer.output, row.carries_gradient,
+                    tuple((s.name, s.takes, s.gives, s.model_parallel) for s in row.strategies))
+        k = (key(producer), key(consumer), ctx.ranks, ctx.batch)
+        hit = self._module_edge.get(k)
+        if hit is None:
+            hit = module_edge(producer, consumer, ctx, group_link(self.cluster, ctx.ranks),
+                              self.cluster.dtensor_reshard_overhead_s)
+            self._module_edge[k] = hit
         return hit
 
 
@@ -307,9 +323,10 @@ def build(cache: CostCache, pp: int, dp: int, tp: int, rows: int,
     computing = cluster.devices_per_node * m / (m + pp - 1) if pp > 1 else None
     options: list[LayerOptions] = []
     strategies, costs, scaled_layers, local = [], [], [], []
-    sharded_all = []
+    sharded_all, contexts = [], []
     for i, layer in enumerate(graph.layers):
         scaled, strats, cs, ctx = cache.layer(layer, tp, rows, computing)
+        contexts.append(ctx)
         tied = layer.node in cache.tied
         # each option, then its FSDP and HSDP variants where offered (planner.dp_shard)
         variants = [(s, c, "") for s, c in zip(strats, cs)]
@@ -354,12 +371,18 @@ def build(cache: CostCache, pp: int, dp: int, tp: int, rows: int,
 
     index = {layer.node: i for i, layer in enumerate(graph.layers)}
     edges = []
+    modules = graph.tracer == "export" and tp > 1
 
     def add_edge(src: int, dst: int, takes):
         producer = scaled_layers[src]
+        if modules and dst < len(graph.layers):  # the module executor's edge rule
+            ends = [LayerChoices(scaled_layers[i], strategies[i], costs[i],
+                                 graph.carries_gradient(scaled_layers[i].node)) for i in (src, dst)]
+            edges.append(Edge(src, dst, cache.module_edge(*ends, contexts[dst])))
+            return
         gives = tuple(s.gives for s in strategies[src])
         matrix = cache.edge(gives, tuple(takes), producer.output.nbytes, tp,
-                            not producer.is_input)
+                            graph.carries_gradient(producer.node))
         edges.append(Edge(src, dst, matrix))
 
     for dst, layer in enumerate(graph.layers):
@@ -394,6 +417,16 @@ def build(cache: CostCache, pp: int, dp: int, tp: int, rows: int,
                  tuple(sharded_all))
 
 
+def tp_whole_rows(shape: Shape, batch: int, cluster: Cluster) -> bool:
+    """Does a torch.export graph run tensor-parallel on this shape (executor.hf_stages)?
+    With its tp group inside a node, and each microbatch's rows whole on every tp rank
+    (rows not a multiple of tp: Megatron's layout, every op outside a module replicated
+    over tp, planner.handback). Rows split over tp would need the row rules of ops
+    outside modules (the causal mask's) judged at the microbatch, which the layer scaled
+    to it (_scaled) does not carry."""
+    return cluster.devices_per_node % shape.tp == 0 and shape.rows(batch) % shape.tp != 0
+
+
 # --- the search --------------------------------------------------------------------------
 
 
@@ -411,8 +444,9 @@ def search(graph: ModelGraph, cluster: Cluster, optimizer: str, budget_bytes: fl
                                                 schedules)
     if graph.tied_groups():  # a shared parameter lives in one stage: no pipeline cuts
         todo = [s for s in todo if s.pp == 1]
-    if graph.tracer == "export":  # stages cut at blocks, run without tensor parallelism
-        todo = [s for s in todo if s.tp == 1 and (s.pp == 1 or not why_no_blocks(graph))]
+    if graph.tracer == "export":  # stages cut at blocks (planner.block_cuts)
+        todo = [s for s in todo if (s.pp == 1 or not why_no_blocks(graph))
+                and (s.tp == 1 or tp_whole_rows(s, batch, cluster))]
     if any(s.recompute for s in todo) and not block_recompute.offered(graph):
         raise ValueError(f"only: recompute=True checkpoints the transformer blocks of a "
                          f"decoder torch.export traced, and {graph.model_name} is not one; "
@@ -436,6 +470,7 @@ def search(graph: ModelGraph, cluster: Cluster, optimizer: str, budget_bytes: fl
         return budget_bytes - problem_of(shape).transient_bytes
 
     out: list[Candidate] = []
+    realizable: dict[int, bool] = {}
     ranked: list[tuple[float, Candidate]] = []
     listed = set(todo)
     for shape in todo:
@@ -446,6 +481,12 @@ def search(graph: ModelGraph, cluster: Cluster, optimizer: str, budget_bytes: fl
         b = problem_of(shape)
         if shape.pp * shape.chunks > len(b.problem.units):
             out.append(Candidate(shape, "infeasible", note="more stages than modules"))
+            continue
+        if id(b) not in realizable:  # the stage MIP takes finite edges only
+            realizable[id(b)] = all(np.isfinite(e.cost_s).all() for e in b.problem.edges)
+        if not realizable[id(b)]:
+            out.append(Candidate(shape, "infeasible", note="a layout change the module "
+                                 "executor cannot make (planner.choices.unrealizable)"))
             continue
         need = min_memory_bytes(b.problem, shape.pp, shape.microbatches, shape.schedule,
                                 shape.chunks) + b.transient_bytes

@@ -1,7 +1,9 @@
-"""FSDP over the dp group inside pipelines of Hugging Face decoders (torch.export graphs):
-the 3-D search offers "<strategy>+fsdp" for a layer that is one module of the model
-(planner.dp_shard), executor.hf_stages runs it as FSDP2 `fully_shard` of that module over
-the dp sub-mesh, and after 3 SGD steps every parameter equals the single-process run's."""
+"""FSDP over the dp group and tensor parallelism over the tp group inside pipelines of
+Hugging Face decoders (torch.export graphs): the 3-D search offers "<strategy>+fsdp" for a
+layer that is one module of the model (planner.dp_shard) and, with tp inside a node, the
+module executor's tensor-parallel strategies; executor.hf_stages runs them as DTensor
+styles over the tp sub-mesh, then FSDP2 `fully_shard` over the dp sub-mesh (a 2-D mesh
+beside tp), and after 3 SGD steps every parameter equals the single-process run's."""
 
 import time
 
@@ -25,6 +27,18 @@ PIN = {"model.layers.0.mlp.gate_proj": "data_parallel+fsdp",
        "model.layers.2.mlp.up_proj": "data_parallel"}
 FOUR_RANKS = {"1f1b": Shape(2, 2, 1, 2, "1F1B"),
               "interleaved": Shape(2, 2, 1, 2, "Interleaved1F1B", 2)}
+# Megatron's split of every block (heads, then the MLP's column and row halves), the
+# embedding by vocabulary and the head by columns; one row per microbatch, whole on both
+# tp ranks (planner.search.tp_whole_rows)
+TP = {"model.embed_tokens": "vocab_parallel", "lm_head": "column_parallel",
+      **{f"model.layers.{i}.{path}": style for i in range(4) for path, style in (
+          ("self_attn", "head_parallel"), ("mlp.gate_proj", "column_parallel"),
+          ("mlp.up_proj", "column_parallel"), ("mlp.down_proj", "row_parallel"))}}
+# 2-D FSDP x TP: some of them sharded over dp as well
+TP_FSDP = {**TP, "model.layers.0.mlp.gate_proj": "column_parallel+fsdp",
+           "model.layers.1.self_attn": "head_parallel+fsdp", "lm_head": "column_parallel+fsdp"}
+TENSOR_PARALLEL = {"pp2_tp2": (Shape(2, 1, 2, 4, "1F1B"), TP),
+                   "dp2_tp2_fsdp": (Shape(1, 2, 2, 2, "1F1B"), TP_FSDP)}
 
 
 def _plan(shape: Shape, pin: dict) -> Plan:
@@ -78,13 +92,27 @@ def test_export_layers_that_are_whole_modules_get_the_sharded_option():
     assert weightless and not any(n.endswith("+fsdp") for w in weightless for n in names[w])
 
 
-def test_fsdp_in_decoder_pipelines_4_ranks_equals_single_process():
+def test_decoder_pipelines_with_fsdp_and_tp_4_ranks_equal_single_process():
     plans = {key: _plan(shape, PIN) for key, shape in FOUR_RANKS.items()}
     for plan in plans.values():
         assert plan.tracer == "export" and plan.pipeline is not None
         assert _sharded(plan) == {k for k, v in PIN.items() if v.endswith("+fsdp")}
     assert plans["interleaved"].pipeline.chunks == 2
-    per_rank = run_ranks(_train, 4, [p.to_json() for p in plans.values()])
+    tp_plans = {key: _plan(shape, pin) for key, (shape, pin) in TENSOR_PARALLEL.items()}
+    for key, plan in tp_plans.items():
+        pin = TENSOR_PARALLEL[key][1]
+        assert plan.mesh.shape == [TENSOR_PARALLEL[key][0].pp, TENSOR_PARALLEL[key][0].dp, 2]
+        assert {l.name: l.strategy for l in plan.layers if l.name in pin} == {
+            k: v.removesuffix("+fsdp") for k, v in pin.items()}
+        assert _sharded(plan) == {k for k, v in pin.items() if v.endswith("+fsdp")}
+    per_rank = run_ranks(_train, 4, [p.to_json() for p in [*plans.values(), *tp_plans.values()]])
+    for i, key in enumerate(tp_plans, start=len(plans)):
+        results = [runs[i] for runs in per_rank]
+        _assert_equal_to_one_process(results)
+        # every tensor-parallel weight is a DTensor on its stage's ranks
+        owned = set().union(*(set(r[2]) for r in results))
+        assert {"model.layers.3.mlp.down_proj.weight", "lm_head.weight",
+                "model.embed_tokens.weight"} <= owned, (key, owned)
     for i, key in enumerate(plans):
         results = [runs[i] for runs in per_rank]
         _assert_equal_to_one_process(results)

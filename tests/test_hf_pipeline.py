@@ -6,6 +6,7 @@ process does: after 3 SGD steps every parameter equals the single-process run's.
 import functools
 import time
 
+import numpy as np
 import pytest
 import torch
 
@@ -166,9 +167,11 @@ def test_search_cuts_a_decoder_only_between_blocks(shape):
                       *(f"model.layers.{i}" for i in range(4)), "model.norm", "lm_head"]
 
 
-def test_a_cut_sends_the_hidden_state_alone_and_the_search_offers_no_tp_inside_stages():
+def test_a_cut_sends_the_hidden_state_alone_and_tp_holds_whole_rows_inside_a_node():
     """Positions, mask and rotary tables are recomputed by each stage: a cut between blocks
-    costs the hidden state forward and its gradient back, nothing more."""
+    costs the hidden state forward and its gradient back, nothing more. Tensor parallelism
+    is offered where each microbatch's rows stay whole on every tp rank, with the module
+    executor's strategies and no layout change it cannot make."""
     graph, cluster = _profiled("llama4", 4)
     rows = graph.batch_size // 2
     problem = build(CostCache(graph, cluster, "sgd"), 2, 1, 1, rows).problem
@@ -176,9 +179,16 @@ def test_a_cut_sends_the_hidden_state_alone_and_the_search_offers_no_tp_inside_s
     expected = 2 * send_recv_s(hidden_bytes, group_link(cluster, 2))
     for u in range(2, len(problem.units) - 1):  # cuts between two blocks
         assert problem.cut_s[u] == pytest.approx(expected, rel=1e-9), problem.units[u]
-    result = search(graph, cluster, "sgd", None, max_microbatches=2, time_limit_s=20)
-    assert result.best is not None and all(c.shape.tp == 1 for c in result.candidates)
-    assert any(c.shape.pp > 1 for c in result.candidates)
+    result = search(graph, cluster, "sgd", None, max_microbatches=4, time_limit_s=20)
+    assert result.best is not None and any(c.shape.pp > 1 for c in result.candidates)
+    tp = [c.shape for c in result.candidates if c.shape.tp > 1]
+    assert tp and all(s.rows(graph.batch_size) % s.tp for s in tp)
+    assert not any(c.outcome == "infeasible" and "layout" in c.note for c in result.candidates)
+    with_tp = build(CostCache(graph, cluster, "sgd"), 2, 1, 2, 1).problem
+    names = {l.name: l.strategies for l in with_tp.layers}
+    assert "head_parallel" in names["model.layers.0.self_attn"]
+    assert "row_parallel" in names["model.layers.3.mlp.down_proj"]
+    assert all(np.isfinite(e.cost_s).all() for e in with_tp.edges)
 
 
 def test_auto_mesh_on_a_model_without_decoder_blocks_says_why_in_one_line():
