@@ -25,7 +25,8 @@ PIN = {"model.layers.0.mlp.gate_proj": "data_parallel+fsdp",
        "model.layers.3.mlp.down_proj": "data_parallel+fsdp",
        "lm_head": "data_parallel+fsdp",
        "model.layers.2.mlp.up_proj": "data_parallel"}
-FOUR_RANKS = {"1f1b": Shape(2, 2, 1, 2, "1F1B"),
+# 1F1B with every block checkpointed as well (planner.block_recompute)
+FOUR_RANKS = {"1f1b_recompute": Shape(2, 2, 1, 2, "1F1B", recompute=True),
               "interleaved": Shape(2, 2, 1, 2, "Interleaved1F1B", 2)}
 # Megatron's split of every block (heads, then the MLP's column and row halves), the
 # embedding by vocabulary and the head by columns; one row per microbatch, whole on both
@@ -48,7 +49,8 @@ def _plan(shape: Shape, pin: dict) -> Plan:
 
 
 def _train(rank, world, plans):
-    """Per plan JSON: this rank's whole parameters (FSDP shards gathered) and losses."""
+    """Per plan JSON: this rank's whole parameters (FSDP shards gathered), losses, the
+    parameters FSDP or DTensor own, and how many of its modules run checkpointed."""
     out = []
     for plan_json in plans:
         plan = Plan.from_json(plan_json)
@@ -61,14 +63,16 @@ def _train(rank, world, plans):
         params = {k: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
                   for k, p in model.stage.named_parameters()}
         owned = sorted(k for k, p in model.stage.named_parameters() if isinstance(p, DTensor))
-        out.append((params, losses, owned))
+        checkpointed = sum(getattr(m.forward, "__name__", "") == "recomputed"
+                           for chunk in model.chunks for m in chunk.modules())
+        out.append((params, losses, owned, checkpointed))
     return out
 
 
 def _assert_equal_to_one_process(results) -> None:
     expected = reference(MODELS["llama4"], STEPS)
     seen = set()
-    for rank, (params, losses, _) in enumerate(results):
+    for rank, (params, losses, *_) in enumerate(results):
         assert losses == pytest.approx(results[0][1], rel=1e-6), f"rank {rank}"
         for key, value in params.items():
             seen.add(key)
@@ -98,6 +102,7 @@ def test_decoder_pipelines_with_fsdp_and_tp_4_ranks_equal_single_process():
         assert plan.tracer == "export" and plan.pipeline is not None
         assert _sharded(plan) == {k for k, v in PIN.items() if v.endswith("+fsdp")}
     assert plans["interleaved"].pipeline.chunks == 2
+    assert plans["1f1b_recompute"].recompute_blocks and not plans["interleaved"].recompute_blocks
     tp_plans = {key: _plan(shape, pin) for key, (shape, pin) in TENSOR_PARALLEL.items()}
     for key, plan in tp_plans.items():
         pin = TENSOR_PARALLEL[key][1]
@@ -121,6 +126,12 @@ def test_decoder_pipelines_with_fsdp_and_tp_4_ranks_equal_single_process():
         assert owned and all(any(o.startswith(m + ".") for m in _sharded(plans[key]))
                              for o in owned), (key, owned)
         assert "model.layers.2.mlp.up_proj.weight" not in owned
+    # the checkpointed plan's ranks run each block of their stage checkpointed: 4 ranks,
+    # pp2 x dp2, block recompute beside FSDP, equal to one process above
+    stages = plans["1f1b_recompute"].pipeline.stages
+    blocks = [sum(".layers." in m for m in stage.modules) for stage in stages]
+    stage_of = {r: k for k, stage in enumerate(stages) for r in stage.ranks}
+    assert [runs[0][3] for runs in per_rank] == [blocks[stage_of[r]] for r in range(4)]
 
 
 def test_fsdp_without_a_pipeline_2_ranks_equals_single_process():
