@@ -64,6 +64,7 @@ with its reductions (seconds to minutes faster on large models).
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 import time
@@ -121,7 +122,20 @@ def in_flight(schedule: str, pp: int, microbatches: int, stage: int, chunks: int
         return min(microbatches, pp - stage)
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule: {schedule!r} is not one of {SCHEDULES}")
-    return schedules.in_flight(schedule, pp, chunks, microbatches)[stage]
+    return _flights(schedule, pp, chunks, microbatches)[stage]
+
+
+@functools.lru_cache(maxsize=4096)
+def _flights(schedule: str, pp: int, chunks: int, microbatches: int) -> tuple[int, ...]:
+    """schedules.in_flight, once per shape: it walks the action lists, and the search asks
+    every stage of hundreds of shapes (5 s of a 10 s search before this cache)."""
+    return schedules.in_flight(schedule, pp, chunks, microbatches)
+
+
+@functools.lru_cache(maxsize=4096)
+def _uniform_bubble(schedule: str, pp: int, chunks: int, microbatches: int) -> float:
+    """schedules.uniform_bubble (a simulation of the action lists), once per shape."""
+    return schedules.uniform_bubble(schedule, pp, chunks, microbatches)
 
 
 def stage_ranks(schedule: str, pp: int, chunks: int) -> tuple[int, ...]:
@@ -194,7 +208,7 @@ def evaluate(problem: StageProblem, starts: tuple[int, ...], choice, microbatche
         objective = sum(total) + (microbatches - 1) * max(total) + max(once_rank)
     else:
         load = [sum(total[k] for k in range(S) if ranks[k] == r) for r in range(pp)]
-        kappa = schedules.uniform_bubble(schedule, pp, chunks, microbatches)
+        kappa = _uniform_bubble(schedule, pp, chunks, microbatches)
         objective = microbatches * max(load) + kappa * max(total) + max(once_rank)
     return StageTimes(step, tuple(total), tuple(send), tuple(once), tuple(weights), tuple(acts),
                       objective, sim.busiest_bubble_s, ranks)
@@ -375,7 +389,7 @@ def solve_stages(problem: StageProblem, pp: int, microbatches: int, schedule: st
     if chunks == 1:
         objective = sum(stage_time) + (m - 1) * C + Smax
     else:
-        kappa = schedules.uniform_bubble(schedule, pp, chunks, m)
+        kappa = _uniform_bubble(schedule, pp, chunks, m)
         D = solver.NumVar(0, inf, "D")  # the largest stage: what fills and drains
         for k in range(S):
             solver.Add(D >= stage_time[k], f"stage_time[{k}]")
@@ -407,7 +421,7 @@ def solve_stages(problem: StageProblem, pp: int, microbatches: int, schedule: st
         return None
     # the solver's bound is on the objective; what bounds the simulated step is the no-solve
     # bound, or the objective's own bound for GPipe, whose objective is its makespan
-    bound = lower_bound(given, pp, microbatches, schedule, chunks)
+    bound = lower_bound(given, pp, microbatches, schedule, chunks, budget_bytes)
     if schedule == "GPipe":
         bound = max(bound, solver.Objective().BestBound() * unit_s)
     return StageSolution(
@@ -520,7 +534,7 @@ def _solve_one_stage(problem: StageProblem, microbatches: int, schedule: str,
 
 
 def lower_bound(problem: StageProblem, pp: int, microbatches: int, schedule: str = "1F1B",
-                chunks: int = 1) -> float:
+                chunks: int = 1, budget_bytes: float | None = None) -> float:
     """A bound no cut or strategy's simulated step beats, without a solve. Each unit costs
     at least the sum of its layers' cheapest options and of the cheapest entry of each edge
     into it (a[u]); the per-step part is at least its smallest total shared evenly.
@@ -529,6 +543,9 @@ def lower_bound(problem: StageProblem, pp: int, microbatches: int, schedule: str
     split of the minima under max_r (Σ_{j<r} T_j + m·T_r) (the linear-partition dynamic
     program, with the cut transfers) bounds every schedule; GPipe's makespan is
     Σ_k T_k + (m - 1)·max_k T_k, bounded by the split with the least slowest stage. With
+    `budget_bytes`, the split may only use stages whose least memory (each layer's least
+    weights + in-flight activations at that stage) fits: the cut of any plan that fits is
+    one of them, and a shape no split fits is infinitely bad (pruned unsolved). With
     chunks, a rank does m times its share of the work, at least m·Σ a / pp, and the first
     microbatch passes every stage forward and back (2/3 of it where the weight gradients
     can wait)."""
@@ -543,32 +560,60 @@ def lower_bound(problem: StageProblem, pp: int, microbatches: int, schedule: str
     if pp * chunks > U:
         return math.inf
     if pp == 1:
+        f = in_flight(schedule, 1, m, 0)
+        if (budget_bytes is not None and
+                _least_memory_prefix(problem, [f])[f][-1] > budget_bytes * (1 + 1e-9)):
+            return math.inf
         return m * float(a.sum()) + once
     if chunks > 1:  # and one microbatch's chain: forwards down, input gradients up
         work = float(a.sum()) + _least_sends_s(problem, schedule, pp, chunks)
         chain = (2 / 3 if schedule in schedules.SPLIT_BACKWARD else 1.0) * work
         return max(m * work / pp, chain) + once
     prefix = np.concatenate([[0.0], np.cumsum(a)])
-    cut = problem.cut_s
+    cut = np.asarray(problem.cut_s, float)
+    in_cut = np.concatenate([[0.0], cut[1:], [0.0]])[:, None]  # a stage from unit i
+    out_cut = in_cut.T  # ... to unit j (none after the last)
+    i_, j_ = np.arange(U + 1)[:, None], np.arange(U + 1)[None, :]
+    body = prefix[j_] - prefix[i_] + in_cut + out_cut  # stage [i, j)'s least T, times m below
+    flights = [in_flight(schedule, pp, m, k) for k in range(pp)]
+    if budget_bytes is not None:
+        memory = _least_memory_prefix(problem, flights)
+        limit = budget_bytes * (1 + 1e-9)
+        fits = [memory[f][j_] - memory[f][i_] <= limit for f in flights]
+    else:
+        fits = [True] * pp
 
     def split(weight: float) -> float:
-        """min over contiguous splits of max_k (weight·prefix before k + stage k)."""
-        best = np.full((pp + 1, U + 1), math.inf)
-        best[0][0] = 0.0
+        """min over contiguous splits that fit of max_k (weight·prefix before k + m·stage k)."""
+        best = np.full(U + 1, math.inf)
+        best[0] = 0.0
         for k in range(1, pp + 1):
-            for j in range(k, U - (pp - k) + 1):
-                out_cut = cut[j] if j < U else 0.0
-                for i in range(k - 1, j):
-                    in_cut = cut[i] if i > 0 else 0.0
-                    stage = prefix[j] - prefix[i] + in_cut + out_cut
-                    value = max(best[k - 1][i], weight * prefix[i] + m * stage)
-                    if value < best[k][j]:
-                        best[k][j] = value
-        return float(best[pp][U])
+            allowed = (i_ >= k - 1) & (j_ > i_) & (j_ <= U - (pp - k)) & fits[k - 1]
+            value = np.maximum(best[:, None], weight * prefix[:, None] + m * body)
+            best = np.where(allowed, value, math.inf).min(axis=0)
+        return float(best[U])
 
     if schedule == "GPipe":  # Σ_k T_k + (m - 1)·max_k T_k, exactly
         return float(a.sum()) + split(0.0) * (m - 1) / m + once
     return split(1.0) + once
+
+
+def _least_memory_prefix(problem: StageProblem, flights) -> dict[int, np.ndarray]:
+    """{f: prefix sums over units of Σ_layers min_option (weights + f·activations)}: the
+    least memory a run of units can take with f microbatches in flight."""
+    U = len(problem.units)
+    width = max(len(l.strategies) for l in problem.layers)
+    weights = np.full((len(problem.layers), width), math.inf)
+    acts = np.zeros((len(problem.layers), width))
+    unit = np.array([l.unit for l in problem.layers])
+    for i, l in enumerate(problem.layers):
+        weights[i, :len(l.strategies)] = l.weight_bytes
+        acts[i, :len(l.strategies)] = l.activation_bytes
+    out = {}
+    for f in set(flights):
+        per_unit = np.bincount(unit, weights=(weights + f * acts).min(axis=1), minlength=U)
+        out[f] = np.concatenate([[0.0], np.cumsum(per_unit)])
+    return out
 
 
 def _least_sends_s(problem: StageProblem, schedule: str, pp: int, chunks: int) -> float:
@@ -591,7 +636,7 @@ def estimate(problem: StageProblem, pp: int, microbatches: int, schedule: str,
     total += sum(float(np.asarray(e.cost_s).min()) for e in problem.edges)
     total += _least_sends_s(problem, schedule, pp, chunks)
     once = sum(float(l.step_s.min()) for l in problem.layers) / pp
-    kappa = schedules.uniform_bubble(schedule, pp, chunks, microbatches)
+    kappa = _uniform_bubble(schedule, pp, chunks, microbatches)
     return microbatches * total / pp + kappa * total / (pp * chunks) + once
 
 
