@@ -495,7 +495,7 @@ def search(graph: ModelGraph, cluster: Cluster, optimizer: str, budget_bytes: fl
                                  f"{need / 1e9:.1f} GB per device"))
             continue
         bound = lower_bound(b.problem, shape.pp, shape.microbatches, shape.schedule,
-                            shape.chunks)
+                            shape.chunks, budget_of(shape))
         c = Candidate(shape, "pruned_by_bound", bound_s=bound)
         guess = estimate(b.problem, shape.pp, shape.microbatches, shape.schedule, shape.chunks)
         ranked.append((max(bound, guess), c))

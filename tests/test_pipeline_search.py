@@ -78,6 +78,8 @@ def test_stage_mip_equals_brute_force_random(seed):
                 assert got is not None, (pp, m, schedule, budget)
                 assert got.times.objective_s == pytest.approx(expected[0].objective_s, rel=1e-7)
                 assert lower_bound(p, pp, m, schedule) <= expected[0].step_s * (1 + 1e-9)
+                assert lower_bound(p, pp, m, schedule, budget_bytes=budget) <= \
+                    expected[0].step_s * (1 + 1e-9)
                 if budget is not None:
                     assert max(got.times.memory_bytes) <= budget * (1 + 1e-7)
 
