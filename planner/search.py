@@ -265,7 +265,7 @@ class CostCache:
         self._layer[key] = value
         return value
 
-    def price(self, entry: "LayerEntry", strategy, dp: int, sharded: bool) -> Price:
+    def price(self, entry: LayerEntry, strategy, dp: int, sharded: bool) -> Price:
         """planner.price.price of one of `entry`'s options, once per dp and variant."""
         key = (strategy, dp, sharded)
         hit = entry.prices.get(key)
