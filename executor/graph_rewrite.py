@@ -98,7 +98,7 @@ def insert_reshards(gm: fx.GraphModule, mesh, layers: dict[str, LayerPlan], give
                 want = Layout(layer.input_layout)
                 layout, shape = gives[src.name]
                 if want == Layout.BATCH and (not shape or shape[0] != plan_batch):
-                    want = Layout.REPLICATE_PARTIAL_GRAD  # see planner.choices.batch_free_takes
+                    want = Layout.REPLICATE_PARTIAL_GRAD  # see planner.price.batch_free_takes
                 if layout != want and src in target.all_input_nodes:
                     target.replace_input_with(src, reshard(target, src, want))
         if node.op == "output" and final:

@@ -4,7 +4,7 @@ A model torch.fx cannot trace (Hugging Face transformers) cannot be rewritten as
 graph either, so this runs the model's own forward, as torchtitan does: each layer that is
 a module gets its strategy by path (DTensor parallel styles for the model-parallel ones),
 and the layout changes the plan priced are made in forward hooks at module boundaries
-(the planner only lets layouts change there, see planner.choices.unrealizable). Ops outside
+(the planner only lets layouts change there, see planner.price.edge_cost). Ops outside
 modules run on what each rank holds: its rows.
 
 Order, as in executor.parallelize: check, tensor parallelism, layout hooks, gradient
@@ -26,7 +26,7 @@ from torch.utils import _pytree as pytree
 from executor.inputs import main_input
 from executor.styles import (MeanOverRanks, Reshard, broadcast_replicated,
                              data_parallel_over, params_of, placement, tensor_parallel_style)
-from planner.choices import rows_visible
+from planner.price import rows_visible
 from planner.handback import output_layout
 from planner.plan import LayerPlan, Plan
 from strategies.layouts import Layout

@@ -5,6 +5,7 @@ reason (planner.reasons) and costs, the input layouts, and the predicted step.
 from __future__ import annotations
 
 from planner.choices import OUTPUT, Choices
+from planner.price import step_overhead_s
 from planner.plan import InputPlan, LayerPlan, MeshPlan, Plan, Predicted, SolverReport
 from planner.problem import Solution
 from planner.reasons import reasons
@@ -52,9 +53,7 @@ def assemble(graph, cluster: Cluster, optimizer: str, choices: Choices, solution
     update = sum(l.update_s for l in layers)
     memory = problem.memory_of(choice)
     ranks = cluster.num_devices
-    # what every distributed step costs whatever the plan (calibrated; the same for every
-    # choice, so outside the integer program's objective)
-    fixed = cluster.step_overhead_s if ranks > 1 else 0.0
+    fixed = step_overhead_s(cluster)
     predicted = Predicted(
         step_time_s=solution.objective_s + fixed, compute_s=compute, other_s=update,
         communication_s=solution.objective_s - compute - update, fixed_s=fixed,

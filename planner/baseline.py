@@ -29,6 +29,7 @@ from planner.ilp import solve
 from planner.once import plan_once
 from planner.plan import BaselinePredicted, Plan
 from planner.plan3d import plan_3d
+from planner.price import step_overhead_s
 from planner.problem import Solution
 from planner.profiled import profiled_graph
 from planner.search import shapes
@@ -127,7 +128,7 @@ def summarize(choices: Choices, solution: Solution, cluster: Cluster,
     busy = sum(row.costs[c].compute_s + row.costs[c].update_s
                for row, c in zip(choices.layers, choice))
     memory = choices.problem.memory_of(choice)
-    fixed = cluster.step_overhead_s if cluster.num_devices > 1 else 0.0
+    fixed = step_overhead_s(cluster)
     return BaselinePredicted(step_time_s=solution.objective_s + fixed,
                              communication_s=solution.objective_s - busy,
                              communication_bytes=communication_bytes(choices, choice),

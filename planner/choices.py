@@ -11,14 +11,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
-
 from planner.handback import output_layout
+from planner.price import Price, edge_cost, edge_kind, output_kind, price, tp_context
 from planner.problem import Edge, Node, Option, Problem
 from profiler.graph import Layer, ModelGraph
 from strategies.catalog import Cost, CostContext, Strategy, candidates
 from strategies.cluster import Cluster
-from strategies.edges import edge_matrix
 from strategies.layouts import Layout
 from strategies.memory import pinned_recompute, split_name, with_memory_levers
 
@@ -32,6 +30,7 @@ class LayerChoices:
     layer: Layer
     strategies: tuple[Strategy, ...]
     costs: tuple[Cost, ...]
+    prices: tuple[Price, ...]  # planner.price: what the solver reads
     carries_gradient: bool = True  # ModelGraph.carries_gradient: its edges have a backward
 
 
@@ -42,12 +41,6 @@ class Choices:
     problem: Problem
     layers: tuple[LayerChoices, ...]  # node i of the problem is layers[i]; the sink is last
     context: CostContext
-
-
-# a layout change the module executor cannot make: an infinite cost, which the solver
-# turns into a bound on its edge variable (planner.ilp: a finite penalty would set the
-# solver's time unit and drown microsecond costs in its tolerances)
-UNREALIZABLE_S = float("inf")
 
 
 def module_executor_options(layer: Layer, options: list[Strategy]) -> list[Strategy]:
@@ -69,29 +62,6 @@ def module_executor_options(layer: Layer, options: list[Strategy]) -> list[Strat
     return [s for s in options if s.name != "replicate"]
 
 
-def unrealizable(producer: LayerChoices, consumer: LayerChoices, takes: list[Layout]):
-    """Penalty matrix: a layout change into an op outside a module cannot be made by the
-    module executor (modules change layouts in their hooks), unless it comes from a module."""
-    out = np.zeros((len(producer.strategies), len(takes)))
-    if consumer.layer.op == "call_module" or producer.layer.op == "call_module":
-        return out
-    for i, s in enumerate(producer.strategies):
-        for j, t in enumerate(takes):
-            ok = s.gives == t or (t == Layout.REPLICATE_PARTIAL_GRAD and s.gives == Layout.REPLICATE)
-            out[i, j] = 0.0 if ok else UNREALIZABLE_S
-    return out
-
-
-def batch_free_takes(producer: Layer, takes: Layout, batch: int) -> Layout:
-    """A tensor without the batch in dim 0 (a positional embedding, a mask) that meets a
-    layer split by rows is broadcast to every rank's rows, not split: it stays whole, and
-    its gradient, summed over each rank's rows, is all-reduced (as REPLICATE_PARTIAL_GRAD)."""
-    shape = producer.output.shape
-    if takes == Layout.BATCH and (not shape or shape[0] != batch):
-        return Layout.REPLICATE_PARTIAL_GRAD
-    return takes
-
-
 def layer_choices(graph: ModelGraph, cluster: Cluster, optimizer: str,
                   memory_budget_bytes: float | None, only: set[str] | None = None,
                   pin: dict[str, str] | None = None, levers: bool = True,
@@ -102,8 +72,8 @@ def layer_choices(graph: ModelGraph, cluster: Cluster, optimizer: str,
     levers of strategies.memory (fsdp, and "+recompute" variants) as well. `keep(layer,
     options)` returns the options a baseline allows for a layer (see planner.baseline)."""
     pin = dict(pin or {})
-    ctx = CostContext(cluster=cluster, ranks=cluster.num_devices, batch=graph.batch_size,
-                      optimizer=optimizer)
+    # one group of all devices: the 3-D shape pp = 1, dp = 1, tp = N (planner.price)
+    ctx = tp_context(cluster, cluster.num_devices, graph.batch_size, optimizer)
     index = {layer.node: i for i, layer in enumerate(graph.layers)}
     sharing = {node for group in graph.tied_groups() for node in group}
     rows: list[LayerChoices] = []
@@ -131,90 +101,36 @@ def layer_choices(graph: ModelGraph, cluster: Cluster, optimizer: str,
                                  f"{ctx.ranks} devices; it can use "
                                  f"{sorted({s.name for s in options})}")
             options = kept
-        rows.append(LayerChoices(layer, tuple(options), tuple(s.cost(layer, ctx) for s in options),
-                                 graph.carries_gradient(layer.node)))
+        prices = [price(layer, s, ctx) for s in options]
+        rows.append(LayerChoices(layer, tuple(options), tuple(p.cost for p in prices),
+                                 tuple(prices), graph.carries_gradient(layer.node)))
 
     if pin:
         raise ValueError(f"pin: no layer named {sorted(pin)}; layers: "
                          f"{[r.layer.name for r in rows if not r.layer.is_input]}")
     ties = tied(graph, rows, index)
     nodes = [Node(r.layer.name, tuple(
-        Option(s.name, c.time_s, c.memory_bytes, s.takes.value, s.gives.value)
-        for s, c in zip(r.strategies, r.costs))) for r in rows]
+        Option(s.name, p.time_s, p.memory_bytes, s.takes.value, s.gives.value)
+        for s, p in zip(r.strategies, r.prices))) for r in rows]
     handed = output_layout(graph.batch_size, ctx.ranks)  # rows, or whole where they do not split
     nodes.append(Node(OUTPUT, (Option("output", 0.0, 0.0, handed.value, ""),)))
 
-    link = cluster.link(ctx.ranks)
-    overhead = cluster.dtensor_reshard_overhead_s if ctx.ranks > 1 else 0.0
     edges = []
     for dst, row in enumerate(rows):
-        own_style = [s.model_parallel for s in row.strategies]
         for name in row.layer.inputs:
             src = index[name]
-            producer = rows[src]
-            if graph.tracer == "export":
-                edges.append(Edge(src, dst, module_edge(producer, row, ctx, link, overhead)))
-                continue
-            takes = [batch_free_takes(producer.layer, s.takes, graph.batch_size)
-                     for s in row.strategies]
-            matrix = edge_matrix([s.gives for s in producer.strategies], takes,
-                                 producer.layer.output.nbytes, ctx.ranks, link,
-                                 backward=producer.carries_gradient,
-                                 reshard_overhead_s=overhead, own_style=own_style)
-            edges.append(Edge(src, dst, matrix))
+            kind = edge_kind(rows[src].layer, [s.gives for s in rows[src].strategies],
+                             row.layer, row.strategies, graph.batch_size, ctx.ranks,
+                             graph.tracer, rows[src].carries_gradient)
+            edges.append(Edge(src, dst, edge_cost(kind, ctx.cluster)))
     sink = len(rows)
     for name in graph.outputs:
         src = index[name]
-        producer = rows[src]
-        matrix = edge_matrix([s.gives for s in producer.strategies], [handed],
-                             producer.layer.output.nbytes, ctx.ranks, link,
-                             backward=producer.carries_gradient, reshard_overhead_s=overhead)
-        edges.append(Edge(src, sink, matrix))
+        kind = output_kind(rows[src].layer, [s.gives for s in rows[src].strategies],
+                           graph.batch_size, ctx.ranks, rows[src].carries_gradient)
+        edges.append(Edge(src, sink, edge_cost(kind, ctx.cluster)))
     problem = Problem(tuple(nodes), tuple(edges), memory_budget_bytes, ties)
     return Choices(problem, tuple(rows), ctx)
-
-
-def module_edge(producer: LayerChoices, consumer: LayerChoices, ctx: CostContext, link,
-                overhead_s: float) -> np.ndarray:
-    """The edge matrix between two layers of a torch.export graph whose `ctx.batch` rows
-    are held by `ctx.ranks` ranks (all devices in a 1-D plan, a tp group in a 3-D one):
-    the module executor changes layouts only at modules (executor.modules), so a module's
-    output goes through the rows the model's code holds, and a layout change into an op
-    outside modules is unrealizable."""
-    takes = [batch_free_takes(producer.layer, s.takes, ctx.batch) for s in consumer.strategies]
-    own_style = [s.model_parallel for s in consumer.strategies]
-    if producer.layer.op == "call_module" and rows_visible(producer.layer.output.shape, ctx.batch):
-        return _through_rows(producer, consumer, takes, ctx, link, overhead_s, own_style)
-    matrix = edge_matrix([s.gives for s in producer.strategies], takes,
-                         producer.layer.output.nbytes, ctx.ranks, link,
-                         backward=producer.carries_gradient, reshard_overhead_s=overhead_s,
-                         own_style=own_style)
-    if ctx.ranks > 1:  # one device: one layout
-        matrix = matrix + unrealizable(producer, consumer, takes)
-    return matrix
-
-
-def rows_visible(shape, batch: int) -> bool:
-    """A module's output the model's own code sees split by rows (torch.export graphs,
-    executor.modules): it has the batch in dim 0."""
-    return bool(shape) and shape[0] == batch
-
-
-def _through_rows(producer: LayerChoices, consumer: LayerChoices, takes: list[Layout],
-                  ctx: CostContext, link, overhead: float, own_style: list[bool]):
-    """The edge out of a module of a torch.export graph: its output is handed on split by
-    rows (rows_visible) and each reader changes it to what it takes from there; an op
-    outside modules cannot change it, so it takes the rows or nothing."""
-    nbytes = producer.layer.output.nbytes
-    held = output_layout(ctx.batch, ctx.ranks)  # rows, or whole where they do not split
-    backward = producer.carries_gradient
-    out = edge_matrix([s.gives for s in producer.strategies], [held], nbytes,
-                      ctx.ranks, link, backward=backward, reshard_overhead_s=overhead)
-    into = edge_matrix([held], takes, nbytes, ctx.ranks, link, backward=backward,
-                       reshard_overhead_s=overhead, own_style=own_style)
-    if consumer.layer.op != "call_module" and ctx.ranks > 1:
-        into = np.where(np.array([[t == held for t in takes]]), into, UNREALIZABLE_S)
-    return out + into
 
 
 # What layers sharing a parameter may run: every reader holds it whole, and its gradient
@@ -241,6 +157,7 @@ def tied(graph: ModelGraph, rows: list[LayerChoices], index: dict[str, int]):
             row = rows[i]
             keep = [k for k, s in enumerate(row.strategies) if s.name in allowed]
             rows[i] = LayerChoices(row.layer, tuple(row.strategies[k] for k in keep),
-                                   tuple(row.costs[k] for k in keep), row.carries_gradient)
+                                   tuple(row.costs[k] for k in keep),
+                                   tuple(row.prices[k] for k in keep), row.carries_gradient)
         ties.append(tuple(members))
     return tuple(ties)

@@ -19,6 +19,7 @@ from planner.ilp import solve
 from planner.once import plan_once
 from planner.plan import Plan
 from planner.plan3d import choose_mesh
+from planner.price import step_overhead_s
 from planner.problem import Infeasible, Solution
 from planner.profiled import GB, PlanDoesNotFit, check_arguments, profiled_graph
 from strategies.cluster import Cluster
@@ -103,7 +104,7 @@ def _plan_1d(graph, cluster: Cluster, optimizer: str, budget: float, pin, time_l
     data_parallel = solve(dp_choices.problem, time_limit_s)
     single = solve(layer_choices(graph, cluster.with_devices(1, 1), optimizer, None).problem,
                    time_limit_s)
-    dp = (data_parallel.objective_s + cluster.step_overhead_s,
+    dp = (data_parallel.objective_s + step_overhead_s(cluster),
           dp_choices.problem.memory_of(data_parallel.choice))
     plan = assemble(graph, cluster, optimizer, choices, solution, budget, dp[0],
                  single.objective_s, time.perf_counter() - started, dp[1])

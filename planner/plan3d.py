@@ -21,7 +21,8 @@ from planner.plan import (
     CandidateReport, InputPlan, LayerPlan, MemoryBreakdown, MeshPlan, PipelinePlan, Plan,
     Predicted, SearchReport, SolverReport, StagePlan,
 )
-from planner.search import SearchResult, Shape, build, group_link, rank_groups, search
+from planner.price import group_link, step_overhead_s
+from planner.search import SearchResult, Shape, build, rank_groups, search
 from planner.schedules import LABELS
 from planner.stages import evaluate, in_flight, stage_ranks
 from strategies.catalog import OPTIMIZER_STATE_FACTOR
@@ -195,9 +196,10 @@ def to_plan(graph, cluster: Cluster, optimizer: str, budget: float, result: Sear
     per_device = [breakdown[r // (dp * tp)] for r in range(pp * dp * tp)]
     (data_parallel, data_parallel_memory), single = _baselines(result, graph, cluster,
                                                                optimizer)
+    fixed = step_overhead_s(cluster)  # outside every choice, as in a 1-D plan
     predicted = Predicted(
-        step_time_s=step, compute_s=compute_s, other_s=other_s, bubble_s=bubble_s,
-        communication_s=step - compute_s - other_s - bubble_s,
+        step_time_s=step + fixed, compute_s=compute_s, other_s=other_s, bubble_s=bubble_s,
+        communication_s=step - compute_s - other_s - bubble_s, fixed_s=fixed,
         memory_bytes=[b.total_bytes for b in per_device], memory_limit_bytes=budget,
         memory_breakdown=per_device, data_parallel_step_time_s=data_parallel,
         data_parallel_memory_bytes=data_parallel_memory, single_device_step_time_s=single)
@@ -227,7 +229,7 @@ def to_plan(graph, cluster: Cluster, optimizer: str, budget: float, result: Sear
         planning_seconds=seconds)
     search_report = SearchReport(candidates=len(result.candidates), solved=result.solved,
                                  pruned=result.pruned, seconds=result.seconds,
-                                 best_per_shape=_best_per_shape(result))
+                                 best_per_shape=_best_per_shape(result, fixed))
     return Plan(model=graph.model_name, fingerprint=graph.fingerprint,
                 global_batch=graph.batch_size, optimizer=optimizer, cluster=cluster,
                 mesh=mesh, inputs=inputs, layers=layers, predicted=predicted, solver=report,
@@ -330,12 +332,14 @@ def _baselines(result: SearchResult, graph, cluster: Cluster, optimizer: str):
         b = build(cache, 1, dp, 1, batch // dp)
         choice = tuple(0 for _ in b.problem.layers)
         times = evaluate(b.problem, (0,), choice, 1, "1F1B")
-        out.append((times.step_s, max(times.memory_bytes)))
+        fixed = step_overhead_s(cluster) if dp > 1 else 0.0
+        out.append((times.step_s + fixed, max(times.memory_bytes)))
     return out[0], out[1][0]
 
 
-def _best_per_shape(result: SearchResult) -> list[CandidateReport]:
-    """Per mesh shape (pp, dp, tp), its best solved candidate, else its best bound."""
+def _best_per_shape(result: SearchResult, fixed_s: float) -> list[CandidateReport]:
+    """Per mesh shape (pp, dp, tp), its best solved candidate, else its best bound, each
+    with the fixed step overhead `fixed_s` as the plan's step has it."""
     by_shape: dict[tuple, object] = {}
     rank = {"best": 0, "solved": 1, "pruned_by_bound": 2, "time_limit": 2, "skipped": 2,
             "infeasible": 3,
@@ -351,8 +355,9 @@ def _best_per_shape(result: SearchResult) -> list[CandidateReport]:
         s = c.shape
         out.append(CandidateReport(
             pp=s.pp, dp=s.dp, tp=s.tp, microbatches=s.microbatches, schedule=s.schedule,
-            chunks=s.chunks, outcome=c.outcome, step_time_s=c.solution.times.step_s if c.solution else None,
-            bound_s=c.bound_s, note=c.note))
+            chunks=s.chunks, outcome=c.outcome,
+            step_time_s=c.solution.times.step_s + fixed_s if c.solution else None,
+            bound_s=None if c.bound_s is None else c.bound_s + fixed_s, note=c.note))
     return out
 
 

@@ -32,8 +32,10 @@ import numpy as np
 
 from planner.block_cuts import block_units, carries_weights, why_no_blocks
 from planner import block_recompute, dp_shard
-from planner.choices import OUTPUT, LayerChoices, module_edge, module_executor_options
-from planner.handback import output_layout
+from planner.choices import OUTPUT, module_executor_options
+from planner.price import (
+    EdgeKind, Price, edge_cost, edge_kind, group_link, output_kind, price, tp_context,
+)
 from planner.problem import Edge
 from planner.progress import Progress, report
 from planner.schedules import SCHEDULES, chunks_allowed, refusal
@@ -42,10 +44,9 @@ from planner.stages import (
     min_memory_bytes, solve_stages,
 )
 from profiler.graph import Layer, ModelGraph
-from strategies.catalog import CostContext, candidates, weights_memory
+from strategies.catalog import CostContext, candidates
 from strategies.cluster import Cluster
-from strategies.collectives import all_reduce_s, send_recv_s
-from strategies.edges import edge_matrix
+from strategies.collectives import send_recv_s
 
 FIRST_PASS_S = 5.0  # seconds per candidate in the search's first pass
 CHUNKED_PASS_S = 5.0  # seconds per candidate with chunks per rank (one pass only)
@@ -153,15 +154,6 @@ def shapes(num_devices: int, batch: int, max_microbatches: int | None = None,
     return out
 
 
-def group_link(cluster: Cluster, span: int):
-    """The slowest link inside a group whose ranks lie in one aligned block of `span`
-    consecutive ranks (a tp group: span tp; a dp group: dp·tp; two adjacent stages:
-    2·dp·tp). It stays inside a node only if the block fits a node and nodes divide evenly."""
-    per_node = cluster.devices_per_node
-    inside = span <= per_node and per_node % span == 0
-    return cluster.intra_node if inside or cluster.nodes == 1 else cluster.inter_node
-
-
 def rank_groups(pp: int, dp: int, tp: int) -> dict[str, list[list[int]]]:
     """The global ranks of every group along each dim; rank = (p·dp + d)·tp + t."""
     def rank(p, d, t):
@@ -227,6 +219,16 @@ def tied_options(options: list) -> list:
     return dp or [s for s in options if s.name == "replicate"]
 
 
+@dataclass
+class LayerEntry:
+    """A distinct layer on one tp group and microbatch: its options and their prices."""
+
+    layer: Layer  # scaled to the microbatch
+    strategies: tuple
+    ctx: CostContext
+    prices: dict = field(default_factory=dict)  # (strategy, dp, sharded) -> Price
+
+
 class CostCache:
     """Per-layer and per-edge costs, computed once per distinct layer and shared by every
     shape that needs them (the reuse that keeps the search interactive)."""
@@ -237,12 +239,11 @@ class CostCache:
         self.tied = {node for group in graph.tied_groups() for node in group}
         self._layer: dict = {}
         self._edge: dict = {}
-        self._module_edge: dict = {}
         self.hits = self.misses = 0
 
     def layer(self, layer: Layer, tp: int, rows: int, computing: float | None = None):
-        """(strategies, costs) of `layer` on `rows` rows over a tp group, while `computing`
-        of a node's processes compute at once (None: all of them)."""
+        """`layer` scaled to `rows` rows, its options over a tp group and their context,
+        while `computing` of a node's processes compute at once (None: all of them)."""
         tied = layer.node in self.tied
         key = (_signature(layer), tp, rows, computing, tied)
         hit = self._layer.get(key)
@@ -254,38 +255,30 @@ class CostCache:
         cluster = self.cluster
         if computing is not None:
             cluster = cluster.computing_at_once(computing)
-        if group_link(cluster, tp) is cluster.inter_node:  # the catalog prices link(tp)
-            cluster = cluster.model_copy(update={"intra_node": cluster.inter_node})
-        ctx = CostContext(cluster=cluster, ranks=tp, batch=rows, optimizer=self.optimizer)
+        ctx = tp_context(cluster, tp, rows, self.optimizer)
         options = candidates(scaled, ctx)
-        if self.graph.tracer == "export" and tp > 1:  # what executor.modules runs (1-D rule)
+        if self.graph.tracer == "export":
             options = module_executor_options(scaled, options)
         if tied:
             options = tied_options(options)
-        value = (scaled, tuple(options), tuple(s.cost(scaled, ctx) for s in options), ctx)
+        value = LayerEntry(scaled, tuple(options), ctx)
         self._layer[key] = value
         return value
 
-    def edge(self, gives, takes, nbytes, tp, backward):
-        key = (gives, takes, nbytes, tp, backward)
-        hit = self._edge.get(key)
+    def price(self, entry: LayerEntry, strategy, dp: int, sharded: str) -> Price:
+        """planner.price.price of one of `entry`'s options, once per dp and variant."""
+        key = (strategy, dp, sharded)
+        hit = entry.prices.get(key)
         if hit is None:
-            hit = edge_matrix(list(gives), list(takes), nbytes, tp, group_link(self.cluster, tp),
-                              backward=backward)
-            self._edge[key] = hit
+            hit = entry.prices[key] = price(entry.layer, strategy, entry.ctx, dp, sharded)
         return hit
 
-    def module_edge(self, producer: LayerChoices, consumer: LayerChoices, ctx: CostContext):
-        """An edge of a torch.export graph over a tp group (planner.choices.module_edge)."""
-        def key(row: LayerChoices):
-            return (row.layer.op, row.layer.is_input, row.layer.output, row.carries_gradient,
-                    tuple((s.name, s.takes, s.gives, s.model_parallel) for s in row.strategies))
-        k = (key(producer), key(consumer), ctx.ranks, ctx.batch)
-        hit = self._module_edge.get(k)
+    def edge(self, kind: EdgeKind):
+        """planner.price.edge_cost, once per distinct edge."""
+        hit = self._edge.get(kind)
         if hit is None:
-            hit = module_edge(producer, consumer, ctx, group_link(self.cluster, ctx.ranks),
-                              self.cluster.dtensor_reshard_overhead_s)
-            self._module_edge[k] = hit
+            hit = edge_cost(kind, self.cluster)
+            self._edge[kind] = hit
         return hit
 
 
@@ -316,53 +309,36 @@ def build(cache: CostCache, pp: int, dp: int, tp: int, rows: int,
             unit_names.append(key)
         unit_of.append(len(unit_names) - 1)
 
-    sync_link = group_link(cluster, dp * tp)  # a dp group spans dp·tp consecutive ranks
     # processes sharing a machine's cores: a stage waiting for its input holds no core, so
     # of pp stages, m microbatches, pp·m/(m+pp-1) compute at once on average
     m = max(1, graph.batch_size // (dp * rows))
     computing = cluster.devices_per_node * m / (m + pp - 1) if pp > 1 else None
     options: list[LayerOptions] = []
     strategies, costs, scaled_layers, local = [], [], [], []
-    sharded_all, contexts = [], []
+    sharded_all = []
     for i, layer in enumerate(graph.layers):
-        scaled, strats, cs, ctx = cache.layer(layer, tp, rows, computing)
-        contexts.append(ctx)
+        entry = cache.layer(layer, tp, rows, computing)
+        scaled, strats = entry.layer, entry.strategies
         tied = layer.node in cache.tied
         # each option, then its FSDP and HSDP variants where offered (planner.dp_shard)
-        variants = [(s, c, "") for s, c in zip(strats, cs)]
-        variants += [(s, c, sh) for s, c in zip(strats, cs) for sh in dp_shard.variants(
+        variants = [(s, "") for s in strats]
+        variants += [(s, sh) for s in strats for sh in dp_shard.variants(
             layer, s.name, dp, tp, graph.tracer, tied, cluster.devices_per_node)]
-        names = [s.name + sh for s, _, sh in variants]
+        names = [s.name + sh for s, sh in variants]
         if pin and layer.name in pin and pin[layer.name] in names:
             keep = [j for j, n in enumerate(names) if n == pin[layer.name]]
             variants, names = [variants[j] for j in keep], [names[j] for j in keep]
-        mb, once, wb, ab, lp = [], [], [], [], []
-        for s, c, sh in variants:
-            param_local = layer.param_bytes / tp if s.model_parallel else layer.param_bytes
-            weights = weights_memory(param_local, ctx)
-            own_sync = c.notes.get("gradient_all_reduce_s", 0.0)
-            per_mb = c.compute_s + c.communication_s - own_sync
-            ab.append(c.memory_bytes - weights)
-            if sh:
-                priced = dp_shard.price_variant(sh, param_local, per_mb, dp, tp, sync_link, ctx)
-                mb.append(priced.microbatch_s)
-                once.append(priced.step_s)
-                wb.append(priced.weight_bytes)
-                lp.append(priced.local_param_bytes)
-                continue
-            if s.name in dp_shard.SUMMED_OVER_TP:  # split over tp too: dp x tp
-                sync = all_reduce_s(layer.param_bytes, dp * tp, sync_link)
-            else:
-                sync = all_reduce_s(param_local, dp, sync_link)
-            mb.append(per_mb)
-            once.append(c.update_s + sync)
-            wb.append(weights)
-            lp.append(param_local)
+        prices = [cache.price(entry, s, dp, sh) for s, sh in variants]  # planner.price
+        mb = [p.microbatch_s for p in prices]
+        once = [p.step_s for p in prices]
+        wb = [p.weight_bytes for p in prices]
+        ab = [p.activation_bytes for p in prices]
+        lp = [p.local_param_bytes for p in prices]
         options.append(LayerOptions(layer.name, unit_of[i], tuple(names),
                                     np.array(mb), np.array(once), np.array(wb), np.array(ab)))
-        strategies.append(tuple(s for s, _, _ in variants))
-        costs.append(tuple(c for _, c, _ in variants))
-        sharded_all.append(tuple(sh for _, _, sh in variants))
+        strategies.append(tuple(s for s, _ in variants))
+        costs.append(tuple(p.cost for p in prices))
+        sharded_all.append(tuple(sh for _, sh in variants))
         scaled_layers.append(scaled)
         local.append(np.array(lp))
     sink = len(options)
@@ -371,25 +347,18 @@ def build(cache: CostCache, pp: int, dp: int, tp: int, rows: int,
 
     index = {layer.node: i for i, layer in enumerate(graph.layers)}
     edges = []
-    modules = graph.tracer == "export" and tp > 1
-
-    def add_edge(src: int, dst: int, takes):
-        producer = scaled_layers[src]
-        if modules and dst < len(graph.layers):  # the module executor's edge rule
-            ends = [LayerChoices(scaled_layers[i], strategies[i], costs[i],
-                                 graph.carries_gradient(scaled_layers[i].node)) for i in (src, dst)]
-            edges.append(Edge(src, dst, cache.module_edge(*ends, contexts[dst])))
-            return
-        gives = tuple(s.gives for s in strategies[src])
-        matrix = cache.edge(gives, tuple(takes), producer.output.nbytes, tp,
-                            graph.carries_gradient(producer.node))
-        edges.append(Edge(src, dst, matrix))
-
-    for dst, layer in enumerate(graph.layers):
+    for dst, layer in enumerate(graph.layers):  # priced by planner.price, per microbatch
         for name in layer.inputs:
-            add_edge(index[name], dst, [s.takes for s in strategies[dst]])
-    for name in graph.outputs:
-        add_edge(index[name], sink, [output_layout(rows, tp)])  # planner.handback
+            src = index[name]
+            kind = edge_kind(scaled_layers[src], [s.gives for s in strategies[src]],
+                             scaled_layers[dst], strategies[dst], rows, tp, graph.tracer,
+                             graph.carries_gradient(graph.layers[src].node))
+            edges.append(Edge(src, dst, cache.edge(kind)))
+    for name in graph.outputs:  # handed back as planner.handback says
+        src = index[name]
+        kind = output_kind(scaled_layers[src], [s.gives for s in strategies[src]], rows, tp,
+                           graph.carries_gradient(graph.layers[src].node))
+        edges.append(Edge(src, sink, cache.edge(kind)))
 
     # point-to-point at a cut before unit u: the values made before it and used after it
     link = group_link(cluster, 2 * dp * tp)
@@ -486,7 +455,7 @@ def search(graph: ModelGraph, cluster: Cluster, optimizer: str, budget_bytes: fl
             realizable[id(b)] = all(np.isfinite(e.cost_s).all() for e in b.problem.edges)
         if not realizable[id(b)]:
             out.append(Candidate(shape, "infeasible", note="a layout change the module "
-                                 "executor cannot make (planner.choices.unrealizable)"))
+                                 "executor cannot make (planner.price._unrealizable)"))
             continue
         need = min_memory_bytes(b.problem, shape.pp, shape.microbatches, shape.schedule,
                                 shape.chunks) + b.transient_bytes

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from planner.choices import Choices, batch_free_takes
+from planner.choices import Choices
+from planner.price import batch_free_takes
 from strategies.edges import reshard_bytes
 from strategies.layouts import Layout
 

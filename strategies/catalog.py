@@ -23,7 +23,7 @@ from profiler.graph import Layer
 from strategies import gpu_compute
 from strategies.cluster import Cluster
 from strategies.collectives import (
-    COEFFICIENTS, all_gather_s, all_reduce_s, collective_bytes, reduce_scatter_s,
+    all_gather_s, all_reduce_s, bucketed_all_reduce_s, collective_bytes, reduce_scatter_s,
 )
 from strategies.layouts import Layout, sequence_splits
 from strategies.precision import Precision
@@ -151,24 +151,6 @@ class Strategy:
         raise NotImplementedError
 
 
-# DistributedDataParallel's first bucket (later ones hold up to bucket_cap_mb, 25 MB)
-DDP_BUCKET_BYTES = 2**20
-
-
-def _bucketed_all_reduce_s(param_bytes: float, ctx: CostContext) -> float:
-    """A layer's share of DDP's gradient all-reduces. DDP packs gradients into buckets
-    (1 MB first, then 25 MB) and issues one all-reduce per bucket, so a layer pays the
-    bandwidth term for its own bytes and the per-message latency in proportion to the
-    bucket it fills, at most once. The 1 MB figure counts the few buckets of a small model
-    right and charges a mid-sized layer (1-25 MB) a whole latency it may share."""
-    if ctx.ranks <= 1 or param_bytes <= 0:
-        return 0.0
-    a, b = COEFFICIENTS["all_reduce"](ctx.ranks)
-    # the bucket's size picks the regime; a layer's weight larger than a bucket is its own
-    alpha, beta = ctx.link.alpha_beta("bucket_all_reduce", param_bytes)
-    return a * alpha * min(1.0, param_bytes / DDP_BUCKET_BYTES) + b * param_bytes / beta
-
-
 @dataclass(frozen=True)
 class DataParallel(Strategy):
     """Weights replicated, batch split by rows, gradients all-reduced after backward."""
@@ -181,7 +163,8 @@ class DataParallel(Strategy):
         return ctx.batch % ctx.ranks == 0 and _rowwise(layer, ctx.batch)
 
     def cost(self, layer, ctx):
-        sync = _bucketed_all_reduce_s(ctx.precision.reduce_bytes(layer.param_bytes), ctx)
+        sync = bucketed_all_reduce_s(ctx.precision.reduce_bytes(layer.param_bytes),
+                                     ctx.ranks, ctx.link)
         # DDP copies gradients into its flat buckets and back out: two passes over memory
         copies = 0.0
         if ctx.ranks > 1 and layer.param_bytes:

@@ -49,6 +49,25 @@ def collective_time_s(name: str, n: float, ranks: int, link: LinkSpec) -> float:
     return a * alpha + b * n / beta
 
 
+# DistributedDataParallel's first bucket (later ones hold up to bucket_cap_mb, 25 MB)
+DDP_BUCKET_BYTES = 2**20
+
+
+def bucketed_all_reduce_s(n: float, ranks: int, link: LinkSpec) -> float:
+    """A layer's share of DDP's gradient all-reduces over `n` bytes of its gradients. DDP
+    packs gradients into buckets (1 MB first, then 25 MB) and issues one all-reduce per
+    bucket, so a layer pays the bandwidth term for its own bytes and the per-message
+    latency in proportion to the bucket it fills, at most once. The 1 MB figure counts the
+    few buckets of a small model right and charges a mid-sized layer (1-25 MB) a whole
+    latency it may share."""
+    if ranks <= 1 or n <= 0:
+        return 0.0
+    a, b = COEFFICIENTS["all_reduce"](ranks)
+    # the bucket's size picks the regime; a layer's weight larger than a bucket is its own
+    alpha, beta = link.alpha_beta("bucket_all_reduce", n)
+    return a * alpha * min(1.0, n / DDP_BUCKET_BYTES) + b * n / beta
+
+
 def collective_bytes(name: str | None, n: float, ranks: int) -> float:
     """Bytes each rank sends in the collective `name` (None: nothing) over `n` bytes: the
     b(P)·n of its ring formula, e.g. 2(P-1)/P·n for an all-reduce."""

@@ -1,0 +1,228 @@
+"""The one price list: what a layer costs under one option on one device group, and what
+a layout change between two layers costs.
+
+Every plan shape reads its costs from here: the 3-D search (planner.search.build, and so
+its lower bounds, the baselines it prices, explain() and the pictures of a 3-D plan) and
+the 1-D planner (planner.choices), whose one group of all N devices is the 3-D shape
+pp = 1, dp = 1, tp = N at one microbatch. The rules both used to apply on their own live
+here once:
+
+- the group-link rule (`group_link`): a group of consecutive ranks stays on the intra-node
+  link only inside one node;
+- the gradient sync (`price`): DDP's bucket fit (strategies.collectives) over the replicas
+  that hold the same weights: dp x tp for layers that split rows (or tokens) over their tp
+  group, dp for the rest, with DDP's copies into and out of its buckets, once per step;
+- the reshard overhead and the batch-free rule on edges (`edge_cost`), and for torch.export
+  graphs the layout changes the module executor can make;
+- the fixed cost of a distributed step (`step_overhead_s`), outside every choice.
+
+    microbatch_s  the catalog's time on one microbatch over the tp group, less its
+                  gradient sync                                   (charged m times a step)
+    step_s        the gradient sync over the replicas + the optimizer on this device's
+                  weights                                          (charged once a step)
+    memory        weights, gradients, optimizer state (weight_bytes) + what backward keeps
+                  of one microbatch (activation_bytes, times the microbatches in flight)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from planner import dp_shard
+from planner.handback import output_layout
+from profiler.graph import Layer
+from strategies.catalog import Cost, CostContext, Strategy, memory_s, weights_memory
+from strategies.cluster import Cluster
+from strategies.collectives import bucketed_all_reduce_s
+from strategies.devices import LinkSpec
+from strategies.edges import edge_matrix
+from strategies.layouts import Layout
+from strategies.memory import split_name
+
+# a layout change the module executor cannot make: an infinite cost, which the solver
+# turns into a bound on its edge variable (planner.ilp: a finite penalty would set the
+# solver's time unit and drown microsecond costs in its tolerances)
+UNREALIZABLE_S = float("inf")
+
+
+def group_link(cluster: Cluster, span: int) -> LinkSpec:
+    """The slowest link inside a group whose ranks lie in one aligned block of `span`
+    consecutive ranks (a tp group: span tp; a dp group: dp·tp; two adjacent stages:
+    2·dp·tp). It stays inside a node only if the block fits a node and nodes divide evenly."""
+    per_node = cluster.devices_per_node
+    inside = span <= per_node and per_node % span == 0
+    return cluster.intra_node if inside or cluster.nodes == 1 else cluster.inter_node
+
+
+def step_overhead_s(cluster: Cluster) -> float:
+    """What every distributed step costs whatever the plan (calibrated; the same for every
+    choice, so outside the integer programs' objectives)."""
+    return cluster.step_overhead_s if cluster.num_devices > 1 else 0.0
+
+
+def tp_context(cluster: Cluster, tp: int, rows: int, optimizer: str) -> CostContext:
+    """The catalog's context for a tp group of `tp` ranks working on `rows` rows: its
+    strategies price their collectives on `ctx.link`, which here follows `group_link`."""
+    if group_link(cluster, tp) is not cluster.link(tp):  # in a node, not aligned to one
+        cluster = cluster.model_copy(update={"intra_node": cluster.inter_node})
+    return CostContext(cluster=cluster, ranks=tp, batch=rows, optimizer=optimizer)
+
+
+@dataclass(frozen=True)
+class Price:
+    """One layer under one option on one device group (module docstring)."""
+
+    cost: Cost  # the catalog's cost over the tp group (compute_s, update_s, notes)
+    microbatch_s: float
+    step_s: float
+    weight_bytes: float
+    activation_bytes: float
+    local_param_bytes: float  # this device's share of the layer's weights
+    sync_s: float  # the gradient sync part of step_s (with DDP's bucket copies)
+
+    @property
+    def time_s(self) -> float:
+        """A step of one microbatch: what the 1-D planner's options cost."""
+        return self.microbatch_s + self.step_s
+
+    @property
+    def memory_bytes(self) -> float:
+        """With one microbatch in flight."""
+        return self.weight_bytes + self.activation_bytes
+
+
+def price(layer: Layer, strategy: Strategy, ctx: CostContext, dp: int = 1,
+          sharded: str = "") -> Price:
+    """`layer` (scaled to ctx.batch rows) running `strategy` over a tp group of ctx.ranks
+    ranks (`tp_context`), replicated over a dp group of `dp`; `sharded`: "+fsdp" for its
+    variant fully sharded over the dp group, "+hsdp" sharded over the dp ranks of a node
+    and replicated across nodes (planner.dp_shard)."""
+    tp = ctx.ranks
+    cost = strategy.cost(layer, ctx)
+    base = split_name(strategy.name)[0]
+    tp_sharded = base == "fsdp"  # ZeRO-3 inside the tp group (strategies.memory)
+    local = layer.param_bytes / tp if strategy.model_parallel or tp_sharded else layer.param_bytes
+    weights = weights_memory(local, ctx, sharded=tp_sharded)
+    activations = cost.memory_bytes - weights
+    # the catalog's own DDP sync over the tp group is replaced by the sync over the replicas
+    own_sync = cost.notes.get("gradient_all_reduce_s", 0.0) + cost.notes.get("bucket_copies_s", 0.0)
+    microbatch = cost.compute_s + cost.communication_s - own_sync
+    link = group_link(ctx.cluster, dp * tp)  # a dp group spans dp·tp consecutive ranks
+    if sharded:
+        priced = dp_shard.price_variant(sharded, local, microbatch, dp, tp, link, ctx)
+        return Price(cost, priced.microbatch_s, priced.step_s, priced.weight_bytes,
+                     activations, priced.local_param_bytes, 0.0)
+    if base in dp_shard.SUMMED_OVER_TP:  # rows (tokens) split over tp too: dp x tp copies
+        replicas, held = dp * tp, layer.param_bytes
+    else:
+        replicas, held = dp, local
+    sync = 0.0
+    if replicas > 1 and held > 0:
+        sync = bucketed_all_reduce_s(ctx.precision.reduce_bytes(held), replicas, link)
+        # DDP copies gradients into its flat buckets and back out: two passes over memory
+        sync += memory_s(2 * 2 * held, ctx)
+    return Price(cost, microbatch, cost.update_s + sync, weights, activations, local, sync)
+
+
+# --- edges -------------------------------------------------------------------------------
+
+
+def batch_free_takes(producer: Layer, takes: Layout, batch: int) -> Layout:
+    """A tensor without the batch in dim 0 (a positional embedding, a mask) that meets a
+    layer split by rows is broadcast to every rank's rows, not split: it stays whole, and
+    its gradient, summed over each rank's rows, is all-reduced (as REPLICATE_PARTIAL_GRAD)."""
+    shape = producer.output.shape
+    if takes == Layout.BATCH and (not shape or shape[0] != batch):
+        return Layout.REPLICATE_PARTIAL_GRAD
+    return takes
+
+
+def rows_visible(shape, batch: int) -> bool:
+    """A module's output the model's own code sees split by rows (torch.export graphs,
+    executor.modules): it has the batch in dim 0."""
+    return bool(shape) and shape[0] == batch
+
+
+@dataclass(frozen=True)
+class EdgeKind:
+    """Everything an edge's price depends on (hashable: the 3-D search caches by it)."""
+
+    gives: tuple[Layout, ...]  # per producer option
+    takes: tuple[Layout, ...]  # per consumer option, the batch-free rule applied
+    own_style: tuple[bool, ...]  # per consumer option: it changes its input itself
+    nbytes: float
+    ranks: int
+    rows: int
+    backward: bool
+    # "plain"; "export": an op outside modules of a torch.export graph on either side;
+    # "through_rows": a module's output of a torch.export graph, handed on split by rows
+    route: str = "plain"
+    into_module: bool = False  # the consumer is a module (it changes layouts in its hooks)
+
+
+def edge_kind(producer: Layer, gives, consumer: Layer, strategies, rows: int, ranks: int,
+              tracer: str, backward: bool) -> EdgeKind:
+    """The edge from `producer` (its options give `gives`) into `consumer` running one of
+    `strategies`, `ranks` ranks sharing `rows` rows; `backward`: a gradient flows back
+    into the producer's output (profiler.graph.ModelGraph.carries_gradient)."""
+    takes = tuple(batch_free_takes(producer, s.takes, rows) for s in strategies)
+    route = "plain"
+    if tracer == "export":
+        if producer.op == "call_module" and rows_visible(producer.output.shape, rows):
+            route = "through_rows"
+        elif producer.op != "call_module" and consumer.op != "call_module":
+            route = "export"
+    return EdgeKind(tuple(gives), takes, tuple(s.model_parallel for s in strategies),
+                    producer.output.nbytes, ranks, rows, backward, route,
+                    consumer.op == "call_module")
+
+
+def output_kind(producer: Layer, gives, rows: int, ranks: int, backward: bool) -> EdgeKind:
+    """The edge from `producer` into the model's output, handed back as planner.handback
+    says for `ranks` ranks sharing `rows` rows."""
+    return EdgeKind(tuple(gives), (output_layout(rows, ranks),), (False,),
+                    producer.output.nbytes, ranks, rows, backward)
+
+
+def edge_cost(kind: EdgeKind, cluster: Cluster) -> np.ndarray:
+    """cost[i, j] in seconds (per microbatch): the producer's option i into the consumer's
+    option j, with DTensor's reshard overhead where the layout changes."""
+    ranks, nbytes = kind.ranks, kind.nbytes
+    link = group_link(cluster, ranks)
+    overhead = cluster.dtensor_reshard_overhead_s if ranks > 1 else 0.0
+    if kind.route == "through_rows":
+        return _through_rows(kind, link, overhead)
+    matrix = edge_matrix(list(kind.gives), list(kind.takes), nbytes, ranks, link,
+                         backward=kind.backward, reshard_overhead_s=overhead,
+                         own_style=list(kind.own_style))
+    if kind.route == "export" and ranks > 1:  # one device: one layout
+        matrix = matrix + _unrealizable(kind)
+    return matrix
+
+
+def _unrealizable(kind: EdgeKind) -> np.ndarray:
+    """A layout change between two ops outside modules cannot be made by the module
+    executor (modules change layouts in their hooks)."""
+    out = np.zeros((len(kind.gives), len(kind.takes)))
+    for i, g in enumerate(kind.gives):
+        for j, t in enumerate(kind.takes):
+            ok = g == t or (t == Layout.REPLICATE_PARTIAL_GRAD and g == Layout.REPLICATE)
+            out[i, j] = 0.0 if ok else UNREALIZABLE_S
+    return out
+
+
+def _through_rows(kind: EdgeKind, link: LinkSpec, overhead: float) -> np.ndarray:
+    """The edge out of a module of a torch.export graph: its output is handed on split by
+    rows (rows_visible) and each reader changes it to what it takes from there; an op
+    outside modules cannot change it, so it takes the rows or nothing."""
+    held = output_layout(kind.rows, kind.ranks)  # rows, or whole where they do not split
+    out = edge_matrix(list(kind.gives), [held], kind.nbytes, kind.ranks, link,
+                      backward=kind.backward, reshard_overhead_s=overhead)
+    into = edge_matrix([held], list(kind.takes), kind.nbytes, kind.ranks, link,
+                       backward=kind.backward, reshard_overhead_s=overhead,
+                       own_style=list(kind.own_style))
+    if not kind.into_module and kind.ranks > 1:
+        into = np.where(np.array([[t == held for t in kind.takes]]), into, UNREALIZABLE_S)
+    return out + into

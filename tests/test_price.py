@@ -1,0 +1,98 @@
+"""One price list (planner.price): a 1-D plan is the 3-D shape pp = 1, dp = 1, tp = N, and
+both planners price it alike, layer by layer, edge by edge and as a whole; mesh="auto"
+compares two prices that agree on the shape both can express."""
+
+import functools
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import planner
+from planner.choices import layer_choices
+from planner.ilp import solve
+from planner.plan3d import optimize_3d
+from planner.profiled import profiled_graph
+from planner.search import CostCache, Shape, build
+from planner.stages import solve_stages
+from zoo import SEQ, VOCAB, ZOO
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+import gpt  # noqa: E402
+
+# calibrated-looking fixed costs, so that the rules that add them are exercised
+OVERHEADS = {"dtensor_reshard_overhead_s": 2e-4, "dtensor_layer_overhead_s": 1e-4,
+             "step_overhead_s": 3e-3}
+
+
+@functools.lru_cache(maxsize=None)
+def _profiled(model: str, devices: str):
+    if model == "gpt":  # torch.fx
+        torch.manual_seed(0)
+        m, inputs, _ = gpt.build(8, "cpu", layers=2, width=32, heads=2, seq=16, vocab=64)
+        graph, cluster = profiled_graph(m, devices, inputs, measure=False)
+    else:  # a tiny LlamaConfig, random init, torch.export; rows 16, not SEQ: a [SEQ, ...]
+        # position table would be taken for rows (planner.price.batch_free_takes)
+        ids = torch.randint(0, VOCAB, (16, SEQ), generator=torch.Generator().manual_seed(0))
+        graph, cluster = profiled_graph(ZOO["llama"].make(), devices, (ids,),
+                                        {"use_cache": False}, measure=False)
+    return graph, cluster.model_copy(update=OVERHEADS)
+
+
+@pytest.mark.parametrize("model,devices", [("gpt", "4xcpu"), ("gpt", "2x4xcpu"),
+                                           ("llama", "2xcpu"), ("llama", "2x4xcpu")])
+def test_a_1d_plan_is_priced_as_the_3d_shape_pp1_dp1_tpN(model, devices):
+    graph, cluster = _profiled(model, devices)
+    n = cluster.num_devices
+    one = layer_choices(graph, cluster, "adam", None, levers=False)
+    three = build(CostCache(graph, cluster, "adam"), 1, 1, n, graph.batch_size)
+    tied = {node for group in graph.tied_groups() for node in group}
+    compared = 0
+    for i, (row, node, opts) in enumerate(zip(one.layers, one.problem.nodes,
+                                              three.problem.layers)):
+        assert node.name == opts.name
+        if row.layer.node in tied:  # a shared weight: each planner its own rule (ties)
+            continue
+        # the same options in the same order (one name may give several layouts)
+        assert [o.strategy for o in node.options] == list(opts.strategies), row.layer.name
+        assert [s.gives for s in row.strategies] == [s.gives for s in three.strategies[i]]
+        for j, o in enumerate(node.options):
+            assert opts.microbatch_s[j] + opts.step_s[j] == pytest.approx(o.time_s, rel=1e-12), (
+                row.layer.name, o.strategy)
+            assert opts.weight_bytes[j] + opts.activation_bytes[j] == pytest.approx(
+                o.memory_bytes, rel=1e-12), (row.layer.name, o.strategy)
+            compared += 1
+    assert compared > len(graph.layers)  # more than one option per layer on average
+    # the edges: the reshard overhead, the batch-free rule, the export rules, alike
+    assert len(one.problem.edges) == len(three.problem.edges)
+    for a, b in zip(one.problem.edges, three.problem.edges):
+        assert (a.src, a.dst) == (b.src, b.dst)
+        np.testing.assert_allclose(a.cost_s, b.cost_s, rtol=1e-12)
+    # and so the optimum: the 1-D program and the stage program of that shape agree
+    if not tied:
+        flat_best = solve(one.problem, 60).objective_s
+        staged = solve_stages(three.problem, 1, 1, "1F1B", None, 60, 1e-9)
+        assert staged.times.step_s == pytest.approx(flat_best, rel=1e-6)
+
+
+def test_auto_compares_two_prices_that_agree_on_the_shape_both_express():
+    _, cluster = _profiled("gpt", "4xcpu")
+    torch.manual_seed(0)
+    m, inputs, _ = gpt.build(8, "cpu", layers=2, width=32, heads=2, seq=16, vocab=64)
+    one = planner.optimize(m, cluster, inputs, measure=False, prefer_standard=0)
+    # no memory pressure: the 1-D levers (fsdp, recompute) cost time and are not taken, so
+    # the 1-D optimum is the optimum of its shape: pp 1, dp 1, tp 4, one microbatch
+    assert not any(l.recompute or l.strategy == "fsdp" for l in one.layers)
+    same = optimize_3d(m, cluster, inputs, measure=False, only=[Shape(1, 1, 4, 1, "1F1B")])
+    t1 = one.predicted.step_time_s
+    assert same.predicted.step_time_s == pytest.approx(t1, rel=1e-6)
+    assert same.predicted.fixed_s == one.predicted.fixed_s == OVERHEADS["step_overhead_s"]
+    # so "auto" weighs the 1-D plan against 3-D plans priced the same way
+    auto = planner.optimize(m, cluster, inputs, measure=False, prefer_standard=0, mesh="auto")
+    best3 = min(c.step_time_s for c in auto.search.best_per_shape if c.step_time_s)
+    if auto.is_mesh_3d:
+        assert auto.predicted.step_time_s == pytest.approx(best3) and best3 < 0.99 * t1
+    else:
+        assert auto.predicted.step_time_s == pytest.approx(t1) and best3 >= 0.99 * t1
