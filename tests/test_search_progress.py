@@ -13,6 +13,17 @@ from planner.plan3d import optimize_3d
 from planner.progress import listening
 
 
+@pytest.fixture(autouse=True)
+def default_sigint():
+    """Ctrl-C as a terminal delivers it to a fresh Python process: its default handler.
+    In the whole suite an earlier test (or a library it loads) left another handler in
+    place, under which a SIGINT never reached the search (the two Ctrl-C tests failed
+    there and passed alone)."""
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, before)
+
+
 def _model():
     return nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(),
                          nn.Linear(256, 64))
