@@ -165,6 +165,14 @@ def _interleaved_spans(calls: dict, device, rounds: int) -> dict:
     return spans
 
 
+def _interleaved_times(steps: dict, device, rounds: int) -> dict[str, float]:
+    """{key: seconds} of `steps` ({key: fn}) each as a training step meets it, timed in
+    turn (`_interleaved_spans`): the mean of the middle 80% of each one's calls."""
+    spans = _interleaved_spans({key: (fn, False) for key, fn in steps.items()}, device, rounds)
+    return {key: _trimmed_mean([end - start for start, end in calls])
+            for key, calls in spans.items()}
+
+
 def _call_seconds(spans_per_rank: list[list[tuple[float, float]]]) -> float:
     """What one collective costs a step, from every rank's spans of the same calls: from
     the last rank's arrival to the last rank's exit, the mean of the middle 80% over calls.
@@ -250,12 +258,10 @@ def _dtensor_overheads(rank: int, world: int, device, repeats: int) -> dict[str,
                                run_check=False)
         d.redistribute(mesh, [Replicate()]).to_local().sum().backward()
 
-    spans = _interleaved_spans({"plain": (step_of(plain, x), False),
-                                "column": (step_of(col, x), False),
-                                "row": (step_of(row, x_shard), False),
-                                "reshard": (redistribute, False)}, device, repeats)
     return {
-        **{key: _trimmed_mean([e - b for b, e in calls]) for key, calls in spans.items()},
+        **_interleaved_times({"plain": step_of(plain, x), "column": step_of(col, x),
+                              "row": step_of(row, x_shard), "reshard": redistribute},
+                             device, repeats),
         "tiny_bytes": float(x.numel() * x.element_size() * world),
         "row_bytes": float(rows * width * 4),
     }
@@ -310,9 +316,8 @@ def _step_overhead(device, repeats: int = 21) -> dict[str, float]:
     plain, step_of = _two_linears(256, device)
     ddp = DistributedDataParallel(_two_linears(256, device)[0],
                                   device_ids=None if device.type == "cpu" else [device])
-    spans = _interleaved_spans({"plain": (step_of(plain), False), "ddp": (step_of(ddp), False)},
-                               device, repeats)
-    return {**{key: _trimmed_mean([e - b for b, e in calls]) for key, calls in spans.items()},
+    return {**_interleaved_times({"plain": step_of(plain), "ddp": step_of(ddp)}, device,
+                                 repeats),
             "grad_bytes": float(sum(p.numel() * p.element_size() for p in plain.parameters()))}
 
 
@@ -333,9 +338,8 @@ def _fsdp_step(device, repeats: int = 9) -> dict[str, float]:
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     for layer in (sharded[0], sharded[2]):
         fully_shard(layer, mesh=mesh)
-    spans = _interleaved_spans({"plain": (step_of(plain), False),
-                                "fsdp": (step_of(sharded), False)}, device, repeats)
-    return {**{key: _trimmed_mean([e - b for b, e in calls]) for key, calls in spans.items()},
+    return {**_interleaved_times({"plain": step_of(plain), "fsdp": step_of(sharded)}, device,
+                                 repeats),
             "layer_bytes": float(2048 * 2049 * 4), "layers": 2.0}
 
 
