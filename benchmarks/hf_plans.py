@@ -24,6 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from scale import gpt2_xl, llama_7b  # noqa: E402
 
 import planner  # noqa: E402
+from planner.report.explain import mesh_lines  # noqa: E402
 
 CASES = {"gpt2-xl": (lambda: gpt2_xl(batch=16, seq=1024), ("8xA100-80GB", "4x8xH100")),
          "llama-7b": (lambda: llama_7b(batch=64, seq=2048), ("4x8xH100",))}
@@ -34,12 +35,8 @@ def describe(plan) -> list[str]:
     pp, dp, tp = (plan.mesh.size(d) for d in ("pp", "dp", "tp"))
     lines = [f"mesh pp {pp} x dp {dp} x tp {tp} on {plan.num_devices} devices "
              f"({plan.mesh.nodes} node(s) of {plan.mesh.devices_per_node}); {plan.mesh_choice}"]
-    if plan.is_mesh_3d:
-        groups = plan.mesh.groups["tp"]
-        lines.append(f"tp groups: {len(groups)} of {tp}, e.g. ranks {groups[0]}, over "
-                     f"{plan.mesh.group_links.get('tp')}; dp over "
-                     f"{plan.mesh.group_links.get('dp', '-')}, pp over "
-                     f"{plan.mesh.group_links.get('pp', '-')}")
+    if plan.is_mesh_3d:  # each group's ranks, node span and link, as explain() shows them
+        lines += mesh_lines(plan)[1:]
     if plan.pipeline is not None:
         p = plan.pipeline
         lines.append(f"schedule {p.schedule} (chunks {p.chunks}), {p.microbatches} "
