@@ -30,7 +30,7 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from planner.block_cuts import block_units, carries_weights, why_no_blocks
+from planner.block_cuts import block_units, carries_weights, tied_heads, why_no_blocks
 from planner import block_recompute, dp_shard
 from planner.choices import OUTPUT, LayerChoices, module_edge, module_executor_options
 from planner.handback import output_layout
@@ -42,7 +42,7 @@ from planner.stages import (
     min_memory_bytes, solve_stages,
 )
 from profiler.graph import Layer, ModelGraph
-from strategies.catalog import CostContext, candidates, weights_memory
+from strategies.catalog import CostContext, candidates, update_s, weights_memory
 from strategies.cluster import Cluster
 from strategies.collectives import all_reduce_s, send_recv_s
 from strategies.edges import edge_matrix
@@ -324,6 +324,10 @@ def build(cache: CostCache, pp: int, dp: int, tp: int, rows: int,
     options: list[LayerOptions] = []
     strategies, costs, scaled_layers, local = [], [], [], []
     sharded_all, contexts = [], []
+    # a tied head's copy of the embedding's weight on the last stage: its memory, and its
+    # gradient all-reduced with the first stage's over the pipeline's link (block_cuts)
+    tied_copy = tied_heads(graph) if pp > 1 else {}
+    tied_link = group_link(cluster, pp * dp * tp)
     for i, layer in enumerate(graph.layers):
         scaled, strats, cs, ctx = cache.layer(layer, tp, rows, computing)
         contexts.append(ctx)
@@ -354,6 +358,12 @@ def build(cache: CostCache, pp: int, dp: int, tp: int, rows: int,
                 sync = all_reduce_s(layer.param_bytes, dp * tp, sync_link)
             else:
                 sync = all_reduce_s(param_local, dp, sync_link)
+            copy_bytes = tied_copy.get(layer.node, 0) / (tp if s.model_parallel else 1)
+            if copy_bytes:  # summed over its dp group too, and stepped like the first's
+                summed = dp * tp if s.name in dp_shard.SUMMED_OVER_TP else dp
+                sync += (all_reduce_s(copy_bytes, summed, sync_link)
+                         + all_reduce_s(copy_bytes, 2, tied_link) + update_s(copy_bytes, ctx))
+                weights += weights_memory(copy_bytes, ctx)
             mb.append(per_mb)
             once.append(c.update_s + sync)
             wb.append(weights)
@@ -442,8 +452,8 @@ def search(graph: ModelGraph, cluster: Cluster, optimizer: str, budget_bytes: fl
     batch = graph.batch_size
     todo = only if only is not None else shapes(cluster.num_devices, batch, max_microbatches,
                                                 schedules)
-    if graph.tied_groups():  # a shared parameter lives in one stage: no pipeline cuts
-        todo = [s for s in todo if s.pp == 1]
+    if graph.tied_groups() and graph.tracer != "export":  # export: why_no_blocks judges ties
+        todo = [s for s in todo if s.pp == 1]  # a shared parameter lives in one stage
     if graph.tracer == "export":  # stages cut at blocks (planner.block_cuts)
         todo = [s for s in todo if (s.pp == 1 or not why_no_blocks(graph))
                 and (s.tp == 1 or tp_whole_rows(s, batch, cluster))]

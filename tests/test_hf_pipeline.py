@@ -32,7 +32,8 @@ GPT2_UNTIED = ZooModel("gpt2_untied", _seeded(_hf(
     "GPT2Config", "GPT2LMHeadModel", n_layer=2, n_embd=32, n_head=4, vocab_size=64,
     n_positions=16, bos_token_id=0, eos_token_id=0, tie_word_embeddings=False)),
     _tokens, token_loss)
-MODELS = {m.name: m for m in (LLAMA4, GPT2_UNTIED, ZOO["llama"])}
+# ZOO's GPT-2 ties its head to the token embedding: both ends of a pipeline hold a copy
+MODELS = {m.name: m for m in (LLAMA4, GPT2_UNTIED, ZOO["llama"], ZOO["gpt2"])}
 
 
 @functools.lru_cache(maxsize=None)
@@ -65,14 +66,24 @@ def _train_planned(rank, world, jobs):
     return out
 
 
+def _canonical_names(name: str) -> dict[str, str]:
+    """Every name a parameter goes by -> the one named_parameters() gives it (a tied head's
+    "lm_head.weight" -> "transformer.wte.weight")."""
+    first: dict[int, str] = {}
+    return {n: first.setdefault(id(p), n)
+            for n, p in MODELS[name].make().named_parameters(remove_duplicate=False)}
+
+
 def _assert_equal_to_one_process(name: str, plan: Plan, results: list) -> None:
     expected = reference(MODELS[name], STEPS)
+    canonical = _canonical_names(name)
     if plan.mesh.size("pp") > 1:  # each rank holds its stage's parameters only
         assert all(len(params) < len(expected) for params, _ in results)
     seen = set()
     for rank, (params, losses) in enumerate(results):
         assert losses == pytest.approx(results[0][1], rel=1e-6), f"rank {rank}"
         for key, value in params.items():
+            key = canonical[key]
             seen.add(key)
             torch.testing.assert_close(value, expected[key], rtol=1e-5, atol=1e-6,
                                        msg=lambda m: f"rank {rank}, {key}: {m}")
@@ -83,6 +94,8 @@ TWO_RANKS = {"llama_1f1b": ("llama4", Shape(2, 1, 1, 2, "1F1B")),
              # GPT-2 adds a learned position table before its blocks: the second stage
              # must not add it again (executor.hf_stages.PositionZeros)
              "gpt2_gpipe": ("gpt2_untied", Shape(2, 1, 1, 4, "GPipe")),
+             # the tied embedding on stage 0 and head on stage 1: Megatron's embedding group
+             "gpt2_tied_1f1b": ("gpt2", Shape(2, 1, 1, 2, "1F1B")),
              # two blocks in four stages: one of the embeddings alone, one of the head alone
              "llama_interleaved": ("llama", Shape(2, 1, 1, 4, "Interleaved1F1B", 2)),
              # no pipeline: data parallel with 2 microbatches accumulated, one stage
@@ -119,6 +132,20 @@ def test_gpt2_two_stages_gpipe_equal_single_process(two_rank_runs):
     plan = _check(two_rank_runs, "gpt2_gpipe")
     assert plan.pipeline.stages[0].modules[:2] == ["transformer.wte", "transformer.wpe"]
     assert plan.pipeline.stages[-1].modules[-1] == "lm_head"
+
+
+def test_gpt2_tied_embedding_and_head_on_two_stages_equal_single_process(two_rank_runs):
+    """Each end holds the tied weight; their gradients summed over the embedding group keep
+    both copies equal to the one process's single weight."""
+    plan = _check(two_rank_runs, "gpt2_tied_1f1b")
+    first, last = plan.pipeline.stages
+    assert first.modules[0] == "transformer.wte" and last.modules[-1] == "lm_head"
+    (embedding, _), (head, _) = two_rank_runs["gpt2_tied_1f1b"][1]
+    assert "lm_head.weight" not in embedding and "transformer.wte.weight" not in head
+    torch.testing.assert_close(embedding["transformer.wte.weight"], head["lm_head.weight"],
+                               rtol=0, atol=0)
+    assert not torch.equal(embedding["transformer.wte.weight"],
+                           ZOO["gpt2"].make().transformer.wte.weight)  # it trained
 
 
 def test_llama_two_chunks_per_rank_equal_single_process(two_rank_runs):
