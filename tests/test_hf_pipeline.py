@@ -5,6 +5,7 @@ process does: after 3 SGD steps every parameter equals the single-process run's.
 
 import functools
 import time
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -19,7 +20,8 @@ from planner.plan import Plan
 from planner.plan3d import plan_3d
 from planner.search import CostCache, Shape, build, group_link, search, units
 from profiler.graph import Layer, ModelGraph, TensorMeta
-from strategies.collectives import send_recv_s
+from strategies.catalog import update_s, weights_memory
+from strategies.collectives import all_reduce_s, send_recv_s
 from zoo import ZOO, ZooModel, _DECODER, _hf, _seeded, _tokens, reference, token_loss
 
 STEPS, LR = 3, 0.05
@@ -264,3 +266,34 @@ def test_a_decoder_that_changes_the_hidden_state_before_its_blocks_is_not_cut():
     why = why_no_blocks(_decoder_graph("mul"))
     assert "runs mul (mul) on the hidden state before its first block" in why
     assert block_units(_decoder_graph("mul")) is None
+
+
+def test_a_tied_embedding_and_head_may_be_cut_apart_with_the_copy_priced_on_the_last_stage():
+    """GPT-2's head reads the token embedding's weight: a pipeline puts the two on the
+    first and last stage, and the last stage pays for its copy, memory and the gradient
+    all-reduce with the first stage's once per step; a weight a block shares keeps the
+    model uncut."""
+    graph, cluster = _profiled("gpt2", 2)
+    assert graph.tied_groups() and why_no_blocks(graph) == ""
+    cache = CostCache(graph, cluster, "sgd")
+    rows = graph.batch_size // 2
+    alone, cut = (build(cache, pp, 1, 1, rows).problem for pp in (1, 2))
+    embedding = next(l for l in graph.layers if l.name == "transformer.wte")
+    head = next(i for i, l in enumerate(graph.layers) if l.name == "lm_head")
+    assert graph.layers[head].params == embedding.params
+    ctx = cache.layer(graph.layers[head], 1, rows)[3]
+    copy_bytes = embedding.param_bytes
+    assert alone.layers[head].weight_bytes[0] == 0  # one stage: the weight counted once
+    assert cut.layers[head].weight_bytes[0] == weights_memory(copy_bytes, ctx)
+    assert cut.layers[head].step_s[0] - alone.layers[head].step_s[0] == pytest.approx(
+        all_reduce_s(copy_bytes, 2, group_link(cluster, 2)) + update_s(copy_bytes, ctx))
+    entry = ZOO["gpt2"]
+    plan = planner.optimize(entry.make(), "2xcpu", entry.batch(0)[:entry.inputs],
+                            optimizer="sgd", measure=False, mesh="3d")
+    offered = [c for c in plan.search.best_per_shape if c.pp == 2]
+    assert offered and all(c.outcome != "infeasible" for c in offered)
+    tied_in_a_block = _decoder_graph("add")
+    head_layer = tied_in_a_block.layers[-1]
+    tied_in_a_block = replace(tied_in_a_block, layers=(
+        *tied_in_a_block.layers[:-1], replace(head_layer, params=("model.layers.0.mlp.weight",))))
+    assert "share a parameter inside its blocks" in why_no_blocks(tied_in_a_block)
