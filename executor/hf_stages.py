@@ -180,17 +180,24 @@ class DecoderStage(nn.Module):
         self._modules = cut.root._modules  # parameters named as the model names them
         self.first, self.last = first, last
         if not first:
-            self._check_hidden_passes(blocks, list_name)
+            types = getattr(getattr(base, "config", None), "layer_types", None)
+            self._check_hidden_passes(blocks, list_name,
+                                      model_types(model)[:1] if isinstance(types, list) else None)
 
-    def _check_hidden_passes(self, blocks, list_name: str) -> None:
-        """Refuse a model whose forward changes `inputs_embeds` before the first block."""
+    def _check_hidden_passes(self, blocks, list_name: str, probe_types=None) -> None:
+        """Refuse a model whose forward changes `inputs_embeds` before the first block.
+        `probe_types`: the per-block `layer_types` of the one block probed (a stage that
+        keeps no blocks has none of its own)."""
         base = self._base
         kept = base._modules[list_name]
         config = getattr(base, "config", None)
         count = config.num_hidden_layers if config is not None else None
+        types = getattr(config, "layer_types", None)
         base._modules[list_name] = KeptBlocks([_Catch()])
         if config is not None:
             config.num_hidden_layers = 1
+            if probe_types:
+                config.layer_types = probe_types
         weight = next(self.parameters(), None)
         hidden = getattr(getattr(self._root, "config", None), "hidden_size", None)
         probe = torch.randn(1, 2, hidden, device=weight.device if weight is not None else None)
@@ -203,6 +210,8 @@ class DecoderStage(nn.Module):
             base._modules[list_name] = kept
             if config is not None:
                 config.num_hidden_layers = count
+                if probe_types:
+                    config.layer_types = types
         if arrived is None or not torch.equal(arrived, probe):
             raise ValueError(f"pipeline: {type(self._root).__name__}'s forward changes the "
                              f"hidden state before its first block (other than an added "
@@ -216,6 +225,12 @@ class DecoderStage(nn.Module):
             return out.logits if hasattr(out, "logits") else out[0]
         out = self._base(**given, use_cache=False)
         return out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
+
+
+def model_types(model: nn.Module) -> list:
+    """The model's per-block `layer_types` (Qwen2's "full_attention", ...), or []."""
+    types = getattr(getattr(model, "config", None), "layer_types", None)
+    return list(types) if isinstance(types, list) else []
 
 
 def _checkpointed(block: nn.Module) -> nn.Module:

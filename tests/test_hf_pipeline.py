@@ -22,7 +22,9 @@ from planner.search import CostCache, Shape, build, group_link, search, units
 from profiler.graph import Layer, ModelGraph, TensorMeta
 from strategies.catalog import update_s, weights_memory
 from strategies.collectives import all_reduce_s, send_recv_s
-from zoo import ZOO, ZooModel, _DECODER, _hf, _seeded, _tokens, reference, token_loss
+from zoo import (
+    ZOO, ZooModel, _DECODER, _hf, _seeded, _tokens, canonical_names, reference, token_loss,
+)
 
 STEPS, LR = 3, 0.05
 # four blocks, so that two stages may cut anywhere between them
@@ -68,17 +70,9 @@ def _train_planned(rank, world, jobs):
     return out
 
 
-def _canonical_names(name: str) -> dict[str, str]:
-    """Every name a parameter goes by -> the one named_parameters() gives it (a tied head's
-    "lm_head.weight" -> "transformer.wte.weight")."""
-    first: dict[int, str] = {}
-    return {n: first.setdefault(id(p), n)
-            for n, p in MODELS[name].make().named_parameters(remove_duplicate=False)}
-
-
 def _assert_equal_to_one_process(name: str, plan: Plan, results: list) -> None:
     expected = reference(MODELS[name], STEPS)
-    canonical = _canonical_names(name)
+    canonical = canonical_names(MODELS[name])
     if plan.mesh.size("pp") > 1:  # each rank holds its stage's parameters only
         assert all(len(params) < len(expected) for params, _ in results)
     seen = set()
