@@ -46,10 +46,13 @@ from executor.agree import check_model
 from executor.graph_rewrite import device_of
 from executor.levers import checkpoint_module
 from executor.modules import apply_module_layouts, module_path
-from executor.pipeline import StageModel, microbatch_rows, pipeline_ranks, shard_modules, staged
+from executor.pipeline import (
+    StageModel, embedding_group, microbatch_rows, pipeline_ranks, shard_modules, staged,
+)
 from executor.precision import run_in_precision
 from executor.styles import MeanOverRanks
 from planner.plan import Plan
+from planner.stages import stage_ranks
 from profiler.blocks import decoder_blocks
 from strategies.layouts import Layout
 
@@ -177,17 +180,24 @@ class DecoderStage(nn.Module):
         self._modules = cut.root._modules  # parameters named as the model names them
         self.first, self.last = first, last
         if not first:
-            self._check_hidden_passes(blocks, list_name)
+            types = getattr(getattr(base, "config", None), "layer_types", None)
+            self._check_hidden_passes(blocks, list_name,
+                                      model_types(model)[:1] if isinstance(types, list) else None)
 
-    def _check_hidden_passes(self, blocks, list_name: str) -> None:
-        """Refuse a model whose forward changes `inputs_embeds` before the first block."""
+    def _check_hidden_passes(self, blocks, list_name: str, probe_types=None) -> None:
+        """Refuse a model whose forward changes `inputs_embeds` before the first block.
+        `probe_types`: the per-block `layer_types` of the one block probed (a stage that
+        keeps no blocks has none of its own)."""
         base = self._base
         kept = base._modules[list_name]
         config = getattr(base, "config", None)
         count = config.num_hidden_layers if config is not None else None
+        types = getattr(config, "layer_types", None)
         base._modules[list_name] = KeptBlocks([_Catch()])
         if config is not None:
             config.num_hidden_layers = 1
+            if probe_types:
+                config.layer_types = probe_types
         weight = next(self.parameters(), None)
         hidden = getattr(getattr(self._root, "config", None), "hidden_size", None)
         probe = torch.randn(1, 2, hidden, device=weight.device if weight is not None else None)
@@ -200,6 +210,8 @@ class DecoderStage(nn.Module):
             base._modules[list_name] = kept
             if config is not None:
                 config.num_hidden_layers = count
+                if probe_types:
+                    config.layer_types = types
         if arrived is None or not torch.equal(arrived, probe):
             raise ValueError(f"pipeline: {type(self._root).__name__}'s forward changes the "
                              f"hidden state before its first block (other than an added "
@@ -213,6 +225,12 @@ class DecoderStage(nn.Module):
             return out.logits if hasattr(out, "logits") else out[0]
         out = self._base(**given, use_cache=False)
         return out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
+
+
+def model_types(model: nn.Module) -> list:
+    """The model's per-block `layer_types` (Qwen2's "full_attention", ...), or []."""
+    types = getattr(getattr(model, "config", None), "layer_types", None)
+    return list(types) if isinstance(types, list) else []
 
 
 def _checkpointed(block: nn.Module) -> nn.Module:
@@ -275,8 +293,41 @@ def parallelize_decoder_3d(model: nn.Module, plan: Plan) -> StageModel:
         module = _ScaledOutput(stage, dp * tp if held == Layout.BATCH else dp) if last else stage
         run_in_precision(module, plan.training_precision, plan.mesh.device_type, last=last)
         modules.append(module)
-    return staged(modules, mine, plan, mesh, stage_index, device, stage_groups[stage_index],
-                  sharded, num_stages)
+    out = staged(modules, mine, plan, mesh, stage_index, device, stage_groups[stage_index],
+                 sharded, num_stages)
+    _tie_copies(out, model, plan, num_stages, sharded)
+    return out
+
+
+def tied_names(model: nn.Module) -> set[str]:
+    """Every name of a parameter the model holds under more than one (a tied embedding and
+    head: "transformer.wte.weight" and "lm_head.weight")."""
+    names: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), []).append(name)
+    return {n for group in names.values() if len(group) > 1 for n in group}
+
+
+def _tie_copies(stage_model: StageModel, model: nn.Module, plan: Plan, num_stages: int,
+                sharded: set[str]) -> None:
+    """Megatron-LM's tied embedding across a pipeline: the first stage's embedding and the
+    last stage's head each hold the weight (the planner allows only that tie,
+    planner.block_cuts); where they lie on two pipeline ranks, their gradients are summed
+    over the embedding group of those two ranks after the dp sums, so both copies stay
+    equal under the same optimizer step. Every rank takes part in making the groups."""
+    tied = tied_names(model)
+    if not tied or plan.pipeline is None:
+        return
+    ranks_of = stage_ranks(plan.pipeline.schedule, plan.mesh.size("pp"), plan.pipeline.chunks)
+    first, last = ranks_of[0], ranks_of[num_stages - 1]
+    if first == last:  # one rank holds both: one Parameter, its gradient already whole
+        return
+    group = embedding_group(plan, first, last)
+    copies = [p for name, p in stage_model.stage.named_parameters() if name in tied]
+    if any(name in sharded for name in tied):
+        raise ValueError(f"pipeline: the tied weight {sorted(tied)} is sharded over dp, which "
+                         f"the embedding group's all-reduce does not sum; plan it unsharded")
+    stage_model.tied_copies, stage_model.tied_group = copies, group
 
 
 def tensor_parallel(stage: DecoderStage, model: nn.Module, plan: Plan, k: int,

@@ -164,6 +164,9 @@ class StageModel(nn.Module):
         # parameters (their module's or bare ones) hold partial gradients over the stage group
         split_rows = summed_params(plan) if self.tp > 1 else set()
         self.sum_over_stage, self.sum_over_dp = [], []
+        # a tied embedding's and head's copies on the first and last pipeline ranks, and
+        # the group of those two ranks at this (dp, tp) position (executor.hf_stages)
+        self.tied_copies, self.tied_group = [], None
         for name, param in self.stage.named_parameters():
             if name in sharded:
                 continue  # FSDP2 reduce-scatters it over dp in backward
@@ -188,6 +191,12 @@ class StageModel(nn.Module):
                     p.grad = torch.zeros_like(p)
                 g = p.grad._local_tensor if isinstance(p.grad, DTensor) else p.grad
                 dist.all_reduce(g, group=group)
+        if self.tied_group is not None:  # after the dp sums: the two copies' totals added
+            for p in self.tied_copies:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                g = p.grad._local_tensor if isinstance(p.grad, DTensor) else p.grad
+                dist.all_reduce(g, group=self.tied_group)
 
 
 def parallelize_3d(model: nn.Module, plan: Plan, *, leaf_modules=()) -> StageModel:
@@ -236,6 +245,22 @@ def pipeline_ranks(plan: Plan):
     ranks_of = stage_ranks(schedule, pp, chunks)
     mine = [k for k in range(num_stages) if ranks_of[k] == stage_index]
     return mesh, stage_index, stage_groups, num_stages, mine
+
+
+def embedding_group(plan: Plan, first: int, last: int):
+    """Megatron-LM's embedding group: for each (dp, tp) position, the ranks of pipeline
+    ranks `first` and `last` there, whose copies of a tied weight sum their gradients.
+    Returns this rank's group (None where it is on neither). Every rank creates every
+    position's group, in the same order (rank = (p·dp + d)·tp + t, as pipeline_ranks)."""
+    dp, tp = plan.mesh.size("dp"), plan.mesh.size("tp")
+    mine = None
+    for d in range(dp):
+        for t in range(tp):
+            ranks = [(first * dp + d) * tp + t, (last * dp + d) * tp + t]
+            group = dist.new_group(ranks)
+            if dist.get_rank() in ranks:
+                mine = group
+    return mine
 
 
 def _device_mesh(device_type: str, pp: int, dp: int, tp: int, shard_ranks: int):

@@ -163,7 +163,7 @@ def _pipeline(model, devices, example_inputs, example_kwargs, optimizer, leaf_mo
     if why:
         raise ValueError(f"baseline: 'pipeline' cuts a model torch.export traced only between "
                          f"its transformer blocks, and {why}")
-    if graph.tied_groups():
+    if graph.tied_groups() and graph.tracer != "export":  # export: why_no_blocks judges ties
         raise ValueError(f"baseline: 'pipeline' cannot cut {graph.model_name}: layers share "
                          f"a parameter (tied weights), which must stay in one stage")
     only = [s for s in shapes(cluster.num_devices, graph.batch_size) if s.pp > 1 and s.tp == 1]

@@ -8,6 +8,13 @@ stages, and each stage recomputes what depends on the sequence alone (positions,
 causal mask, rotary tables). So the planner's units are whole blocks, plus one unit for
 everything before the first block and one for everything after the last, and a cut sends
 only values that carry weights' work (the hidden state), never the recomputed ones.
+
+A weight shared by the token embedding and the head (GPT-2 as shipped, Qwen2's small
+configs: `tie_word_embeddings`) lies on the first and the last stage at once. As
+Megatron-LM does, each of the two stages holds a copy and, after backward, the copies'
+gradients are summed by one all-reduce between the two (its "embedding group"), so both
+stay equal (executor.hf_stages); the planner prices that all-reduce and both copies'
+memory (`tied_heads`). A weight shared any other way (a block's) keeps the model uncut.
 """
 
 from __future__ import annotations
@@ -39,7 +46,50 @@ def why_no_blocks(graph: ModelGraph) -> str:
     last = len(seen) - 1 - seen[::-1].index(len(graph.blocks) - 1)
     if any(b is None for b in seen[first:last + 1]):
         return f"{graph.model_name} runs code between its blocks"
-    return _stream_resumable(graph, first)
+    return _stream_resumable(graph, first) or _why_ties_stop_cuts(graph)
+
+
+def _why_ties_stop_cuts(graph: ModelGraph) -> str:
+    """'' when every weight layers share is read only before and after the blocks (a tied
+    embedding and head: one copy on the first stage, one on the last), and its first
+    reader reads nothing else (the copy the last stage prices is that layer's weights)."""
+    unit = dict(zip((l.node for l in graph.layers), _units(graph)))
+    for group in graph.tied_groups():
+        inside = [n for n in group if unit[n] not in (BEFORE, AFTER)]
+        if inside:
+            return (f"{graph.model_name}'s layers {', '.join(group)} share a parameter "
+                    f"inside its blocks, which must stay in one stage")
+    owners = {l.node: l for l in graph.layers}
+    for node, owner in _tied_owners(graph):
+        if set(owners[owner].params) - set(owners[node].params):
+            return (f"{graph.model_name}'s {owners[owner].name} holds weights besides the one "
+                    f"it shares with {owners[node].name}, which must stay in one stage")
+    return ""
+
+
+def _tied_owners(graph: ModelGraph) -> set[tuple[str, str]]:
+    """(node after the blocks, node before them that owns a weight it reads) pairs."""
+    unit = dict(zip((l.node for l in graph.layers), _units(graph)))
+    owner_of: dict[str, str] = {}
+    for layer in graph.layers:
+        for name in layer.params:
+            owner_of.setdefault(name, layer.node)
+    return {(l.node, owner_of[name]) for l in graph.layers if unit[l.node] == AFTER
+            for name in l.params if unit[owner_of[name]] == BEFORE}
+
+
+def tied_heads(graph: ModelGraph) -> dict[str, int]:
+    """{node of a layer after the blocks (the head): bytes of the weight it shares with a
+    layer before them (the token embedding)}: with more than one stage, the last stage
+    holds a copy of that weight and all-reduces its gradient with the first stage's once
+    per step. Empty when nothing is shared so, or the graph is not cut at blocks."""
+    if graph.tracer != "export" or not graph.tied_groups() or block_units(graph) is None:
+        return {}
+    layers = {l.node: l for l in graph.layers}
+    out: dict[str, int] = {}
+    for node, owner in _tied_owners(graph):
+        out[node] = out.get(node, 0) + layers[owner].param_bytes
+    return out
 
 
 # What may touch the hidden state before the first block, so that a later stage resumes it

@@ -326,12 +326,17 @@ class Plan(_Data):
     @model_validator(mode="after")
     def _one_strategy_per_parameter(self) -> "Plan":
         """A parameter several layers read is one unit: its readers run one strategy (and,
-        in a pipeline, one stage), or its placement and gradient sync would disagree."""
+        in a pipeline, one stage), or its placement and gradient sync would disagree. A
+        torch.export plan's tied embedding and head may lie on the first and last stage,
+        each holding a copy (executor.hf_stages sums their gradients, as Megatron-LM)."""
+        ends = {0, len(self.pipeline.stages) - 1} if self.pipeline else set()
         seen: dict[str, LayerPlan] = {}
         for layer in self.layers:
             for name in layer.params:
                 first = seen.setdefault(name, layer)
-                if (first.strategy, first.stage) != (layer.strategy, layer.stage):
+                copies = self.tracer == "export" and {first.stage, layer.stage} == ends
+                if first.strategy != layer.strategy or (first.stage != layer.stage
+                                                        and not copies):
                     raise ValueError(
                         f"layers {first.name!r} ({first.strategy}, stage {first.stage}) and "
                         f"{layer.name!r} ({layer.strategy}, stage {layer.stage}) share "

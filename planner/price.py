@@ -26,16 +26,18 @@ here once:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
 from planner import dp_shard
 from planner.handback import output_layout
 from profiler.graph import Layer
-from strategies.catalog import Cost, CostContext, Strategy, memory_s, weights_memory
+from strategies.catalog import (
+    Cost, CostContext, Strategy, memory_s, update_s, weights_memory,
+)
 from strategies.cluster import Cluster
-from strategies.collectives import bucketed_all_reduce_s
+from strategies.collectives import all_reduce_s, bucketed_all_reduce_s
 from strategies.devices import LinkSpec
 from strategies.edges import edge_matrix
 from strategies.layouts import Layout
@@ -124,6 +126,25 @@ def price(layer: Layer, strategy: Strategy, ctx: CostContext, dp: int = 1,
         # DDP copies gradients into its flat buckets and back out: two passes over memory
         sync += memory_s(2 * 2 * held, ctx)
     return Price(cost, microbatch, cost.update_s + sync, weights, activations, local, sync)
+
+
+def with_tied_copy(priced: Price, strategy: Strategy, copy_bytes: float, ctx: CostContext,
+                   dp: int, pipeline_link: LinkSpec) -> Price:
+    """`priced` for a head on a pipeline's last stage that also holds a copy of the
+    `copy_bytes` weight it shares with the first stage's token embedding (Megatron's
+    embedding group, planner.block_cuts.tied_heads): the copy's weights and optimizer state,
+    its gradient synced over the replicas like the head's own, then all-reduced once with
+    the first stage's copy, and its optimizer step."""
+    tp = ctx.ranks
+    base = split_name(strategy.name)[0]
+    local = copy_bytes / tp if strategy.model_parallel else copy_bytes
+    replicas = dp * tp if base in dp_shard.SUMMED_OVER_TP else dp
+    reduce_bytes = ctx.precision.reduce_bytes(local)
+    sync = bucketed_all_reduce_s(reduce_bytes, replicas, group_link(ctx.cluster, dp * tp))
+    sync += all_reduce_s(reduce_bytes, 2, pipeline_link)  # one blocking call (executor)
+    return replace(priced, step_s=priced.step_s + sync + update_s(local, ctx),
+                   weight_bytes=priced.weight_bytes + weights_memory(local, ctx),
+                   sync_s=priced.sync_s + sync)
 
 
 # --- edges -------------------------------------------------------------------------------

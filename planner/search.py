@@ -30,11 +30,12 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from planner.block_cuts import block_units, carries_weights, why_no_blocks
+from planner.block_cuts import block_units, carries_weights, tied_heads, why_no_blocks
 from planner import block_recompute, dp_shard
 from planner.choices import OUTPUT, module_executor_options
 from planner.price import (
     EdgeKind, Price, edge_cost, edge_kind, group_link, output_kind, price, tp_context,
+    with_tied_copy,
 )
 from planner.problem import Edge
 from planner.progress import Progress, report
@@ -316,6 +317,10 @@ def build(cache: CostCache, pp: int, dp: int, tp: int, rows: int,
     options: list[LayerOptions] = []
     strategies, costs, scaled_layers, local = [], [], [], []
     sharded_all = []
+    # a tied head's copy of the embedding's weight on the last stage: its memory, and its
+    # gradient all-reduced with the first stage's over the pipeline's link (block_cuts)
+    tied_copy = tied_heads(graph) if pp > 1 else {}
+    tied_link = group_link(cluster, pp * dp * tp)
     for i, layer in enumerate(graph.layers):
         entry = cache.layer(layer, tp, rows, computing)
         scaled, strats = entry.layer, entry.strategies
@@ -329,6 +334,9 @@ def build(cache: CostCache, pp: int, dp: int, tp: int, rows: int,
             keep = [j for j, n in enumerate(names) if n == pin[layer.name]]
             variants, names = [variants[j] for j in keep], [names[j] for j in keep]
         prices = [cache.price(entry, s, dp, sh) for s, sh in variants]  # planner.price
+        if layer.node in tied_copy:
+            prices = [with_tied_copy(p, s, tied_copy[layer.node], entry.ctx, dp, tied_link)
+                      for p, (s, _) in zip(prices, variants)]
         mb = [p.microbatch_s for p in prices]
         once = [p.step_s for p in prices]
         wb = [p.weight_bytes for p in prices]
@@ -411,8 +419,8 @@ def search(graph: ModelGraph, cluster: Cluster, optimizer: str, budget_bytes: fl
     batch = graph.batch_size
     todo = only if only is not None else shapes(cluster.num_devices, batch, max_microbatches,
                                                 schedules)
-    if graph.tied_groups():  # a shared parameter lives in one stage: no pipeline cuts
-        todo = [s for s in todo if s.pp == 1]
+    if graph.tied_groups() and graph.tracer != "export":  # export: why_no_blocks judges ties
+        todo = [s for s in todo if s.pp == 1]  # a shared parameter lives in one stage
     if graph.tracer == "export":  # stages cut at blocks (planner.block_cuts)
         todo = [s for s in todo if (s.pp == 1 or not why_no_blocks(graph))
                 and (s.tp == 1 or tp_whole_rows(s, batch, cluster))]

@@ -5,6 +5,7 @@ process does: after 3 SGD steps every parameter equals the single-process run's.
 
 import functools
 import time
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -19,8 +20,11 @@ from planner.plan import Plan
 from planner.plan3d import plan_3d
 from planner.search import CostCache, Shape, build, group_link, search, units
 from profiler.graph import Layer, ModelGraph, TensorMeta
-from strategies.collectives import send_recv_s
-from zoo import ZOO, ZooModel, _DECODER, _hf, _seeded, _tokens, reference, token_loss
+from strategies.catalog import update_s, weights_memory
+from strategies.collectives import all_reduce_s, send_recv_s
+from zoo import (
+    ZOO, ZooModel, _DECODER, _hf, _seeded, _tokens, canonical_names, reference, token_loss,
+)
 
 STEPS, LR = 3, 0.05
 # four blocks, so that two stages may cut anywhere between them
@@ -32,7 +36,8 @@ GPT2_UNTIED = ZooModel("gpt2_untied", _seeded(_hf(
     "GPT2Config", "GPT2LMHeadModel", n_layer=2, n_embd=32, n_head=4, vocab_size=64,
     n_positions=16, bos_token_id=0, eos_token_id=0, tie_word_embeddings=False)),
     _tokens, token_loss)
-MODELS = {m.name: m for m in (LLAMA4, GPT2_UNTIED, ZOO["llama"])}
+# ZOO's GPT-2 ties its head to the token embedding: both ends of a pipeline hold a copy
+MODELS = {m.name: m for m in (LLAMA4, GPT2_UNTIED, ZOO["llama"], ZOO["gpt2"])}
 
 
 @functools.lru_cache(maxsize=None)
@@ -67,12 +72,14 @@ def _train_planned(rank, world, jobs):
 
 def _assert_equal_to_one_process(name: str, plan: Plan, results: list) -> None:
     expected = reference(MODELS[name], STEPS)
+    canonical = canonical_names(MODELS[name])
     if plan.mesh.size("pp") > 1:  # each rank holds its stage's parameters only
         assert all(len(params) < len(expected) for params, _ in results)
     seen = set()
     for rank, (params, losses) in enumerate(results):
         assert losses == pytest.approx(results[0][1], rel=1e-6), f"rank {rank}"
         for key, value in params.items():
+            key = canonical[key]
             seen.add(key)
             torch.testing.assert_close(value, expected[key], rtol=1e-5, atol=1e-6,
                                        msg=lambda m: f"rank {rank}, {key}: {m}")
@@ -83,6 +90,8 @@ TWO_RANKS = {"llama_1f1b": ("llama4", Shape(2, 1, 1, 2, "1F1B")),
              # GPT-2 adds a learned position table before its blocks: the second stage
              # must not add it again (executor.hf_stages.PositionZeros)
              "gpt2_gpipe": ("gpt2_untied", Shape(2, 1, 1, 4, "GPipe")),
+             # the tied embedding on stage 0 and head on stage 1: Megatron's embedding group
+             "gpt2_tied_1f1b": ("gpt2", Shape(2, 1, 1, 2, "1F1B")),
              # two blocks in four stages: one of the embeddings alone, one of the head alone
              "llama_interleaved": ("llama", Shape(2, 1, 1, 4, "Interleaved1F1B", 2)),
              # no pipeline: data parallel with 2 microbatches accumulated, one stage
@@ -119,6 +128,20 @@ def test_gpt2_two_stages_gpipe_equal_single_process(two_rank_runs):
     plan = _check(two_rank_runs, "gpt2_gpipe")
     assert plan.pipeline.stages[0].modules[:2] == ["transformer.wte", "transformer.wpe"]
     assert plan.pipeline.stages[-1].modules[-1] == "lm_head"
+
+
+def test_gpt2_tied_embedding_and_head_on_two_stages_equal_single_process(two_rank_runs):
+    """Each end holds the tied weight; their gradients summed over the embedding group keep
+    both copies equal to the one process's single weight."""
+    plan = _check(two_rank_runs, "gpt2_tied_1f1b")
+    first, last = plan.pipeline.stages
+    assert first.modules[0] == "transformer.wte" and last.modules[-1] == "lm_head"
+    (embedding, _), (head, _) = two_rank_runs["gpt2_tied_1f1b"][1]
+    assert "lm_head.weight" not in embedding and "transformer.wte.weight" not in head
+    torch.testing.assert_close(embedding["transformer.wte.weight"], head["lm_head.weight"],
+                               rtol=0, atol=0)
+    assert not torch.equal(embedding["transformer.wte.weight"],
+                           ZOO["gpt2"].make().transformer.wte.weight)  # it trained
 
 
 def test_llama_two_chunks_per_rank_equal_single_process(two_rank_runs):
@@ -237,3 +260,34 @@ def test_a_decoder_that_changes_the_hidden_state_before_its_blocks_is_not_cut():
     why = why_no_blocks(_decoder_graph("mul"))
     assert "runs mul (mul) on the hidden state before its first block" in why
     assert block_units(_decoder_graph("mul")) is None
+
+
+def test_a_tied_embedding_and_head_may_be_cut_apart_with_the_copy_priced_on_the_last_stage():
+    """GPT-2's head reads the token embedding's weight: a pipeline puts the two on the
+    first and last stage, and the last stage pays for its copy, memory and the gradient
+    all-reduce with the first stage's once per step; a weight a block shares keeps the
+    model uncut."""
+    graph, cluster = _profiled("gpt2", 2)
+    assert graph.tied_groups() and why_no_blocks(graph) == ""
+    cache = CostCache(graph, cluster, "sgd")
+    rows = graph.batch_size // 2
+    alone, cut = (build(cache, pp, 1, 1, rows).problem for pp in (1, 2))
+    embedding = next(l for l in graph.layers if l.name == "transformer.wte")
+    head = next(i for i, l in enumerate(graph.layers) if l.name == "lm_head")
+    assert graph.layers[head].params == embedding.params
+    ctx = cache.layer(graph.layers[head], 1, rows).ctx
+    copy_bytes = embedding.param_bytes
+    assert alone.layers[head].weight_bytes[0] == 0  # one stage: the weight counted once
+    assert cut.layers[head].weight_bytes[0] == weights_memory(copy_bytes, ctx)
+    assert cut.layers[head].step_s[0] - alone.layers[head].step_s[0] == pytest.approx(
+        all_reduce_s(copy_bytes, 2, group_link(cluster, 2)) + update_s(copy_bytes, ctx))
+    entry = ZOO["gpt2"]
+    plan = planner.optimize(entry.make(), "2xcpu", entry.batch(0)[:entry.inputs],
+                            optimizer="sgd", measure=False, mesh="3d")
+    offered = [c for c in plan.search.best_per_shape if c.pp == 2]
+    assert offered and all(c.outcome != "infeasible" for c in offered)
+    tied_in_a_block = _decoder_graph("add")
+    head_layer = tied_in_a_block.layers[-1]
+    tied_in_a_block = replace(tied_in_a_block, layers=(
+        *tied_in_a_block.layers[:-1], replace(head_layer, params=("model.layers.0.mlp.weight",))))
+    assert "share a parameter inside its blocks" in why_no_blocks(tied_in_a_block)

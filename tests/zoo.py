@@ -179,3 +179,12 @@ def reference(entry: ZooModel, steps: int = 3) -> dict[str, torch.Tensor]:
     """Parameters after `steps` steps in one process on the whole batch."""
     model = train(entry.make(), entry, single_process_step, steps)
     return {k: v.detach().clone() for k, v in model.named_parameters()}
+
+
+def canonical_names(entry: ZooModel) -> dict[str, str]:
+    """Every name a parameter of the model goes by -> the one `reference` keys it by: a
+    pipeline's last stage names a tied head's copy "lm_head.weight", the model
+    "transformer.wte.weight"."""
+    first: dict[int, str] = {}
+    return {n: first.setdefault(id(p), n)
+            for n, p in entry.make().named_parameters(remove_duplicate=False)}
