@@ -224,7 +224,10 @@ class DecoderStage(nn.Module):
             out = self._root(**given, use_cache=False)
             return out.logits if hasattr(out, "logits") else out[0]
         out = self._base(**given, use_cache=False)
-        return out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
+        hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
+        # GPT-2 hands back `hidden.view(shape)`; a zero-bubble schedule frees a stage's
+        # output graph with an in-place detach_(), which a view refuses
+        return hidden.clone() if hidden._is_view() else hidden
 
 
 def model_types(model: nn.Module) -> list:

@@ -135,14 +135,21 @@ def _step_3d(model, plan: Plan, batch, loss_fn, scaler=None) -> float:
 
             name = plan.pipeline.schedule
             stages = model._pipeline_stages
+            # the mean over microbatches taken here, once per parameter: the schedule's
+            # own scale_grads divides per stage, twice for a weight two of a rank's
+            # stages share (a tied embedding and head at the two ends of a V)
             schedule = SCHEDULE_CLASSES[name](
                 stages if name in MULTI_STAGE else stages[0], n_microbatches=m,
-                loss_fn=pipeline_loss)
+                loss_fn=pipeline_loss, scale_grads=False)
             model._schedule = schedule
         if len(targets) > 1:
             raise ValueError("batch: a pipelined plan takes one target tensor")
         kwargs = {"target": targets[0], "losses": losses} if model.has_last else {}
         schedule.step(*(inputs if model.has_first else ()), **kwargs)
+        for p in {id(p): p for s in model._pipeline_stages
+                  for p in s.submod.parameters()}.values():
+            if p.grad is not None:
+                p.grad.div_(m)
     model.sync_gradients()
 
     total = torch.zeros((), device=model.device)

@@ -92,6 +92,9 @@ TWO_RANKS = {"llama_1f1b": ("llama4", Shape(2, 1, 1, 2, "1F1B")),
              "gpt2_gpipe": ("gpt2_untied", Shape(2, 1, 1, 4, "GPipe")),
              # the tied embedding on stage 0 and head on stage 1: Megatron's embedding group
              "gpt2_tied_1f1b": ("gpt2", Shape(2, 1, 1, 2, "1F1B")),
+             # zero bubble: GPT-2's stages hand back a view, which the schedule detaches in
+             # place; the V puts the embedding and the head on rank 0, one weight there
+             "gpt2_tied_zbv": ("gpt2", Shape(2, 1, 1, 4, "ZBVZeroBubble", 2)),
              # two blocks in four stages: one of the embeddings alone, one of the head alone
              "llama_interleaved": ("llama", Shape(2, 1, 1, 4, "Interleaved1F1B", 2)),
              # no pipeline: data parallel with 2 microbatches accumulated, one stage
@@ -142,6 +145,11 @@ def test_gpt2_tied_embedding_and_head_on_two_stages_equal_single_process(two_ran
                                rtol=0, atol=0)
     assert not torch.equal(embedding["transformer.wte.weight"],
                            ZOO["gpt2"].make().transformer.wte.weight)  # it trained
+
+
+def test_gpt2_tied_zero_bubble_v_equals_single_process(two_rank_runs):
+    plan = _check(two_rank_runs, "gpt2_tied_zbv")
+    assert [s.pipeline_rank for s in plan.pipeline.stages] == [0, 1, 1, 0]
 
 
 def test_llama_two_chunks_per_rank_equal_single_process(two_rank_runs):
