@@ -39,7 +39,7 @@ from dataclasses import dataclass
 
 from profiler.graph import Layer
 from strategies.catalog import CostContext, update_s, weights_memory
-from strategies.collectives import all_gather_s, all_reduce_s, reduce_scatter_s
+from strategies.collectives import all_reduce_s, fsdp_layer_s
 from strategies.devices import LinkSpec
 
 SUFFIX = "+fsdp"
@@ -99,8 +99,8 @@ def price(param_local_bytes: float, base_microbatch_s: float, dp: int, link: Lin
     """The sharded variant of an option whose tp shard holds `param_local_bytes` of
     weights and costs `base_microbatch_s` per microbatch, over a dp group on `link`."""
     precision = ctx.precision
-    gather = 2 * all_gather_s(precision.gather_bytes(param_local_bytes), dp, link)
-    scatter = reduce_scatter_s(precision.reduce_bytes(param_local_bytes), dp, link)
+    gather, scatter = fsdp_layer_s(precision.gather_bytes(param_local_bytes),
+                                   precision.reduce_bytes(param_local_bytes), dp, link)
     copies = ctx.cluster.fsdp_overhead_s_per_byte * param_local_bytes
     shard = param_local_bytes / dp
     return ShardedPrice(microbatch_s=base_microbatch_s + gather + scatter + copies,
@@ -117,8 +117,8 @@ def price_hsdp(param_local_bytes: float, base_microbatch_s: float, dp: int, tp: 
     cluster, precision = ctx.cluster, ctx.precision
     replicas, shard_ranks = hsdp_split(dp, tp, cluster.devices_per_node)
     inside, across = cluster.intra_node, cluster.inter_node
-    gather = 2 * all_gather_s(precision.gather_bytes(param_local_bytes), shard_ranks, inside)
-    scatter = reduce_scatter_s(precision.reduce_bytes(param_local_bytes), shard_ranks, inside)
+    gather, scatter = fsdp_layer_s(precision.gather_bytes(param_local_bytes),
+                                   precision.reduce_bytes(param_local_bytes), shard_ranks, inside)
     copies = cluster.fsdp_overhead_s_per_byte * param_local_bytes
     shard = param_local_bytes / shard_ranks
     sync = all_reduce_s(precision.reduce_bytes(shard), replicas, across)

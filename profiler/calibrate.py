@@ -285,14 +285,15 @@ def contention_ops(device: torch.device, repeats: int = 15) -> dict[str, float]:
             "memory": median_time(lambda: dst.copy_(src), repeats, budget_s=0.0)}
 
 
-def _two_linears(width: int, device):
-    """(two `width`-wide Linears with a ReLU between, step_of(model)): the small training
-    step the fixed-cost measurements run plainly and wrapped (DDP, FSDP2); step_of gives
-    one SGD step of the model it is handed on 16 rows."""
+def _linears(width: int, layers: int, device):
+    """(`layers` `width`-wide Linears with ReLUs between, step_of(model)): the small
+    training step the fixed-cost measurements run plainly and wrapped (DDP, FSDP2);
+    step_of gives one SGD step of the model it is handed on 16 rows."""
     from torch import nn
 
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(width, width), nn.ReLU(), nn.Linear(width, width)).to(device)
+    stack = [m for _ in range(layers) for m in (nn.Linear(width, width), nn.ReLU())][:-1]
+    model = nn.Sequential(*stack).to(device)
     x = torch.randn(16, width, device=device)
 
     def step_of(wrapped):
@@ -313,34 +314,46 @@ def _step_overhead(device, repeats: int = 21) -> dict[str, float]:
     the ranks waiting on each other)."""
     from torch.nn.parallel import DistributedDataParallel
 
-    plain, step_of = _two_linears(256, device)
-    ddp = DistributedDataParallel(_two_linears(256, device)[0],
+    plain, step_of = _linears(256, 2, device)
+    ddp = DistributedDataParallel(_linears(256, 2, device)[0],
                                   device_ids=None if device.type == "cpu" else [device])
     return {**_interleaved_times({"plain": step_of(plain), "ddp": step_of(ddp)}, device,
                                  repeats),
             "grad_bytes": float(sum(p.numel() * p.element_size() for p in plain.parameters()))}
 
 
-def _fsdp_step(device, repeats: int = 9) -> dict[str, float]:
-    """A step of two 2048-wide Linears (32 MB of weights, past the shared cache on two
-    processes, as the layers FSDP is for are) run plainly and under FSDP2 `fully_shard`
-    per layer: their difference, less the all-gathers and reduce-scatters FSDP issues
-    (subtracted by the caller with the fitted link), is what FSDP2 costs per byte of
-    weights beyond its collectives: copying shards into and out of its flat buffers, and
-    on gloo its reduce-scatter's concatenation. Measured here: about nothing at these
-    16 MB layers; at 64 MB layers FSDP steps ran 2.7 ms per MB over, most of it in the
-    collectives themselves past the shared cache (see SIZES), which this does not catch."""
+# FSDP2 steps of `layers` Linears `width` wide: sizes on both sides of the shared cache
+# (past it gloo streams from memory), smaller ones where the per-layer fixed cost shows
+FSDP_LAYERS = ((128, 8), (512, 4), (1024, 2), (2048, 2), (3072, 2), (3584, 2), (4096, 2))
+
+
+def _fsdp_layers(device, repeats: int = 9) -> dict[int, tuple[int, float, float, float]]:
+    """{width: (layers, bytes of one layer's weights, plain step s, FSDP2 step s)}: a step
+    of `layers` Linears run plainly and under FSDP2 `fully_shard` per layer, timed in turn.
+    Their difference per layer is what FSDP2 costs a layer end to end (two all-gathers, a
+    reduce-scatter, the copies into and out of its flat buffers, its hooks), which the
+    caller fits like a collective ("fsdp_layer"). Composed from the collectives measured
+    alone, it came out 1.6x too high for 64 KB layers (the fixed cost of three calls in a
+    step) and 2.4x too high or 0.7x too low for 64 MB ones (a lone 64 MB all-gather
+    ranged 63-179 ms between calibrations; FSDP2's whole layer took 155 ms)."""
+    from torch import nn
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    plain, step_of = _two_linears(2048, device)
-    sharded = _two_linears(2048, device)[0]
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
-    for layer in (sharded[0], sharded[2]):
-        fully_shard(layer, mesh=mesh)
-    return {**_interleaved_times({"plain": step_of(plain), "fsdp": step_of(sharded)}, device,
-                                 repeats),
-            "layer_bytes": float(2048 * 2049 * 4), "layers": 2.0}
+    out = {}
+    for width, layers in FSDP_LAYERS:
+        plain, step_of = _linears(width, layers, device)
+        sharded = _linears(width, layers, device)[0]
+        for module in sharded:
+            if isinstance(module, nn.Linear):
+                fully_shard(module, mesh=mesh)
+        rounds = repeats if width <= 1024 else max(5, repeats // 2)  # 0.1-0.6 s a step
+        t = _interleaved_times({"plain": step_of(plain), "fsdp": step_of(sharded)}, device,
+                               rounds)
+        out[width] = (layers, float(width * (width + 1) * 4), t["plain"], t["fsdp"])
+        del plain, sharded
+    return out
 
 
 def _contention(rank: int, device, quiet_wait_s: float, trials: int = 5,
@@ -423,7 +436,7 @@ def _rank_measure(rank: int, world: int, sizes, repeats: int, quiet_wait_s: floa
     return {"spans": spans,
             "dtensor": _dtensor_overheads(rank, world, device, 31),
             "contention": together, "step": _step_overhead(device, 21),
-            "fsdp": _fsdp_step(device, 9)}
+            "fsdp": _fsdp_layers(device, 9 if quick else 15)}
 
 
 # --- compute ---------------------------------------------------------------------------------

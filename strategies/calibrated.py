@@ -32,7 +32,7 @@ from profiler.launch import wait_for_quiet
 from profiler.machine import cpu_model
 from strategies.cluster import Cluster, cpu_threads_per_device, time_sharing_slowdown
 from strategies.collectives import (
-    COEFFICIENTS, all_gather_s, all_reduce_s, collective_time_s, reduce_scatter_s,
+    COEFFICIENTS, all_gather_s, all_reduce_s, collective_time_s,
 )
 from strategies.devices import (
     CPU_LINK, CollectiveFit, DeviceSpec, LinkSpec, Regime, shared_cache_bytes,
@@ -294,12 +294,13 @@ def calibrate(processes=(2, 4), quick: bool = False, repeats: int | None = None,
         f"{device.memory_bandwidth_bytes_per_s / 1e9:.1f} GB/s")
 
     links, layer_overhead, reshard_overhead, all_samples = {}, {}, {}, []
-    compute_slowdown, memory_slowdown, step_overhead, fsdp_overhead = {}, {}, {}, {}
+    compute_slowdown, memory_slowdown, step_overhead = {}, {}, {}
     for world in (p for p in processes if p >= 2):
         log(f"collectives on {world} {backend} ranks: {', '.join(MEASURED)}, "
             f"{len(sizes)} sizes x {repeats} repeats")
         samples, per_rank = measure_collectives(world, sizes, repeats, quiet_wait_s, quick,
                                                 backend, threads)
+        samples += fsdp_layer_samples(per_rank, world)
         all_samples += samples
         # on CPU the regimes change where the processes' data spills the shared cache
         link = fit_link(samples, f"{backend} ({world} processes)",
@@ -318,9 +319,6 @@ def calibrate(processes=(2, 4), quick: bool = False, repeats: int | None = None,
             table[world] = max(1.0, per_rank[0]["contention"][key])
         step_overhead[world] = _fixed_step(per_rank, world, link)
         log(f"  a distributed step's fixed cost: {step_overhead[world] * 1e3:.2f} ms")
-        fsdp_overhead[world] = _fsdp_per_byte(per_rank, world, link)
-        log(f"  FSDP2 beyond its collectives: {fsdp_overhead[world] * 1e9:.2f} ms per MB "
-            f"of sharded weights")
         log(f"  all {world} at once: compute {compute_slowdown[world]:.2f}x, memory "
             f"{memory_slowdown[world]:.2f}x slower than one process alone")
         log(f"  DTensor: {layer_overhead[world] * 1e3:.2f} ms per parallel layer, "
@@ -332,7 +330,7 @@ def calibrate(processes=(2, 4), quick: bool = False, repeats: int | None = None,
         seconds=round(time.perf_counter() - started, 1), device=device, links=links,
         dtensor_layer_overhead_s=layer_overhead, dtensor_reshard_overhead_s=reshard_overhead,
         compute_slowdown=compute_slowdown, memory_slowdown=memory_slowdown,
-        step_overhead_s=step_overhead, fsdp_overhead_s_per_byte=fsdp_overhead,
+        step_overhead_s=step_overhead,
         samples=all_samples)
 
 
@@ -348,14 +346,17 @@ def _overheads(per_rank: list[dict], world: int, link: LinkSpec) -> tuple[float,
     return max(0.0, (column + row) / 2), max(0.0, reshard)
 
 
-def _fsdp_per_byte(per_rank: list[dict], world: int, link: LinkSpec) -> float:
-    """FSDP2's seconds per byte of weights beyond its collectives (two all-gathers and a
-    reduce-scatter per layer, priced by the fitted link) and the plain step."""
-    d = {k: max(r["fsdp"][k] for r in per_rank) for k in per_rank[0]["fsdp"]}
-    p = d["layer_bytes"]
-    collectives = d["layers"] * (2 * all_gather_s(p, world, link)
-                                 + reduce_scatter_s(p, world, link))
-    return max(0.0, d["fsdp"] - d["plain"] - collectives) / (d["layers"] * p)
+def fsdp_layer_samples(per_rank: list[dict], world: int) -> list[Sample]:
+    """The "fsdp_layer" samples: per layer, an FSDP2 step less the plain one (the slowest
+    rank's), which strategies.collectives.fsdp_layer_s prices FSDP layers by; its fit
+    already holds the flat-buffer copies, so fsdp_overhead_s_per_byte stays 0."""
+    out = []
+    for width, (layers, nbytes, _, _) in per_rank[0]["fsdp"].items():
+        plain = max(r["fsdp"][width][2] for r in per_rank)
+        sharded = max(r["fsdp"][width][3] for r in per_rank)
+        out.append(Sample(collective="fsdp_layer", ranks=world, nbytes=int(nbytes),
+                          seconds=max(1e-6, (sharded - plain) / layers)))
+    return out
 
 
 def _fixed_step(per_rank: list[dict], world: int, link: LinkSpec) -> float:

@@ -38,6 +38,9 @@ COEFFICIENTS: dict[str, Callable[[int], tuple[float, float]]] = {
     "send_recv": lambda p: (1, 1),
 }
 COEFFICIENTS["bucket_all_reduce"] = COEFFICIENTS["all_reduce"]
+# one layer under FSDP2 for one step of one microbatch, measured end to end by `hyplan
+# calibrate` (fsdp_layer_s): two all-gathers and a reduce-scatter of its weights' bytes
+COEFFICIENTS["fsdp_layer"] = lambda p: (3 * (p - 1), 3 * (p - 1) / p)
 
 
 def collective_time_s(name: str, n: float, ranks: int, link: LinkSpec) -> float:
@@ -86,6 +89,21 @@ def all_gather_s(n: float, ranks: int, link: LinkSpec) -> float:
 
 def reduce_scatter_s(n: float, ranks: int, link: LinkSpec) -> float:
     return collective_time_s("reduce_scatter", n, ranks, link)
+
+
+def fsdp_layer_s(gather_bytes: float, reduce_bytes: float, ranks: int,
+                 link: LinkSpec) -> tuple[float, float]:
+    """(the two all-gathers, the reduce-scatter) FSDP2 costs one layer per microbatch:
+    weights gathered in forward and again in backward, gradients reduce-scattered. Where
+    `hyplan calibrate` timed whole FSDP2 layers on this link ("fsdp_layer": collectives,
+    flat-buffer copies and hooks together), that fit prices them, shared between the two
+    parts as the three collectives' own prices are; else the collectives alone."""
+    gathers = 2 * all_gather_s(gather_bytes, ranks, link)
+    scatter = reduce_scatter_s(reduce_bytes, ranks, link)
+    if "fsdp_layer" not in link.collectives or ranks <= 1 or gathers + scatter <= 0:
+        return gathers, scatter
+    whole = collective_time_s("fsdp_layer", (2 * gather_bytes + reduce_bytes) / 3, ranks, link)
+    return whole * gathers / (gathers + scatter), whole * scatter / (gathers + scatter)
 
 
 def all_to_all_s(n: float, ranks: int, link: LinkSpec) -> float:

@@ -30,7 +30,7 @@ from profiler.graph import Layer
 from strategies.catalog import (
     Cost, CostContext, DataParallel, Strategy, compute_s, update_s, weights_memory,
 )
-from strategies.collectives import all_gather_s, all_reduce_s, collective_bytes, reduce_scatter_s
+from strategies.collectives import all_reduce_s, collective_bytes, fsdp_layer_s
 from strategies.layouts import Layout
 
 RECOMPUTE_SUFFIX = "+recompute"
@@ -50,20 +50,20 @@ class ShardedDataParallel(DataParallel):
     def cost(self, layer, ctx):
         p, precision = layer.param_bytes, ctx.precision
         # weights gathered in the param dtype, gradients reduced in the reduce dtype
-        gather = all_gather_s(precision.gather_bytes(p), ctx.ranks, ctx.link)
-        scatter = reduce_scatter_s(precision.reduce_bytes(p), ctx.ranks, ctx.link)
-        copies = ctx.cluster.fsdp_overhead_s_per_byte * p  # flat-buffer copies (calibrated)
+        gathers, scatter = fsdp_layer_s(precision.gather_bytes(p), precision.reduce_bytes(p),
+                                        ctx.ranks, ctx.link)
+        copies = ctx.cluster.fsdp_overhead_s_per_byte * p  # flat-buffer copies (old profiles)
         sent = (2 * collective_bytes("all_gather", precision.gather_bytes(p), ctx.ranks)
                 + collective_bytes("reduce_scatter", precision.reduce_bytes(p), ctx.ranks))
         local = p / ctx.ranks
         memory = weights_memory(local, ctx, sharded=True) + layer.output.nbytes / ctx.ranks
-        return Cost(compute_s(layer, 1 / ctx.ranks, ctx), 2 * gather + scatter + copies,
+        return Cost(compute_s(layer, 1 / ctx.ranks, ctx), gathers + scatter + copies,
                     memory, update_s(local, ctx),
-                    {"param_all_gather_s": 2 * gather, "gradient_reduce_scatter_s": scatter,
+                    {"param_all_gather_s": gathers, "gradient_reduce_scatter_s": scatter,
                      "buffer_copies_s": copies, "communication_bytes": sent,
                      "saved_bytes": weights_memory(p, ctx)
                      - weights_memory(local, ctx, sharded=True),
-                     "lever_s": 2 * gather + scatter + copies
+                     "lever_s": gathers + scatter + copies
                      - all_reduce_s(precision.reduce_bytes(p), ctx.ranks, ctx.link)})
 
 

@@ -134,3 +134,35 @@ def test_ddp_gradient_sync_is_priced_with_the_bucket_all_reduce_fit():
                   module_type=nn.Linear, param_bytes=int(grads), param_count=int(grads) // 4)
     cost = DataParallel().cost(layer, ctx)
     assert cost.notes["gradient_all_reduce_s"] == pytest.approx(2 * 0.2e-3 + grads / 1e9)
+
+
+def test_fsdp_layers_are_priced_by_their_whole_measured_cost_where_calibrated():
+    # FSDP2 timed end to end per layer ("fsdp_layer": two all-gathers, a reduce-scatter,
+    # copies, hooks) prices an FSDP layer; the parts keep the collectives' proportions
+    from torch import nn
+
+    from profiler.graph import Layer, TensorMeta
+    from strategies.catalog import CostContext
+    from strategies.collectives import all_gather_s, fsdp_layer_s, reduce_scatter_s
+    from strategies.devices import CollectiveFit
+    from strategies.memory import ShardedDataParallel
+
+    alone = {"all_gather": CollectiveFit(latency_s=2e-3, bandwidth_bytes_per_s=1e9),
+             "reduce_scatter": CollectiveFit(latency_s=3e-3, bandwidth_bytes_per_s=2e9)}
+    composed = LinkSpec(name="gloo", bandwidth_bytes_per_s=1e9, latency_s=2e-3,
+                        collectives=alone)
+    measured = composed.model_copy(update={"collectives": {
+        **alone, "fsdp_layer": CollectiveFit(latency_s=1e-3, bandwidth_bytes_per_s=5e8)}})
+    n = float(2**22)
+    gathers, scatter = fsdp_layer_s(n, n, 2, composed)
+    assert (gathers, scatter) == (2 * all_gather_s(n, 2, composed), reduce_scatter_s(n, 2, composed))
+    g, s = fsdp_layer_s(n, n, 2, measured)
+    # a(2), b(2) = 3, 1.5 over the mean of the three collectives' bytes
+    assert g + s == pytest.approx(3 * 1e-3 + 1.5 * n / 5e8)
+    assert g / s == pytest.approx(gathers / scatter)
+    layer = Layer(name="fc", node="fc", op="call_module", kind="Linear", inputs=(),
+                  output=TensorMeta(shape=(8, 16), dtype="float32", nbytes=512),
+                  module_type=nn.Linear, param_bytes=int(n), param_count=int(n) // 4)
+    ctx = CostContext(cluster=_cpu_cluster(measured), ranks=2, batch=8)
+    cost = ShardedDataParallel().cost(layer, ctx)
+    assert cost.communication_s == pytest.approx(g + s)
