@@ -324,7 +324,7 @@ def _step_overhead(device, repeats: int = 21) -> dict[str, float]:
 
 # FSDP2 steps of `layers` Linears `width` wide: sizes on both sides of the shared cache
 # (past it gloo streams from memory), smaller ones where the per-layer fixed cost shows
-FSDP_LAYERS = ((128, 8), (512, 4), (1024, 2), (2048, 2), (3072, 2), (3584, 2), (4096, 2))
+FSDP_LAYERS = ((128, 8), (1024, 2), (2048, 2), (3072, 2), (3584, 2), (4096, 2))
 
 
 def _fsdp_layers(device, repeats: int = 9) -> dict[int, tuple[int, float, float, float]]:
@@ -348,7 +348,7 @@ def _fsdp_layers(device, repeats: int = 9) -> dict[int, tuple[int, float, float,
         for module in sharded:
             if isinstance(module, nn.Linear):
                 fully_shard(module, mesh=mesh)
-        rounds = repeats if width <= 1024 else max(5, repeats // 2)  # 0.1-0.6 s a step
+        rounds = repeats if width <= 1024 else max(4, repeats // 2)  # 0.1-0.6 s a step
         t = _interleaved_times({"plain": step_of(plain), "fsdp": step_of(sharded)}, device,
                                rounds)
         out[width] = (layers, float(width * (width + 1) * 4), t["plain"], t["fsdp"])

@@ -80,7 +80,9 @@ class Regime(BaseModel):
     model_config = ConfigDict(frozen=True)
 
     above_bytes: float = Field(ge=0)
-    latency_s: float = Field(ge=0)
+    # may be negative: the line of a range that starts at above_bytes, where time grows
+    # faster than the smaller messages' line (strategies.calibrated._two_lines)
+    latency_s: float
     bandwidth_bytes_per_s: float = Field(gt=0)
 
 

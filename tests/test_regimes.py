@@ -48,6 +48,29 @@ def test_searched_split_finds_the_change_where_the_machine_does_not_say():
     assert fit.regimes[0].bandwidth_bytes_per_s == pytest.approx(200e9, rel=1e-9)
 
 
+def test_past_the_cache_time_may_grow_faster_than_in_proportion():
+    # FSDP2 layers here: 38 MB in 65 ms, 67 MB in 280 ms. The range's own line runs
+    # through both (its intercept below zero, its time positive from the split on), where
+    # one forced through a non-negative intercept was 50% short at 67 MB
+    a, b = COEFFICIENTS["fsdp_layer"](2)
+    small = [Sample(collective="fsdp_layer", ranks=2, nbytes=n, seconds=a * 1e-3 + b * n / 1e9)
+             for n in (64 << 10, 1 * MB, 4 * MB, 16 * MB)]
+    big = [Sample(collective="fsdp_layer", ranks=2, nbytes=38 * MB, seconds=0.065),
+           Sample(collective="fsdp_layer", ranks=2, nbytes=67 * MB, seconds=0.280)]
+    link = LinkSpec(name="l", bandwidth_bytes_per_s=1e9, latency_s=1e-3,
+                    collectives={"fsdp_layer": fit_collective(small + big, split_bytes=CACHE)})
+    (past,) = link.collectives["fsdp_layer"].regimes
+    assert past.latency_s < 0
+    for s in big:
+        assert collective_time_s("fsdp_layer", s.nbytes, 2, link) == pytest.approx(s.seconds)
+    assert collective_time_s("fsdp_layer", CACHE + 1, 2, link) > 0
+    # where the line would cross zero inside the range, the clamped line stays
+    flat = [Sample(collective="fsdp_layer", ranks=2, nbytes=n, seconds=t)
+            for n, t in ((33 * MB, 0.001), (67 * MB, 0.280))]
+    (clamped,) = fit_collective(small + flat, split_bytes=CACHE).regimes
+    assert clamped.latency_s >= 0
+
+
 def test_one_line_stays_one_line():
     samples = _two_regimes("all_gather", (0.5e-3, 1e9), (0.5e-3, 1e9))
     assert fit_collective(samples).regimes == ()
