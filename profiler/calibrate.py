@@ -325,9 +325,11 @@ def _step_overhead(device, repeats: int = 21) -> dict[str, float]:
 # FSDP2 steps of `layers` Linears `width` wide: sizes on both sides of the shared cache
 # (past it gloo streams from memory), smaller ones where the per-layer fixed cost shows
 FSDP_LAYERS = ((128, 8), (1024, 2), (2048, 2), (3072, 2), (3584, 2), (4096, 2))
+FSDP_LAYERS_QUICK = ((128, 8), (1024, 2), (3072, 2), (4096, 2))  # two on each side
 
 
-def _fsdp_layers(device, repeats: int = 9) -> dict[int, tuple[int, float, float, float]]:
+def _fsdp_layers(device, repeats: int = 9,
+                 sizes=FSDP_LAYERS) -> dict[int, tuple[int, float, float, float]]:
     """{width: (layers, bytes of one layer's weights, plain step s, FSDP2 step s)}: a step
     of `layers` Linears run plainly and under FSDP2 `fully_shard` per layer, timed in turn.
     Their difference per layer is what FSDP2 costs a layer end to end (two all-gathers, a
@@ -342,7 +344,7 @@ def _fsdp_layers(device, repeats: int = 9) -> dict[int, tuple[int, float, float,
 
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     out = {}
-    for width, layers in FSDP_LAYERS:
+    for width, layers in sizes:
         plain, step_of = _linears(width, layers, device)
         sharded = _linears(width, layers, device)[0]
         for module in sharded:
@@ -436,7 +438,8 @@ def _rank_measure(rank: int, world: int, sizes, repeats: int, quiet_wait_s: floa
     return {"spans": spans,
             "dtensor": _dtensor_overheads(rank, world, device, 31),
             "contention": together, "step": _step_overhead(device, 21),
-            "fsdp": _fsdp_layers(device, 9 if quick else 15)}
+            "fsdp": _fsdp_layers(device, 9 if quick else 15,
+                                  FSDP_LAYERS_QUICK if quick else FSDP_LAYERS)}
 
 
 # --- compute ---------------------------------------------------------------------------------
