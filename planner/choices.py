@@ -62,7 +62,8 @@ def module_executor_options(layer: Layer, options: list[Strategy]) -> list[Strat
         layer.attrs.get("between_modules") and layer.kind != "flatten")] or options
     if not any(s.name == "data_parallel" for s in options):
         return options  # it does not see the batch: whole it is
-    return [s for s in options if s.name != "replicate"]
+    # rows split: a feature split would show the model's code whole rows
+    return [s for s in options if s.name not in ("replicate", "feature_parallel")]
 
 
 def layer_choices(graph: ModelGraph, cluster: Cluster, optimizer: str,
