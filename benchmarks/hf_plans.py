@@ -51,15 +51,22 @@ def describe(plan) -> list[str]:
     used = Counter(l.strategy for l in plan.layers if l.param_bytes)
     lines.append(f"strategies of layers with weights: {dict(sorted(used.items()))}")
     shapes = plan.search.best_per_shape if plan.search is not None else []
-    with_tp = [c for c in shapes if c.tp > 1]
-    if with_tp:
-        solved = [c for c in with_tp if c.step_time_s is not None]
+    for label, keep in (("tp > 1", lambda c: c.tp > 1), ("tp = 1", lambda c: c.tp == 1)):
+        kept = [c for c in shapes if keep(c)]
+        if not kept:
+            continue
+        solved = [c for c in kept if c.step_time_s is not None]
         c = (min(solved, key=lambda c: c.step_time_s) if solved
-             else min(with_tp, key=lambda c: c.bound_s or float("inf")))
+             else min(kept, key=lambda c: c.bound_s or float("inf")))
         step = (f"{c.step_time_s:.3f} s" if c.step_time_s is not None
                 else f"not solved, bound {c.bound_s or float('inf'):.3f} s")
-        lines.append(f"best shape with tp > 1: pp {c.pp} x dp {c.dp} x tp {c.tp}, {step} "
-                     f"({c.outcome}); {len(with_tp)} of {len(shapes)} mesh shapes have tp > 1")
+        lines.append(f"best shape with {label}: pp {c.pp} x dp {c.dp} x tp {c.tp}, {step} "
+                     f"({c.outcome}); {len(kept)} of {len(shapes)} mesh shapes have {label}")
+        unsolved = [u for u in kept if u.step_time_s is None and u.bound_s is not None]
+        low = min(unsolved, key=lambda u: u.bound_s, default=None)
+        if solved and low is not None and low.bound_s < c.step_time_s:
+            lines.append(f"  (unsolved beside it: pp {low.pp} x dp {low.dp} x tp {low.tp}, "
+                         f"bound {low.bound_s:.3f} s, {low.outcome})")
     pred = plan.predicted
     lines.append(f"predicted step {pred.step_time_s:.3f} s (compute {pred.compute_s:.3f}, "
                  f"communication {pred.communication_s:.3f}, bubble {pred.bubble_s:.3f}), "

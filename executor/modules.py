@@ -147,7 +147,12 @@ def apply_module_layouts(model: nn.Module, layers: list[LayerPlan], inputs, outp
             handed[layer.node] = own
             continue
         outside = {wanted(layer.node, r) for r in readers.get(layer.node, []) if paths[r.node] is None}
-        if layer.node in outputs or rows_visible(layer.output_shape, batch):
+        # rows whole: readers that all take it feature-split get each rank's feature shard,
+        # a local tensor (planner.price._through_rows; torchtitan's colwise MLP); only
+        # element-wise ops between modules take it so outside modules
+        takes = {Layout(r.input_layout) for r in readers.get(layer.node, [])}
+        local = takes == {Layout.FEATURE} and held != Layout.BATCH
+        if layer.node in outputs or (rows_visible(layer.output_shape, batch) and not local):
             # a module's output is what the model's own code holds next: it may read its
             # sizes to shape another tensor (`hidden_states.shape[0]` to view q, k, v), so
             # every batch-sized tensor the code sees is split by rows alike (or whole

@@ -54,12 +54,16 @@ def module_executor_options(layer: Layer, options: list[Strategy]) -> list[Strat
         return [s for s in options if s.name == "data_parallel"] or options
     if layer.op == "call_module":
         return options
-    # never feature-split: the model's own code may view or permute a tensor by its
-    # global sizes (a head count, a channels-last permute), which a split breaks silently
-    options = [s for s in options if s.name != "feature_parallel"] or options
+    # feature-split only element-wise ops between modules (Llama's act(gate) * up, on the
+    # local shards of its colwise Linears as torchtitan runs it): the model's own code may
+    # view or permute any other tensor by its global sizes (a head count, a channels-last
+    # permute), which a split breaks silently
+    options = [s for s in options if s.name != "feature_parallel" or (
+        layer.attrs.get("between_modules") and layer.kind != "flatten")] or options
     if not any(s.name == "data_parallel" for s in options):
         return options  # it does not see the batch: whole it is
-    return [s for s in options if s.name != "replicate"]
+    # rows split: a feature split would show the model's code whole rows
+    return [s for s in options if s.name not in ("replicate", "feature_parallel")]
 
 
 def layer_choices(graph: ModelGraph, cluster: Cluster, optimizer: str,

@@ -237,7 +237,8 @@ def _unrealizable(kind: EdgeKind) -> np.ndarray:
 def _through_rows(kind: EdgeKind, link: LinkSpec, overhead: float) -> np.ndarray:
     """The edge out of a module of a torch.export graph: its output is handed on split by
     rows (rows_visible) and each reader changes it to what it takes from there; an op
-    outside modules cannot change it, so it takes the rows or nothing."""
+    outside modules cannot change it, so it takes the rows or nothing; or, where the rows
+    are whole, each rank's feature shard for a reader that takes it feature-split."""
     held = output_layout(kind.rows, kind.ranks)  # rows, or whole where they do not split
     out = edge_matrix(list(kind.gives), [held], kind.nbytes, kind.ranks, link,
                       backward=kind.backward, reshard_overhead_s=overhead)
@@ -246,4 +247,13 @@ def _through_rows(kind: EdgeKind, link: LinkSpec, overhead: float) -> np.ndarray
                        own_style=list(kind.own_style))
     if not kind.into_module and kind.ranks > 1:
         into = np.where(np.array([[t == held for t in kind.takes]]), into, UNREALIZABLE_S)
-    return out + into
+    if held == Layout.BATCH:  # the code sees rows split: a feature split shows it whole rows
+        return out + into
+    # rows whole: a reader that takes it feature-split (Llama's act_fn after gate_proj,
+    # act(gate) * up, down_proj after it) gets each rank's feature shard straight from the
+    # module, as torchtitan's ColwiseParallel hands its local output to RowwiseParallel: no
+    # collective where it is split so already (executor.modules)
+    direct = edge_matrix(list(kind.gives), list(kind.takes), kind.nbytes, kind.ranks, link,
+                         backward=kind.backward, reshard_overhead_s=overhead,
+                         own_style=list(kind.own_style))
+    return np.where(np.array([[t == Layout.FEATURE for t in kind.takes]]), direct, out + into)

@@ -209,7 +209,7 @@ def graph_of_program(model: nn.Module, program: torch.export.ExportedProgram, ar
             src = by_name[src_name]
             inputs.extend(r for r in resolve(src) if r != layer.node)
         fixed.append(replace(layer, inputs=tuple(dict.fromkeys(inputs))))
-    layers = fixed
+    layers = _mark_between_modules(fixed)
 
     output_node = next(n for n in graph.nodes if n.op == "output")
     outputs = []
@@ -224,6 +224,28 @@ def graph_of_program(model: nn.Module, program: torch.export.ExportedProgram, ar
                       fingerprint_modules(model), module=None, example_kwargs=kwargs,
                       tracer="export", blocks=blocks, scopes=scopes, no_blocks_why=why,
                       units=tuple(unit_types))
+
+
+def _mark_between_modules(layers: list[Layer]) -> list[Layer]:
+    """attrs["between_modules"] on an op outside modules whose inputs are module outputs
+    it alone reads, and whose readers are all modules (Llama's `act(gate) * up` between
+    its Linears): the module executor may hand it each rank's feature shard of its
+    inputs and give its readers its own, with no code outside modules in between
+    (planner.choices.module_executor_options)."""
+    op = {l.node: l.op for l in layers}
+    readers: dict[str, list[str]] = {}
+    for layer in layers:
+        for src in layer.inputs:
+            readers.setdefault(src, []).append(layer.node)
+    out = []
+    for layer in layers:
+        if (layer.op == "call_function" and layer.inputs and readers.get(layer.node)
+                and all(op[s] == "call_module" and readers[s] == [layer.node]
+                        for s in layer.inputs)
+                and all(op[r] == "call_module" for r in readers[layer.node])):
+            layer = replace(layer, attrs={**layer.attrs, "between_modules": True})
+        out.append(layer)
+    return out
 
 
 def _export_layer(key: str, nodes: list[fx.Node], out: fx.Node, srcs: list[fx.Node],

@@ -115,7 +115,10 @@ _BINARY = {"add", "sub", "mul", "truediv", "div", "where", "add_", "mul_", "iadd
 
 def featurewise_binary(layer: Layer) -> bool:
     """An element-wise op on inputs all of the output's shape (Llama's gate * up): it can
-    follow feature-split inputs, each rank multiplying its own features."""
+    follow feature-split inputs, each rank multiplying its own features. The rows are
+    left out of the comparison: the 3-D search scales the output to a microbatch's rows
+    (planner.search._scaled), not the recorded input shapes."""
     shapes = layer.attrs.get("in_shapes", ())
-    return (layer.kind in _BINARY and len(shapes) >= 2
-            and all(s == layer.output.shape for s in shapes))
+    out = tuple(layer.output.shape)
+    return (layer.kind in _BINARY and len(shapes) >= 2 and len(set(shapes)) == 1
+            and len(shapes[0]) == len(out) > 0 and tuple(shapes[0][1:]) == out[1:])

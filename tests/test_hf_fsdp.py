@@ -50,12 +50,18 @@ def _plan(shape: Shape, pin: dict) -> Plan:
 
 def _train(rank, world, plans):
     """Per plan JSON: this rank's whole parameters (FSDP shards gathered), losses, the
-    parameters FSDP or DTensor own, and how many of its modules run checkpointed."""
+    parameters FSDP or DTensor own, how many of its modules run checkpointed, and the
+    width of what its MLPs' activations computed."""
     out = []
     for plan_json in plans:
         plan = Plan.from_json(plan_json)
         entry = MODELS["llama4"]
         model = executor.parallelize(entry.make(), plan)
+        widths = set()
+        for chunk in model.chunks:
+            for name, m in chunk.named_modules():
+                if name.endswith("mlp.act_fn"):
+                    m.register_forward_hook(lambda m, a, y: widths.add(y.shape[-1]))
         opt = torch.optim.SGD(list(model.parameters()) or [{"params": []}], lr=LR,
                               foreach=False)
         losses = [executor.train_step(model, plan, entry.batch(step), entry.loss, opt)
@@ -65,7 +71,7 @@ def _train(rank, world, plans):
         owned = sorted(k for k, p in model.stage.named_parameters() if isinstance(p, DTensor))
         checkpointed = sum(getattr(m.forward, "__name__", "") == "recomputed"
                            for chunk in model.chunks for m in chunk.modules())
-        out.append((params, losses, owned, checkpointed))
+        out.append((params, losses, owned, checkpointed, widths))
     return out
 
 
@@ -110,6 +116,10 @@ def test_decoder_pipelines_with_fsdp_and_tp_4_ranks_equal_single_process():
         assert {l.name: l.strategy for l in plan.layers if l.name in pin} == {
             k: v.removesuffix("+fsdp") for k, v in pin.items()}
         assert _sharded(plan) == {k for k, v in pin.items() if v.endswith("+fsdp")}
+        # torchtitan's MLP: the SiLU and the product on each rank's feature shard
+        act = {l.node for l in plan.layers if l.name.endswith("mlp.act_fn")}
+        between = [l.strategy for l in plan.layers if l.node in act or act & set(l.inputs)]
+        assert between == ["feature_parallel"] * 8, between
     per_rank = run_ranks(_train, 4, [p.to_json() for p in [*plans.values(), *tp_plans.values()]])
     for i, key in enumerate(tp_plans, start=len(plans)):
         results = [runs[i] for runs in per_rank]
@@ -118,6 +128,8 @@ def test_decoder_pipelines_with_fsdp_and_tp_4_ranks_equal_single_process():
         owned = set().union(*(set(r[2]) for r in results))
         assert {"model.layers.3.mlp.down_proj.weight", "lm_head.weight",
                 "model.embed_tokens.weight"} <= owned, (key, owned)
+        # ... and the activations ran on local shards: half the 64 features each
+        assert set().union(*(r[4] for r in results)) == {32}, key
     for i, key in enumerate(plans):
         results = [runs[i] for runs in per_rank]
         _assert_equal_to_one_process(results)

@@ -96,3 +96,36 @@ def test_auto_compares_two_prices_that_agree_on_the_shape_both_express():
         assert auto.predicted.step_time_s == pytest.approx(best3) and best3 < 0.99 * t1
     else:
         assert auto.predicted.step_time_s == pytest.approx(t1) and best3 >= 0.99 * t1
+
+
+def test_llamas_mlp_under_tp_runs_on_feature_shards_without_a_gather():
+    """Llama's `down_proj(act_fn(gate_proj(x)) * up_proj(x))` under tensor parallelism, as
+    torchtitan runs it: gate and up column-parallel, the SiLU and the product on each
+    rank's feature shard, down row-parallel. The edges between them are priced free (no
+    all-gather at the product), and the search takes that route."""
+    graph, cluster = _profiled("llama", "2xcpu")
+    built = build(CostCache(graph, cluster, "sgd"), 1, 1, 2, 1)  # one row per microbatch
+    names = [l.name for l in built.problem.layers]
+    mlp = "model.layers.0.mlp."
+    node = {l.name: l.node for l in graph.layers}
+    product = next(l for l in graph.layers if l.kind == "mul" and set(l.inputs) == {
+        node[mlp + "act_fn"], node[mlp + "up_proj"]})
+    assert product.attrs["between_modules"]
+    route = [(mlp + "gate_proj", "column_parallel", mlp + "act_fn", "feature_parallel"),
+             (mlp + "act_fn", "feature_parallel", product.name, "feature_parallel"),
+             (mlp + "up_proj", "column_parallel", product.name, "feature_parallel"),
+             (product.name, "feature_parallel", mlp + "down_proj", "row_parallel")]
+    for src, s, dst, d in route:
+        i, j = names.index(src), names.index(dst)
+        edge = next(e for e in built.problem.edges if (e.src, e.dst) == (i, j))
+        a, b = (list(built.problem.layers[k].strategies).index(x) for k, x in ((i, s), (j, d)))
+        assert edge.cost_s[a, b] == 0.0, (src, dst)
+        if built.problem.layers[j].strategies.count("replicate"):  # whole: a gather
+            assert edge.cost_s[a, built.problem.layers[j].strategies.index("replicate")] > 0
+    pin = {mlp + "gate_proj": "column_parallel", mlp + "up_proj": "column_parallel",
+           mlp + "down_proj": "row_parallel"}
+    plan = optimize_3d(ZOO["llama"].make(), cluster, (torch.randint(0, VOCAB, (16, SEQ)),),
+                       {"use_cache": False}, measure=False, only=[Shape(1, 1, 2, 16, "1F1B")],
+                       pin=pin)
+    chosen = {l.name: l.strategy for l in plan.layers}
+    assert chosen[mlp + "act_fn"] == chosen[product.name] == "feature_parallel"
