@@ -1,0 +1,226 @@
+"""An exact solver for the stage problem with one stage per rank (GPipe, 1F1B): the same
+optimum as planner.stages' integer program, without SCIP and without its time limits.
+
+The integer program minimises (planner.stages)
+
+    Σ_k T_k  +  (m - 1)·max_k T_k  +  max_k S_k      s.t.  W_k + f_k·V_k ≤ budget
+
+and on deep pipelines of large models it ran into its time limits (a 48-block GPT over 64
+devices: 65 solves took 6 minutes and proved few). Every term is non-decreasing in each
+stage's (T, S, memory), so a label-setting dynamic program over the units in order is
+exact: a label is a partial assignment of units 0..u to stages 0..k, summarised by
+
+    (Σ T so far, max T of closed stages, max S of closed stages, T, S, memory of stage k)
+
+and a label no worse in all six than another with the same (stage, open edge sources)
+can be dropped: whatever completes the worse one completes the better one no worse.
+
+Inside a unit the layers' strategies are chosen the same way: labels (A, G, W, V) per
+unit (per-microbatch time, per-step time, weights, activations), Pareto-filtered per
+assignment of the layers whose edges still reach forward. That inner set is computed once
+per distinct unit (a transformer's blocks are the same unit 48 times) and incoming
+assignment, and is small (a handful of points per block).
+
+Where the frontier of open edge sources grows too wide, or labels pile up past a limit,
+`solve` raises `TooLarge` and the caller falls back to the integer program.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+_GB = 1e9
+MAX_FRONTIER_STATES = 256  # assignments of open edge sources carried between units
+MAX_LABELS = 200_000  # labels alive at one unit boundary before giving up
+
+
+class TooLarge(RuntimeError):
+    """The dynamic program would be too wide for this problem: use the integer program."""
+
+
+@dataclass(frozen=True)
+class DPSolution:
+    starts: tuple[int, ...]
+    choice: tuple[int, ...]
+    objective_s: float
+
+
+def _pareto(points: list, dims: int) -> list:
+    """Points (tuples whose first `dims` entries are costs) no other point is <= in every
+    cost; ties keep the first."""
+    points = sorted(points, key=lambda p: p[:dims])
+    kept: list = []
+    arr = None
+    for p in points:
+        if kept:
+            if arr is None or len(arr) != len(kept):
+                arr = np.array([q[:dims] for q in kept])
+            if np.any(np.all(arr <= np.array(p[:dims]), axis=1)):
+                continue
+        kept.append(p)
+    return kept
+
+
+class _Units:
+    """Per unit: its layers, the edges into them, and which earlier layers' options its
+    edges read (the frontier), so a unit's inner Pareto set can be computed and reused."""
+
+    def __init__(self, problem):
+        self.problem = problem
+        L = len(problem.layers)
+        unit = [l.unit for l in problem.layers]
+        if any(b < a for a, b in zip(unit, unit[1:])):
+            raise TooLarge("layers are not grouped by unit in order")
+        self.members = problem.unit_layers()
+        self.into: list[list] = [[] for _ in range(L)]  # per dst layer: (src, cost)
+        last_use = [-1] * L  # the last layer reading each layer
+        for e in problem.edges:
+            if e.src >= e.dst:
+                raise TooLarge("an edge runs backwards")
+            cost = np.asarray(e.cost_s, float)
+            if not np.isfinite(cost).all():
+                raise TooLarge("an edge with an infinite cost")
+            self.into[e.dst].append((e.src, cost))
+            last_use[e.src] = max(last_use[e.src], e.dst)
+        self.last_use = last_use
+        # open[u]: layers before unit u read by unit u or later (their options carried)
+        self.open = []
+        for members in self.members:
+            first = members[0] if members else L
+            self.open.append(tuple(i for i in range(first) if last_use[i] >= first))
+        self.open.append(())
+        self._cache: dict = {}
+
+    def signature(self, u: int) -> tuple:
+        base = self.members[u][0]
+        layers = tuple((l.microbatch_s.tobytes(), l.step_s.tobytes(), l.weight_bytes.tobytes(),
+                        l.activation_bytes.tobytes())
+                       for l in (self.problem.layers[i] for i in self.members[u]))
+        edges = tuple((s - base, d - base, c.tobytes(), c.shape)
+                      for d in self.members[u] for s, c in self.into[d])
+        out = tuple(i - base for i in self.open[u + 1])
+        into = tuple(i - base for i in self.open[u])
+        uses = tuple(min(self.last_use[i], 10**9) - base for i in self.members[u])
+        return layers, edges, out, into, uses
+
+    def points(self, u: int, state: tuple) -> dict:
+        """{outgoing state: [(A, G, W, V, options of the unit's layers)]}: the Pareto set
+        of the unit's strategy choices given the options `state` of open[u]."""
+        key = (self.signature(u), state)
+        hit = self._cache.get(key)
+        if hit is not None:
+            return hit
+        members = self.members[u]
+        end = members[-1]
+        labels = {tuple(zip(self.open[u], state)): [(0.0, 0.0, 0.0, 0.0, ())]}
+        for i in members:
+            layer = self.problem.layers[i]
+            grown: dict = {}
+            for live, group in labels.items():
+                known = dict(live)
+                for o in range(len(layer.strategies)):
+                    extra = sum(float(c[known[s], o]) for s, c in self.into[i])
+                    alive = {s: v for s, v in known.items() if self.last_use[s] > i}
+                    if self.last_use[i] > i:
+                        alive[i] = o
+                    nkey = tuple(sorted(alive.items()))
+                    bucket = grown.setdefault(nkey, [])
+                    a, g = float(layer.microbatch_s[o]) + extra, float(layer.step_s[o])
+                    w, v = float(layer.weight_bytes[o]) / _GB, float(layer.activation_bytes[o]) / _GB
+                    for A, G, W, V, ch in group:
+                        bucket.append((A + a, G + g, W + w, V + v, ch + (o,)))
+            labels = {k: _pareto(b, 4) for k, b in grown.items()}
+            if len(labels) > MAX_FRONTIER_STATES:
+                raise TooLarge(f"{len(labels)} frontier states inside unit {u}")
+        out_layers = self.open[u + 1]
+        result: dict = {}
+        for live, group in labels.items():
+            known = dict(live)
+            assert all(s in known for s in out_layers if s <= end)
+            result.setdefault(tuple(known[s] for s in out_layers), []).extend(group)
+        result = {k: _pareto(b, 4) for k, b in result.items()}
+        self._cache[key] = result
+        return result
+
+
+def solve(problem, pp: int, microbatches: int, flights: list[int],
+          budget_bytes: float | None, cutoff_s: float | None = None) -> DPSolution | None:
+    """The least objective over cuts into pp stages (one per rank, stage k keeping
+    `flights[k]` microbatches in flight) and strategies; None when nothing fits (or,
+    with `cutoff_s`, when every plan has m·max T + max S above it: the simulated step
+    cannot beat the cutoff)."""
+    U, m = len(problem.units), microbatches
+    if pp > U or any(not members for members in problem.unit_layers()):
+        raise TooLarge("a unit without layers")
+    units = _Units(problem)
+    budget = math.inf if budget_bytes is None else budget_bytes / _GB * (1 + 1e-9)
+    cutoff = math.inf if cutoff_s is None else cutoff_s * (1 + 1e-9)
+    cut = [float(c) for c in problem.cut_s]
+    # the least each remaining unit adds to Σ T (for pruning against the cutoff only)
+    # label: (sumT, maxT, maxS, T, S, mem, back)  keyed by (stage, open-source options)
+    labels: dict = {(0, ()): [(0.0, 0.0, 0.0, 0.0, 0.0, 0.0, None)]}
+    for u in range(U):
+        grown: dict = {}
+        for (k, state), group in labels.items():
+            pts = units.points(u, state)
+            moves = [(k, False)]
+            if u > 0 and k + 1 < pp:
+                moves.append((k + 1, True))
+            for nk, opens in moves:
+                if U - u < pp - nk:  # too few units left for the stages still to open
+                    continue
+                if not opens and U - u - 1 < pp - 1 - nk:
+                    continue
+                f = flights[nk]
+                for out_state, plist in pts.items():
+                    bucket = grown.setdefault((nk, out_state), [])
+                    for lab in group:
+                        sumT, maxT, maxS, T, S, mem, _ = lab
+                        if opens:  # close stage k at this cut, open stage k + 1
+                            c = cut[u]
+                            maxT, maxS = max(maxT, T + c), max(maxS, S)
+                            sumT, T, S, mem = sumT + 2 * c, c, 0.0, 0.0
+                        for A, G, W, V, ch in plist:
+                            nmem = mem + W + f * V
+                            if nmem > budget:
+                                continue
+                            nT, nS = T + A, S + G
+                            if m * max(maxT, nT) + max(maxS, nS) > cutoff:
+                                continue
+                            bucket.append((sumT + A, maxT, maxS, nT, nS, nmem,
+                                           (lab, u, opens, ch)))
+        labels = {}
+        total = 0
+        for key, bucket in grown.items():
+            if bucket:
+                labels[key] = _pareto(bucket, 6)
+                total += len(labels[key])
+        if total > MAX_LABELS:
+            raise TooLarge(f"{total} labels after unit {u}")
+        if not labels:
+            return None
+    best = None
+    for (k, _), group in labels.items():
+        if k != pp - 1:
+            continue
+        for lab in group:
+            sumT, maxT, maxS, T, S, _, _ = lab
+            value = sumT + (m - 1) * max(maxT, T) + max(maxS, S)
+            if best is None or value < best[0]:
+                best = (value, lab)
+    if best is None:
+        return None
+    choice = [0] * len(problem.layers)
+    starts = []
+    lab = best[1]
+    while lab[6] is not None:
+        parent, u, opens, ch = lab[6]
+        for i, o in zip(units.members[u], ch):
+            choice[i] = o
+        if opens:
+            starts.append(u)
+        lab = parent
+    return DPSolution((0, *reversed(starts)), tuple(choice), best[0])
