@@ -28,13 +28,14 @@ Where the frontier of open edge sources grows too wide, or labels pile up past a
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass
 
 import numpy as np
 
 _GB = 1e9
 MAX_FRONTIER_STATES = 256  # assignments of open edge sources carried between units
-MAX_LABELS = 200_000  # labels alive at one unit boundary before giving up
+MAX_LABELS = 50_000  # labels alive at one unit boundary before giving up
 
 
 class TooLarge(RuntimeError):
@@ -50,18 +51,25 @@ class DPSolution:
 
 def _pareto(points: list, dims: int) -> list:
     """Points (tuples whose first `dims` entries are costs) no other point is <= in every
-    cost; ties keep the first."""
-    points = sorted(points, key=lambda p: p[:dims])
-    kept: list = []
-    arr = None
-    for p in points:
-        if kept:
-            if arr is None or len(arr) != len(kept):
-                arr = np.array([q[:dims] for q in kept])
-            if np.any(np.all(arr <= np.array(p[:dims]), axis=1)):
-                continue
-        kept.append(p)
-    return kept
+    cost; of equal points the first. Sorted lexicographically, a point's dominators come
+    before it, so blocks of points are checked against those kept, in numpy."""
+    if len(points) <= 1:
+        return points
+    costs = np.array([p[:dims] for p in points])
+    order = np.lexsort(costs.T[::-1])
+    costs = costs[order]
+    kept_rows: list[int] = []
+    kept = np.empty((0, dims))
+    for s in range(0, len(points), 256):
+        block = costs[s:s + 256]
+        beaten = (block[:, None, :] >= block[None, :, :]).all(axis=2)
+        beaten = np.tril(beaten, -1).any(axis=1)  # by an earlier point of the block
+        if len(kept):
+            beaten |= (block[:, None, :] >= kept[None, :, :]).all(axis=2).any(axis=1)
+        rows = np.flatnonzero(~beaten)
+        kept_rows.extend(s + rows)
+        kept = np.vstack([kept, block[rows]])
+    return [points[order[r]] for r in kept_rows]
 
 
 class _Units:
@@ -147,19 +155,53 @@ class _Units:
 
 
 def solve(problem, pp: int, microbatches: int, flights: list[int],
-          budget_bytes: float | None, cutoff_s: float | None = None) -> DPSolution | None:
+          budget_bytes: float | None, cutoff_s: float | None = None,
+          deadline: float = math.inf) -> DPSolution | None:
     """The least objective over cuts into pp stages (one per rank, stage k keeping
     `flights[k]` microbatches in flight) and strategies; None when nothing fits (or,
     with `cutoff_s`, when every plan has m·max T + max S above it: the simulated step
-    cannot beat the cutoff)."""
-    U, m = len(problem.units), microbatches
-    if pp > U or any(not members for members in problem.unit_layers()):
+    cannot beat the cutoff). Past `deadline` (time.perf_counter()) it raises TooLarge.
+    A narrow pass first (a few labels per state: a plan, not a
+    proof) gives an incumbent; the exact pass then drops every label whose bound cannot
+    beat it, which keeps deep pipelines of repeated blocks to a few thousand labels."""
+    if pp > len(problem.units) or any(not members for members in problem.unit_layers()):
         raise TooLarge("a unit without layers")
     units = _Units(problem)
+    first = _pass(units, pp, microbatches, flights, budget_bytes, cutoff_s, math.inf, 8,
+                  deadline)
+    if first is None:  # the narrow pass can miss a plan that fits: the exact one decides
+        return _pass(units, pp, microbatches, flights, budget_bytes, cutoff_s, math.inf,
+                     None, deadline)
+    found = _pass(units, pp, microbatches, flights, budget_bytes, cutoff_s,
+                  first.objective_s * (1 + 1e-9), None, deadline)
+    return found or first
+
+
+def _pass(units: _Units, pp: int, microbatches: int, flights: list[int],
+          budget_bytes: float | None, cutoff_s: float | None, incumbent: float,
+          beam: int | None, deadline: float = math.inf) -> DPSolution | None:
+    """One sweep over the units: exact (beam None) below `incumbent`, or keeping the
+    `beam` labels of least bound per state."""
+    problem = units.problem
+    U, m = len(problem.units), microbatches
     budget = math.inf if budget_bytes is None else budget_bytes / _GB * (1 + 1e-9)
     cutoff = math.inf if cutoff_s is None else cutoff_s * (1 + 1e-9)
     cut = [float(c) for c in problem.cut_s]
-    # the least each remaining unit adds to Σ T (for pruning against the cutoff only)
+    # rest[u]: the least units u.. add to Σ T (each layer's cheapest option and edge)
+    least = np.zeros(U + 1)
+    for l in problem.layers:
+        least[l.unit] += float(l.microbatch_s.min())
+    for e in problem.edges:
+        least[problem.layers[e.dst].unit] += float(np.asarray(e.cost_s).min())
+    rest = np.concatenate([np.cumsum(least[::-1])[::-1][1:], [0.0]])  # rest[u] = Σ_{>u}
+
+    def bound(lab, u, k):
+        """No completion of label `lab` (units ..u in stages ..k) has a smaller objective:
+        stages k.. share at least T + rest, so the largest is at least its share."""
+        sumT, maxT, maxS, T, S = lab[:5]
+        share = (T + rest[u]) / (pp - k)
+        return sumT + rest[u] + (m - 1) * max(maxT, T, share) + max(maxS, S)
+
     # label: (sumT, maxT, maxS, T, S, mem, back)  keyed by (stage, open-source options)
     labels: dict = {(0, ()): [(0.0, 0.0, 0.0, 0.0, 0.0, 0.0, None)]}
     for u in range(U):
@@ -190,19 +232,27 @@ def solve(problem, pp: int, microbatches: int, flights: list[int],
                             nT, nS = T + A, S + G
                             if m * max(maxT, nT) + max(maxS, nS) > cutoff:
                                 continue
-                            bucket.append((sumT + A, maxT, maxS, nT, nS, nmem,
-                                           (lab, u, opens, ch)))
+                            new = (sumT + A, maxT, maxS, nT, nS, nmem, (lab, u, opens, ch))
+                            if bound(new, u, nk) < incumbent:
+                                bucket.append(new)
         labels = {}
         total = 0
         for key, bucket in grown.items():
             if bucket:
+                if beam is not None:
+                    bucket = sorted(bucket, key=lambda lab: bound(lab, u, key[0]))[:beam * 4]
                 labels[key] = _pareto(bucket, 6)
+                if beam is not None:
+                    labels[key] = labels[key][:beam] if len(labels[key]) <= beam else sorted(
+                        labels[key], key=lambda lab: bound(lab, u, key[0]))[:beam]
                 total += len(labels[key])
         if total > MAX_LABELS:
             raise TooLarge(f"{total} labels after unit {u}")
+        if time.perf_counter() > deadline:
+            raise TooLarge(f"out of time after unit {u} ({total} labels)")
         if not labels:
             return None
-    best = None
+    best = None  # (objective, label)
     for (k, _), group in labels.items():
         if k != pp - 1:
             continue

@@ -270,7 +270,7 @@ def solve_stages(problem: StageProblem, pp: int, microbatches: int, schedule: st
                                 cutoff_s, start)
     if chunks == 1 and method != "mip":  # one stage per rank: exact by dynamic programming (planner.stage_dp)
         solved = _solve_by_dp(problem, pp, microbatches, schedule, budget_bytes, cutoff_s,
-                              start)
+                              start, start + time_limit_s / 2)
         if solved != "too large":
             return solved
     given = problem
@@ -439,12 +439,15 @@ def solve_stages(problem: StageProblem, pp: int, microbatches: int, schedule: st
 
 
 def _solve_by_dp(problem: StageProblem, pp: int, microbatches: int, schedule: str,
-                 budget_bytes: float | None, cutoff_s: float | None, start: float):
-    """The integer program's optimum by planner.stage_dp (no time limit to hit), read
-    out as the integer program would be; "too large" where the dynamic program declines."""
+                 budget_bytes: float | None, cutoff_s: float | None, start: float,
+                 deadline: float):
+    """The integer program's optimum by planner.stage_dp, read out as the integer
+    program would be; "too large" where the dynamic program declines or runs past
+    `deadline` (half the time limit: the integer program gets the rest)."""
     flights = [in_flight(schedule, pp, microbatches, k) for k in range(pp)]
     try:
-        found = stage_dp.solve(problem, pp, microbatches, flights, budget_bytes, cutoff_s)
+        found = stage_dp.solve(problem, pp, microbatches, flights, budget_bytes, cutoff_s,
+                               deadline)
     except stage_dp.TooLarge:
         return "too large"
     if found is None:

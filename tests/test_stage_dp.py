@@ -40,10 +40,10 @@ def _repeated_problem(rng, blocks=5) -> StageProblem:
                         cut)
 
 
-@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("seed", range(4))
 def test_dp_equals_brute_force_random(seed):
     rng = np.random.default_rng(100 + seed)
-    p = _random_problem(rng, units=5, layers=7)
+    p = _random_problem(rng, units=5, layers=6)
     for pp in range(2, len(p.units) + 1):
         for m, schedule in [(3, "1F1B"), (pp, "1F1B"), (2, "GPipe")]:
             loose = brute_force(p, pp, m, schedule, None)
@@ -59,14 +59,14 @@ def test_dp_equals_brute_force_random(seed):
                 assert got.objective_s == pytest.approx(expected[0].objective_s, rel=1e-9)
 
 
-@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("seed", range(2))
 def test_dp_equals_stage_mip_on_repeated_blocks(seed):
     """solve_stages through the dynamic program equals it through SCIP, and the
     assignment it returns is priced by evaluate() at the objective it claims."""
     rng = np.random.default_rng(200 + seed)
     p = _repeated_problem(rng)
-    for pp in (2, 3, 4):
-        for m, schedule in [(4, "1F1B"), (8, "1F1B"), (3, "GPipe")]:
+    for pp in (2, 4):
+        for m, schedule in [(4, "1F1B"), (3, "GPipe")]:
             loose = solve_stages(p, pp, m, schedule, None, method="mip")
             for budget in [None, 0.8 * max(loose.times.memory_bytes),
                            0.5 * max(loose.times.memory_bytes)]:
