@@ -41,7 +41,7 @@ import numpy as np
 
 _GB = 1e9
 MAX_FRONTIER_STATES = 256  # assignments of open edge sources carried between units
-MAX_LABELS = 50_000  # labels alive at one unit boundary before giving up
+MAX_LABELS = 5_000  # labels alive at one unit boundary before giving up
 
 
 class TooLarge(RuntimeError):
@@ -212,7 +212,13 @@ def _pass(units: _Units, pp: int, microbatches: int, flights: list[int],
     labels: dict = {(0, ()): [(0.0, 0.0, 0.0, 0.0, 0.0, 0.0, None)]}
     for u in range(U):
         grown: dict = {}
+        grown_count = 0
         for (k, state), group in labels.items():
+            if time.perf_counter() > deadline:
+                raise TooLarge(f"out of time at unit {u}")
+            grown_count += len(group)
+            if grown_count > MAX_LABELS:
+                raise TooLarge(f"over {MAX_LABELS} labels into unit {u}")
             pts = units.points(u, state)
             moves = [(k, False)]
             if u > 0 and k + 1 < pp:
@@ -241,6 +247,8 @@ def _pass(units: _Units, pp: int, microbatches: int, flights: list[int],
                             new = (sumT + A, maxT, maxS, nT, nS, nmem, (lab, u, opens, ch))
                             if bound(new, u, nk) < incumbent:
                                 bucket.append(new)
+                    if len(bucket) > 4 * MAX_LABELS:
+                        raise TooLarge(f"over {4 * MAX_LABELS} labels grown at unit {u}")
         labels = {}
         total = 0
         for key, bucket in grown.items():

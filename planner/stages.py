@@ -78,6 +78,10 @@ from planner.numerics import mip_solver
 from planner.problem import Edge, Infeasible, Node, Option, Problem
 from planner.schedules import SCHEDULES
 _GB = 1e9
+# the dynamic program's share of a solve before the integer program takes over: it proves
+# small and medium pipelines in well under it, and on the largest (a 48-block GPT at pp 8)
+# it would take minutes (planner.stage_dp), so it must give up early
+DP_SECONDS = 1.0
 
 
 @dataclass(frozen=True)
@@ -270,7 +274,7 @@ def solve_stages(problem: StageProblem, pp: int, microbatches: int, schedule: st
                                 cutoff_s, start)
     if chunks == 1 and method != "mip":  # one stage per rank: exact by dynamic programming (planner.stage_dp)
         solved = _solve_by_dp(problem, pp, microbatches, schedule, budget_bytes, cutoff_s,
-                              start, start + time_limit_s / 2)
+                              start, start + min(time_limit_s / 2, DP_SECONDS))
         if solved != "too large":
             return solved
     given = problem
@@ -443,7 +447,7 @@ def _solve_by_dp(problem: StageProblem, pp: int, microbatches: int, schedule: st
                  deadline: float):
     """The integer program's optimum by planner.stage_dp, read out as the integer
     program would be; "too large" where the dynamic program declines or runs past
-    `deadline` (half the time limit: the integer program gets the rest)."""
+    `deadline` (DP_SECONDS or half the time limit: the integer program gets the rest)."""
     flights = [in_flight(schedule, pp, microbatches, k) for k in range(pp)]
     try:
         found = stage_dp.solve(problem, pp, microbatches, flights, budget_bytes, cutoff_s,
