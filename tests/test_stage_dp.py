@@ -7,7 +7,9 @@ import pytest
 
 from planner import stage_dp
 from planner.problem import Edge
-from planner.stages import LayerOptions, StageProblem, brute_force, in_flight, solve_stages
+from planner.stages import (
+    LayerOptions, StageProblem, brute_force, evaluate, in_flight, solve_stages,
+)
 from test_pipeline_search import _random_problem
 
 
@@ -61,8 +63,8 @@ def test_dp_equals_brute_force_random(seed):
 
 @pytest.mark.parametrize("seed", range(2))
 def test_dp_equals_stage_mip_on_repeated_blocks(seed):
-    """solve_stages through the dynamic program equals it through SCIP, and the
-    assignment it returns is priced by evaluate() at the objective it claims."""
+    """The dynamic program equals the stage MIP (SCIP), and the assignment it returns is
+    priced by evaluate() at the objective it claims, within the budget."""
     rng = np.random.default_rng(200 + seed)
     p = _repeated_problem(rng)
     for pp in (2, 4):
@@ -71,15 +73,17 @@ def test_dp_equals_stage_mip_on_repeated_blocks(seed):
             for budget in [None, 0.8 * max(loose.times.memory_bytes),
                            0.5 * max(loose.times.memory_bytes)]:
                 mip = solve_stages(p, pp, m, schedule, budget, method="mip")
-                dp = solve_stages(p, pp, m, schedule, budget)
+                flights = [in_flight(schedule, pp, m, k) for k in range(pp)]
+                dp = stage_dp.solve(p, pp, m, flights, budget)  # no deadline: no fallback
                 if mip is None:
                     assert dp is None
                     continue
-                assert mip.status == "optimal" and dp.status == "optimal"
-                assert dp.times.objective_s == pytest.approx(mip.times.objective_s, rel=1e-7)
-                assert dp.num_variables == 0  # it did go through the dynamic program
+                assert mip.status == "optimal"
+                assert dp.objective_s == pytest.approx(mip.times.objective_s, rel=1e-7)
+                times = evaluate(p, dp.starts, dp.choice, m, schedule)
+                assert times.objective_s == pytest.approx(dp.objective_s, rel=1e-9)
                 if budget is not None:
-                    assert max(dp.times.memory_bytes) <= budget * (1 + 1e-9)
+                    assert max(times.memory_bytes) <= budget * (1 + 1e-9)
 
 
 def test_dp_cutoff_returns_none_when_nothing_beats_it():
