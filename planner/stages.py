@@ -73,11 +73,15 @@ from dataclasses import dataclass, replace
 import numpy as np
 from ortools.linear_solver import pywraplp
 
-from planner import ilp, schedules
+from planner import ilp, schedules, stage_dp
 from planner.numerics import mip_solver
 from planner.problem import Edge, Infeasible, Node, Option, Problem
 from planner.schedules import SCHEDULES
 _GB = 1e9
+# the dynamic program's share of a solve before the integer program takes over: it proves
+# small and medium pipelines in well under it, and on the largest (a 48-block GPT at pp 8)
+# it would take minutes (planner.stage_dp), so it must give up early
+DP_SECONDS = 1.0
 
 
 @dataclass(frozen=True)
@@ -255,10 +259,11 @@ class StageSolution:
 def solve_stages(problem: StageProblem, pp: int, microbatches: int, schedule: str,
                  budget_bytes: float | None, time_limit_s: float = 60.0,
                  relative_gap: float = 1e-9, cutoff_s: float | None = None,
-                 chunks: int = 1) -> StageSolution | None:
+                 chunks: int = 1, method: str = "auto") -> StageSolution | None:
     """The best stage cut (pp·chunks stages) and strategies for this shape by the
     objective; None when nothing fits the budget (or, with `cutoff_s`, no assignment's
-    simulated step can beat it: the cutoff bounds the simulation from below)."""
+    simulated step can beat it: the cutoff bounds the simulation from below).
+    `method` "mip" skips the dynamic program (tests compare the two)."""
     start = time.perf_counter()
     U = len(problem.units)
     S = pp * chunks
@@ -267,6 +272,11 @@ def solve_stages(problem: StageProblem, pp: int, microbatches: int, schedule: st
     if S == 1:
         return _solve_one_stage(problem, microbatches, schedule, budget_bytes, time_limit_s,
                                 cutoff_s, start)
+    if chunks == 1 and method != "mip":  # one stage per rank: exact by dynamic programming (planner.stage_dp)
+        solved = _solve_by_dp(problem, pp, microbatches, schedule, budget_bytes, cutoff_s,
+                              start, start + min(time_limit_s / 2, DP_SECONDS))
+        if solved != "too large":
+            return solved
     given = problem
     # in units of the largest single time: SCIP drops coefficients below 1e-9 (planner.ilp)
     unit_s = _time_unit_s(problem)
@@ -430,6 +440,32 @@ def solve_stages(problem: StageProblem, pp: int, microbatches: int, schedule: st
         bound_s=min(bound, times.step_s),
         seconds=time.perf_counter() - start, num_variables=solver.NumVariables(),
         num_constraints=solver.NumConstraints())
+
+
+def _solve_by_dp(problem: StageProblem, pp: int, microbatches: int, schedule: str,
+                 budget_bytes: float | None, cutoff_s: float | None, start: float,
+                 deadline: float):
+    """The integer program's optimum by planner.stage_dp, read out as the integer
+    program would be; "too large" where the dynamic program declines or runs past
+    `deadline` (DP_SECONDS or half the time limit: the integer program gets the rest)."""
+    flights = [in_flight(schedule, pp, microbatches, k) for k in range(pp)]
+    try:
+        found = stage_dp.solve(problem, pp, microbatches, flights, budget_bytes, cutoff_s,
+                               deadline)
+    except stage_dp.TooLarge:
+        return "too large"
+    if found is None:
+        return None
+    times = evaluate(problem, found.starts, found.choice, microbatches, schedule)
+    if cutoff_s is not None and times.step_s > cutoff_s:
+        return None
+    bound = lower_bound(problem, pp, microbatches, schedule, 1, budget_bytes)
+    if schedule == "GPipe":  # its objective is its makespan: the optimum is the bound
+        bound = max(bound, times.objective_s)
+    return StageSolution(
+        starts=found.starts, choice=found.choice, times=times, status="optimal",
+        bound_s=min(bound, times.step_s), seconds=time.perf_counter() - start,
+        num_variables=0, num_constraints=0)
 
 
 def balanced_cut(problem: StageProblem, pp: int, microbatches: int, schedule: str,

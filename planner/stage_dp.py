@@ -1,0 +1,290 @@
+"""An exact solver for the stage problem with one stage per rank (GPipe, 1F1B): the same
+optimum as planner.stages' integer program, without SCIP and without its time limits.
+
+The integer program minimises (planner.stages)
+
+    Σ_k T_k  +  (m - 1)·max_k T_k  +  max_k S_k      s.t.  W_k + f_k·V_k ≤ budget
+
+and on deep pipelines of large models it ran into its time limits (a 48-block GPT over 64
+devices: 65 solves took 6 minutes and proved few). Every term is non-decreasing in each
+stage's (T, S, memory), so a label-setting dynamic program over the units in order is
+exact: a label is a partial assignment of units 0..u to stages 0..k, summarised by
+
+    (Σ T so far, max T of closed stages, max S of closed stages, T, S, memory of stage k)
+
+and a label no worse in all six than another with the same (stage, open edge sources)
+can be dropped: whatever completes the worse one completes the better one no worse.
+
+Inside a unit the layers' strategies are chosen the same way: labels (A, G, W, V) per
+unit (per-microbatch time, per-step time, weights, activations), Pareto-filtered per
+assignment of the layers whose edges still reach forward. That inner set is computed once
+per distinct unit (a transformer's blocks are the same unit 48 times) and incoming
+assignment, and is small (a handful of points per block).
+
+Where the frontier of open edge sources grows too wide, labels pile up past a limit, or
+the deadline passes, `solve` raises `TooLarge` and the caller falls back to the integer
+program. Measured limit: on the 48-block GPT at pp 8 (18 points per block: data parallel
+or FSDP per weight, trading time, per-step time and memory) one stage's (T, S, memory)
+front reaches ~10^4 points and the labels ~10^5, minutes of Python: it falls back there.
+The way on is to price each stage interval once (2-D (T, S) front under the memory cap,
+cached by the units' signatures: identical blocks give identical intervals) and run the
+outer program on (Σ T, max T, max S) over cut positions.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+_GB = 1e9
+MAX_FRONTIER_STATES = 256  # assignments of open edge sources carried between units
+MAX_LABELS = 5_000  # labels alive at one unit boundary before giving up
+
+
+class TooLarge(RuntimeError):
+    """The dynamic program would be too wide for this problem: use the integer program."""
+
+
+@dataclass(frozen=True)
+class DPSolution:
+    starts: tuple[int, ...]
+    choice: tuple[int, ...]
+    objective_s: float
+
+
+def _pareto(points: list, dims: int) -> list:
+    """Points (tuples whose first `dims` entries are costs) no other point is <= in every
+    cost; of equal points the first. Sorted lexicographically, a point's dominators come
+    before it, so blocks of points are checked against those kept, in numpy."""
+    if len(points) <= 1:
+        return points
+    costs = np.array([p[:dims] for p in points])
+    order = np.lexsort(costs.T[::-1])
+    costs = costs[order]
+    kept_rows: list[int] = []
+    kept = np.empty((0, dims))
+    for s in range(0, len(points), 256):
+        block = costs[s:s + 256]
+        beaten = (block[:, None, :] >= block[None, :, :]).all(axis=2)
+        beaten = np.tril(beaten, -1).any(axis=1)  # by an earlier point of the block
+        if len(kept):
+            beaten |= (block[:, None, :] >= kept[None, :, :]).all(axis=2).any(axis=1)
+        rows = np.flatnonzero(~beaten)
+        kept_rows.extend(s + rows)
+        kept = np.vstack([kept, block[rows]])
+    return [points[order[r]] for r in kept_rows]
+
+
+class _Units:
+    """Per unit: its layers, the edges into them, and which earlier layers' options its
+    edges read (the frontier), so a unit's inner Pareto set can be computed and reused."""
+
+    def __init__(self, problem):
+        self.problem = problem
+        L = len(problem.layers)
+        unit = [l.unit for l in problem.layers]
+        if any(b < a for a, b in zip(unit, unit[1:])):
+            raise TooLarge("layers are not grouped by unit in order")
+        self.members = problem.unit_layers()
+        self.into: list[list] = [[] for _ in range(L)]  # per dst layer: (src, cost)
+        last_use = [-1] * L  # the last layer reading each layer
+        for e in problem.edges:
+            if e.src >= e.dst:
+                raise TooLarge("an edge runs backwards")
+            cost = np.asarray(e.cost_s, float)
+            if not np.isfinite(cost).all():
+                raise TooLarge("an edge with an infinite cost")
+            self.into[e.dst].append((e.src, cost))
+            last_use[e.src] = max(last_use[e.src], e.dst)
+        self.last_use = last_use
+        # open[u]: layers before unit u read by unit u or later (their options carried)
+        self.open = []
+        for members in self.members:
+            first = members[0] if members else L
+            self.open.append(tuple(i for i in range(first) if last_use[i] >= first))
+        self.open.append(())
+        self._cache: dict = {}
+
+    def signature(self, u: int) -> tuple:
+        base = self.members[u][0]
+        layers = tuple((l.microbatch_s.tobytes(), l.step_s.tobytes(), l.weight_bytes.tobytes(),
+                        l.activation_bytes.tobytes())
+                       for l in (self.problem.layers[i] for i in self.members[u]))
+        edges = tuple((s - base, d - base, c.tobytes(), c.shape)
+                      for d in self.members[u] for s, c in self.into[d])
+        out = tuple(i - base for i in self.open[u + 1])
+        into = tuple(i - base for i in self.open[u])
+        uses = tuple(min(self.last_use[i], 10**9) - base for i in self.members[u])
+        return layers, edges, out, into, uses
+
+    def points(self, u: int, state: tuple) -> dict:
+        """{outgoing state: [(A, G, W, V, options of the unit's layers)]}: the Pareto set
+        of the unit's strategy choices given the options `state` of open[u]."""
+        key = (self.signature(u), state)
+        hit = self._cache.get(key)
+        if hit is not None:
+            return hit
+        members = self.members[u]
+        end = members[-1]
+        labels = {tuple(zip(self.open[u], state)): [(0.0, 0.0, 0.0, 0.0, ())]}
+        for i in members:
+            layer = self.problem.layers[i]
+            grown: dict = {}
+            for live, group in labels.items():
+                known = dict(live)
+                for o in range(len(layer.strategies)):
+                    extra = sum(float(c[known[s], o]) for s, c in self.into[i])
+                    alive = {s: v for s, v in known.items() if self.last_use[s] > i}
+                    if self.last_use[i] > i:
+                        alive[i] = o
+                    nkey = tuple(sorted(alive.items()))
+                    bucket = grown.setdefault(nkey, [])
+                    a, g = float(layer.microbatch_s[o]) + extra, float(layer.step_s[o])
+                    w, v = float(layer.weight_bytes[o]) / _GB, float(layer.activation_bytes[o]) / _GB
+                    for A, G, W, V, ch in group:
+                        bucket.append((A + a, G + g, W + w, V + v, ch + (o,)))
+            labels = {k: _pareto(b, 4) for k, b in grown.items()}
+            if len(labels) > MAX_FRONTIER_STATES:
+                raise TooLarge(f"{len(labels)} frontier states inside unit {u}")
+        out_layers = self.open[u + 1]
+        result: dict = {}
+        for live, group in labels.items():
+            known = dict(live)
+            assert all(s in known for s in out_layers if s <= end)
+            result.setdefault(tuple(known[s] for s in out_layers), []).extend(group)
+        result = {k: _pareto(b, 4) for k, b in result.items()}
+        self._cache[key] = result
+        return result
+
+
+def solve(problem, pp: int, microbatches: int, flights: list[int],
+          budget_bytes: float | None, cutoff_s: float | None = None,
+          deadline: float = math.inf) -> DPSolution | None:
+    """The least objective over cuts into pp stages (one per rank, stage k keeping
+    `flights[k]` microbatches in flight) and strategies; None when nothing fits (or,
+    with `cutoff_s`, when every plan has m·max T + max S above it: the simulated step
+    cannot beat the cutoff). Past `deadline` (time.perf_counter()) it raises TooLarge.
+    A narrow pass first (a few labels per state: a plan, not a
+    proof) gives an incumbent; the exact pass then drops every label whose bound cannot
+    beat it, which keeps deep pipelines of repeated blocks to a few thousand labels."""
+    if pp > len(problem.units) or any(not members for members in problem.unit_layers()):
+        raise TooLarge("a unit without layers")
+    units = _Units(problem)
+    first = _pass(units, pp, microbatches, flights, budget_bytes, cutoff_s, math.inf, 8,
+                  deadline)
+    if first is None:  # the narrow pass can miss a plan that fits: the exact one decides
+        return _pass(units, pp, microbatches, flights, budget_bytes, cutoff_s, math.inf,
+                     None, deadline)
+    found = _pass(units, pp, microbatches, flights, budget_bytes, cutoff_s,
+                  first.objective_s * (1 + 1e-9), None, deadline)
+    return found or first
+
+
+def _pass(units: _Units, pp: int, microbatches: int, flights: list[int],
+          budget_bytes: float | None, cutoff_s: float | None, incumbent: float,
+          beam: int | None, deadline: float = math.inf) -> DPSolution | None:
+    """One sweep over the units: exact (beam None) below `incumbent`, or keeping the
+    `beam` labels of least bound per state."""
+    problem = units.problem
+    U, m = len(problem.units), microbatches
+    budget = math.inf if budget_bytes is None else budget_bytes / _GB * (1 + 1e-9)
+    cutoff = math.inf if cutoff_s is None else cutoff_s * (1 + 1e-9)
+    cut = [float(c) for c in problem.cut_s]
+    # rest[u]: the least units u.. add to Σ T (each layer's cheapest option and edge)
+    least = np.zeros(U + 1)
+    for l in problem.layers:
+        least[l.unit] += float(l.microbatch_s.min())
+    for e in problem.edges:
+        least[problem.layers[e.dst].unit] += float(np.asarray(e.cost_s).min())
+    rest = np.concatenate([np.cumsum(least[::-1])[::-1][1:], [0.0]])  # rest[u] = Σ_{>u}
+
+    def bound(lab, u, k):
+        """No completion of label `lab` (units ..u in stages ..k) has a smaller objective:
+        stages k.. share at least T + rest, so the largest is at least its share."""
+        sumT, maxT, maxS, T, S = lab[:5]
+        share = (T + rest[u]) / (pp - k)
+        return sumT + rest[u] + (m - 1) * max(maxT, T, share) + max(maxS, S)
+
+    # label: (sumT, maxT, maxS, T, S, mem, back)  keyed by (stage, open-source options)
+    labels: dict = {(0, ()): [(0.0, 0.0, 0.0, 0.0, 0.0, 0.0, None)]}
+    for u in range(U):
+        grown: dict = {}
+        grown_count = 0
+        for (k, state), group in labels.items():
+            if time.perf_counter() > deadline:
+                raise TooLarge(f"out of time at unit {u}")
+            grown_count += len(group)
+            if grown_count > MAX_LABELS:
+                raise TooLarge(f"over {MAX_LABELS} labels into unit {u}")
+            pts = units.points(u, state)
+            moves = [(k, False)]
+            if u > 0 and k + 1 < pp:
+                moves.append((k + 1, True))
+            for nk, opens in moves:
+                if U - u < pp - nk:  # too few units left for the stages still to open
+                    continue
+                if not opens and U - u - 1 < pp - 1 - nk:
+                    continue
+                f = flights[nk]
+                for out_state, plist in pts.items():
+                    bucket = grown.setdefault((nk, out_state), [])
+                    for lab in group:
+                        sumT, maxT, maxS, T, S, mem, _ = lab
+                        if opens:  # close stage k at this cut, open stage k + 1
+                            c = cut[u]
+                            maxT, maxS = max(maxT, T + c), max(maxS, S)
+                            sumT, T, S, mem = sumT + 2 * c, c, 0.0, 0.0
+                        for A, G, W, V, ch in plist:
+                            nmem = mem + W + f * V
+                            if nmem > budget:
+                                continue
+                            nT, nS = T + A, S + G
+                            if m * max(maxT, nT) + max(maxS, nS) > cutoff:
+                                continue
+                            new = (sumT + A, maxT, maxS, nT, nS, nmem, (lab, u, opens, ch))
+                            if bound(new, u, nk) < incumbent:
+                                bucket.append(new)
+                    if len(bucket) > 4 * MAX_LABELS:
+                        raise TooLarge(f"over {4 * MAX_LABELS} labels grown at unit {u}")
+        labels = {}
+        total = 0
+        for key, bucket in grown.items():
+            if bucket:
+                if beam is not None:
+                    bucket = sorted(bucket, key=lambda lab: bound(lab, u, key[0]))[:beam * 4]
+                labels[key] = _pareto(bucket, 6)
+                if beam is not None:
+                    labels[key] = labels[key][:beam] if len(labels[key]) <= beam else sorted(
+                        labels[key], key=lambda lab: bound(lab, u, key[0]))[:beam]
+                total += len(labels[key])
+        if total > MAX_LABELS:
+            raise TooLarge(f"{total} labels after unit {u}")
+        if time.perf_counter() > deadline:
+            raise TooLarge(f"out of time after unit {u} ({total} labels)")
+        if not labels:
+            return None
+    best = None  # (objective, label)
+    for (k, _), group in labels.items():
+        if k != pp - 1:
+            continue
+        for lab in group:
+            sumT, maxT, maxS, T, S, _, _ = lab
+            value = sumT + (m - 1) * max(maxT, T) + max(maxS, S)
+            if best is None or value < best[0]:
+                best = (value, lab)
+    if best is None:
+        return None
+    choice = [0] * len(problem.layers)
+    starts = []
+    lab = best[1]
+    while lab[6] is not None:
+        parent, u, opens, ch = lab[6]
+        for i, o in zip(units.members[u], ch):
+            choice[i] = o
+        if opens:
+            starts.append(u)
+        lab = parent
+    return DPSolution((0, *reversed(starts)), tuple(choice), best[0])

@@ -1,0 +1,95 @@
+"""The dynamic program for one stage per rank (planner.stage_dp) finds the integer
+program's optimum: equal objectives against brute force and against the stage MIP on
+random instances (edges across units, budgets that bind, cut transfers)."""
+
+import numpy as np
+import pytest
+
+from planner import stage_dp
+from planner.problem import Edge
+from planner.stages import (
+    LayerOptions, StageProblem, brute_force, evaluate, in_flight, solve_stages,
+)
+from test_pipeline_search import _random_problem
+
+
+def _repeated_problem(rng, blocks=5) -> StageProblem:
+    """A head, `blocks` identical blocks of three layers (the inner Pareto set reused),
+    and a tail, with edges between neighbouring blocks."""
+    def options(k):
+        return (rng.uniform(0.1, 1.0, k), rng.uniform(0.0, 0.3, k),
+                rng.uniform(1e8, 1e9, k), rng.uniform(1e7, 4e8, k))
+    block = [options(int(rng.integers(1, 4))) for _ in range(3)]
+    inner = [rng.uniform(0, 0.3, (len(block[i][0]), len(block[i + 1][0]))) for i in range(2)]
+    across = rng.uniform(0, 0.3, (len(block[2][0]), len(block[0][0])))
+    layers = [LayerOptions("head", 0, ("a", "b"), *options(2))]
+    edges = []
+    for b in range(blocks):
+        for j in range(3):
+            layers.append(LayerOptions(f"b{b}.{j}", b + 1, tuple(f"s{i}" for i in
+                                       range(len(block[j][0]))), *block[j]))
+        base = 1 + 3 * b
+        edges += [Edge(base, base + 1, inner[0]), Edge(base + 1, base + 2, inner[1])]
+        if b:
+            edges.append(Edge(base - 1, base, across))
+    layers.append(LayerOptions("tail", blocks + 1, ("t",), *options(1)))
+    edges.append(Edge(0, 1, rng.uniform(0, 0.3, (2, len(block[0][0])))))
+    edges.append(Edge(0, len(layers) - 1, rng.uniform(0, 0.3, (2, 1))))  # skips units
+    edges.append(Edge(len(layers) - 2, len(layers) - 1, rng.uniform(0, 0.3,
+                                                                    (len(block[2][0]), 1))))
+    cut = tuple(float(x) for x in rng.uniform(0, 0.2, blocks + 2))
+    return StageProblem(tuple(layers), tuple(edges), tuple(f"u{u}" for u in range(blocks + 2)),
+                        cut)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_dp_equals_brute_force_random(seed):
+    rng = np.random.default_rng(100 + seed)
+    p = _random_problem(rng, units=5, layers=6)
+    for pp in range(2, len(p.units) + 1):
+        for m, schedule in [(3, "1F1B"), (pp, "1F1B"), (2, "GPipe")]:
+            loose = brute_force(p, pp, m, schedule, None)
+            flights = [in_flight(schedule, pp, m, k) for k in range(pp)]
+            for budget in [None, 0.9 * max(loose[0].memory_bytes),
+                           0.6 * max(loose[0].memory_bytes)]:
+                expected = brute_force(p, pp, m, schedule, budget)
+                got = stage_dp.solve(p, pp, m, flights, budget)
+                if expected is None:
+                    assert got is None
+                    continue
+                assert got is not None, (pp, m, schedule, budget)
+                assert got.objective_s == pytest.approx(expected[0].objective_s, rel=1e-9)
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_dp_equals_stage_mip_on_repeated_blocks(seed):
+    """The dynamic program equals the stage MIP (SCIP), and the assignment it returns is
+    priced by evaluate() at the objective it claims, within the budget."""
+    rng = np.random.default_rng(200 + seed)
+    p = _repeated_problem(rng)
+    for pp in (2, 4):
+        for m, schedule in [(4, "1F1B"), (3, "GPipe")]:
+            loose = solve_stages(p, pp, m, schedule, None, method="mip")
+            for budget in [None, 0.8 * max(loose.times.memory_bytes),
+                           0.5 * max(loose.times.memory_bytes)]:
+                mip = solve_stages(p, pp, m, schedule, budget, method="mip")
+                flights = [in_flight(schedule, pp, m, k) for k in range(pp)]
+                dp = stage_dp.solve(p, pp, m, flights, budget)  # no deadline: no fallback
+                if mip is None:
+                    assert dp is None
+                    continue
+                assert mip.status == "optimal"
+                assert dp.objective_s == pytest.approx(mip.times.objective_s, rel=1e-7)
+                times = evaluate(p, dp.starts, dp.choice, m, schedule)
+                assert times.objective_s == pytest.approx(dp.objective_s, rel=1e-9)
+                if budget is not None:
+                    assert max(times.memory_bytes) <= budget * (1 + 1e-9)
+
+
+def test_dp_cutoff_returns_none_when_nothing_beats_it():
+    rng = np.random.default_rng(7)
+    p = _repeated_problem(rng)
+    best = solve_stages(p, 3, 6, "1F1B", None)
+    assert solve_stages(p, 3, 6, "1F1B", None, cutoff_s=best.times.step_s * 0.5) is None
+    again = solve_stages(p, 3, 6, "1F1B", None, cutoff_s=best.times.step_s * 1.01)
+    assert again.times.objective_s == pytest.approx(best.times.objective_s)
