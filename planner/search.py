@@ -301,7 +301,8 @@ def build(cache: CostCache, pp: int, dp: int, tp: int, rows: int,
     """The stage problem of one mesh shape at `rows` rows per microbatch per replica.
     `pin` maps layer names to the option they must use where it applies: a strategy's
     name, or with "+fsdp" ("+hsdp") its variant sharded over the dp group (the dp ranks of
-    a node: planner.dp_shard)."""
+    a node: planner.dp_shard); a bare suffix ("+fsdp") keeps every option with it (the
+    strategy over tp stays free: planner.baseline's "fsdp_tp")."""
     graph, cluster = cache.graph, cache.cluster
     unit_names: list[str] = []
     unit_of: list[int] = []
@@ -330,8 +331,10 @@ def build(cache: CostCache, pp: int, dp: int, tp: int, rows: int,
         variants += [(s, sh) for s in strats for sh in dp_shard.variants(
             layer, s.name, dp, tp, graph.tracer, tied, cluster.devices_per_node)]
         names = [s.name + sh for s, sh in variants]
-        if pin and layer.name in pin and pin[layer.name] in names:
-            keep = [j for j, n in enumerate(names) if n == pin[layer.name]]
+        want = pin.get(layer.name) if pin else None
+        keep = [j for j, n in enumerate(names) if want and (
+            n == want or (want.startswith("+") and n.endswith(want)))]
+        if keep:
             variants, names = [variants[j] for j in keep], [names[j] for j in keep]
         prices = [cache.price(entry, s, dp, sh) for s, sh in variants]  # planner.price
         if layer.node in tied_copy:
