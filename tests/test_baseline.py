@@ -5,7 +5,12 @@ import torch
 from torch import nn
 
 import planner
-from planner.baseline import ONE_D_KINDS, available
+from planner.baseline import ONE_D_KINDS, available, fsdp_tp
+from planner.price import price
+from planner.search import CostCache, build
+from planner.stages import brute_force
+from profiler import profile, trace
+from strategies.parse import parse_devices
 from planner.cli import main
 from tests.models import mlp
 
@@ -100,13 +105,6 @@ def test_fsdp_tp_baseline_prices_every_weighted_layer_as_its_fsdp_variant_at_tp(
     """FSDP x TP (torchtitan's 2-D plan): every Linear runs a tp strategy +fsdp over the
     dp group, each option priced by planner.price as that variant, and the baseline's step
     is the brute-force best of those options on its shape."""
-    from planner.baseline import fsdp_tp
-    from planner.price import price
-    from planner.search import CostCache, Shape, build
-    from planner.stages import brute_force
-    from profiler import profile, trace
-    from strategies.parse import parse_devices
-
     graph = profile(trace(mlp(), _x()), measure=False)
     cluster = parse_devices("2x4xV100")
     plan = fsdp_tp(graph, cluster, "adam", cluster.device.memory_bytes, 0.0, tp=4)
