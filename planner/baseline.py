@@ -13,15 +13,22 @@ what it needs, never as a speed to beat.
 `"pipeline"` is the best pipeline without tensor parallelism (pp >= 2 stages, data-parallel
 replicas of the pipeline on the rest of the devices), found by the 3-D search restricted to
 those mesh shapes.
+`"fsdp_tp"` is 2-D FSDP x TP as torchtitan runs Llama 3 70 B (FSDP 32 x TP 8 on 32 nodes of
+8): one stage, tensor parallel over a tp group inside a node, and every layer that FSDP2
+can shard (planner.dp_shard.offered) fully sharded over the dp group ("+fsdp"); the search
+picks each layer's strategy over tp, the microbatches and whole-block recompute (torchtitan's
+activation checkpointing), so it is the best plan of that kind.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 
 from torch import nn
 
+from planner import block_recompute, dp_shard
 from planner.assemble import assemble
 from planner.block_cuts import why_no_blocks
 from planner.choices import Choices, layer_choices
@@ -32,7 +39,7 @@ from planner.plan3d import plan_3d
 from planner.price import step_overhead_s
 from planner.problem import Solution
 from planner.profiled import profiled_graph
-from planner.search import shapes
+from planner.search import Shape, shapes
 from planner.volume import communication_bytes
 from profiler.graph import Layer, ModelGraph
 from strategies.catalog import Strategy
@@ -68,12 +75,14 @@ BASELINES: dict[str, tuple[Rule, str | None, str]] = {
     "tensor": (_tensor, None, ""),
     "fsdp": (_fsdp, "fsdp", "needs the FSDP strategy (issue 4), not in this build"),
     "pipeline": (None, None, ""),  # not a per-layer rule: mesh shapes of the 3-D search
+    "fsdp_tp": (None, None, ""),  # likewise, with every shardable layer pinned to +fsdp
 }
 # the kinds that are one integer program over a 1-D mesh: cheap enough that optimize()
 # prices each of them beside every plan it makes
 ONE_D_KINDS = ("ddp", "tensor", "fsdp")
 LABELS = {"ddp": "DDP (pure data parallel)", "tensor": "tensor parallel (Megatron-style)",
-          "fsdp": "FSDP (sharded data parallel)", "pipeline": "pipeline"}
+          "fsdp": "FSDP (sharded data parallel)", "pipeline": "pipeline",
+          "fsdp_tp": "FSDP x TP (2-D, torchtitan's)"}
 
 
 def available(kinds: Sequence[str] | None = None) -> list[str]:
@@ -138,15 +147,19 @@ def summarize(choices: Choices, solution: Solution, cluster: Cluster,
 @plan_once
 def baseline(model: nn.Module, devices, kind: str, example_inputs: Sequence | None = None,
              example_kwargs: dict | None = None, *, optimizer: str = "adam",
-             leaf_modules=(), measure: bool | None = None, time_limit_s: float = 60.0) -> Plan:
-    """The `kind` baseline ("ddp", "tensor", "fsdp" or "pipeline") for `model` on
-    `devices`, as a Plan the executor runs like any other."""
+             leaf_modules=(), measure: bool | None = None, time_limit_s: float = 60.0,
+             tracer: str = "auto") -> Plan:
+    """The `kind` baseline ("ddp", "tensor", "fsdp", "pipeline" or "fsdp_tp") for `model`
+    on `devices`, as a Plan the executor runs like any other; `tracer` as optimize's."""
     started = time.perf_counter()
-    if _check(kind) is None:
+    if _check(kind) is None and kind == "pipeline":
         return _pipeline(model, devices, example_inputs, example_kwargs, optimizer,
                          leaf_modules, measure, time_limit_s, started)
     graph, cluster = profiled_graph(model, devices, example_inputs, example_kwargs,
-                                    leaf_modules, measure)
+                                    leaf_modules, measure, tracer)
+    if kind == "fsdp_tp":
+        return fsdp_tp(graph, cluster, optimizer, cluster.device.memory_bytes, started,
+                       time_limit_s=time_limit_s)
     choices, solution = solve_baseline(graph, cluster, optimizer, kind, time_limit_s)
     budget = cluster.device.memory_bytes
     return assemble(graph, cluster, optimizer, choices, solution, budget, None, None,
@@ -172,3 +185,30 @@ def _pipeline(model, devices, example_inputs, example_kwargs, optimizer, leaf_mo
                          f"{cluster.describe()} has {cluster.num_devices}")
     return plan_3d(graph, cluster, optimizer, cluster.device.memory_bytes, started,
                    time_limit_s=time_limit_s, only=only)
+
+
+def fsdp_tp_shapes(cluster: Cluster, batch: int, tp: int | None = None) -> list[Shape]:
+    """The one-stage shapes of the "fsdp_tp" baseline: tp `tp` (default: every tp of two or
+    more that divides a node) with a dp group of two or more on the rest of the devices."""
+    per_node = cluster.devices_per_node
+    tps = [tp] if tp is not None else [t for t in range(2, per_node + 1) if per_node % t == 0]
+    return [s for s in shapes(cluster.num_devices, batch)
+            if s.pp == 1 and s.tp in tps and s.dp >= 2]
+
+
+def fsdp_tp(graph: ModelGraph, cluster: Cluster, optimizer: str, budget: float,
+            started: float, *, tp: int | None = None, time_limit_s: float = 60.0) -> Plan:
+    """The best FSDP x TP plan (module docstring) within `budget` bytes per device; `tp`
+    fixes the tensor-parallel degree (torchtitan's: 8, one node). Raises PlanDoesNotFit
+    with what the smallest shape needs when none fits."""
+    only = fsdp_tp_shapes(cluster, graph.batch_size, tp)
+    if not only:
+        raise ValueError(f"baseline: 'fsdp_tp' needs a tp group of two or more inside a node "
+                         f"and a dp group of two or more that splits the batch of "
+                         f"{graph.batch_size}; {cluster.describe()} has none"
+                         + (f" with tp {tp}" if tp else ""))
+    if block_recompute.offered(graph):  # torchtitan checkpoints whole blocks
+        only += [replace(s, recompute=True) for s in only]
+    pin = {layer.name: dp_shard.SUFFIX for layer in graph.layers}
+    return plan_3d(graph, cluster, optimizer, budget, started, time_limit_s=time_limit_s,
+                   only=only, pin=pin)

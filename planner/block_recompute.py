@@ -45,10 +45,11 @@ def recompute_blocks(built, graph: ModelGraph):
     index = {layer.node: i for i, layer in enumerate(graph.layers)}
     layers = list(problem.layers)
     transient = 0.0
+    members_of = problem.unit_layers()  # once: per unit, a scan of every layer took minutes
     for u, name in enumerate(problem.units):
         if name not in blocks:
             continue
-        members = [i for i in range(len(graph.layers)) if problem.layers[i].unit == u]
+        members = [i for i in members_of[u] if i < len(graph.layers)]  # not the sink
         inside = {graph.layers[i].node for i in members}
         entering = {src for i in members for src in graph.layers[i].inputs
                     if src not in inside and src in carried}

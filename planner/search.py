@@ -301,7 +301,8 @@ def build(cache: CostCache, pp: int, dp: int, tp: int, rows: int,
     """The stage problem of one mesh shape at `rows` rows per microbatch per replica.
     `pin` maps layer names to the option they must use where it applies: a strategy's
     name, or with "+fsdp" ("+hsdp") its variant sharded over the dp group (the dp ranks of
-    a node: planner.dp_shard)."""
+    a node: planner.dp_shard); a bare suffix ("+fsdp") keeps every option with it (the
+    strategy over tp stays free: planner.baseline's "fsdp_tp")."""
     graph, cluster = cache.graph, cache.cluster
     unit_names: list[str] = []
     unit_of: list[int] = []
@@ -330,8 +331,10 @@ def build(cache: CostCache, pp: int, dp: int, tp: int, rows: int,
         variants += [(s, sh) for s in strats for sh in dp_shard.variants(
             layer, s.name, dp, tp, graph.tracer, tied, cluster.devices_per_node)]
         names = [s.name + sh for s, sh in variants]
-        if pin and layer.name in pin and pin[layer.name] in names:
-            keep = [j for j, n in enumerate(names) if n == pin[layer.name]]
+        want = pin.get(layer.name) if pin else None
+        keep = [j for j, n in enumerate(names) if want and (
+            n == want or (want.startswith("+") and n.endswith(want)))]
+        if keep:
             variants, names = [variants[j] for j in keep], [names[j] for j in keep]
         prices = [cache.price(entry, s, dp, sh) for s, sh in variants]  # planner.price
         if layer.node in tied_copy:
@@ -450,15 +453,17 @@ def search(graph: ModelGraph, cluster: Cluster, optimizer: str, budget_bytes: fl
     realizable: dict[int, bool] = {}
     ranked: list[tuple[float, Candidate]] = []
     listed = set(todo)
+    keys = cache.unit_keys
+    unit_count = sum(i == 0 or keys[i - 1] != k for i, k in enumerate(keys))  # as build's
     for shape in todo:
         if shape.schedule == "GPipe" and replace(shape, schedule="1F1B") in listed:
             out.append(Candidate(shape, "dominated", note="1F1B: same step time, no more "
                                  "activations in flight"))
             continue
-        b = problem_of(shape)
-        if shape.pp * shape.chunks > len(b.problem.units):
+        if shape.pp * shape.chunks > unit_count:  # before building its problem
             out.append(Candidate(shape, "infeasible", note="more stages than modules"))
             continue
+        b = problem_of(shape)
         if id(b) not in realizable:  # the stage MIP takes finite edges only
             realizable[id(b)] = all(np.isfinite(e.cost_s).all() for e in b.problem.edges)
         if not realizable[id(b)]:
@@ -474,13 +479,18 @@ def search(graph: ModelGraph, cluster: Cluster, optimizer: str, budget_bytes: fl
         bound = lower_bound(b.problem, shape.pp, shape.microbatches, shape.schedule,
                             shape.chunks, budget_of(shape))
         c = Candidate(shape, "pruned_by_bound", bound_s=bound)
-        guess = estimate(b.problem, shape.pp, shape.microbatches, shape.schedule, shape.chunks)
+        # one chunk: the estimate is the bound without the budget, never above this one
+        guess = bound if shape.chunks == 1 else estimate(
+            b.problem, shape.pp, shape.microbatches, shape.schedule, shape.chunks)
         ranked.append((max(bound, guess), c))
         out.append(c)
 
     # best first by the bound (one chunk per rank) or the balanced-chunk estimate (chunks:
-    # their bound leaves out the bubble, and would put every one of them first)
-    ranked.sort(key=lambda t: (t[0], t[1].shape.pp, t[1].shape.tp, t[1].shape.chunks))
+    # their bound leaves out the bubble, and would put every one of them first); one-stage
+    # shapes before all: planner.ilp proves them in a second, and their best is a cutoff
+    # for every pipelined shape
+    ranked.sort(key=lambda t: (t[1].shape.pp > 1, t[0], t[1].shape.pp, t[1].shape.tp,
+                               t[1].shape.chunks))
     best: Candidate | None = None
     solve_seconds = 0.0
 

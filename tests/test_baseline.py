@@ -5,7 +5,12 @@ import torch
 from torch import nn
 
 import planner
-from planner.baseline import ONE_D_KINDS, available
+from planner.baseline import ONE_D_KINDS, available, fsdp_tp
+from planner.price import price
+from planner.search import CostCache, build
+from planner.stages import brute_force
+from profiler import profile, trace
+from strategies.parse import parse_devices
 from planner.cli import main
 from tests.models import mlp
 
@@ -94,3 +99,39 @@ def test_prefer_standard_outside_zero_to_one_is_refused_by_name():
     model, inputs = _hybrid_model()
     with pytest.raises(ValueError, match="prefer_standard"):
         planner.optimize(model, "4xV100", inputs, measure=False, prefer_standard=1.5)
+
+
+def test_fsdp_tp_baseline_prices_every_weighted_layer_as_its_fsdp_variant_at_tp():
+    """FSDP x TP (torchtitan's 2-D plan): every Linear runs a tp strategy +fsdp over the
+    dp group, each option priced by planner.price as that variant, and the baseline's step
+    is the brute-force best of those options on its shape."""
+    graph = profile(trace(mlp(), _x()), measure=False)
+    cluster = parse_devices("2x4xV100")
+    plan = fsdp_tp(graph, cluster, "adam", cluster.device.memory_bytes, 0.0, tp=4)
+    pp, dp, tp = plan.mesh.shape
+    assert (pp, dp, tp) == (1, 2, 4) and plan.pipeline is None
+    weighted = [l for l in plan.layers if l.param_bytes]
+    assert weighted and all(l.dp_shard and not l.hsdp for l in weighted)
+
+    cache = CostCache(graph, cluster, "adam")
+    rows = 64 // (dp * plan.microbatches)
+    pin = {l.name: "+fsdp" for l in graph.layers}
+    built = build(cache, 1, dp, tp, rows, pin=pin)
+    for i, layer in enumerate(graph.layers):
+        options = built.problem.layers[i]
+        if not layer.param_bytes:
+            continue
+        assert all(n.endswith("+fsdp") for n in options.strategies), options.strategies
+        assert "column_parallel+fsdp" in options.strategies  # the tp half stays free
+        entry = cache.layer(layer, tp, rows)
+        for j, strategy in enumerate(built.strategies[i]):
+            assert options.microbatch_s[j] == price(entry.layer, strategy, entry.ctx, dp,
+                                                    "+fsdp").microbatch_s
+    best = brute_force(built.problem, 1, plan.microbatches, "1F1B", None)
+    fixed = plan.predicted.fixed_s
+    assert plan.predicted.step_time_s == pytest.approx(best[0].step_s + fixed, rel=1e-9)
+
+
+def test_fsdp_tp_baseline_needs_a_dp_and_a_tp_group():
+    with pytest.raises(ValueError, match="'fsdp_tp' needs a tp group"):
+        planner.baseline(mlp(), "2xV100", "fsdp_tp", _x())

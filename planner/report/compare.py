@@ -44,8 +44,12 @@ def compare(model: nn.Module, devices, example_inputs: Sequence, *, optimizer: s
         if why is not None:
             rows.append(Row(kind, LABELS[kind], None, f"not available yet: {why}"))
             continue
-        plan = baseline(model, chosen.cluster, kind, example_inputs, optimizer=optimizer,
-                        leaf_modules=leaf_modules)
+        try:
+            plan = baseline(model, chosen.cluster, kind, example_inputs, optimizer=optimizer,
+                            leaf_modules=leaf_modules)
+        except ValueError as error:  # no plan of that kind on these devices (fsdp_tp on 2)
+            rows.append(Row(kind, LABELS[kind], None, str(error)))
+            continue
         rows.append(Row(kind, LABELS[kind], plan))
     return rows
 
@@ -75,7 +79,8 @@ def table(rows: list[Row]) -> Table:
         t.add_column(header, justify=justify, no_wrap=justify == "right")
     for row in rows:
         if row.plan is None:
-            t.add_row(row.label, "not available yet (below)", *["-"] * 7)
+            what = "not available yet" if row.note.startswith("not available") else "none here"
+            t.add_row(row.label, f"{what} (below)", *["-"] * 7)
             continue
         p = row.plan.predicted
         memory = max(p.memory_bytes)
