@@ -3,6 +3,7 @@ with torchtitan's configuration, FSDP over the nodes x tensor parallel 8 inside 
 priced beside it by the same price list (planner.price).
 
     PYTHONPATH=$PWD python benchmarks/llm_presets.py [--cases 70b,405b] [--compare-trace]
+        [--search-time SECONDS]
 
 Per case:
 - tracing: three blocks traced with torch.export and repeated to all of them
@@ -12,7 +13,9 @@ Per case:
   (trace, FLOPs, the 1-D integer program, the 3-D search over pp x dp x tp, stage cuts,
   microbatches, schedules and the levers: fsdp / hsdp per layer, whole-block recompute),
   its wall time and the CPU seconds of this process (the machine may be shared: CPU
-  seconds are what the planning itself cost);
+  seconds are what the planning itself cost); with --search-time the 3-D search's solves
+  stop that long after it starts (planner.optimize's search_time_s), and the plan says
+  "feasible" with its gap;
 - the plan: mesh, schedule and microbatches, the levers its layers use, predicted step
   time, tokens/s per GPU and MFU, memory per device, solver status and gap;
 - torchtitan's configuration (planner.baseline "fsdp_tp" at tp 8): one stage, dp over the
@@ -129,7 +132,7 @@ def price_fsdp_tp(case: Case, model, inputs, kwargs, shape, seq: int) -> list[st
     return lines
 
 
-def run(case: Case, compare_trace: bool) -> None:
+def run(case: Case, compare_trace: bool, search_time_s: float | None = None) -> None:
     print(f"== {case.preset} on {case.devices}, seq {case.seq}, global batch {case.batch} "
           f"sequences ({case.batch * case.seq / 1e6:.1f} M tokens), adam, bf16-mixed ==")
     (model, inputs, kwargs, shape, seq), build_s, _ = timed(
@@ -145,8 +148,9 @@ def run(case: Case, compare_trace: bool) -> None:
         del whole
     plan, wall, cpu = timed(lambda: planner.optimize(
         model, case.devices, example_inputs=inputs, example_kwargs=kwargs, mesh="auto",
-        tracer="blocks"))
-    print(f"planning (optimize, mesh='auto', tracer='blocks'): {wall:.1f} s wall, "
+        tracer="blocks", search_time_s=search_time_s))
+    budget = "" if search_time_s is None else f", search_time_s={search_time_s:g}"
+    print(f"planning (optimize, mesh='auto', tracer='blocks'{budget}): {wall:.1f} s wall, "
           f"{cpu:.1f} s CPU")
     if isinstance(plan, Exception):
         print(f"hyplan's plan: none: {plan}")
@@ -167,9 +171,11 @@ def main() -> None:
     parser.add_argument("--compare-trace", action="store_true",
                         help="also trace the whole model with torch.export (slow) and "
                              "compare the graphs")
+    parser.add_argument("--search-time", type=float, default=None, metavar="SECONDS",
+                        help="stop the 3-D search's solves after SECONDS (default: no limit)")
     args = parser.parse_args()
     for key in args.cases.split(","):
-        run(CASES[key], compare_trace=args.compare_trace)
+        run(CASES[key], compare_trace=args.compare_trace, search_time_s=args.search_time)
 
 
 if __name__ == "__main__":

@@ -47,6 +47,7 @@ def optimize(
     mesh: str = "1d",
     prefer_standard: float = PREFER_STANDARD,
     precision: str | None = None,
+    search_time_s: float | None = None,
 ) -> Plan:
     """Choose, layer by layer, how to spread `model` over `devices` for one training step on
     `example_inputs` (their dim 0 is the global batch).
@@ -73,6 +74,9 @@ def optimize(
     precision: "bf16-mixed", "fp16-mixed" or "fp32" (strategies.precision): priced as the
     executor runs it (compute rate, memory, bytes sent). Default: the Cluster's, else the
     device's usual one (bf16-mixed on A100/H100, fp16-mixed on V100, fp32 on K20 and CPU).
+    search_time_s: with mesh "3d" or "auto", stop the 3-D search's solves that many
+    seconds after it starts, once it has a plan: the best found, "feasible" with its gap
+    (time_limit_s bounds each integer program alone).
     Under an initialized process group, call it on every rank: rank 0 plans and every rank
     returns its plan, or raises its error (planner.once).
     """
@@ -90,7 +94,7 @@ def optimize(
         return choose_mesh(mesh, graph, cluster, optimizer, budget, started,
                            lambda: _plan_1d(graph, cluster, optimizer, budget, pin,
                                             time_limit_s, started, prefer_standard),
-                           pin=pin, time_limit_s=time_limit_s)
+                           pin=pin, time_limit_s=time_limit_s, search_time_s=search_time_s)
     return _plan_1d(graph, cluster, optimizer, budget, pin, time_limit_s, started,
                     prefer_standard)
 

@@ -47,11 +47,13 @@ def optimize_3d(
     only: list[Shape] | None = None,
     pin: dict[str, str] | None = None,
     tracer: str = "auto",
+    search_time_s: float | None = None,
 ) -> Plan:
     """Choose the mesh (pipeline x data x tensor), the stage cut, the microbatches, the
     schedule and each layer's strategy for one training step on `example_inputs` (dim 0:
     the global batch). Arguments as planner.optimize; `max_microbatches` caps m; `only`
     restricts the search to the given shapes (e.g. to compare one shape with the best);
+    `search_time_s` bounds the search's solves (planner.search.search);
     `pin` {layer: strategy} fixes a layer's strategy on shapes where it applies. A model
     torch.fx cannot trace (`tracer` "auto" or "export") is cut only between its
     transformer blocks (planner.block_cuts), its tp groups inside a node."""
@@ -63,7 +65,8 @@ def optimize_3d(
     budget = memory_limit_bytes or cluster.device.memory_bytes
     return plan_3d(graph, cluster, optimizer, budget, started,
                    max_microbatches=max_microbatches, time_limit_s=time_limit_s,
-                   relative_gap=relative_gap, only=only, pin=pin)
+                   relative_gap=relative_gap, only=only, pin=pin,
+                   search_time_s=search_time_s)
 
 
 def refuse_unsplittable(graph) -> None:
@@ -77,12 +80,12 @@ def refuse_unsplittable(graph) -> None:
 def plan_3d(graph, cluster: Cluster, optimizer: str, budget: float, started: float, *,
             max_microbatches: int | None = None, time_limit_s: float = 60.0,
             relative_gap: float = 1e-6, only: list[Shape] | None = None,
-            pin: dict[str, str] | None = None) -> Plan:
+            pin: dict[str, str] | None = None, search_time_s: float | None = None) -> Plan:
     """The 3-D search on a traced, profiled graph (what optimize_3d and
     planner.optimize(mesh="3d" or "auto") share); `started`: perf_counter at the call."""
     result = search(graph, cluster, optimizer, budget, max_microbatches=max_microbatches,
                     time_limit_s=time_limit_s, relative_gap=relative_gap, only=only,
-                    pin=pin)
+                    pin=pin, search_time_s=search_time_s)
     if result.best is None:
         fits = [c for c in result.candidates if c.outcome == "does_not_fit"]
         smallest = min((c.note for c in fits), default="")
@@ -367,7 +370,7 @@ AS_GOOD = 0.01  # "auto" keeps the 1-D plan unless a 3-D one is predicted this m
 
 def choose_mesh(mesh: str, graph, cluster: Cluster, optimizer: str, budget: float,
                 started: float, plan_1d, *, pin: dict[str, str] | None = None,
-                time_limit_s: float = 60.0) -> Plan:
+                time_limit_s: float = 60.0, search_time_s: float | None = None) -> Plan:
     """planner.optimize(mesh="3d"): the 3-D search's plan. mesh="auto": the 1-D plan
     (`plan_1d()`, one group of all devices, each layer data- or model-parallel) unless the
     3-D search predicts a step at least AS_GOOD faster, or the 1-D plan does not fit; the
@@ -382,14 +385,14 @@ def choose_mesh(mesh: str, graph, cluster: Cluster, optimizer: str, budget: floa
                            f"transformer blocks; {why})"})
     if mesh == "3d":
         return plan_3d(graph, cluster, optimizer, budget, started, pin=pin,
-                       time_limit_s=time_limit_s)
+                       time_limit_s=time_limit_s, search_time_s=search_time_s)
     try:
         one = plan_1d()
     except PlanDoesNotFit:
         one = None
     try:
         three = plan_3d(graph, cluster, optimizer, budget, started, pin=pin,
-                        time_limit_s=time_limit_s)
+                        time_limit_s=time_limit_s, search_time_s=search_time_s)
     except PlanDoesNotFit:
         if one is None:
             raise

@@ -414,10 +414,14 @@ def search(graph: ModelGraph, cluster: Cluster, optimizer: str, budget_bytes: fl
            *, max_microbatches: int | None = None, time_limit_s: float = 60.0,
            relative_gap: float = 1e-9, only: list[Shape] | None = None,
            cache: CostCache | None = None, pin: dict[str, str] | None = None,
-           schedules: tuple[str, ...] = SCHEDULES) -> SearchResult:
+           schedules: tuple[str, ...] = SCHEDULES,
+           search_time_s: float | None = None) -> SearchResult:
     """The fastest plan over all shapes that fits `budget_bytes` per device; `schedules`
-    limits the pipeline schedules tried."""
+    limits the pipeline schedules tried. `search_time_s`: once a plan is found, no solve
+    runs past that many seconds from the start; what is left is "skipped" and counts in
+    the gap (the plan says "feasible" with it), as after Ctrl-C."""
     started = time.perf_counter()
+    deadline = None if search_time_s is None else started + search_time_s
     cache = cache or CostCache(graph, cluster, optimizer)
     batch = graph.batch_size
     todo = only if only is not None else shapes(cluster.num_devices, batch, max_microbatches,
@@ -494,12 +498,17 @@ def search(graph: ModelGraph, cluster: Cluster, optimizer: str, budget_bytes: fl
     best: Candidate | None = None
     solve_seconds = 0.0
 
+    def out_of_time() -> bool:
+        return deadline is not None and best is not None and time.perf_counter() >= deadline
+
     def attempt(c: Candidate, limit_s: float) -> None:
         """Solve candidate c within `limit_s`, cut off at the incumbent; keep the best."""
         nonlocal best, solve_seconds
         incumbent = best.solution.times.step_s if best else None
         s = c.shape
         t0 = time.perf_counter()
+        if deadline is not None and best is not None:
+            limit_s = max(0.1, min(limit_s, deadline - t0))
         try:
             solution = solve_stages(
                 problem_of(s).problem, s.pp, s.microbatches, s.schedule, budget_of(s),
@@ -542,6 +551,8 @@ def search(graph: ModelGraph, cluster: Cluster, optimizer: str, budget_bytes: fl
         # incumbent exists would otherwise spend the whole limit proving a plan far from
         # best.
         for guess, c in ranked:
+            if out_of_time():
+                break
             bound = c.bound_s
             incumbent = best.solution.times.step_s if best else None
             if incumbent is not None and bound >= incumbent * (1 - 1e-9):
@@ -573,6 +584,8 @@ def search(graph: ModelGraph, cluster: Cluster, optimizer: str, budget_bytes: fl
         # Second pass: what is left open and might still beat the best, now cut off at it
         # (an integer program whose LP bound is above the cutoff ends at once).
         for _, c in ranked:
+            if out_of_time():
+                break
             incumbent = best.solution.times.step_s if best else None
             open_ = c.outcome == "time_limit" or (c.solution is not None and c is not best
                                                   and c.solution.status != "optimal")
@@ -591,9 +604,15 @@ def search(graph: ModelGraph, cluster: Cluster, optimizer: str, budget_bytes: fl
         for _, c in ranked:
             if _unvisited(c):  # or cut short by the interrupt
                 c.outcome, c.note = "skipped", "not solved: interrupted"
+    ran_out = out_of_time()
+    if ran_out:
+        for _, c in ranked:
+            if _unvisited(c):
+                c.outcome = "skipped"
+                c.note = f"not solved: the search's {search_time_s:g} s ran out"
     if best is not None:
         best.outcome = "best"
     stats = {"layer_costs_computed": cache.misses, "layer_costs_reused": cache.hits,
              "problems_built": len(built), "solve_seconds": solve_seconds,
-             "interrupted": interrupted}
+             "interrupted": interrupted, "out_of_time": ran_out}
     return SearchResult(best, problem_of(best.shape) if best else None, out, time.perf_counter() - started, stats)

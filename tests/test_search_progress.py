@@ -65,3 +65,16 @@ def test_ctrl_c_before_any_plan_is_a_keyboard_interrupt():
 
     with listening(interrupt_at_once), pytest.raises(KeyboardInterrupt):
         optimize_3d(_model(), "2x2xV100", (torch.randn(32, 64),), measure=False)
+
+
+def test_a_search_time_budget_hands_back_the_first_plan_with_its_gap():
+    # no time at all: the first candidate solved is the plan, the rest "skipped" and open
+    plan = optimize_3d(_model(), "2x2xV100", (torch.randn(32, 64),), measure=False,
+                       search_time_s=0.0)
+    whole = optimize_3d(_model(), "2x2xV100", (torch.randn(32, 64),), measure=False)
+    assert plan.search.solved == 1 < whole.search.solved
+    assert plan.predicted.step_time_s >= whole.predicted.step_time_s * (1 - 1e-9)
+    assert plan.solver.bound_s <= whole.predicted.step_time_s * (1 + 1e-9)
+    assert plan.solver.status in ("feasible", "optimal")
+    skipped = [c for c in plan.search.best_per_shape if c.outcome == "skipped"]
+    assert skipped and all("ran out" in c.note for c in skipped)

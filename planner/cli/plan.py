@@ -57,6 +57,7 @@ def _plan(args) -> int:
                                     example_kwargs=kwargs, optimizer=args.optimizer,
                                     memory_limit_bytes=memory_limit, mesh=args.mesh,
                                     tracer="blocks" if llm else "auto",
+                                    search_time_s=args.search_time,
                                     **_prefer_standard(args))
     except planner.PlanDoesNotFit as error:  # name the flags, not the Python arguments
         message = str(error).replace("optimizer='sgd'", "--optimizer sgd")
@@ -151,6 +152,10 @@ def add_plan(commands) -> None:
                       "(default); 3d: search pipeline x data x tensor meshes, stage cuts, "
                       "microbatches and schedules; auto: both, keeping the 1-D plan unless a "
                       "3-D one is predicted at least 1%% faster")
+    plan.add_argument("--search-time", metavar="SECONDS", type=float, default=None,
+                      help="with --mesh 3d or auto: stop the search's solves after SECONDS "
+                      "once it has a plan, and print the best with its gap (Ctrl-C does the "
+                      "same at any time)")
     plan.add_argument("--prefer-standard", metavar="FRACTION", type=float,
                       help="keep the best standard plan (DDP, tensor parallel, FSDP) when it is "
                       "predicted within this fraction of the optimum (default 0.03, "
