@@ -54,6 +54,8 @@ The integer program (SCIP through pywraplp, edge variables continuous as in plan
     T_k = Σ_u v[u,k] + cut times (only where stages k-1, k sit on different ranks)
     C ≥ Σ_{k on r} T_k;  S ≥ Σ_{k on r} Σ_u w[u,k]
     Σ_{k on r} Σ_u q[u,k] ≤ budget,  q[u,k] ≥ W_u + f_k·V_u - Mᵐ_uk (1 - y[u,k])
+    Σ_{s recomputed} x[l,s] equal for every layer l of a block offered recomputed whole
+                         (planner.block_recompute; StageProblem.linked_units)
     min objective (above)
 
 The big-M constants are each expression's own maximum, and Σ_k v[u,k] ≥ A_u hands the LP
@@ -311,7 +313,9 @@ def solve_stages(problem: StageProblem, pp: int, microbatches: int, schedule: st
     if S == 1 and not linked:  # planner.ilp has no rows linking a block's layers
         return _solve_one_stage(problem, microbatches, schedule, budget_bytes, time_limit_s,
                                 cutoff_s, start)
-    if chunks == 1 and method != "mip" and not linked:  # one stage per rank: exact by dynamic programming (planner.stage_dp)
+    # one stage per rank: exact by dynamic programming (planner.stage_dp), which has no
+    # rows linking a block's layers (a block recomputed whole): those go to the program
+    if chunks == 1 and method != "mip" and not linked:
         solved = _solve_by_dp(problem, pp, microbatches, schedule, budget_bytes, cutoff_s,
                               start, start + min(time_limit_s / 2, DP_SECONDS))
         if solved != "too large":
