@@ -142,14 +142,14 @@ class DecoderStage(nn.Module):
 
     def __init__(self, model: nn.Module, blocks: tuple[str, ...], keep: list[int],
                  before: list[str], after: list[str], first: bool, last: bool,
-                 recompute: bool = False):
+                 recompute: frozenset[str] = frozenset()):
         super().__init__()
         base_path, _, list_name = blocks[0].rsplit(".", 1)[0].rpartition(".")
         cut = _Surgery(model)
         base = cut.module(base_path)  # what holds the blocks: model.model, model.transformer
         whole = base._modules[list_name]
         base._modules[list_name] = KeptBlocks(
-            {i: _checkpointed(whole[i]) if recompute else whole[i] for i in keep})
+            {i: _checkpointed(whole[i]) if blocks[i] in recompute else whole[i] for i in keep})
         config = getattr(base, "config", None)
         if config is not None:  # the forward walks config.num_hidden_layers blocks
             config = copy.copy(config)
@@ -238,7 +238,7 @@ def model_types(model: nn.Module) -> list:
 
 def _checkpointed(block: nn.Module) -> nn.Module:
     """A shallow copy of `block` (its parameters shared, the model's block untouched) whose
-    forward runs under activation checkpointing (plan.recompute_blocks)."""
+    forward runs under activation checkpointing (the blocks plan.recompute_blocks lists)."""
     out = copy.copy(block)
     checkpoint_module(out)
     return out
@@ -265,9 +265,10 @@ def stage_modules(model: nn.Module, plan: Plan, num_stages: int, k: int) -> Deco
         raise ValueError(f"pipeline: {why}, so its stages cannot be built from its modules; "
                          f"plan it with mesh='1d'")
     index = {path: i for i, path in enumerate(blocks)}
+    recompute = frozenset(p for p in blocks if plan.recomputes_block(p))
     if plan.pipeline is None:  # one stage: the whole model
         return DecoderStage(model, blocks, list(range(len(blocks))), [], [], True, True,
-                            plan.recompute_blocks)
+                            recompute)
     stages = plan.pipeline.stages
     keep = [index[p] for p in stages[k].modules if p in index]
     before = [p for p in stages[0].modules if p not in index]
@@ -275,7 +276,7 @@ def stage_modules(model: nn.Module, plan: Plan, num_stages: int, k: int) -> Deco
                           len(stages[0].modules))]
     after = [p for p in stages[-1].modules if p not in index and p not in before]
     return DecoderStage(model, blocks, keep, before, after, k == 0, k == num_stages - 1,
-                        plan.recompute_blocks)
+                        recompute)
 
 
 def parallelize_decoder_3d(model: nn.Module, plan: Plan) -> StageModel:

@@ -5,7 +5,12 @@ forward again in backward.
 
 The 3-D search offers it as a shape attribute (planner.search.Shape.recompute) for a
 torch.export graph cut at its blocks (planner.block_cuts), where executor.hf_stages wraps
-each block it keeps. `recompute_blocks` prices it on the shape's stage problem:
+each block the plan lists (Plan.recompute_blocks). `recompute_blocks` offers it per block
+on the shape's stage problem: each layer of a block gets a recomputed variant of each of
+its options (after the plain ones, named "<option>+recompute"; layout changes on edges as the
+plain option's), and the stage solve
+(planner.stages, StageProblem.linked_units) picks per block whether its layers all run
+their recomputed variants or none does. A recomputed variant costs:
 
 - activations: each layer inside a block keeps nothing, except that the block keeps its
   input (the hidden state entering it, made outside the block and carrying weights'
@@ -26,6 +31,7 @@ from dataclasses import replace
 import numpy as np
 
 from planner.block_cuts import carries_weights, why_no_blocks
+from planner.stages import LayerOptions
 from profiler.graph import ModelGraph
 from strategies.memory import recompute_s
 
@@ -36,14 +42,20 @@ def offered(graph: ModelGraph) -> bool:
     return graph.tracer == "export" and bool(graph.blocks) and not why_no_blocks(graph)
 
 
+SUFFIX = "+recompute"
+
+
 def recompute_blocks(built, graph: ModelGraph):
-    """`built` (a planner.search.Built on `graph`) with every block checkpointed, and its
-    transient_bytes set to the largest block's activations for one microbatch."""
+    """`built` (a planner.search.Built on `graph`) with a recomputed variant of every
+    option of every layer inside a block (the module docstring), and its transient_bytes
+    set to the largest block's activations for one microbatch."""
     problem = built.problem
     blocks = set(graph.blocks)
     carried = carries_weights(graph)
     index = {layer.node: i for i, layer in enumerate(graph.layers)}
     layers = list(problem.layers)
+    strategies, costs = list(built.strategies), list(built.costs)
+    local, sharded = list(built.local_param_bytes), list(built.sharded)
     transient = 0.0
     members_of = problem.unit_layers()  # once: per unit, a scan of every layer took minutes
     for u, name in enumerate(problem.units):
@@ -57,12 +69,32 @@ def recompute_blocks(built, graph: ModelGraph):
         transient = max(transient, sum(float(problem.layers[i].activation_bytes.max())
                                        for i in members))
         for j, i in enumerate(members):
-            options = problem.layers[i]
-            extra_s = np.array([recompute_s(built.layers[i], c.compute_s)
-                                for c in built.costs[i]])
-            # the block's input is kept once: charged to its first layer
-            kept = np.full(len(options.strategies), kept_bytes if j == 0 else 0.0)
-            layers[i] = replace(options, microbatch_s=options.microbatch_s + extra_s,
-                                activation_bytes=kept)
-    return replace(built, problem=replace(problem, layers=tuple(layers)),
+            layers[i] = _with_recomputed(problem.layers[i], built, i,
+                                         kept_bytes if j == 0 else 0.0)
+            strategies[i], costs[i] = strategies[i] * 2, costs[i] * 2
+            local[i] = np.concatenate([local[i], local[i]])
+            if sharded:
+                sharded[i] = sharded[i] * 2
+    doubled = {i for i, l in enumerate(layers) if l.recomputed is not None}
+    edges = tuple(replace(e, cost_s=np.tile(np.asarray(e.cost_s), (
+        2 if e.src in doubled else 1, 2 if e.dst in doubled else 1)))
+        if e.src in doubled or e.dst in doubled else e for e in problem.edges)
+    return replace(built, problem=replace(problem, layers=tuple(layers), edges=edges),
+                   strategies=tuple(strategies), costs=tuple(costs),
+                   local_param_bytes=tuple(local), sharded=tuple(sharded),
                    transient_bytes=transient)
+
+
+def _with_recomputed(options: LayerOptions, built, i: int, kept_bytes: float) -> LayerOptions:
+    """Layer i's options, then each again recomputed: its forward once more per
+    microbatch, and of its activations only `kept_bytes` (the block's input, charged to
+    its first layer)."""
+    n = len(options.strategies)
+    extra_s = np.array([recompute_s(built.layers[i], c.compute_s) for c in built.costs[i]])
+    return replace(
+        options, strategies=options.strategies + tuple(s + SUFFIX for s in options.strategies),
+        microbatch_s=np.concatenate([options.microbatch_s, options.microbatch_s + extra_s]),
+        step_s=np.concatenate([options.step_s, options.step_s]),
+        weight_bytes=np.concatenate([options.weight_bytes, options.weight_bytes]),
+        activation_bytes=np.concatenate([options.activation_bytes, np.full(n, kept_bytes)]),
+        recomputed=np.repeat([False, True], n))

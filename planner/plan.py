@@ -11,7 +11,8 @@ import json
 from pathlib import Path
 from typing import Callable, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (BaseModel, ConfigDict, Field, ValidationError, field_validator,
+                      model_validator)
 
 from strategies.cluster import Cluster
 
@@ -269,6 +270,9 @@ class PlanFileError(ValueError):
     """A plan file that cannot be read: not JSON, another schema, or a bad field."""
 
 
+EVERY_BLOCK = "*"  # Plan.recompute_blocks of a plan file that checkpointed every block
+
+
 class Plan(_Data):
     schema_version: Literal[1] = SCHEMA_VERSION
     model: str
@@ -288,9 +292,10 @@ class Plan(_Data):
     microbatches: int = Field(1, gt=0, description="microbatches per step: the pipeline's, "
                               "or gradient accumulation without one (3-D plans)")
     search: SearchReport | None = Field(None, description="the 3-D search (3-D plans)")
-    recompute_blocks: bool = Field(False, description="3-D plans of a decoder: every "
-                                   "transformer block runs under activation checkpointing "
-                                   "(keeps its input, recomputes its forward in backward)")
+    recompute_blocks: list[str] = Field(
+        default_factory=list, description="3-D plans of a decoder: the transformer blocks "
+        "(module paths) that run under activation checkpointing (keep their input, run their "
+        "forward again in backward); [\"*\"]: every block (plans that stored true)")
     mesh_choice: str = Field("", description="optimize(mesh='auto'): which mesh won and why")
     standard_choice: str = Field("", description="optimize(prefer_standard=...): a standard "
                                  "plan kept in place of a barely faster optimum, and why")
@@ -317,6 +322,19 @@ class Plan(_Data):
         if data.get("precision") not in (None, "", name):
             raise ValueError(f"precision {data['precision']!r} is not the cluster's {name!r}")
         return {**data, "cluster": cluster, "precision": name}
+
+    @field_validator("recompute_blocks", mode="before")
+    @classmethod
+    def _every_block_as_before(cls, value):
+        """A plan file from before the solve chose blocks stored a bool: true was every
+        block."""
+        if isinstance(value, bool):
+            return [EVERY_BLOCK] if value else []
+        return value
+
+    def recomputes_block(self, path: str) -> bool:
+        """Does the block at module `path` run under activation checkpointing?"""
+        return path in self.recompute_blocks or EVERY_BLOCK in self.recompute_blocks
 
     @property
     def training_precision(self):

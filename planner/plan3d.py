@@ -160,10 +160,10 @@ def to_plan(graph, cluster: Cluster, optimizer: str, budget: float, result: Sear
             param_bytes=layer.param_bytes, params=list(layer.params), stage=k,
             inputs=list(layer.inputs),
             reason=_reason(strategy, k, S, tp, cost, opts, c),
-            **_shard_fields(opts, c, m, sharded)))
-    if built.transient_bytes:  # one block's activations, live again in its backward
-        holding = {ranks_of[stage_of_unit[u]] for u, name in enumerate(problem.units)
-                   if name in graph.blocks}
+            **_shard_fields(opts, opts.plain_index(c), m, sharded)))
+    recomputed = [problem.units[u] for u in problem.recomputed_units(choice)]
+    if recomputed:  # one block's activations, live again in its backward
+        holding = {ranks_of[stage_of_unit[u]] for u in problem.recomputed_units(choice)}
         for r in holding:
             memory[r]["activations_bytes"] += built.transient_bytes
     breakdown = [MemoryBreakdown(**b) for b in memory]
@@ -237,7 +237,7 @@ def to_plan(graph, cluster: Cluster, optimizer: str, budget: float, result: Sear
                 global_batch=graph.batch_size, optimizer=optimizer, cluster=cluster,
                 mesh=mesh, inputs=inputs, layers=layers, predicted=predicted, solver=report,
                 pipeline=pipeline, microbatches=m, search=search_report, tracer=graph.tracer,
-                outputs=list(graph.outputs), recompute_blocks=shape.recompute)
+                outputs=list(graph.outputs), recompute_blocks=recomputed)
 
 
 def _stage_modules(graph, stage: list[int], k: int, units) -> list[str]:

@@ -65,7 +65,8 @@ class Shape:
     microbatches: int
     schedule: str
     chunks: int = 1
-    recompute: bool = False  # every transformer block checkpointed (planner.block_recompute)
+    # blocks may be checkpointed, the solve picks which (planner.block_recompute)
+    recompute: bool = False
 
     def rows(self, batch: int) -> int:
         """Rows per microbatch per dp replica."""

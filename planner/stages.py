@@ -54,6 +54,8 @@ The integer program (SCIP through pywraplp, edge variables continuous as in plan
     T_k = Σ_u v[u,k] + cut times (only where stages k-1, k sit on different ranks)
     C ≥ Σ_{k on r} T_k;  S ≥ Σ_{k on r} Σ_u w[u,k]
     Σ_{k on r} Σ_u q[u,k] ≤ budget,  q[u,k] ≥ W_u + f_k·V_u - Mᵐ_uk (1 - y[u,k])
+    Σ_{s recomputed} x[l,s] equal for every layer l of a block offered recomputed whole
+                         (planner.block_recompute; StageProblem.linked_units)
     min objective (above)
 
 The big-M constants are each expression's own maximum, and Σ_k v[u,k] ≥ A_u hands the LP
@@ -96,6 +98,15 @@ class LayerOptions:
     step_s: np.ndarray  # once per step: gradient all-reduce over the dp group + optimizer
     weight_bytes: np.ndarray  # parameters + gradients + optimizer state on one device
     activation_bytes: np.ndarray  # kept for backward, per microbatch in flight
+    # per option: is it the block-recomputed variant (planner.block_recompute)? None: no
+    # such variants. Recomputed options follow the plain ones, in the same order.
+    recomputed: np.ndarray | None = None
+
+    def plain_index(self, c: int) -> int:
+        """The plain option that recomputed option `c` checkpoints (`c` itself if plain)."""
+        if self.recomputed is None or not self.recomputed[c]:
+            return c
+        return c - int((~self.recomputed).sum())
 
 
 @dataclass(frozen=True)
@@ -114,6 +125,25 @@ class StageProblem:
         for i, layer in enumerate(self.layers):
             out[layer.unit].append(i)
         return out
+
+    def linked_units(self) -> dict[int, list[int]]:
+        """{unit: its layers with recomputed variants}: a block checkpointed whole, so
+        its layers pick recomputed options all together or none (planner.block_recompute)."""
+        out: dict[int, list[int]] = {}
+        for i, layer in enumerate(self.layers):
+            if layer.recomputed is not None:
+                out.setdefault(layer.unit, []).append(i)
+        return out
+
+    def recomputed_units(self, choice) -> tuple[int, ...]:
+        """The units whose layers run their recomputed options under `choice`."""
+        return tuple(u for u, members in self.linked_units().items()
+                     if self.layers[members[0]].recomputed[choice[members[0]]])
+
+    def consistent(self, choice) -> bool:
+        """Does `choice` recompute each linked unit's layers all together or not at all?"""
+        return all(len({bool(self.layers[i].recomputed[choice[i]]) for i in members}) == 1
+                   for members in self.linked_units().values())
 
 
 def in_flight(schedule: str, pp: int, microbatches: int, stage: int, chunks: int = 1) -> int:
@@ -225,9 +255,19 @@ def brute_force(problem: StageProblem, pp: int, microbatches: int, schedule: str
     small instances."""
     best = None
     U = len(problem.units)
+    linked = sorted(problem.linked_units())
+
+    def choices():
+        """Every assignment that recomputes each linked unit whole or not at all."""
+        for picked in itertools.product((False, True), repeat=len(linked)):
+            on = {u for u, p in zip(linked, picked) if p}
+            yield from itertools.product(*(
+                range(len(l.strategies)) if l.recomputed is None else
+                np.flatnonzero(l.recomputed == (l.unit in on)) for l in problem.layers))
+
     for cuts in itertools.combinations(range(1, U), pp * chunks - 1):
         starts = (0, *cuts)
-        for choice in itertools.product(*(range(len(l.strategies)) for l in problem.layers)):
+        for choice in choices():
             t = evaluate(problem, starts, choice, microbatches, schedule, chunks)
             if budget_bytes is not None and max(t.memory_bytes) > budget_bytes * (1 + 1e-9):
                 continue
@@ -269,10 +309,13 @@ def solve_stages(problem: StageProblem, pp: int, microbatches: int, schedule: st
     S = pp * chunks
     if S > U:
         return None
-    if S == 1:
+    linked = problem.linked_units()
+    if S == 1 and not linked:  # planner.ilp has no rows linking a block's layers
         return _solve_one_stage(problem, microbatches, schedule, budget_bytes, time_limit_s,
                                 cutoff_s, start)
-    if chunks == 1 and method != "mip":  # one stage per rank: exact by dynamic programming (planner.stage_dp)
+    # one stage per rank: exact by dynamic programming (planner.stage_dp), which has no
+    # rows linking a block's layers (a block recomputed whole): those go to the program
+    if chunks == 1 and method != "mip" and not linked:
         solved = _solve_by_dp(problem, pp, microbatches, schedule, budget_bytes, cutoff_s,
                               start, start + min(time_limit_s / 2, DP_SECONDS))
         if solved != "too large":
@@ -295,6 +338,13 @@ def solve_stages(problem: StageProblem, pp: int, microbatches: int, schedule: st
         row = [solver.BoolVar(f"x[{i},{s}]") for s in range(n)]
         solver.Add(sum(row) == 1, f"one_strategy[{i}]")
         x.append(row)
+
+    # a block recomputed whole: its layers pick recomputed options together or not at all
+    for u, members in linked.items():
+        picked = [sum(xi for xi, r in zip(x[i], problem.layers[i].recomputed) if r)
+                  for i in members]
+        for i, p in zip(members[1:], picked[1:]):
+            solver.Add(p == picked[0], f"recompute_whole[{u},{i}]")
 
     # --- per-unit linear expressions ----------------------------------------------------
     def dot(values, xs):
@@ -475,7 +525,11 @@ def balanced_cut(problem: StageProblem, pp: int, microbatches: int, schedule: st
     programming over units; None when none fits. Cut transfers are left out: it is a start
     for the integer program, not its answer."""
     U = len(problem.units)
-    choice = tuple(int(np.argmin(l.weight_bytes + l.activation_bytes)) for l in problem.layers)
+    # least memory; of a layer with recomputed variants (a block recomputed whole), the
+    # least of those
+    choice = tuple(int(np.argmin(np.where(l.recomputed if l.recomputed is not None else True,
+                                          l.weight_bytes + l.activation_bytes, np.inf)))
+                   for l in problem.layers)
     t, w, a = np.zeros(U + 1), np.zeros(U + 1), np.zeros(U + 1)
     for l, c in zip(problem.layers, choice):
         t[l.unit + 1] += l.microbatch_s[c]

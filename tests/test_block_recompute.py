@@ -3,8 +3,10 @@ priced as keeping each block's input and running its forward again, chosen by th
 search only where memory binds, and run by executor.hf_stages under
 torch.utils.checkpoint with the same training result as one process."""
 
+import json
 import time
 
+import numpy as np
 import pytest
 import torch
 
@@ -14,7 +16,7 @@ from planner.block_recompute import recompute_blocks
 from planner.plan import Plan
 from planner.plan3d import plan_3d
 from planner.search import CostCache, Shape, build, search
-from planner.stages import evaluate, in_flight
+from planner.stages import brute_force, in_flight, solve_stages
 from strategies.memory import recompute_s
 from test_hf_pipeline import MODELS, STEPS, LR, _assert_equal_to_one_process, _profiled
 
@@ -31,35 +33,93 @@ def test_a_block_keeps_its_input_and_runs_its_forward_again():
     largest = 0.0
     for u, name in enumerate(plain.problem.units):
         members = [i for i, l in enumerate(plain.problem.layers) if l.unit == u]
+        # a block's layers: each plain option, then the same recomputed
+        again = [len(plain.problem.layers[i].strategies) if name in graph.blocks else 0
+                 for i in members]
         before = sum(float(plain.problem.layers[i].activation_bytes[0]) for i in members)
-        after = sum(float(priced.problem.layers[i].activation_bytes[0]) for i in members)
-        extra_s = sum(float(priced.problem.layers[i].microbatch_s[0]
-                            - plain.problem.layers[i].microbatch_s[0]) for i in members)
+        after = sum(float(priced.problem.layers[i].activation_bytes[r])
+                    for i, r in zip(members, again))
+        extra_s = sum(float(priced.problem.layers[i].microbatch_s[r]
+                            - plain.problem.layers[i].microbatch_s[0])
+                      for i, r in zip(members, again))
         if name in graph.blocks:
             forward_s = sum(recompute_s(plain.layers[i], plain.costs[i][0].compute_s)
                             for i in members)
             assert after == hidden_bytes and before > 4 * hidden_bytes, name
             assert extra_s == pytest.approx(forward_s, rel=1e-12) and forward_s > 0
+            assert all(priced.problem.layers[i].strategies[r].endswith("+recompute")
+                       and priced.problem.layers[i].plain_index(r) == 0
+                       for i, r in zip(members, again))
             largest = max(largest, before)
-        else:  # the embeddings and the head keep theirs
+        else:  # the embeddings and the head keep theirs, with no variants
             assert after == before and extra_s == 0
+            assert all(priced.problem.layers[i].recomputed is None for i in members)
     assert priced.transient_bytes == largest
+
+
+def _subset_budget(graph, cluster):
+    """(stage problem of pp 2, m 2 with recompute offered, a budget per device under
+    which recomputing some blocks but not all is fastest)."""
+    rows = graph.batch_size // 2
+    problem = recompute_blocks(build(CostCache(graph, cluster, "sgd"), 2, 1, 1, rows),
+                               graph).problem
+    free = brute_force(problem, 2, 2, "1F1B", None)
+    return problem, 0.8 * max(free[0].memory_bytes)
+
+
+def test_the_solve_picks_which_blocks_to_recompute_as_brute_force():
+    """4 blocks on 2 stages: every cut and every subset of blocks recomputed, by
+    enumeration, against the stage program; the tight budget makes a subset fastest."""
+    graph, cluster = _profiled("llama4", 2)
+    problem, budget = _subset_budget(graph, cluster)
+    for limit in (None, 1.1 * budget, budget, 0.9 * budget):
+        expected = brute_force(problem, 2, 2, "1F1B", limit)
+        solved = solve_stages(problem, 2, 2, "1F1B", limit, method="mip")
+        assert problem.consistent(solved.choice)
+        assert solved.times.objective_s == pytest.approx(expected[0].objective_s, rel=1e-9)
+        if limit is not None:
+            assert max(solved.times.memory_bytes) <= limit * (1 + 1e-9)
+    expected = brute_force(problem, 2, 2, "1F1B", budget)
+    assert 0 < len(problem.recomputed_units(expected[2])) < 4  # some blocks, not all
+    assert brute_force(problem, 2, 2, "1F1B", None)[0].objective_s < expected[0].objective_s
+    # and one stage (planner.ilp has no rows linking a block: the stage program solves it)
+    whole = max(brute_force(problem, 1, 2, "1F1B", None)[0].memory_bytes)
+    subsets = set()
+    for limit in (0.95 * whole, 0.9 * whole, 0.85 * whole):
+        expected = brute_force(problem, 1, 2, "1F1B", limit)
+        solved = solve_stages(problem, 1, 2, "1F1B", limit)
+        assert solved.times.objective_s == pytest.approx(expected[0].objective_s, rel=1e-9)
+        assert problem.consistent(solved.choice)
+        subsets.add(len(problem.recomputed_units(solved.choice)))
+    assert subsets & {1, 2, 3}, subsets
 
 
 def test_the_plan_counts_kept_inputs_in_flight_and_one_block_live_in_backward():
     graph, cluster = _profiled("llama4", 2)
-    plan = plan_3d(graph, cluster, "sgd", cluster.device.memory_bytes, time.perf_counter(),
-                   only=[RECOMPUTED])
-    assert plan.recompute_blocks and "Activation checkpointing" in plan.explain()
+    problem, budget = _subset_budget(graph, cluster)
     rows = graph.batch_size // 2
     built = recompute_blocks(build(CostCache(graph, cluster, "sgd"), 2, 1, 1, rows), graph)
+    plan = plan_3d(graph, cluster, "sgd", budget + built.transient_bytes, time.perf_counter(),
+                   only=[RECOMPUTED])
+    assert 0 < len(plan.recompute_blocks) < 4, plan.recompute_blocks
+    assert set(plan.recompute_blocks) <= set(graph.blocks)
+    assert f"Activation checkpointing: {len(plan.recompute_blocks)} transformer blocks" \
+        in plan.explain()
     stage_of = {l.name: l.stage for l in plan.layers}
+    holding = {stage_of[l.name] for l, o in zip(graph.layers, built.problem.layers)
+               if built.problem.units[o.unit] in plan.recompute_blocks}
     for r, memory in enumerate(plan.predicted.memory_breakdown):
-        kept = sum(float(o.activation_bytes[0]) * in_flight("1F1B", 2, 2, r)
-                   for l, o in zip(graph.layers, built.problem.layers)
-                   if stage_of.get(l.name, 0) == r)
-        assert memory.activations_bytes == pytest.approx(kept + built.transient_bytes)
-    assert Plan.from_json(plan.to_json()).recompute_blocks
+        kept = sum(float(o.activation_bytes[
+            1 if built.problem.units[o.unit] in plan.recompute_blocks else 0])
+            * in_flight("1F1B", 2, 2, r)
+            for l, o in zip(graph.layers, built.problem.layers)
+            if stage_of.get(l.name, 0) == r)
+        assert memory.activations_bytes == pytest.approx(
+            kept + (built.transient_bytes if r in holding else 0.0))
+    assert Plan.from_json(plan.to_json()).recompute_blocks == plan.recompute_blocks
+    # a plan file from before: true was every block
+    old = Plan.from_json(json.dumps({**json.loads(plan.to_json()), "recompute_blocks": True}))
+    assert all(old.recomputes_block(b) for b in graph.blocks)
 
 
 def test_the_search_checkpoints_blocks_only_where_memory_binds():
@@ -75,6 +135,7 @@ def test_the_search_checkpoints_blocks_only_where_memory_binds():
     tight = search(graph, cluster, "sgd", budget, time_limit_s=20)
     best = tight.best
     assert best.shape.recompute, best.shape
+    assert tight.built.problem.recomputed_units(best.solution.choice)
     assert max(best.solution.times.memory_bytes) + tight.built.transient_bytes <= budget
     assert budget < fastest_bytes and plain.transient_bytes == 0
     for c in tight.candidates:  # every plain shape does not fit, or is slower
@@ -97,11 +158,16 @@ def _train_recomputed(rank, world, plan_json):
 
 
 def test_checkpointed_blocks_in_two_stages_train_as_one_process():
+    """The plan of the brute-force instance above: some blocks checkpointed, not all."""
     graph, cluster = _profiled("llama4", 2)
-    plan = plan_3d(graph, cluster, "sgd", cluster.device.memory_bytes, time.perf_counter(),
+    problem, budget = _subset_budget(graph, cluster)
+    transient = recompute_blocks(build(CostCache(graph, cluster, "sgd"), 2, 1, 1,
+                                       graph.batch_size // 2), graph).transient_bytes
+    plan = plan_3d(graph, cluster, "sgd", budget + transient, time.perf_counter(),
                    only=[RECOMPUTED])
     results = run_ranks(_train_recomputed, 2, plan.to_json())
-    blocks = [sum(".layers." in m for m in s.modules) for s in plan.pipeline.stages]
+    blocks = [sum(m in plan.recompute_blocks for m in s.modules) for s in plan.pipeline.stages]
+    assert 0 < sum(blocks) < 4
     assert [checkpointed for _, _, checkpointed in results] == blocks
     _assert_equal_to_one_process("llama4", plan, [(p, l) for p, l, _ in results])
 
@@ -118,7 +184,10 @@ def test_the_stage_programs_start_is_the_fastest_fitting_cut_by_brute_force():
     U, pp, m = len(problem.units), 3, 3
     per_unit = [[0.0, 0.0, 0.0] for _ in range(U)]  # time, weights, activations
     for layer in problem.layers:
-        c = int((layer.weight_bytes + layer.activation_bytes).argmin())
+        memory = layer.weight_bytes + layer.activation_bytes
+        if layer.recomputed is not None:  # a block: the start recomputes it whole
+            memory = np.where(layer.recomputed, memory, np.inf)
+        c = int(memory.argmin())
         for j, v in enumerate((layer.microbatch_s, layer.weight_bytes, layer.activation_bytes)):
             per_unit[layer.unit][j] += float(v[c])
 

@@ -9,7 +9,7 @@ from rich.table import Table
 
 from planner.baseline import LABELS
 from planner.handback import output_whole, sharing_group
-from planner.plan import Plan, set_explainer
+from planner.plan import EVERY_BLOCK, Plan, set_explainer
 from planner.report.levers import lever_lines
 from planner.report.sequence import sequence_lines
 
@@ -160,7 +160,12 @@ def pipeline_lines(plan: Plan) -> list[str]:
     """Stages with their modules, devices, times and memory; or why there is no pipeline."""
     lines = []
     if plan.recompute_blocks:
-        lines.append("Activation checkpointing: every transformer block (keeps the hidden "
+        which = ("every transformer block" if EVERY_BLOCK in plan.recompute_blocks else
+                 f"{len(plan.recompute_blocks)} transformer block"
+                 f"{'s' if len(plan.recompute_blocks) != 1 else ''}"
+                 + (f" ({', '.join(plan.recompute_blocks)})"
+                    if len(plan.recompute_blocks) <= 6 else ""))
+        lines.append(f"Activation checkpointing: {which} (keeps the hidden "
                      "state entering it, runs its forward again in backward; activations "
                      "below include one block's, live during its backward)")
     q = plan.pipeline
