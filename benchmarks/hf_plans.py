@@ -46,8 +46,9 @@ def describe(plan) -> list[str]:
         lines.append(f"no pipeline, {plan.microbatches} microbatch(es)")
     sharded = sum(l.dp_shard or l.strategy == "fsdp" for l in plan.layers)
     recomputed = sum(l.recompute for l in plan.layers)
-    lines.append(f"levers: fsdp on {sharded} layers, recompute "
-                 f"{'every block' if plan.recompute_blocks else f'{recomputed} layers'}")
+    what = (f"{len(plan.recompute_blocks)} blocks" if plan.recompute_blocks
+            else f"{recomputed} layers")
+    lines.append(f"levers: fsdp on {sharded} layers, recompute {what}")
     used = Counter(l.strategy for l in plan.layers if l.param_bytes)
     lines.append(f"strategies of layers with weights: {dict(sorted(used.items()))}")
     shapes = plan.search.best_per_shape if plan.search is not None else []

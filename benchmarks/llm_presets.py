@@ -36,6 +36,7 @@ from collections import Counter
 from dataclasses import dataclass
 
 import planner
+from planner.plan import EVERY_BLOCK
 from planner.baseline import fsdp_tp
 from planner.profiled import profiled_graph, trace_model
 from planner.report.throughput import plan_throughput
@@ -97,7 +98,7 @@ def describe_plan(plan, shape, seq: int) -> list[str]:
         f"{k} {n}" for k, n in kinds.most_common()))
     lines.append(f"levers: +fsdp on {fsdp}, +hsdp on {hsdp}, replicated over dp on "
                  f"{len(weighted) - fsdp - hsdp}; whole-block recompute: "
-                 f"{'on' if plan.recompute_blocks else 'off'}; precision {plan.precision}")
+                 f"{_recomputed(plan, shape.layers)}; precision {plan.precision}")
     p = plan.predicted
     t = plan_throughput(plan, shape, seq)
     fits = max(p.memory_bytes) <= p.memory_limit_bytes
@@ -130,6 +131,13 @@ def price_fsdp_tp(case: Case, model, inputs, kwargs, shape, seq: int) -> list[st
         lines.append(f"with memory unbounded (priced in {wall:.1f} s):")
     lines += describe_plan(plan, shape, seq)[:-1]  # no search line: its shapes are fixed
     return lines
+
+
+def _recomputed(plan, blocks: int) -> str:
+    """How many of the model's blocks the plan checkpoints."""
+    chosen = plan.recompute_blocks
+    count = blocks if EVERY_BLOCK in chosen else len(chosen)
+    return f"{count} of {blocks} blocks"
 
 
 def run(case: Case, compare_trace: bool, search_time_s: float | None = None) -> None:
