@@ -259,6 +259,10 @@ def worker(argv: Sequence[str] | None = None) -> int:
               forward_kwargs=kwargs, report=print,
               monitor=not args.no_monitor, drift_threshold=args.drift_threshold,
               on_drift=lambda drift: replanned(drift, factory, args))
+        # every rank done before any tears its group down: a rank that left early while
+        # rank 0 still re-planned or wrote once aborted in gloo's teardown ("terminate
+        # called without an active exception") under load
+        dist.barrier()
     finally:
         dist.destroy_process_group()
     return 0
