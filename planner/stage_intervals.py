@@ -29,6 +29,7 @@ stage_dp.TooLarge and the caller falls back to the integer program.
 
 from __future__ import annotations
 
+import itertools
 import math
 import time
 
@@ -55,6 +56,17 @@ def front(costs: np.ndarray) -> np.ndarray:
         keep = np.ones(n, bool)
         keep[1:] = c[1:, 1] < best[:-1]
         return order[keep]
+    if n > 256:  # drop at once what one of a few points dominates (argmins of weighted
+        # sums: on the front), so the exact pass below sees fewer rows
+        scale = c.max(axis=0) - c.min(axis=0)
+        scale[scale <= 0] = 1.0
+        weights = np.random.default_rng(0).random((d, 64)) + 0.05
+        for _ in range(2):
+            pick = np.unique(np.argmin((c / scale) @ weights, axis=0))
+            beaten = (c[:, None, :] >= c[pick][None, :, :]).all(axis=2).any(axis=1)
+            beaten[pick] = False
+            c, order = c[~beaten], order[~beaten]
+        n = len(c)
     kept_rows: list[np.ndarray] = []
     kept = np.empty((0, d))
     for s in range(0, n, 512):
@@ -183,7 +195,36 @@ class _Solver:
                 break
         return out
 
-    def run(self, incumbent: float, narrow: bool):
+    def suffix_bounds(self, incumbent: float) -> dict | None:
+        """{(k, i, state): (least Σ T, least max T)} of stages k.. over units i.. entering
+        with `state`, from the intervals' own least T (each least separately: both bound
+        every completion below `incumbent`, the intervals having dropped only points that
+        cannot beat it); None where the states at a cut are too many to price each."""
+        U, pp = self.U, self.pp
+        out = {(pp, U, ()): (0.0, 0.0)}
+        for k in range(pp - 1, -1, -1):
+            for i in ([0] if k == 0 else range(k, U - (pp - 1 - k))):
+                counts = [len(self.units.problem.layers[s].strategies)
+                          for s in self.units.open[i]]
+                if math.prod(counts) > 16:
+                    return None
+                cut_in = self.cut[i] if k > 0 else 0.0
+                for state in itertools.product(*(range(c) for c in counts)):
+                    best_sum = best_max = math.inf
+                    for n, fronts in enumerate(self.interval(k, i, state, incumbent, False)):
+                        j = i + n + 1
+                        cut_out = self.cut[j] if k < pp - 1 else 0.0
+                        for s_out, fr in fronts.items():
+                            after = out.get((k + 1, j, s_out))
+                            if after is None or not len(fr.T):
+                                continue
+                            t = float(fr.T.min()) + cut_in + cut_out
+                            best_sum = min(best_sum, t + after[0])
+                            best_max = min(best_max, max(t, after[1]))
+                    out[(k, i, state)] = (best_sum, best_max)
+        return out
+
+    def run(self, incumbent: float, narrow: bool, bounds: dict | None = None):
         """(objective, starts, choice) of the best plan below `incumbent`, or None."""
         U, pp, m = self.U, self.pp, self.m
         bound_cap = incumbent
@@ -202,6 +243,10 @@ class _Solver:
                     rest = self.prefix[-1] - self.prefix[j]
                     share = rest / (pp - 1 - k) if k < pp - 1 else 0.0
                     for s_out, fr in fronts.items():
+                        if bounds is not None:
+                            rest, share = bounds.get((k + 1, j, s_out), (math.inf, math.inf))
+                            if not math.isfinite(rest):
+                                continue
                         pts = fr.ts
                         t = fr.T[pts] + cut_in + cut_out
                         s = fr.S[pts]
@@ -267,7 +312,8 @@ def solve(problem, pp: int, microbatches: int, flights: list[int],
     solver = _Solver(problem, pp, microbatches, flights, budget_bytes, cutoff_s, deadline)
     first = solver.run(math.inf, narrow=True)
     incumbent = math.inf if first is None else first[0] * (1 + 1e-9)
-    found = solver.run(incumbent, narrow=False)
+    bounds = solver.suffix_bounds(incumbent)
+    found = solver.run(incumbent, narrow=False, bounds=bounds)
     found = found or first
     if found is None:
         return None
