@@ -20,8 +20,10 @@ Two levels:
   objective is non-decreasing in each label entry, so dropping dominated labels is exact.
 
 Both levels drop what cannot beat the incumbent: a stage with per-microbatch time T and
-per-step time S gives an objective of at least m·T + S + the least time of every unit
-outside it (and, with a cutoff on the simulated step, m·T + S is at most the cutoff). A
+per-step time S gives an objective of at least T + R + (m - 1)·max(T, R / (pp - 1)) + S,
+R the least time of every unit outside it (and, with a cutoff on the simulated step,
+m·T + S is at most the cutoff); the outer program bounds what is left by the intervals'
+own least times (suffix_bounds). A
 narrow pass first (a few points per front: a plan, not a proof) gives that incumbent; the
 exact pass then proves it or finds better. Past the deadline or size limits it raises
 stage_dp.TooLarge and the caller falls back to the integer program.
@@ -161,6 +163,7 @@ class _Solver:
                 continue
             self._check_time(f"pricing stage {k} from unit {i}")
             rest = outside - (self.prefix[u + 1] - self.prefix[i])
+            share = rest / max(self.pp - 1, 1)
             grown: dict = {}
             for s, fr in fronts.items():
                 for s_out, (pts, a, g, w) in self.unit_points(u, s, f).items():
@@ -168,7 +171,9 @@ class _Solver:
                     S = (fr.S[:, None] + g[None, :]).ravel()
                     M = (fr.M[:, None] + w[None, :]).ravel()
                     lead = self.m * (T + cut_in) + S
-                    ok = (M <= self.budget) & (lead <= self.cutoff) & (lead + rest < incumbent)
+                    # the other stages share `rest` at least: the largest takes its share
+                    value = T + cut_in + rest + (self.m - 1) * np.maximum(T + cut_in, share) + S
+                    ok = (M <= self.budget) & (lead <= self.cutoff) & (value < incumbent)
                     idx = np.flatnonzero(ok)
                     if len(idx):
                         grown.setdefault(s_out, []).append(
