@@ -48,6 +48,12 @@ def listening(callback: Callable[[Progress], None]) -> Iterator[None]:
         _listener.reset(token)
 
 
+def listened() -> bool:
+    """Whether anyone listens: a search counts its candidates for a Progress only then
+    (a scan of every candidate per report, seconds on deep models)."""
+    return _listener.get() is not None
+
+
 def report(progress: Progress) -> None:
     """Tell the listener, if any."""
     callback = _listener.get()

@@ -38,7 +38,7 @@ from planner.price import (
     with_tied_copy,
 )
 from planner.problem import Edge
-from planner.progress import Progress, report
+from planner.progress import Progress, listened, report
 from planner.schedules import SCHEDULES, chunks_allowed, refusal
 from planner.stages import (
     LayerOptions, StageProblem, StageSolution, TimeLimit, estimate, lower_bound,
@@ -539,6 +539,8 @@ def search(graph: ModelGraph, cluster: Cluster, optimizer: str, budget_bytes: fl
     def tell(current: str = "") -> None:
         """Report where the search stands: candidates dealt with (dropped, pruned, skipped
         or solved; not those unvisited or at a time limit), and the least bound still open."""
+        if not listened():
+            return
         settled = sum(not _unvisited(c) and c.outcome != "time_limit" for c in out)
         open_bounds = [c.bound_s for _, c in ranked if c.bound_s is not None
                        and (_open(c) or _unvisited(c))]

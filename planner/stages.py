@@ -75,7 +75,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 from ortools.linear_solver import pywraplp
 
-from planner import ilp, schedules, stage_dp
+from planner import ilp, schedules, stage_dp, stage_intervals
 from planner.numerics import mip_solver
 from planner.problem import Edge, Infeasible, Node, Option, Problem
 from planner.schedules import SCHEDULES
@@ -499,11 +499,15 @@ def _solve_by_dp(problem: StageProblem, pp: int, microbatches: int, schedule: st
     program would be; "too large" where the dynamic program declines or runs past
     `deadline` (DP_SECONDS or half the time limit: the integer program gets the rest)."""
     flights = [in_flight(schedule, pp, microbatches, k) for k in range(pp)]
-    try:
-        found = stage_dp.solve(problem, pp, microbatches, flights, budget_bytes, cutoff_s,
-                               deadline)
+    try:  # stage intervals priced once (deep pipelines), else labels per unit
+        found = stage_intervals.solve(problem, pp, microbatches, flights, budget_bytes,
+                                      cutoff_s, deadline)
     except stage_dp.TooLarge:
-        return "too large"
+        try:
+            found = stage_dp.solve(problem, pp, microbatches, flights, budget_bytes,
+                                   cutoff_s, deadline)
+        except stage_dp.TooLarge:
+            return "too large"
     if found is None:
         return None
     times = evaluate(problem, found.starts, found.choice, microbatches, schedule)

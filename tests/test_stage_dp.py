@@ -1,11 +1,11 @@
-"""The dynamic program for one stage per rank (planner.stage_dp) finds the integer
-program's optimum: equal objectives against brute force and against the stage MIP on
+"""The dynamic programs for one stage per rank (planner.stage_dp, and its stage intervals
+priced once: planner.stage_intervals) find the integer program's optimum: equal objectives against brute force and against the stage MIP on
 random instances (edges across units, budgets that bind, cut transfers)."""
 
 import numpy as np
 import pytest
 
-from planner import stage_dp
+from planner import stage_dp, stage_intervals
 from planner.problem import Edge
 from planner.stages import (
     LayerOptions, StageProblem, brute_force, evaluate, in_flight, solve_stages,
@@ -93,3 +93,45 @@ def test_dp_cutoff_returns_none_when_nothing_beats_it():
     assert solve_stages(p, 3, 6, "1F1B", None, cutoff_s=best.times.step_s * 0.5) is None
     again = solve_stages(p, 3, 6, "1F1B", None, cutoff_s=best.times.step_s * 1.01)
     assert again.times.objective_s == pytest.approx(best.times.objective_s)
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_intervals_equal_brute_force(seed):
+    """Stage intervals priced once equal brute force: random units and edges across them,
+    and identical blocks (intervals shared by their signatures), budgets that bind; the
+    plan returned is priced by evaluate() at its objective and fits."""
+    rng = np.random.default_rng(300 + seed)
+    for p in (_random_problem(rng, units=5, layers=6), _repeated_problem(rng, blocks=2)):
+        for pp in range(2, min(4, len(p.units)) + 1):
+            for m, schedule in [(3, "1F1B"), (2, "GPipe")]:
+                loose = brute_force(p, pp, m, schedule, None)
+                flights = [in_flight(schedule, pp, m, k) for k in range(pp)]
+                for budget in [None, 0.9 * max(loose[0].memory_bytes),
+                               0.6 * max(loose[0].memory_bytes)]:
+                    expected = brute_force(p, pp, m, schedule, budget)
+                    got = stage_intervals.solve(p, pp, m, flights, budget)
+                    if expected is None:
+                        assert got is None
+                        continue
+                    assert got.objective_s == pytest.approx(expected[0].objective_s, rel=1e-9)
+                    times = evaluate(p, got.starts, got.choice, m, schedule)
+                    assert times.objective_s == pytest.approx(got.objective_s, rel=1e-9)
+                    if budget is not None:
+                        assert max(times.memory_bytes) <= budget * (1 + 1e-9)
+
+
+def test_intervals_equal_stage_mip_on_deeper_blocks():
+    """Eight identical blocks at pp 4 (where stage_dp's labels ran out on a GPT): the
+    intervals' optimum equals the stage MIP's, with a binding budget."""
+    rng = np.random.default_rng(400)
+    p = _repeated_problem(rng, blocks=8)
+    loose = solve_stages(p, 4, 6, "1F1B", None, method="mip")
+    for budget in [None, 0.7 * max(loose.times.memory_bytes)]:
+        mip = solve_stages(p, 4, 6, "1F1B", budget, method="mip")
+        flights = [in_flight("1F1B", 4, 6, k) for k in range(4)]
+        got = stage_intervals.solve(p, 4, 6, flights, budget)
+        if mip is None:
+            assert got is None
+            continue
+        assert mip.status == "optimal"
+        assert got.objective_s == pytest.approx(mip.times.objective_s, rel=1e-7)
