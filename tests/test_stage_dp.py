@@ -48,17 +48,27 @@ def test_dp_equals_brute_force_random(seed):
     p = _random_problem(rng, units=5, layers=6)
     for pp in range(2, len(p.units) + 1):
         for m, schedule in [(3, "1F1B"), (pp, "1F1B"), (2, "GPipe")]:
-            loose = brute_force(p, pp, m, schedule, None)
-            flights = [in_flight(schedule, pp, m, k) for k in range(pp)]
-            for budget in [None, 0.9 * max(loose[0].memory_bytes),
-                           0.6 * max(loose[0].memory_bytes)]:
-                expected = brute_force(p, pp, m, schedule, budget)
-                got = stage_dp.solve(p, pp, m, flights, budget)
-                if expected is None:
-                    assert got is None
-                    continue
-                assert got is not None, (pp, m, schedule, budget)
-                assert got.objective_s == pytest.approx(expected[0].objective_s, rel=1e-9)
+            _check_against_brute_force(stage_dp.solve, p, pp, m, schedule)
+
+
+def _check_against_brute_force(solve, p, pp: int, m: int, schedule: str, priced=False):
+    """`solve`'s optimum equals brute force with no budget and two that bind; with
+    `priced`, the plan it returns is priced by evaluate() at its objective and fits."""
+    loose = brute_force(p, pp, m, schedule, None)
+    flights = [in_flight(schedule, pp, m, k) for k in range(pp)]
+    for budget in [None, 0.9 * max(loose[0].memory_bytes), 0.6 * max(loose[0].memory_bytes)]:
+        expected = brute_force(p, pp, m, schedule, budget)
+        got = solve(p, pp, m, flights, budget)
+        if expected is None:
+            assert got is None
+            continue
+        assert got is not None, (pp, m, schedule, budget)
+        assert got.objective_s == pytest.approx(expected[0].objective_s, rel=1e-9)
+        if priced:
+            times = evaluate(p, got.starts, got.choice, m, schedule)
+            assert times.objective_s == pytest.approx(got.objective_s, rel=1e-9)
+            if budget is not None:
+                assert max(times.memory_bytes) <= budget * (1 + 1e-9)
 
 
 @pytest.mark.parametrize("seed", range(2))
@@ -104,20 +114,8 @@ def test_intervals_equal_brute_force(seed):
     for p in (_random_problem(rng, units=5, layers=6), _repeated_problem(rng, blocks=2)):
         for pp in range(2, min(4, len(p.units)) + 1):
             for m, schedule in [(3, "1F1B"), (2, "GPipe")]:
-                loose = brute_force(p, pp, m, schedule, None)
-                flights = [in_flight(schedule, pp, m, k) for k in range(pp)]
-                for budget in [None, 0.9 * max(loose[0].memory_bytes),
-                               0.6 * max(loose[0].memory_bytes)]:
-                    expected = brute_force(p, pp, m, schedule, budget)
-                    got = stage_intervals.solve(p, pp, m, flights, budget)
-                    if expected is None:
-                        assert got is None
-                        continue
-                    assert got.objective_s == pytest.approx(expected[0].objective_s, rel=1e-9)
-                    times = evaluate(p, got.starts, got.choice, m, schedule)
-                    assert times.objective_s == pytest.approx(got.objective_s, rel=1e-9)
-                    if budget is not None:
-                        assert max(times.memory_bytes) <= budget * (1 + 1e-9)
+                _check_against_brute_force(stage_intervals.solve, p, pp, m, schedule,
+                                           priced=True)
 
 
 def test_intervals_equal_stage_mip_on_deeper_blocks():
