@@ -17,10 +17,12 @@ Keeping it fast as the space widens:
 - the schedules with chunks per rank (interleaved, zero-bubble, DualPipeV) are candidates
   of their own, each priced by simulating its action list (planner.schedules);
 - a shape whose smallest possible memory exceeds the budget is dropped unsolved;
-- the rest are solved in order of a lower bound, each with the incumbent as cutoff, and a
-  shape whose bound is no better than the incumbent is pruned unsolved; each gets a few
-  seconds first, and only what is still open and could beat the best gets the full time
-  limit afterwards, cut off at the best (so a hard shape met early costs seconds).
+- the rest are solved one-stage shapes first (their solvers are the fastest, and their
+  best cuts off every pipelined shape), then in order of a lower bound, each with the
+  incumbent as cutoff, and a shape whose bound is no better than the incumbent is pruned
+  unsolved; each gets a few seconds first, and only what is still open and could beat the
+  best gets the full time limit afterwards, cut off at the best (so a hard shape met early
+  costs seconds); `search_time_s` ends it early with the gap to what is left.
 """
 
 from __future__ import annotations
@@ -492,8 +494,8 @@ def search(graph: ModelGraph, cluster: Cluster, optimizer: str, budget_bytes: fl
 
     # best first by the bound (one chunk per rank) or the balanced-chunk estimate (chunks:
     # their bound leaves out the bubble, and would put every one of them first); one-stage
-    # shapes before all: planner.ilp proves them in a second, and their best is a cutoff
-    # for every pipelined shape
+    # shapes before all: planner.ilp proves them in a second (the stage MIP, where blocks
+    # may be recomputed), and their best is a cutoff for every pipelined shape
     ranked.sort(key=lambda t: (t[1].shape.pp > 1, t[0], t[1].shape.pp, t[1].shape.tp,
                                t[1].shape.chunks))
     best: Candidate | None = None

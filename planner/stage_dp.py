@@ -26,9 +26,9 @@ the deadline passes, `solve` raises `TooLarge` and the caller falls back to the 
 program. Measured limit: on the 48-block GPT at pp 8 (18 points per block: data parallel
 or FSDP per weight, trading time, per-step time and memory) one stage's (T, S, memory)
 front reaches ~10^4 points and the labels ~10^5, minutes of Python: it falls back there.
-The way on is to price each stage interval once (2-D (T, S) front under the memory cap,
-cached by the units' signatures: identical blocks give identical intervals) and run the
-outer program on (Σ T, max T, max S) over cut positions.
+planner.stage_intervals, tried first, prices each stage interval once instead (its
+(T, S) front under the memory cap, shared by identical blocks) and runs the outer program
+on (Σ T, max T, max S) over cut positions; it reuses this module's per-unit sets.
 """
 
 from __future__ import annotations
