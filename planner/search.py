@@ -41,7 +41,7 @@ from planner.price import (
 )
 from planner.problem import Edge
 from planner.progress import Progress, listened, report
-from planner.schedules import SCHEDULES, chunks_allowed, refusal
+from planner.schedules import SCHEDULES, V_SHAPED, chunks_allowed, refusal
 from planner.stages import (
     LayerOptions, StageProblem, StageSolution, TimeLimit, estimate, lower_bound,
     min_memory_bytes, solve_stages,
@@ -300,12 +300,14 @@ class Built:
 
 
 def build(cache: CostCache, pp: int, dp: int, tp: int, rows: int,
-          pin: dict[str, str] | None = None) -> Built:
+          pin: dict[str, str] | None = None, ends_together: bool = False) -> Built:
     """The stage problem of one mesh shape at `rows` rows per microbatch per replica.
     `pin` maps layer names to the option they must use where it applies: a strategy's
     name, or with "+fsdp" ("+hsdp") its variant sharded over the dp group (the dp ranks of
     a node: planner.dp_shard); a bare suffix ("+fsdp") keeps every option with it (the
-    strategy over tp stays free: planner.baseline's "fsdp_tp")."""
+    strategy over tp stays free: planner.baseline's "fsdp_tp"). `ends_together`: the first
+    and last stages lie on one rank (a V-shaped schedule), which holds a tied embedding and
+    head as one weight: no copy to price."""
     graph, cluster = cache.graph, cache.cluster
     unit_names: list[str] = []
     unit_of: list[int] = []
@@ -323,7 +325,7 @@ def build(cache: CostCache, pp: int, dp: int, tp: int, rows: int,
     sharded_all = []
     # a tied head's copy of the embedding's weight on the last stage: its memory, and its
     # gradient all-reduced with the first stage's over the pipeline's link (block_cuts)
-    tied_copy = tied_heads(graph) if pp > 1 else {}
+    tied_copy = tied_heads(graph) if pp > 1 and not ends_together else {}
     tied_link = group_link(cluster, pp * dp * tp)
     for i, layer in enumerate(graph.layers):
         entry = cache.layer(layer, tp, rows, computing)
@@ -442,12 +444,18 @@ def search(graph: ModelGraph, cluster: Cluster, optimizer: str, budget_bytes: fl
         todo += [replace(s, recompute=True) for s in todo]
     built: dict[tuple, Built] = {}
 
+    # a tied embedding and head on one rank (V-shaped schedules) need no copy: their own
+    # problem, only where the model has such a tie (planner.block_cuts.tied_heads)
+    ties_ends = bool(tied_heads(graph))
+
     def problem_of(shape: Shape) -> Built:
-        key = (shape.pp, shape.dp, shape.tp, shape.rows(batch), shape.recompute)
+        together = ties_ends and shape.schedule in V_SHAPED
+        key = (shape.pp, shape.dp, shape.tp, shape.rows(batch), shape.recompute, together)
         if key not in built:
             built[key] = (block_recompute.recompute_blocks(
                 problem_of(replace(shape, recompute=False)), graph)
-                if shape.recompute else build(cache, *key[:4], pin=pin))
+                if shape.recompute else build(cache, *key[:4], pin=pin,
+                                              ends_together=together))
         return built[key]
 
     def budget_of(shape: Shape) -> float | None:

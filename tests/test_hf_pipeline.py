@@ -289,6 +289,10 @@ def test_a_tied_embedding_and_head_may_be_cut_apart_with_the_copy_priced_on_the_
     assert cut.layers[head].weight_bytes[0] == weights_memory(copy_bytes, ctx)
     assert cut.layers[head].step_s[0] - alone.layers[head].step_s[0] == pytest.approx(
         all_reduce_s(copy_bytes, 2, group_link(cluster, 2)) + update_s(copy_bytes, ctx))
+    # a V-shaped schedule puts both ends on one rank: one weight there, no copy
+    v = build(cache, 2, 1, 1, rows, ends_together=True).problem
+    assert v.layers[head].weight_bytes[0] == 0
+    assert v.layers[head].step_s[0] == alone.layers[head].step_s[0]
     entry = ZOO["gpt2"]
     plan = planner.optimize(entry.make(), "2xcpu", entry.batch(0)[:entry.inputs],
                             optimizer="sgd", measure=False, mesh="3d")
