@@ -55,27 +55,51 @@ class DPSolution:
     objective_s: float
 
 
-def _pareto(points: list, dims: int) -> list:
-    """Points (tuples whose first `dims` entries are costs) no other point is <= in every
-    cost; of equal points the first. Sorted lexicographically, a point's dominators come
-    before it, so blocks of points are checked against those kept, in numpy."""
-    if len(points) <= 1:
-        return points
-    costs = np.array([p[:dims] for p in points])
+def front(costs: np.ndarray) -> np.ndarray:
+    """Indices of the rows of `costs` (n, d) no other row is <= in every column (of equal
+    rows the first), in lexicographic order. Two columns: one sweep; more: blocks of rows
+    checked against those kept, in numpy."""
+    n, d = costs.shape
+    if n <= 1:
+        return np.arange(n)
     order = np.lexsort(costs.T[::-1])
-    costs = costs[order]
-    kept_rows: list[int] = []
-    kept = np.empty((0, dims))
-    for s in range(0, len(points), 256):
-        block = costs[s:s + 256]
+    c = costs[order]
+    if d == 2:  # sorted by the first column: kept where the second drops below all before
+        best = np.minimum.accumulate(c[:, 1])
+        keep = np.ones(n, bool)
+        keep[1:] = c[1:, 1] < best[:-1]
+        return order[keep]
+    if n > 256:  # drop at once what one of a few points dominates (argmins of weighted
+        # sums: on the front), so the exact pass below sees fewer rows
+        scale = c.max(axis=0) - c.min(axis=0)
+        scale[scale <= 0] = 1.0
+        weights = np.random.default_rng(0).random((d, 64)) + 0.05
+        for _ in range(2):
+            pick = np.unique(np.argmin((c / scale) @ weights, axis=0))
+            beaten = (c[:, None, :] >= c[pick][None, :, :]).all(axis=2).any(axis=1)
+            beaten[pick] = False
+            c, order = c[~beaten], order[~beaten]
+        n = len(c)
+    kept_rows: list[np.ndarray] = []
+    kept = np.empty((0, d))
+    for s in range(0, n, 512):
+        block = c[s:s + 512]
         beaten = (block[:, None, :] >= block[None, :, :]).all(axis=2)
-        beaten = np.tril(beaten, -1).any(axis=1)  # by an earlier point of the block
+        beaten = np.tril(beaten, -1).any(axis=1)
         if len(kept):
             beaten |= (block[:, None, :] >= kept[None, :, :]).all(axis=2).any(axis=1)
         rows = np.flatnonzero(~beaten)
-        kept_rows.extend(s + rows)
+        kept_rows.append(s + rows)
         kept = np.vstack([kept, block[rows]])
-    return [points[order[r]] for r in kept_rows]
+    return order[np.concatenate(kept_rows)]
+
+
+def _pareto(points: list, dims: int) -> list:
+    """Points (tuples whose first `dims` entries are costs) no other point is <= in every
+    cost; of equal points the first (`front`)."""
+    if len(points) <= 1:
+        return points
+    return [points[r] for r in front(np.array([p[:dims] for p in points]))]
 
 
 class _Units:

@@ -37,50 +37,27 @@ import time
 
 import numpy as np
 
-from planner.stage_dp import DPSolution, TooLarge, _Units
+from planner.stage_dp import DPSolution, TooLarge, _Units, front
 
 _GB = 1e9
 MAX_POINTS = 200_000  # candidate points of one front before filtering, before giving up
 NARROW = 6  # points per front and labels per group kept in the narrow pass
 
 
-def front(costs: np.ndarray) -> np.ndarray:
-    """Indices of the rows of `costs` (n, d) no other row is <= in every column (of equal
-    rows the first), in lexicographic order. Two columns: one sweep; more: blocks of rows
-    checked against those kept, in numpy."""
-    n, d = costs.shape
-    if n <= 1:
-        return np.arange(n)
-    order = np.lexsort(costs.T[::-1])
-    c = costs[order]
-    if d == 2:  # sorted by the first column: kept where the second drops below all before
-        best = np.minimum.accumulate(c[:, 1])
-        keep = np.ones(n, bool)
-        keep[1:] = c[1:, 1] < best[:-1]
-        return order[keep]
-    if n > 256:  # drop at once what one of a few points dominates (argmins of weighted
-        # sums: on the front), so the exact pass below sees fewer rows
-        scale = c.max(axis=0) - c.min(axis=0)
-        scale[scale <= 0] = 1.0
-        weights = np.random.default_rng(0).random((d, 64)) + 0.05
-        for _ in range(2):
-            pick = np.unique(np.argmin((c / scale) @ weights, axis=0))
-            beaten = (c[:, None, :] >= c[pick][None, :, :]).all(axis=2).any(axis=1)
-            beaten[pick] = False
-            c, order = c[~beaten], order[~beaten]
-        n = len(c)
-    kept_rows: list[np.ndarray] = []
-    kept = np.empty((0, d))
-    for s in range(0, n, 512):
-        block = c[s:s + 512]
-        beaten = (block[:, None, :] >= block[None, :, :]).all(axis=2)
-        beaten = np.tril(beaten, -1).any(axis=1)
-        if len(kept):
-            beaten |= (block[:, None, :] >= kept[None, :, :]).all(axis=2).any(axis=1)
-        rows = np.flatnonzero(~beaten)
-        kept_rows.append(s + rows)
-        kept = np.vstack([kept, block[rows]])
-    return order[np.concatenate(kept_rows)]
+def _merged(parts: list[tuple], narrow: bool, score):
+    """The labels grown into one group, `parts` of (three cost columns, payload, the
+    previous label's index, the point's index, ...): the columns and those indices
+    concatenated, `part` (which of `parts` each row came from), and the rows on their
+    Pareto front (`front`), in the narrow pass only the NARROW least by `score(columns)`."""
+    columns = tuple(np.concatenate([p[c] for p in parts]) for c in range(3))
+    part = np.concatenate([np.full(len(p[0]), n) for n, p in enumerate(parts)])
+    prev = np.concatenate([p[4] for p in parts])
+    pt = np.concatenate([p[5] for p in parts])
+    keep = front(np.stack(columns, 1))
+    if narrow and len(keep) > NARROW:
+        value = score(*(c[keep] for c in columns))
+        keep = keep[np.argsort(value, kind="stable")[:NARROW]]
+    return columns, part, prev, pt, keep
 
 
 class _Front:
@@ -180,17 +157,11 @@ class _Solver:
                             (T[idx], S[idx], M[idx], fr, idx // len(pts), idx % len(pts), pts))
             fronts = {}
             for s_out, parts in grown.items():
-                T = np.concatenate([p[0] for p in parts])
-                if len(T) > MAX_POINTS:
-                    raise TooLarge(f"{len(T)} points pricing stage {k} from unit {i}")
-                S = np.concatenate([p[1] for p in parts])
-                M = np.concatenate([p[2] for p in parts])
-                part = np.concatenate([np.full(len(p[0]), n) for n, p in enumerate(parts)])
-                prev = np.concatenate([p[4] for p in parts])
-                pt = np.concatenate([p[5] for p in parts])
-                keep = front(np.stack([T, S, M], 1))
-                if narrow and len(keep) > NARROW:
-                    keep = keep[np.argsort(self.m * T[keep] + S[keep], kind="stable")[:NARROW]]
+                points = sum(len(p[0]) for p in parts)
+                if points > MAX_POINTS:
+                    raise TooLarge(f"{points} points pricing stage {k} from unit {i}")
+                (T, S, M), part, prev, pt, keep = _merged(
+                    parts, narrow, lambda T, S, M: self.m * T + S)
                 back = [(parts[part[r]][3], int(prev[r]), u, parts[part[r]][6][pt[r]][4])
                         for r in keep]
                 fronts[s_out] = _Front(T[keep], S[keep], M[keep], back)
@@ -268,16 +239,8 @@ class _Solver:
             groups = {}
             for key, parts in grown.items():
                 self._check_time(f"placing stage {k}")
-                sumT = np.concatenate([p[0] for p in parts])
-                maxT = np.concatenate([p[1] for p in parts])
-                maxS = np.concatenate([p[2] for p in parts])
-                part = np.concatenate([np.full(len(p[0]), n) for n, p in enumerate(parts)])
-                prev = np.concatenate([p[4] for p in parts])
-                pt = np.concatenate([p[5] for p in parts])
-                keep = front(np.stack([sumT, maxT, maxS], 1))
-                if narrow and len(keep) > NARROW:
-                    v = sumT[keep] + (m - 1) * maxT[keep] + maxS[keep]
-                    keep = keep[np.argsort(v, kind="stable")[:NARROW]]
+                (sumT, maxT, maxS), part, prev, pt, keep = _merged(
+                    parts, narrow, lambda sumT, maxT, maxS: sumT + (m - 1) * maxT + maxS)
                 back = [(parts[part[r]][3], int(prev[r]), parts[part[r]][6], int(pt[r]),
                          parts[part[r]][7]) for r in keep]
                 groups[key] = (sumT[keep], maxT[keep], maxS[keep], back)
