@@ -142,12 +142,14 @@ def _step_3d(model, plan: Plan, batch, loss_fn, scaler=None) -> float:
                 stages if name in MULTI_STAGE else stages[0], n_microbatches=m,
                 loss_fn=pipeline_loss, scale_grads=False)
             model._schedule = schedule
+            # each parameter once, though two of this rank's stages may share it
+            model._schedule_params = list({id(p): p for s in model._pipeline_stages
+                                           for p in s.submod.parameters()}.values())
         if len(targets) > 1:
             raise ValueError("batch: a pipelined plan takes one target tensor")
         kwargs = {"target": targets[0], "losses": losses} if model.has_last else {}
         schedule.step(*(inputs if model.has_first else ()), **kwargs)
-        for p in {id(p): p for s in model._pipeline_stages
-                  for p in s.submod.parameters()}.values():
+        for p in model._schedule_params:
             if p.grad is not None:
                 p.grad.div_(m)
     model.sync_gradients()
