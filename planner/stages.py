@@ -708,9 +708,36 @@ def lower_bound(problem: StageProblem, pp: int, microbatches: int, schedule: str
 
     if schedule == "GPipe":  # Σ_k T_k + (m - 1)·max_k T_k, exactly
         return float(a.sum()) + split(0.0) * (m - 1) / m + once
+    # 1F1B: rank k also idles while the first and the last microbatch go through the
+    # stages after it (_one_f_one_b_idle)
+    waits = [m * body + _one_f_one_b_idle(body, prefix[-1] - prefix, pp, m, k)
+             for k in range(pp)] if stage_ms is None else [
+        s + _one_f_one_b_idle(s / m, prefix[-1] - prefix, pp, m, k)
+        for k, s in enumerate(stage_m)]
+    bound = split(1.0, waits) + once
     if stage_ms is None:
-        return split(1.0) + once
-    return max(split(1.0) + once, split(1.0, stage_ms))
+        return bound
+    return max(bound, split(1.0, stage_ms))
+
+
+def _one_f_one_b_idle(stage_s: np.ndarray, after_s: np.ndarray, pp: int, m: int,
+                      k: int) -> np.ndarray:
+    """[i, j] -> what rank k idles under 1F1B beyond its own m·T, at least, for a stage
+    [i, j) taking `stage_s` per microbatch (at least) with `after_s[j]` of work after it
+    (at least), in the simulation's split of a microbatch (forward T/3, backward 2T/3).
+    Rank k runs w = min(pp - k - 1, m) forwards ahead. Microbatch 0's backward reaches it
+    only after the stages after it, R, ran forward and back: it idles R - w·T/3 beyond its
+    w forwards between. The same holds at the end: between its last forward and the last
+    microbatch's backward it has w backwards to do, idling R - w·2T/3. The two idle spells
+    are apart where its last forward comes after microbatch 0's backward (m - 1 > w). Both
+    grow with R and the total with T (m·T + idle has slope m - w > 0), so lower bounds of
+    each give a lower bound. With balanced stages this makes rank 0's bound the textbook
+    (m + pp - 1)·T, where the first and last rank's waits alone gave m·T."""
+    w = min(pp - k - 1, m)
+    rest = after_s[None, :]
+    start = np.maximum(rest - w * stage_s / 3, 0.0)
+    end = np.maximum(rest - 2 * w * stage_s / 3, 0.0)
+    return start + end if m - 1 > w else np.maximum(start, end)
 
 
 def _dual_stage_bounds(problem: StageProblem, flights, m: int, budget_bytes: float,

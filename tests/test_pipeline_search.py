@@ -2,6 +2,8 @@
 stage cuts and strategies, on small instances (pure data, no processes)."""
 
 
+import itertools
+
 import numpy as np
 import pytest
 import torch
@@ -82,6 +84,43 @@ def test_stage_mip_equals_brute_force_random(seed):
                     expected[0].step_s * (1 + 1e-9)
                 if budget is not None:
                     assert max(got.times.memory_bytes) <= budget * (1 + 1e-7)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_lower_bound_below_every_simulated_step(seed):
+    """The no-solve bound is below the simulated step of every cut and choice (not only
+    the objective's best), at every depth and microbatch count 1F1B and GPipe run, with
+    and without a budget: the search prunes a shape by it unsolved."""
+    rng = np.random.default_rng(300 + seed)
+    p = _random_problem(rng, units=6, layers=7)
+    for pp in range(2, min(4, len(p.units)) + 1):
+        for m in (pp, pp + 1, 2 * pp + 1):
+            for schedule in ("1F1B", "GPipe"):
+                steps = [(t.step_s, max(t.memory_bytes))
+                         for cuts in itertools.combinations(range(1, len(p.units)), pp - 1)
+                         for choice in itertools.product(*(range(len(l.strategies))
+                                                           for l in p.layers))
+                         for t in [evaluate(p, (0, *cuts), choice, m, schedule)]]
+                least = min(s for s, _ in steps)
+                assert lower_bound(p, pp, m, schedule) <= least * (1 + 1e-9)
+                budget = sorted(mem for _, mem in steps)[len(steps) // 3]
+                fitting = min(s for s, mem in steps if mem <= budget)
+                assert lower_bound(p, pp, m, schedule, budget_bytes=budget) <= \
+                    fitting * (1 + 1e-9), (pp, m, schedule)
+
+
+@pytest.mark.parametrize("pp,m", [(2, 2), (3, 5), (4, 4), (4, 9)])
+def test_lower_bound_exact_on_balanced_stages(pp, m):
+    """Identical one-option units, as many as stages: the 1F1B bound is the simulated step
+    itself, the textbook (m + pp - 1)·T (the first and last microbatch's passes through
+    the other stages, which rank 0 waits for), not merely below it."""
+    one = lambda x: np.array([x])
+    layers = tuple(LayerOptions(f"l{u}", u, ("s",), one(0.3), one(0.01), one(1e8), one(1e7))
+                   for u in range(pp))
+    p = StageProblem(layers, (), tuple(f"u{u}" for u in range(pp)), (0.0,) * pp)
+    step = evaluate(p, tuple(range(pp)), (0,) * pp, m, "1F1B").step_s
+    assert step == pytest.approx((m + pp - 1) * 0.3 + 0.01)
+    assert lower_bound(p, pp, m, "1F1B") == pytest.approx(step)
 
 
 @pytest.mark.parametrize("seed", range(3))
