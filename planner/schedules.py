@@ -127,6 +127,9 @@ def actions(schedule: str, pp: int, v: int, m: int) -> tuple[tuple[Act, ...], ..
     if schedule == "InterleavedZeroBubble":
         bare.pipeline_order = order
         order = bare._add_bubbles_to_actions(pp * v)
+    # torch's computation types by member (reading an enum's .value per action was a
+    # third of the time); the compute kinds only
+    kinds = {t: t.value for t in ts._ComputationType if t.value in ("F", "B", "I", "W")}
     out = []
     for r in range(pp):
         mine = []
@@ -134,8 +137,8 @@ def actions(schedule: str, pp: int, v: int, m: int) -> tuple[tuple[Act, ...], ..
             if a is None:
                 continue
             for leaf in (a.sub_actions or (a,)):  # an overlapped F+B runs both
-                kind = leaf.computation_type.value
-                if kind in ("F", "B", "I", "W"):
+                kind = kinds.get(leaf.computation_type)
+                if kind is not None:
                     mine.append(Act(leaf.stage_index, kind, leaf.microbatch_index))
         out.append(tuple(mine))
     return tuple(out)
@@ -225,26 +228,29 @@ def _memory(schedule, pp, v, m, activation_bytes):
 
 
 def simulate(schedule: str, pp: int, v: int, m: int, forward_s, input_s, weight_s,
-             hop_s: float = 0.0, activation_bytes=None) -> Simulation:
+             hop_s: float = 0.0, activation_bytes=None, record: bool = True) -> Simulation:
     """Run the schedule's action lists with per-global-stage times (a full backward takes
-    input_s + weight_s) and `hop_s` per transfer between ranks."""
+    input_s + weight_s) and `hop_s` per transfer between ranks; `record` False leaves the
+    timed actions out (what only the makespan and bubbles need)."""
     S = pp * v
     for name, xs in (("forward_s", forward_s), ("input_s", input_s), ("weight_s", weight_s)):
         if len(xs) != S:
             raise ValueError(f"{name}: {len(xs)} values for {S} stages (pp {pp} x v {v})")
     ranks = placement(schedule, pp, v) if pp > 1 else (0,) * v
     orders = actions(schedule, pp, v, m)
-    length = {"F": forward_s, "I": input_s, "W": weight_s}
-
-    def duration(a: Act) -> float:
-        if a.kind == "B":
-            return float(input_s[a.stage]) + float(weight_s[a.stage])
-        return float(length[a.kind][a.stage])
+    # per kind, per stage: how long an action takes (a full backward: both gradients)
+    duration = {"F": [float(x) for x in forward_s], "I": [float(x) for x in input_s],
+                "W": [float(x) for x in weight_s]}
+    duration["B"] = [i + w for i, w in zip(duration["I"], duration["W"])]
 
     def hop(a: int, b: int) -> float:
         return hop_s if ranks[a] != ranks[b] else 0.0
 
-    done: dict[tuple[str, int, int], float] = {}  # ("F"|"G"|"W", stage, mb): end time
+    # end times per (stage, microbatch): forward, input gradient (G: what the previous
+    # stage waits for) and weight gradient; None until done
+    f_end = [[None] * m for _ in range(S)]
+    g_end = [[None] * m for _ in range(S)]
+    w_end = [[None] * m for _ in range(S)]
     free = [0.0] * pp
     busy = [0.0] * pp
     nxt = [0] * pp
@@ -253,31 +259,42 @@ def simulate(schedule: str, pp: int, v: int, m: int, forward_s, input_s, weight_
     while remaining:
         progressed = False
         for r in range(pp):
-            while nxt[r] < len(orders[r]):
-                a = orders[r][nxt[r]]
-                s, i = a.stage, a.microbatch
-                if a.kind == "F":
-                    need = [("F", s - 1, i, hop(s - 1, s))] if s > 0 else []
-                elif a.kind in ("B", "I"):
-                    need = [("F", s, i, 0.0)]
+            order = orders[r]
+            while nxt[r] < len(order):
+                s, kind, i = order[nxt[r]]
+                if kind == "F":
+                    if s > 0:
+                        t = f_end[s - 1][i]
+                        if t is None:
+                            break
+                        ready = t + hop(s - 1, s)
+                    else:
+                        ready = 0.0
+                elif kind == "W":
+                    ready = g_end[s][i]
+                    if ready is None:
+                        break
+                else:  # B or I: after its own forward and the next stage's input gradient
+                    ready = f_end[s][i]
+                    if ready is None:
+                        break
                     if s < S - 1:
-                        need.append(("G", s + 1, i, hop(s + 1, s)))
-                else:
-                    need = [("G", s, i, 0.0)]
-                if any(k[:3] not in done for k in need):
-                    break
-                ready = max((done[k[:3]] + k[3] for k in need), default=0.0)
+                        t = g_end[s + 1][i]
+                        if t is None:
+                            break
+                        ready = max(ready, t + hop(s + 1, s))
                 start = max(free[r], ready)
-                end = start + duration(a)
-                timed.append(Timed(r, s, a.kind, i, start, end))
-                if a.kind == "F":
-                    done[("F", s, i)] = end
-                elif a.kind == "B":
-                    done[("G", s, i)] = done[("W", s, i)] = end
-                elif a.kind == "I":
-                    done[("G", s, i)] = end
+                end = start + duration[kind][s]
+                if record:
+                    timed.append(Timed(r, s, kind, i, start, end))
+                if kind == "F":
+                    f_end[s][i] = end
+                elif kind == "B":
+                    g_end[s][i] = w_end[s][i] = end
+                elif kind == "I":
+                    g_end[s][i] = end
                 else:
-                    done[("W", s, i)] = end
+                    w_end[s][i] = end
                 free[r] = end
                 busy[r] += end - start
                 nxt[r] += 1
@@ -298,7 +315,7 @@ def uniform_bubble(schedule: str, pp: int, v: int, m: int) -> float:
     what the stage cut's integer program charges it (planner.stages)."""
     S = pp * v
     third = [1 / 3] * S
-    return simulate(schedule, pp, v, m, third, third, third).busiest_bubble_s
+    return simulate(schedule, pp, v, m, third, third, third, record=False).busiest_bubble_s
 
 
 def price(schedule: str, pp: int, v: int, m: int, microbatch_s, hop_s: float = 0.0,

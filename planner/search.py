@@ -15,7 +15,8 @@ Keeping it fast as the space widens:
   stages, less with unbalanced ones for 1F1B) and keeps more activations: it is dominated
   and never solved where 1F1B runs (1F1B needs m >= pp);
 - the schedules with chunks per rank (interleaved, zero-bubble, DualPipeV) are candidates
-  of their own, each priced by simulating its action list (planner.schedules);
+  of their own, each priced by simulating its action list (planner.schedules), which is
+  done only for those a bound does not rule out;
 - a shape whose smallest possible memory exceeds the budget is dropped unsolved;
 - the rest are solved one-stage shapes first (their solvers are the fastest, and their
   best cuts off every pipelined shape), then in order of a lower bound, each with the
@@ -243,13 +244,21 @@ class CostCache:
         self.tied = {node for group in graph.tied_groups() for node in group}
         self._layer: dict = {}
         self._edge: dict = {}
+        self._signatures: dict = {}  # per node: _signature(layer), a repr of its attrs
+        # build()'s per-layer options and per-edge costs, keyed by the entries they price
+        # (which this cache keeps alive, so their ids stay theirs)
+        self.options: dict = {}
+        self.edges: dict = {}
         self.hits = self.misses = 0
 
     def layer(self, layer: Layer, tp: int, rows: int, computing: float | None = None):
         """`layer` scaled to `rows` rows, its options over a tp group and their context,
         while `computing` of a node's processes compute at once (None: all of them)."""
         tied = layer.node in self.tied
-        key = (_signature(layer), tp, rows, computing, tied)
+        sig = self._signatures.get(layer.node)
+        if sig is None:
+            sig = self._signatures[layer.node] = _signature(layer)
+        key = (sig, tp, rows, computing, tied)
         hit = self._layer.get(key)
         if hit is not None:
             self.hits += 1
@@ -284,6 +293,48 @@ class CostCache:
             hit = edge_cost(kind, self.cluster)
             self._edge[kind] = hit
         return hit
+
+
+@dataclass(frozen=True)
+class _PricedOptions:
+    """One layer's options on a shape (its strategies over tp, each replicated or sharded
+    over dp) and their prices: what build() puts in a LayerOptions."""
+
+    names: tuple[str, ...]
+    strategies: tuple
+    sharded: tuple[str, ...]
+    costs: tuple
+    microbatch_s: np.ndarray
+    step_s: np.ndarray
+    weight_bytes: np.ndarray
+    activation_bytes: np.ndarray
+    local_param_bytes: np.ndarray
+
+
+def _priced_options(cache: "CostCache", entry: LayerEntry, layer: Layer, dp: int, tp: int,
+                    want: str | None, tied_copy, tied_link) -> _PricedOptions:
+    """Each of `entry`'s options, then its FSDP and HSDP variants where offered
+    (planner.dp_shard), kept to `want` where pinned, priced by planner.price."""
+    graph, cluster = cache.graph, cache.cluster
+    variants = [(s, "") for s in entry.strategies]
+    variants += [(s, sh) for s in entry.strategies for sh in dp_shard.variants(
+        layer, s.name, dp, tp, graph.tracer, layer.node in cache.tied,
+        cluster.devices_per_node)]
+    names = [s.name + sh for s, sh in variants]
+    keep = [j for j, n in enumerate(names) if want and (
+        n == want or (want.startswith("+") and n.endswith(want)))]
+    if keep:
+        variants, names = [variants[j] for j in keep], [names[j] for j in keep]
+    prices = [cache.price(entry, s, dp, sh) for s, sh in variants]
+    if tied_copy is not None:
+        prices = [with_tied_copy(p, s, tied_copy, entry.ctx, dp, tied_link)
+                  for p, (s, _) in zip(prices, variants)]
+    return _PricedOptions(
+        tuple(names), tuple(s for s, _ in variants), tuple(sh for _, sh in variants),
+        tuple(p.cost for p in prices), np.array([p.microbatch_s for p in prices]),
+        np.array([p.step_s for p in prices]), np.array([p.weight_bytes for p in prices]),
+        np.array([p.activation_bytes for p in prices]),
+        np.array([p.local_param_bytes for p in prices]))
 
 
 @dataclass(frozen=True)
@@ -327,36 +378,24 @@ def build(cache: CostCache, pp: int, dp: int, tp: int, rows: int,
     # gradient all-reduced with the first stage's over the pipeline's link (block_cuts)
     tied_copy = tied_heads(graph) if pp > 1 and not ends_together else {}
     tied_link = group_link(cluster, pp * dp * tp)
+    priced = []
     for i, layer in enumerate(graph.layers):
         entry = cache.layer(layer, tp, rows, computing)
-        scaled, strats = entry.layer, entry.strategies
-        tied = layer.node in cache.tied
-        # each option, then its FSDP and HSDP variants where offered (planner.dp_shard)
-        variants = [(s, "") for s in strats]
-        variants += [(s, sh) for s in strats for sh in dp_shard.variants(
-            layer, s.name, dp, tp, graph.tracer, tied, cluster.devices_per_node)]
-        names = [s.name + sh for s, sh in variants]
         want = pin.get(layer.name) if pin else None
-        keep = [j for j, n in enumerate(names) if want and (
-            n == want or (want.startswith("+") and n.endswith(want)))]
-        if keep:
-            variants, names = [variants[j] for j in keep], [names[j] for j in keep]
-        prices = [cache.price(entry, s, dp, sh) for s, sh in variants]  # planner.price
-        if layer.node in tied_copy:
-            prices = [with_tied_copy(p, s, tied_copy[layer.node], entry.ctx, dp, tied_link)
-                      for p, (s, _) in zip(prices, variants)]
-        mb = [p.microbatch_s for p in prices]
-        once = [p.step_s for p in prices]
-        wb = [p.weight_bytes for p in prices]
-        ab = [p.activation_bytes for p in prices]
-        lp = [p.local_param_bytes for p in prices]
-        options.append(LayerOptions(layer.name, unit_of[i], tuple(names),
-                                    np.array(mb), np.array(once), np.array(wb), np.array(ab)))
-        strategies.append(tuple(s for s, _ in variants))
-        costs.append(tuple(p.cost for p in prices))
-        sharded_all.append(tuple(sh for _, sh in variants))
-        scaled_layers.append(scaled)
-        local.append(np.array(lp))
+        copy = tied_copy.get(layer.node)
+        key = (id(entry), dp, want, copy, layer.node in cache.tied)
+        got = cache.options.get(key)
+        if got is None:  # identical layers (a transformer's blocks) share one
+            got = cache.options[key] = _priced_options(
+                cache, entry, layer, dp, tp, want, copy, tied_link)
+        priced.append(got)
+        options.append(LayerOptions(layer.name, unit_of[i], got.names, got.microbatch_s,
+                                    got.step_s, got.weight_bytes, got.activation_bytes))
+        strategies.append(got.strategies)
+        costs.append(got.costs)
+        sharded_all.append(got.sharded)
+        scaled_layers.append(entry.layer)
+        local.append(got.local_param_bytes)
     sink = len(options)
     options.append(LayerOptions(OUTPUT, len(unit_names) - 1, ("output",), np.zeros(1),
                                 np.zeros(1), np.zeros(1), np.zeros(1)))
@@ -366,10 +405,15 @@ def build(cache: CostCache, pp: int, dp: int, tp: int, rows: int,
     for dst, layer in enumerate(graph.layers):  # priced by planner.price, per microbatch
         for name in layer.inputs:
             src = index[name]
-            kind = edge_kind(scaled_layers[src], [s.gives for s in strategies[src]],
-                             scaled_layers[dst], strategies[dst], rows, tp, graph.tracer,
-                             graph.carries_gradient(graph.layers[src].node))
-            edges.append(Edge(src, dst, cache.edge(kind)))
+            backward = graph.carries_gradient(graph.layers[src].node)
+            key = (id(priced[src]), id(priced[dst]), rows, tp, backward)
+            cost = cache.edges.get(key)
+            if cost is None:  # between identical layers, one price
+                kind = edge_kind(scaled_layers[src], [s.gives for s in strategies[src]],
+                                 scaled_layers[dst], strategies[dst], rows, tp,
+                                 graph.tracer, backward)
+                cost = cache.edges[key] = cache.edge(kind)
+            edges.append(Edge(src, dst, cost))
     for name in graph.outputs:  # handed back as planner.handback says
         src = index[name]
         kind = output_kind(scaled_layers[src], [s.gives for s in strategies[src]], rows, tp,
@@ -494,18 +538,15 @@ def search(graph: ModelGraph, cluster: Cluster, optimizer: str, budget_bytes: fl
         bound = lower_bound(b.problem, shape.pp, shape.microbatches, shape.schedule,
                             shape.chunks, budget_of(shape))
         c = Candidate(shape, "pruned_by_bound", bound_s=bound)
-        # one chunk: the estimate is the bound without the budget, never above this one
-        guess = bound if shape.chunks == 1 else estimate(
-            b.problem, shape.pp, shape.microbatches, shape.schedule, shape.chunks)
-        ranked.append((max(bound, guess), c))
+        ranked.append((bound, c))
         out.append(c)
 
-    # best first by the bound (one chunk per rank) or the balanced-chunk estimate (chunks:
-    # their bound leaves out the bubble, and would put every one of them first); one-stage
-    # shapes before all: planner.ilp proves them in a second (the stage MIP, where blocks
-    # may be recomputed), and their best is a cutoff for every pipelined shape
-    ranked.sort(key=lambda t: (t[1].shape.pp > 1, t[0], t[1].shape.pp, t[1].shape.tp,
-                               t[1].shape.chunks))
+    # best bound first; one-stage shapes before all: planner.ilp proves them in a second
+    # (the stage MIP, where blocks may be recomputed), and their best is a cutoff for every
+    # pipelined shape; shapes with chunks per rank after those with one (their bound
+    # leaves out the bubble, and would put every one of them first)
+    ranked.sort(key=lambda t: (t[1].shape.pp > 1, t[1].shape.chunks > 1, t[0],
+                               t[1].shape.pp, t[1].shape.tp, t[1].shape.chunks))
     best: Candidate | None = None
     solve_seconds = 0.0
 
@@ -545,6 +586,7 @@ def search(graph: ModelGraph, cluster: Cluster, optimizer: str, budget_bytes: fl
             best = c
 
     chunked_tries = 0
+    chunked: list[Candidate] = []
 
     def tell(current: str = "") -> None:
         """Report where the search stands: candidates dealt with (dropped, pruned, skipped
@@ -563,7 +605,7 @@ def search(graph: ModelGraph, cluster: Cluster, optimizer: str, budget_bytes: fl
         # First pass, best bound first, each candidate briefly: a hard one met before any
         # incumbent exists would otherwise spend the whole limit proving a plan far from
         # best.
-        for guess, c in ranked:
+        for _, c in ranked:
             if out_of_time():
                 break
             bound = c.bound_s
@@ -573,26 +615,44 @@ def search(graph: ModelGraph, cluster: Cluster, optimizer: str, budget_bytes: fl
                 tell()
                 continue
             if c.shape.chunks > 1:
-                # not a bound: chunked schedules are dropped on their balanced estimate,
-                # which the cut can only miss by imbalance (their bound leaves the bubble
-                # out), and only the CHUNKED_TRIES best are solved (their stage MIPs are
-                # the hardest); what is dropped so is "skipped", and counts in the gap
-                if incumbent is not None and guess >= incumbent * (1 - 1e-9):
-                    c.outcome = "skipped"
-                    c.note = (f"estimate {guess * 1e3:.3g} ms >= best "
-                              f"{incumbent * 1e3:.3g} ms")
-                    continue
-                if chunked_tries >= CHUNKED_TRIES:
-                    c.outcome = "skipped"
-                    c.note = f"not solved: past the {CHUNKED_TRIES} best chunked estimates"
-                    continue
-                chunked_tries += 1
-                tell(_words(c.shape))
-                attempt(c, min(time_limit_s, CHUNKED_PASS_S))
-                tell()
+                chunked.append(c)  # after every shape with one chunk per rank (below)
                 continue
             tell(_words(c.shape))
             attempt(c, min(time_limit_s, FIRST_PASS_S))
+            tell()
+        # Chunked schedules, not by a bound: those their bound leaves in (it leaves the
+        # bubble out) are dropped on their balanced estimate (a simulation of the
+        # schedule, made only for them), which the cut can only miss by imbalance, and
+        # only the CHUNKED_TRIES best estimates below the best are solved (their stage MIPs
+        # are the hardest); what is dropped so is "skipped", and counts in the gap
+        guesses = []
+        for c in chunked:
+            if out_of_time():
+                break
+            s = c.shape
+            incumbent = best.solution.times.step_s if best else None
+            if incumbent is not None and c.bound_s >= incumbent * (1 - 1e-9):
+                c.note = f"bound {c.bound_s * 1e3:.3g} ms >= best {incumbent * 1e3:.3g} ms"
+                continue
+            guesses.append((max(c.bound_s, estimate(problem_of(s).problem, s.pp,
+                                                    s.microbatches, s.schedule, s.chunks)),
+                            c))
+        guesses.sort(key=lambda t: t[0])
+        for guess, c in guesses:
+            if out_of_time():
+                break
+            incumbent = best.solution.times.step_s if best else None
+            if incumbent is not None and guess >= incumbent * (1 - 1e-9):
+                c.outcome = "skipped"
+                c.note = f"estimate {guess * 1e3:.3g} ms >= best {incumbent * 1e3:.3g} ms"
+                continue
+            if chunked_tries >= CHUNKED_TRIES:
+                c.outcome = "skipped"
+                c.note = f"not solved: past the {CHUNKED_TRIES} best chunked estimates"
+                continue
+            chunked_tries += 1
+            tell(_words(c.shape))
+            attempt(c, min(time_limit_s, CHUNKED_PASS_S))
             tell()
         # Second pass: what is left open and might still beat the best, now cut off at it
         # (an integer program whose LP bound is above the cutoff ends at once).

@@ -120,6 +120,12 @@ class StageProblem:
     units: tuple[str, ...]
     cut_s: tuple[float, ...]
 
+    @functools.cached_property
+    def tables(self) -> "_Tables":
+        """The options as padded arrays, made once: the bounds read them for every
+        microbatch count and schedule of a shape (hundreds of times in a search)."""
+        return _Tables.of(self)
+
     def unit_layers(self) -> list[list[int]]:
         out: list[list[int]] = [[] for _ in self.units]
         for i, layer in enumerate(self.layers):
@@ -144,6 +150,51 @@ class StageProblem:
         """Does `choice` recompute each linked unit's layers all together or not at all?"""
         return all(len({bool(self.layers[i].recomputed[choice[i]]) for i in members}) == 1
                    for members in self.linked_units().values())
+
+
+@dataclass(frozen=True)
+class _Tables:
+    """A StageProblem's options padded to one width (time +inf, memory 0 past a layer's
+    own), each distinct layer once (a transformer's blocks repeat) with its count per
+    unit, and the least of each per layer and unit."""
+
+    microbatch_s: np.ndarray  # (distinct, width)
+    step_s: np.ndarray
+    weight_bytes: np.ndarray
+    activation_bytes: np.ndarray
+    counts: np.ndarray  # (distinct, units): how many of each distinct layer a unit holds
+    layer_least_s: np.ndarray  # per unit: Σ its layers' least microbatch time
+    edge_least_s: np.ndarray  # per unit: Σ the least entry of each edge into it
+    step_least_s: float  # Σ over layers of the least per-step time
+
+    @staticmethod
+    def of(problem: "StageProblem") -> "_Tables":
+        U, L = len(problem.units), len(problem.layers)
+        width = max(len(l.strategies) for l in problem.layers)
+        mb, step = np.full((L, width), math.inf), np.full((L, width), math.inf)
+        w, a = np.zeros((L, width)), np.zeros((L, width))
+        for i, l in enumerate(problem.layers):
+            n = len(l.strategies)
+            mb[i, :n], step[i, :n] = l.microbatch_s, l.step_s
+            w[i, :n], a[i, :n] = l.weight_bytes, l.activation_bytes
+        unit = np.array([l.unit for l in problem.layers])
+        layer_least = np.bincount(unit, weights=mb.min(axis=1), minlength=U)
+        edge_least = np.zeros(U)
+        for e in problem.edges:
+            edge_least[problem.layers[e.dst].unit] += float(np.asarray(e.cost_s).min())
+        step_least = float(step.min(axis=1).sum())
+        rows, inverse = np.unique(np.concatenate([mb, step, w, a], 1), axis=0,
+                                  return_inverse=True)
+        counts = np.zeros((len(rows), U))
+        np.add.at(counts, (inverse.ravel(), unit), 1.0)
+        mb, step, w, a = np.split(rows, 4, axis=1)
+        return _Tables(mb, step, w, a, counts, layer_least, edge_least, step_least)
+
+    def least_memory_by_unit(self, f: int) -> np.ndarray:
+        """Per unit: Σ over its layers of the least weights + f·activations."""
+        valid = np.isfinite(self.microbatch_s)
+        least = np.where(valid, self.weight_bytes + f * self.activation_bytes, math.inf)
+        return least.min(axis=1) @ self.counts
 
 
 def in_flight(schedule: str, pp: int, microbatches: int, stage: int, chunks: int = 1) -> int:
@@ -635,21 +686,22 @@ def lower_bound(problem: StageProblem, pp: int, microbatches: int, schedule: str
     With one stage per rank, rank r works m·T_r after waiting for the first forward and
     before the last backward passes the stages before it (Σ_{j<r} T_j): the best contiguous
     split of the minima under max_r (Σ_{j<r} T_j + m·T_r) (the linear-partition dynamic
-    program, with the cut transfers) bounds every schedule; GPipe's makespan is
+    program, with the cut transfers) bounds every schedule; under 1F1B rank r also idles
+    while the first and the last microbatch pass the stages after it (_one_f_one_b_idle),
+    which makes the bound exact on balanced stages, (m + pp - 1)·T, and keeps splits that
+    starve the later stages from looking cheap; GPipe's makespan is
     Σ_k T_k + (m - 1)·max_k T_k, bounded by the split with the least slowest stage. With
     `budget_bytes`, the split may only use stages whose least memory (each layer's least
     weights + in-flight activations at that stage) fits: the cut of any plan that fits is
     one of them, and a shape no split fits is infinitely bad (pruned unsolved). With
-    chunks, a rank does m times its share of the work, at least m·Σ a / pp, and the first
+    chunks, a rank does m times its share of the work, at least m·Σ a / pp (with a budget:
+    the Lagrangian bound of the whole model in pp budgets, shared), and the first
     microbatch passes every stage forward and back (2/3 of it where the weight gradients
-    can wait)."""
+    can wait); the bubble is left out."""
     U = len(problem.units)
-    a = np.zeros(U)
-    for layer in problem.layers:
-        a[layer.unit] += float(layer.microbatch_s.min())
-    for e in problem.edges:
-        a[problem.layers[e.dst].unit] += float(np.asarray(e.cost_s).min())
-    once = sum(float(l.step_s.min()) for l in problem.layers) / pp
+    tables = problem.tables
+    a = tables.layer_least_s + tables.edge_least_s
+    once = tables.step_least_s / pp
     m = microbatches
     if pp * chunks > U:
         return math.inf
@@ -660,13 +712,22 @@ def lower_bound(problem: StageProblem, pp: int, microbatches: int, schedule: str
         f = in_flight(schedule, 1, m, 0)
         if _least_memory_prefix(problem, [f])[f][-1] > budget_bytes * (1 + 1e-9):
             return math.inf
-        edges_s = m * (float(a.sum()) - sum(float(l.microbatch_s.min()) for l in problem.layers))
+        edges_s = m * float(tables.edge_least_s.sum())
         dual = _dual_stage_bounds(problem, [f], m, budget_bytes, per_step=True)[f][0, -1]
         return max(plain, dual + edges_s)
     if chunks > 1:  # and one microbatch's chain: forwards down, input gradients up
-        work = float(a.sum()) + _least_sends_s(problem, schedule, pp, chunks)
+        sends = _least_sends_s(problem, schedule, pp, chunks)
+        work = float(a.sum()) + sends
         chain = (2 / 3 if schedule in schedules.SPLIT_BACKWARD else 1.0) * work
-        return max(m * work / pp, chain) + once
+        bound = max(m * work / pp, chain) + once
+        if budget_bytes is None:
+            return bound
+        # the ranks' memory together fits pp budgets, every stage holding at least one
+        # microbatch: the Lagrangian bound of the whole model's m·t + s under that, shared
+        # by the ranks (the busiest does at least its share of m·R_r + S_r)
+        whole = _dual_stage_bounds(problem, [1], m, pp * budget_bytes, per_step=True)[1][0, -1]
+        shared = (whole + m * (float(tables.edge_least_s.sum()) + sends)) / pp
+        return max(bound, shared)
     prefix = np.concatenate([[0.0], np.cumsum(a)])
     cut = np.asarray(problem.cut_s, float)
     in_cut = np.concatenate([[0.0], cut[1:], [0.0]])[:, None]  # a stage from unit i
@@ -682,16 +743,28 @@ def lower_bound(problem: StageProblem, pp: int, microbatches: int, schedule: str
         # and what a stage must spend to fit: its layers' Lagrangian bound (below), with
         # the cheapest edges and its cuts
         dual = _dual_stage_bounds(problem, set(flights), m, budget_bytes)
-        layer_min = np.zeros(U)
-        for layer in problem.layers:
-            layer_min[layer.unit] += float(layer.microbatch_s.min())
-        edge_prefix = prefix - np.concatenate([[0.0], np.cumsum(layer_min)])
-        rest = m * (edge_prefix[j_] - edge_prefix[i_] + in_cut + out_cut)
-        stage_m = [np.maximum(m * body, dual[f] + rest) for f in flights]
+        edge_prefix = np.concatenate([[0.0], np.cumsum(tables.edge_least_s)])
+        outside = edge_prefix[j_] - edge_prefix[i_] + in_cut + out_cut
+        stage_m = [np.maximum(m * body, dual[f] + m * outside) for f in flights]
+
+        def with_step(weight: float, f: int) -> np.ndarray:
+            """weight·T + S of a stage at least, priced with the same options."""
+            return (_dual_stage_bounds(problem, {f}, weight, budget_bytes, per_step=True)[f]
+                    + weight * outside)
+
         # rank r's own step part S_r joins its m·T_r (step >= Σ_{j<r} T_j + m·T_r + S_r),
-        # priced with the same option: the least m·t + s per layer, not two separate least
-        dual = _dual_stage_bounds(problem, set(flights), m, budget_bytes, per_step=True)
-        stage_ms = [dual[f] + rest for f in flights]
+        # priced with the same option: the least m·t + s per layer, not two separate least;
+        # under 1F1B with its idle spells, at least 2R - w·T (R - w·T/3 where the two are
+        # one, _one_f_one_b_idle): (m - w)·T + S + 2R
+        stage_ms = []
+        for k, f in enumerate(flights):
+            s = with_step(m, f)
+            if schedule == "1F1B" and k < pp - 1:
+                w = min(pp - k - 1, m)
+                after = (prefix[-1] - prefix)[None, :]
+                s = np.maximum(s, with_step(m - w, f) + 2 * after if m - 1 > w
+                               else with_step(m - w / 3, f) + after)
+            stage_ms.append(s)
     else:
         fits = [True] * pp
         stage_ms = None
@@ -750,20 +823,11 @@ def _dual_stage_bounds(problem: StageProblem, flights, m: int, budget_bytes: flo
     cheapest options miss: on a 48-block GPT over 64 A100s it is the exact optimum of the
     one-stage shape, twice the plain bound, and it prunes most pipelined shapes unsolved.
     `per_step`: add each option's once-per-step time (one stage: the whole step)."""
-    U, L = len(problem.units), len(problem.layers)
-    width = max(len(l.strategies) for l in problem.layers)
-    t = np.full((L, width), math.inf)
-    mem_w, mem_a = np.zeros((L, width)), np.zeros((L, width))
-    for i, l in enumerate(problem.layers):
-        n = len(l.strategies)
-        t[i, :n] = m * l.microbatch_s + (l.step_s if per_step else 0.0)
-        mem_w[i, :n], mem_a[i, :n] = l.weight_bytes, l.activation_bytes
-    # a transformer's blocks repeat: price each distinct layer once, count it per unit
-    rows, inverse = np.unique(np.concatenate([t, mem_w, mem_a], 1), axis=0,
-                              return_inverse=True)
-    t, mem_w, mem_a = np.split(rows, 3, axis=1)
-    counts = np.zeros((len(rows), U))
-    np.add.at(counts, (inverse.ravel(), [l.unit for l in problem.layers]), 1.0)
+    U = len(problem.units)
+    # a transformer's blocks repeat: each distinct layer priced once, counted per unit
+    tables = problem.tables
+    t = m * tables.microbatch_s + (tables.step_s if per_step else 0.0)
+    mem_w, mem_a, counts = tables.weight_bytes, tables.activation_bytes, tables.counts
     scale = float(np.nanmin(np.where(np.isfinite(t), t, np.nan), axis=1).sum())
     lams = np.concatenate([[0.0], scale / budget_bytes * np.geomspace(1e-3, 1e3, 31)])
     idx = np.arange(U + 1)
@@ -779,19 +843,8 @@ def _dual_stage_bounds(problem: StageProblem, flights, m: int, budget_bytes: flo
 def _least_memory_prefix(problem: StageProblem, flights) -> dict[int, np.ndarray]:
     """{f: prefix sums over units of Σ_layers min_option (weights + f·activations)}: the
     least memory a run of units can take with f microbatches in flight."""
-    U = len(problem.units)
-    width = max(len(l.strategies) for l in problem.layers)
-    weights = np.full((len(problem.layers), width), math.inf)
-    acts = np.zeros((len(problem.layers), width))
-    unit = np.array([l.unit for l in problem.layers])
-    for i, l in enumerate(problem.layers):
-        weights[i, :len(l.strategies)] = l.weight_bytes
-        acts[i, :len(l.strategies)] = l.activation_bytes
-    out = {}
-    for f in set(flights):
-        per_unit = np.bincount(unit, weights=(weights + f * acts).min(axis=1), minlength=U)
-        out[f] = np.concatenate([[0.0], np.cumsum(per_unit)])
-    return out
+    return {f: np.concatenate([[0.0], np.cumsum(problem.tables.least_memory_by_unit(f))])
+            for f in set(flights)}
 
 
 def _least_sends_s(problem: StageProblem, schedule: str, pp: int, chunks: int) -> float:
@@ -806,14 +859,15 @@ def _least_sends_s(problem: StageProblem, schedule: str, pp: int, chunks: int) -
 
 def estimate(problem: StageProblem, pp: int, microbatches: int, schedule: str,
              chunks: int = 1) -> float:
-    """What the search tries first by: the bound for one chunk per rank; with chunks, the
-    objective on perfectly balanced chunks of the cheapest options (not a bound)."""
+    """What the search drops chunked candidates by: the bound for one chunk per rank; with
+    chunks, the objective on perfectly balanced chunks of the cheapest options (not a
+    bound)."""
     if chunks == 1:
         return lower_bound(problem, pp, microbatches, schedule, chunks)
-    total = sum(float(l.microbatch_s.min()) for l in problem.layers)
-    total += sum(float(np.asarray(e.cost_s).min()) for e in problem.edges)
+    tables = problem.tables
+    total = float(tables.layer_least_s.sum() + tables.edge_least_s.sum())
     total += _least_sends_s(problem, schedule, pp, chunks)
-    once = sum(float(l.step_s.min()) for l in problem.layers) / pp
+    once = tables.step_least_s / pp
     kappa = _uniform_bubble(schedule, pp, chunks, microbatches)
     return microbatches * total / pp + kappa * total / (pp * chunks) + once
 
@@ -821,7 +875,8 @@ def estimate(problem: StageProblem, pp: int, microbatches: int, schedule: str,
 def min_memory_bytes(problem: StageProblem, pp: int, microbatches: int, schedule: str,
                      chunks: int = 1) -> float:
     """A bound on the largest rank's memory: the smallest total, shared evenly, with the
-    fewest microbatches any stage keeps in flight."""
-    f = min(in_flight(schedule, pp, microbatches, k, chunks) for k in range(pp * chunks))
-    total = sum(float((l.weight_bytes + f * l.activation_bytes).min()) for l in problem.layers)
-    return total / pp
+    fewest microbatches any stage keeps in flight (with chunks per rank: one, which every
+    stage holds at least, rather than simulate the schedule's order for each shape)."""
+    f = 1 if chunks > 1 else min(in_flight(schedule, pp, microbatches, k)
+                                 for k in range(pp))
+    return float(problem.tables.least_memory_by_unit(f).sum()) / pp
