@@ -1,7 +1,8 @@
 """The 3-D search (pipeline x data x tensor) on GPT-style models planned on meta tensors.
 
 1. Planning time of the full search for a 48-block transformer (width 4096, 9.7 B
-   parameters, fp32 + Adam: 155 GB of weights and state) over 64 devices (8x8xA100-80GB):
+   parameters, Adam, bf16-mixed as A100s train: 155 GB of fp32 weights and state) over 64
+   devices (8x8xA100-80GB):
    candidates, how many were solved and pruned, seconds.
 2. Must-show 1: the same model does not fit one A100-80GB; on 8xA100-80GB it gets a plan
    that fits, memory per device printed; with ample memory (a limit far above the need)
@@ -61,7 +62,7 @@ def main():
     m, inputs = model(args.layers, args.width, args.batch)
     params = sum(p.numel() for p in m.parameters())
     print(f"GPT: {args.layers} blocks, width {args.width}, {params / 1e9:.2f} B parameters, "
-          f"global batch {args.batch} x 1024 tokens, fp32, Adam\n")
+          f"global batch {args.batch} x 1024 tokens, Adam, bf16-mixed (A100)\n")
 
     print("== 1. planning time: 3-D search over 64 devices (8x8xA100-80GB) ==")
     plan = timed("planning", lambda: optimize_3d(m, "8x8xA100-80GB", inputs))
