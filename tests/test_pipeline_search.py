@@ -109,6 +109,38 @@ def test_lower_bound_below_every_simulated_step(seed):
                     fitting * (1 + 1e-9), (pp, m, schedule)
 
 
+@pytest.mark.parametrize("schedule", ["Interleaved1F1B", "ZBVZeroBubble"])
+def test_chunked_bound_below_every_simulated_step_that_fits(schedule):
+    """With chunks per rank and a budget, the bound (the whole model's Lagrangian bound in
+    pp budgets, shared) is below the simulated step of every cut and choice that fits."""
+    rng = np.random.default_rng(400)
+    p = _random_problem(rng, units=6, layers=6)
+    pp, v, m = 2, 2, 4
+    steps = [(t.step_s, max(t.memory_bytes))
+             for cuts in itertools.combinations(range(1, len(p.units)), pp * v - 1)
+             for choice in itertools.product(*(range(len(l.strategies)) for l in p.layers))
+             for t in [evaluate(p, (0, *cuts), choice, m, schedule, v)]]
+    for share in (0.1, 0.3, 0.6):
+        budget = sorted(mem for _, mem in steps)[int(share * len(steps))]
+        fitting = min(s for s, mem in steps if mem <= budget)
+        assert lower_bound(p, pp, m, schedule, v, budget) <= fitting * (1 + 1e-9)
+
+    # four units, each fast and large or slow and small; a rank's budget holds one fast
+    # unit: two fast and two slow overall, work 6 in all, 3 per rank, 24 over 8 microbatches
+    # (16 without the budget) at least, whatever the cut
+    two = lambda *xs: np.array(xs, float)
+    layers = tuple(LayerOptions(f"l{u}", u, ("fast", "slow"), two(1.0, 2.0), two(0.0, 0.0),
+                                two(4e9, 1e9), two(0.0, 0.0)) for u in range(4))
+    p = StageProblem(layers, (), tuple(f"u{u}" for u in range(4)), (0.0,) * 4)
+    m, budget = 8, 5e9
+    fitting = min(t.step_s for choice in itertools.product((0, 1), repeat=4)
+                  for t in [evaluate(p, (0, 1, 2, 3), choice, m, schedule, v)]
+                  if max(t.memory_bytes) <= budget)
+    assert lower_bound(p, pp, m, schedule, v) == pytest.approx(16.0)
+    # the Lagrangian's grid of multipliers approaches 24 (22.4 here)
+    assert 22.0 <= lower_bound(p, pp, m, schedule, v, budget) <= fitting
+
+
 @pytest.mark.parametrize("pp,m", [(2, 2), (3, 5), (4, 4), (4, 9)])
 def test_lower_bound_exact_on_balanced_stages(pp, m):
     """Identical one-option units, as many as stages: the 1F1B bound is the simulated step
