@@ -13,9 +13,10 @@ links and devices are `strategies.calibrated`, above this package):
   from the moment its last rank arrives to the moment its last rank leaves (a rank that
   arrives early sleeps and gives its core away: that wait is the peers' compute, not the
   collective's cost);
-- DTensor's fixed costs: a tiny Linear run through ColwiseParallel / RowwiseParallel, and
-  a tiny DTensor redistribute, against the plain op (the collective they issue is
-  subtracted by `strategies.calibrated` with the fitted link).
+- DTensor's costs: a tiny Linear run through ColwiseParallel / RowwiseParallel, and
+  a tiny DTensor redistribute, against the plain op, and tensor-parallel pairs of Linears
+  at a few widths as the executor runs them (the collectives they issue are subtracted by
+  `strategies.calibrated` with the fitted link).
 """
 
 from __future__ import annotations
@@ -267,6 +268,61 @@ def _dtensor_overheads(rank: int, world: int, device, repeats: int) -> dict[str,
     }
 
 
+# Tensor-parallel pairs of Linears `width` wide on TP_ROWS rows: small ones, where DTensor's
+# dispatch is the whole cost, and large ones, where a weight-sized cost shows (a 4096-wide
+# pair ran 13-16 ms beyond its local math and collectives on 8-128 rows alike)
+TP_WIDTHS = (128, 512, 1024, 2048, 3072, 4096)
+TP_WIDTHS_QUICK = (128, 1024, 4096)
+TP_ROWS = 16
+
+
+def _tp_pairs(device, repeats: int = 7,
+              widths=TP_WIDTHS) -> dict[int, tuple[float, float, float, float]]:
+    """{width: (bytes of one layer's weights, bytes of the activation, plain pair s, TP pair
+    s)}: a column-parallel Linear, a ReLU and a row-parallel Linear (Megatron's MLP, the
+    executor's styles, output replicated), forward and backward on TP_ROWS replicated
+    rows, against the same local shards run plainly, timed in turn. Their difference,
+    less the two all-reduces the pair issues (the caller prices them with the fitted
+    link), is what DTensor costs two layers as the executor runs them: its dispatch,
+    from_local/to_local, redistribute's bookkeeping, and per weight byte whatever it does
+    beyond the math (`strategies.calibrated.tp_layer_fit`). A tiny Linear alone (the
+    `_dtensor_overheads` figure) saw none of the latter: 0.6-1.9 ms per layer against
+    6-6.7 ms measured for a 4096-wide one in a step."""
+    from torch import nn
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel, RowwiseParallel, parallelize_module,
+    )
+
+    world = dist.get_world_size()
+    mesh = init_device_mesh(device.type, (world,))
+    out = {}
+    for width in widths:
+        torch.manual_seed(0)
+        pair = nn.Sequential(nn.Linear(width, width), nn.ReLU(), nn.Linear(width, width))
+        parallelize_module(pair.to(device), mesh, {
+            "0": ColwiseParallel(input_layouts=Replicate()),
+            "2": RowwiseParallel(input_layouts=Shard(-1), output_layouts=Replicate())})
+        local = nn.Sequential(nn.Linear(width, width // world), nn.ReLU(),
+                              nn.Linear(width // world, width)).to(device)
+        x = torch.randn(TP_ROWS, width, device=device)
+
+        def step_of(module):
+            def step():
+                module(x.detach().requires_grad_(True)).sum().backward()
+                for p in module.parameters():  # as zero_grad: no accumulation
+                    p.grad = None
+            return step
+
+        rounds = repeats if width <= 1024 else max(3, repeats // 2)
+        t = _interleaved_times({"plain": step_of(local), "tp": step_of(pair)}, device, rounds)
+        out[width] = (float(width * (width + 1) * 4), float(TP_ROWS * width * 4),
+                      t["plain"], t["tp"])
+        del pair, local
+    return out
+
+
 def contention_ops(device: torch.device, repeats: int = 15) -> dict[str, float]:
     """Median seconds of a compute-bound op (a 2048-wide Linear, forward and backward, on
     64 rows) and a memory-bound one (a 256 MB copy), each ~30 ms so that time slices
@@ -439,7 +495,8 @@ def _rank_measure(rank: int, world: int, sizes, repeats: int, quiet_wait_s: floa
             "dtensor": _dtensor_overheads(rank, world, device, 31),
             "contention": together, "step": _step_overhead(device, 21),
             "fsdp": _fsdp_layers(device, 9 if quick else 15,
-                                  FSDP_LAYERS_QUICK if quick else FSDP_LAYERS)}
+                                  FSDP_LAYERS_QUICK if quick else FSDP_LAYERS),
+            "tp": _tp_pairs(device, 7 if quick else 11, TP_WIDTHS_QUICK if quick else TP_WIDTHS)}
 
 
 # --- compute ---------------------------------------------------------------------------------
