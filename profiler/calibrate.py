@@ -13,9 +13,9 @@ links and devices are `strategies.calibrated`, above this package):
   from the moment its last rank arrives to the moment its last rank leaves (a rank that
   arrives early sleeps and gives its core away: that wait is the peers' compute, not the
   collective's cost);
-- DTensor's costs: a tiny Linear run through ColwiseParallel / RowwiseParallel, and
-  a tiny DTensor redistribute, against the plain op, and tensor-parallel pairs of Linears
-  at a few widths as the executor runs them (the collectives they issue are subtracted by
+- DTensor's costs: tensor-parallel pairs of Linears (ColwiseParallel, ReLU,
+  RowwiseParallel) at a few widths as the executor runs them, and a tiny DTensor
+  redistribute, against the plain ops (the collectives they issue are subtracted by
   `strategies.calibrated` with the fitted link).
 """
 
@@ -227,45 +227,26 @@ def _collective_call(name: str, nbytes: int, rank: int, world: int, device):
 
 
 def _dtensor_overheads(rank: int, world: int, device, repeats: int) -> dict[str, float]:
-    """Forward + backward of a tiny Linear through DTensor's parallel styles, and of one
-    tiny redistribute, against the plain op: the seconds DTensor adds beyond the
-    collectives themselves (those are subtracted by the caller with the fitted link)."""
-    from torch import nn
+    """Forward + backward of one tiny DTensor redistribute (Shard(0) -> Replicate), against
+    a plain op: the seconds DTensor adds to a layout change beyond its collective (which
+    the caller subtracts with the fitted link). A layer's own cost is `_tp_pairs`'."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Replicate, Shard
-    from torch.distributed.tensor.parallel import (
-        ColwiseParallel, RowwiseParallel, parallelize_module,
-    )
 
     mesh = init_device_mesh(device.type, (world,))
     width, rows = 64, 8
     x = torch.randn(rows, width, device=device)
 
-    def step_of(module, inp):
-        def step():
-            y = module(inp.detach().requires_grad_(True))
-            y.sum().backward()
-        return step
-
-    torch.manual_seed(0)
-    plain = nn.Linear(width, width).to(device)
-    col = parallelize_module(nn.Linear(width, width).to(device), mesh, ColwiseParallel())
-    row = parallelize_module(nn.Linear(width, width).to(device), mesh,
-                             RowwiseParallel(input_layouts=Shard(-1)))
-    x_shard = x[:, : width // world].contiguous()
+    def plain():
+        x.detach().requires_grad_(True).sum().backward()
 
     def redistribute():
         d = DTensor.from_local(x.detach().requires_grad_(True), mesh, [Shard(0)],
                                run_check=False)
         d.redistribute(mesh, [Replicate()]).to_local().sum().backward()
 
-    return {
-        **_interleaved_times({"plain": step_of(plain, x), "column": step_of(col, x),
-                              "row": step_of(row, x_shard), "reshard": redistribute},
-                             device, repeats),
-        "tiny_bytes": float(x.numel() * x.element_size() * world),
-        "row_bytes": float(rows * width * 4),
-    }
+    return {**_interleaved_times({"plain": plain, "reshard": redistribute}, device, repeats),
+            "tiny_bytes": float(x.numel() * x.element_size() * world)}
 
 
 # Tensor-parallel pairs of Linears `width` wide on TP_ROWS rows: small ones, where DTensor's
@@ -315,8 +296,7 @@ def _tp_pairs(device, repeats: int = 7,
                     p.grad = None
             return step
 
-        rounds = repeats if width <= 1024 else max(3, repeats // 2)
-        t = _interleaved_times({"plain": step_of(local), "tp": step_of(pair)}, device, rounds)
+        t = _interleaved_times({"plain": step_of(local), "tp": step_of(pair)}, device, repeats)
         out[width] = (float(width * (width + 1) * 4), float(TP_ROWS * width * 4),
                       t["plain"], t["tp"])
         del pair, local
@@ -496,7 +476,9 @@ def _rank_measure(rank: int, world: int, sizes, repeats: int, quiet_wait_s: floa
             "contention": together, "step": _step_overhead(device, 21),
             "fsdp": _fsdp_layers(device, 9 if quick else 15,
                                   FSDP_LAYERS_QUICK if quick else FSDP_LAYERS),
-            "tp": _tp_pairs(device, 7 if quick else 11, TP_WIDTHS_QUICK if quick else TP_WIDTHS)}
+            # more processes than cores: each pair takes ~5x longer (time-sharing), fewer rounds
+            "tp": _tp_pairs(device, (7 if quick else 11) // (2 if world > os.cpu_count() else 1),
+                            TP_WIDTHS_QUICK if quick else TP_WIDTHS)}
 
 
 # --- compute ---------------------------------------------------------------------------------

@@ -336,7 +336,10 @@ def calibrate(processes=(2, 4), quick: bool = False, repeats: int | None = None,
                 line += (f"; past {r.above_bytes / 2**20:g} MB: alpha {r.latency_s * 1e3:.3f} "
                          f"ms, beta {r.bandwidth_bytes_per_s / 1e9:.2f} GB/s")
             log(line)
-        layer_overhead[world], reshard_overhead[world] = _overheads(per_rank, world, link)
+        # a layer's fixed part (the tp_layer fit's latency): what prices a layer where a
+        # profile has no fit, and what StepMonitor's refit scales
+        layer_overhead[world] = link.collectives["tp_layer"].latency_s if tp_samples else 0.0
+        reshard_overhead[world] = _reshard_overhead(per_rank, world, link)
         for key, table in (("compute", compute_slowdown), ("memory", memory_slowdown)):
             table[world] = max(1.0, per_rank[0]["contention"][key])
         step_overhead[world] = _fixed_step(per_rank, world, link)
@@ -363,16 +366,11 @@ def calibrate(processes=(2, 4), quick: bool = False, repeats: int | None = None,
         samples=all_samples)
 
 
-def _overheads(per_rank: list[dict], world: int, link: LinkSpec) -> tuple[float, float]:
-    """DTensor's own seconds per parallel layer and per redistribute: the measured step
-    less the plain op and the collective it issues (priced by the fitted link)."""
+def _reshard_overhead(per_rank: list[dict], world: int, link: LinkSpec) -> float:
+    """DTensor's own seconds per redistribute: the measured one less the plain op and the
+    all-gather it issues (priced by the fitted link)."""
     d = {k: max(r["dtensor"][k] for r in per_rank) for k in per_rank[0]["dtensor"]}
-    # column: backward all-reduces the partial input gradient; row: forward all-reduces
-    # the partial output
-    column = d["column"] - d["plain"] - all_reduce_s(d["row_bytes"], world, link)
-    row = d["row"] - d["plain"] - all_reduce_s(d["row_bytes"], world, link)
-    reshard = d["reshard"] - all_gather_s(d["tiny_bytes"], world, link)
-    return max(0.0, (column + row) / 2), max(0.0, reshard)
+    return max(0.0, d["reshard"] - d["plain"] - all_gather_s(d["tiny_bytes"], world, link))
 
 
 def fsdp_layer_samples(per_rank: list[dict], world: int) -> list[Sample]:
