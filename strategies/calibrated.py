@@ -350,9 +350,10 @@ def calibrate(processes=(2, 4), quick: bool = False, repeats: int | None = None,
             f"{reshard_overhead[world] * 1e3:.2f} ms per redistribute (fwd + bwd)")
         if "tp_layer" in link.collectives:
             tp = link.collectives["tp_layer"]
+            per_mb_ms = 2**20 / tp.bandwidth_bytes_per_s * 1e3
             log(f"  a tensor-parallel Linear beyond its math and collectives: "
-                f"{tp.latency_s * 1e3:.2f} ms + {2**20 / tp.bandwidth_bytes_per_s * 1e3:.3f} ms per "
-                f"MB of its weight on each rank (pairs at "
+                f"{tp.latency_s * 1e3:.2f} ms + {per_mb_ms:.3f} ms per MB of its weight on "
+                f"each rank (pairs at "
                 + ", ".join(f"{s.nbytes / 2**20:.2g} MB: {s.seconds * 1e3:.2f} ms"
                             for s in tp_samples) + ")")
     return ClusterProfile(
