@@ -101,12 +101,14 @@ class Drift:
             for name in names:
                 fit = link.collectives.get(name) or CollectiveFit(
                     latency_s=link.latency_s, bandwidth_bytes_per_s=link.bandwidth_bytes_per_s)
+                # DTensor's cost per tensor-parallel layer is priced as the layer's compute
+                k = compute if name == "tp_layer" else comm
                 fits[name] = CollectiveFit(
-                    latency_s=fit.latency_s * comm,
-                    bandwidth_bytes_per_s=fit.bandwidth_bytes_per_s / comm,
+                    latency_s=fit.latency_s * k,
+                    bandwidth_bytes_per_s=fit.bandwidth_bytes_per_s / k,
                     regimes=tuple(r.model_copy(update={
-                        "latency_s": r.latency_s * comm,
-                        "bandwidth_bytes_per_s": r.bandwidth_bytes_per_s / comm})
+                        "latency_s": r.latency_s * k,
+                        "bandwidth_bytes_per_s": r.bandwidth_bytes_per_s / k})
                         for r in fit.regimes))
             return link.model_copy(update={
                 "collectives": fits, "latency_s": link.latency_s * comm,

@@ -13,9 +13,10 @@ links and devices are `strategies.calibrated`, above this package):
   from the moment its last rank arrives to the moment its last rank leaves (a rank that
   arrives early sleeps and gives its core away: that wait is the peers' compute, not the
   collective's cost);
-- DTensor's fixed costs: a tiny Linear run through ColwiseParallel / RowwiseParallel, and
-  a tiny DTensor redistribute, against the plain op (the collective they issue is
-  subtracted by `strategies.calibrated` with the fitted link).
+- DTensor's costs: tensor-parallel pairs of Linears (ColwiseParallel, ReLU,
+  RowwiseParallel) at a few widths as the executor runs them, and a tiny DTensor
+  redistribute, against the plain ops (the collectives they issue are subtracted by
+  `strategies.calibrated` with the fitted link).
 """
 
 from __future__ import annotations
@@ -226,45 +227,80 @@ def _collective_call(name: str, nbytes: int, rank: int, world: int, device):
 
 
 def _dtensor_overheads(rank: int, world: int, device, repeats: int) -> dict[str, float]:
-    """Forward + backward of a tiny Linear through DTensor's parallel styles, and of one
-    tiny redistribute, against the plain op: the seconds DTensor adds beyond the
-    collectives themselves (those are subtracted by the caller with the fitted link)."""
-    from torch import nn
+    """Forward + backward of one tiny DTensor redistribute (Shard(0) -> Replicate), against
+    a plain op: the seconds DTensor adds to a layout change beyond its collective (which
+    the caller subtracts with the fitted link). A layer's own cost is `_tp_pairs`'."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Replicate, Shard
-    from torch.distributed.tensor.parallel import (
-        ColwiseParallel, RowwiseParallel, parallelize_module,
-    )
 
     mesh = init_device_mesh(device.type, (world,))
     width, rows = 64, 8
     x = torch.randn(rows, width, device=device)
 
-    def step_of(module, inp):
-        def step():
-            y = module(inp.detach().requires_grad_(True))
-            y.sum().backward()
-        return step
-
-    torch.manual_seed(0)
-    plain = nn.Linear(width, width).to(device)
-    col = parallelize_module(nn.Linear(width, width).to(device), mesh, ColwiseParallel())
-    row = parallelize_module(nn.Linear(width, width).to(device), mesh,
-                             RowwiseParallel(input_layouts=Shard(-1)))
-    x_shard = x[:, : width // world].contiguous()
+    def plain():
+        x.detach().requires_grad_(True).sum().backward()
 
     def redistribute():
         d = DTensor.from_local(x.detach().requires_grad_(True), mesh, [Shard(0)],
                                run_check=False)
         d.redistribute(mesh, [Replicate()]).to_local().sum().backward()
 
-    return {
-        **_interleaved_times({"plain": step_of(plain, x), "column": step_of(col, x),
-                              "row": step_of(row, x_shard), "reshard": redistribute},
-                             device, repeats),
-        "tiny_bytes": float(x.numel() * x.element_size() * world),
-        "row_bytes": float(rows * width * 4),
-    }
+    return {**_interleaved_times({"plain": plain, "reshard": redistribute}, device, repeats),
+            "tiny_bytes": float(x.numel() * x.element_size() * world)}
+
+
+# Tensor-parallel pairs of Linears `width` wide on TP_ROWS rows: small ones, where DTensor's
+# dispatch is the whole cost, and large ones, where a weight-sized cost shows (a 4096-wide
+# pair ran 13-16 ms beyond its local math and collectives on 8-128 rows alike)
+TP_WIDTHS = (128, 512, 1024, 2048, 3072, 4096)
+TP_WIDTHS_QUICK = (128, 1024, 4096)
+TP_ROWS = 16
+
+
+def _tp_pairs(device, repeats: int = 7,
+              widths=TP_WIDTHS) -> dict[int, tuple[float, float, float, float]]:
+    """{width: (bytes of one layer's weights, bytes of the activation, plain pair s, TP pair
+    s)}: a column-parallel Linear, a ReLU and a row-parallel Linear (Megatron's MLP, the
+    executor's styles, output replicated), forward and backward on TP_ROWS replicated
+    rows, against the same local shards run plainly, timed in turn. Their difference,
+    less the two all-reduces the pair issues (the caller prices them with the fitted
+    link), is what DTensor costs two layers as the executor runs them: its dispatch,
+    from_local/to_local, redistribute's bookkeeping, and per weight byte whatever it does
+    beyond the math (`strategies.calibrated.tp_layer_fit`). A tiny Linear timed alone,
+    the figure this replaces, saw none of the latter: 0.6-1.9 ms per layer against 6-6.7
+    ms measured for a 4096-wide one in a step (fc_heavy_cnn's plan priced 19% short)."""
+    from torch import nn
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel, RowwiseParallel, parallelize_module,
+    )
+
+    world = dist.get_world_size()
+    mesh = init_device_mesh(device.type, (world,))
+    out = {}
+    for width in widths:
+        torch.manual_seed(0)
+        pair = nn.Sequential(nn.Linear(width, width), nn.ReLU(), nn.Linear(width, width))
+        parallelize_module(pair.to(device), mesh, {
+            "0": ColwiseParallel(input_layouts=Replicate()),
+            "2": RowwiseParallel(input_layouts=Shard(-1), output_layouts=Replicate())})
+        local = nn.Sequential(nn.Linear(width, width // world), nn.ReLU(),
+                              nn.Linear(width // world, width)).to(device)
+        x = torch.randn(TP_ROWS, width, device=device)
+
+        def step_of(module):
+            def step():
+                module(x.detach().requires_grad_(True)).sum().backward()
+                for p in module.parameters():  # as zero_grad: no accumulation
+                    p.grad = None
+            return step
+
+        t = _interleaved_times({"plain": step_of(local), "tp": step_of(pair)}, device, repeats)
+        out[width] = (float(width * (width + 1) * 4), float(TP_ROWS * width * 4),
+                      t["plain"], t["tp"])
+        del pair, local
+    return out
 
 
 def contention_ops(device: torch.device, repeats: int = 15) -> dict[str, float]:
@@ -439,7 +475,10 @@ def _rank_measure(rank: int, world: int, sizes, repeats: int, quiet_wait_s: floa
             "dtensor": _dtensor_overheads(rank, world, device, 31),
             "contention": together, "step": _step_overhead(device, 21),
             "fsdp": _fsdp_layers(device, 9 if quick else 15,
-                                  FSDP_LAYERS_QUICK if quick else FSDP_LAYERS)}
+                                  FSDP_LAYERS_QUICK if quick else FSDP_LAYERS),
+            # more processes than cores: each pair takes ~5x longer (time-sharing), fewer rounds
+            "tp": _tp_pairs(device, (7 if quick else 11) // (2 if world > os.cpu_count() else 1),
+                            TP_WIDTHS_QUICK if quick else TP_WIDTHS)}
 
 
 # --- compute ---------------------------------------------------------------------------------

@@ -318,11 +318,16 @@ def calibrate(processes=(2, 4), quick: bool = False, repeats: int | None = None,
         samples, per_rank = measure_collectives(world, sizes, repeats, quiet_wait_s, quick,
                                                 backend, threads)
         samples += fsdp_layer_samples(per_rank, world)
-        all_samples += samples
         # on CPU the regimes change where the processes' data spills the shared cache
         link = fit_link(samples, f"{backend} ({world} processes)",
                         f"fitted by hyplan calibrate on {platform.node()}",
                         split_bytes=device.cache_bytes or None)
+        tp_samples = tp_layer_samples(per_rank, world, link)
+        if tp_samples:  # fitted on its own (absolute seconds, weights' bytes): see there
+            link = link.model_copy(update={"collectives": {
+                **link.collectives, "tp_layer": tp_layer_fit(tp_samples)}})
+        samples += tp_samples
+        all_samples += samples
         links[world] = link
         for name, fit in link.collectives.items():
             line = (f"  {name:<17} alpha {fit.latency_s * 1e3:7.3f} ms   beta "
@@ -331,7 +336,10 @@ def calibrate(processes=(2, 4), quick: bool = False, repeats: int | None = None,
                 line += (f"; past {r.above_bytes / 2**20:g} MB: alpha {r.latency_s * 1e3:.3f} "
                          f"ms, beta {r.bandwidth_bytes_per_s / 1e9:.2f} GB/s")
             log(line)
-        layer_overhead[world], reshard_overhead[world] = _overheads(per_rank, world, link)
+        # a layer's fixed part (the tp_layer fit's latency): what prices a layer where a
+        # profile has no fit, and what StepMonitor's refit scales
+        layer_overhead[world] = link.collectives["tp_layer"].latency_s if tp_samples else 0.0
+        reshard_overhead[world] = _reshard_overhead(per_rank, world, link)
         for key, table in (("compute", compute_slowdown), ("memory", memory_slowdown)):
             table[world] = max(1.0, per_rank[0]["contention"][key])
         step_overhead[world] = _fixed_step(per_rank, world, link)
@@ -340,6 +348,14 @@ def calibrate(processes=(2, 4), quick: bool = False, repeats: int | None = None,
             f"{memory_slowdown[world]:.2f}x slower than one process alone")
         log(f"  DTensor: {layer_overhead[world] * 1e3:.2f} ms per parallel layer, "
             f"{reshard_overhead[world] * 1e3:.2f} ms per redistribute (fwd + bwd)")
+        if "tp_layer" in link.collectives:
+            tp = link.collectives["tp_layer"]
+            per_mb_ms = 2**20 / tp.bandwidth_bytes_per_s * 1e3
+            log(f"  a tensor-parallel Linear beyond its math and collectives: "
+                f"{tp.latency_s * 1e3:.2f} ms + {per_mb_ms:.3f} ms per MB of its weight on "
+                f"each rank (pairs at "
+                + ", ".join(f"{s.nbytes / 2**20:.2g} MB: {s.seconds * 1e3:.2f} ms"
+                            for s in tp_samples) + ")")
     return ClusterProfile(
         created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         host=platform.node(), torch_version=torch.__version__, backend=backend, cores=cores,
@@ -351,16 +367,11 @@ def calibrate(processes=(2, 4), quick: bool = False, repeats: int | None = None,
         samples=all_samples)
 
 
-def _overheads(per_rank: list[dict], world: int, link: LinkSpec) -> tuple[float, float]:
-    """DTensor's own seconds per parallel layer and per redistribute: the measured step
-    less the plain op and the collective it issues (priced by the fitted link)."""
+def _reshard_overhead(per_rank: list[dict], world: int, link: LinkSpec) -> float:
+    """DTensor's own seconds per redistribute: the measured one less the plain op and the
+    all-gather it issues (priced by the fitted link)."""
     d = {k: max(r["dtensor"][k] for r in per_rank) for k in per_rank[0]["dtensor"]}
-    # column: backward all-reduces the partial input gradient; row: forward all-reduces
-    # the partial output
-    column = d["column"] - d["plain"] - all_reduce_s(d["row_bytes"], world, link)
-    row = d["row"] - d["plain"] - all_reduce_s(d["row_bytes"], world, link)
-    reshard = d["reshard"] - all_gather_s(d["tiny_bytes"], world, link)
-    return max(0.0, (column + row) / 2), max(0.0, reshard)
+    return max(0.0, d["reshard"] - d["plain"] - all_gather_s(d["tiny_bytes"], world, link))
 
 
 def fsdp_layer_samples(per_rank: list[dict], world: int) -> list[Sample]:
@@ -374,6 +385,40 @@ def fsdp_layer_samples(per_rank: list[dict], world: int) -> list[Sample]:
         out.append(Sample(collective="fsdp_layer", ranks=world, nbytes=int(nbytes),
                           seconds=max(1e-6, (sharded - plain) / layers)))
     return out
+
+
+def tp_layer_samples(per_rank: list[dict], world: int, link: LinkSpec) -> list[Sample]:
+    """The "tp_layer" samples: per width, half of a tensor-parallel pair's step beyond the
+    plain one (the slowest rank's) and beyond the pair's two all-reduces (forward output,
+    backward input gradient, priced by the fitted `link` as the plan prices them), over
+    one layer's weight bytes. A pair whose collectives ran faster than the link prices
+    them (small ones issued close together) gives 0: the link's price stands."""
+    out = []
+    for width, (weight_bytes, act_bytes, _, _) in per_rank[0].get("tp", {}).items():
+        plain = max(r["tp"][width][2] for r in per_rank)
+        tp = max(r["tp"][width][3] for r in per_rank)
+        beyond = tp - plain - 2 * all_reduce_s(act_bytes, world, link)
+        out.append(Sample(collective="tp_layer", ranks=world, nbytes=int(weight_bytes),
+                          seconds=max(1e-9, beyond / 2)))
+    return out
+
+
+def tp_layer_fit(samples: list[Sample]) -> CollectiveFit:
+    """alpha + (n/P)/beta through the "tp_layer" samples by least squares in absolute
+    seconds, both terms non-negative. Absolute, unlike the collectives' relative fit: a
+    small pair's figure is a difference of two near-equal times, often ~0, and weighed
+    relatively it would pull the line through zero at every size; what a plan misses is
+    the milliseconds of the large layers."""
+    a, b = COEFFICIENTS["tp_layer"](samples[0].ranks)
+    x = np.array([[a, b * s.nbytes] for s in samples])
+    y = np.array([s.seconds for s in samples])
+    (alpha, slope), *_ = np.linalg.lstsq(x, y, rcond=None)
+    if slope <= 0:
+        alpha, slope = float(max(0.0, y.mean() / a)), 0.0
+    elif alpha < 0:
+        alpha, slope = 0.0, float(max(0.0, np.linalg.lstsq(x[:, 1:], y, rcond=None)[0][0]))
+    return CollectiveFit(latency_s=float(alpha),
+                         bandwidth_bytes_per_s=1.0 / slope if slope > 0 else 1e18)
 
 
 def _fixed_step(per_rank: list[dict], world: int, link: LinkSpec) -> float:

@@ -23,7 +23,8 @@ from profiler.graph import Layer
 from strategies import gpu_compute
 from strategies.cluster import Cluster
 from strategies.collectives import (
-    all_gather_s, all_reduce_s, bucketed_all_reduce_s, collective_bytes, reduce_scatter_s,
+    all_gather_s, all_reduce_s, bucketed_all_reduce_s, collective_bytes, collective_time_s,
+    reduce_scatter_s,
 )
 from strategies.layouts import Layout, sequence_splits
 from strategies.precision import Precision
@@ -99,10 +100,16 @@ def compute_s(layer: Layer, fraction: float, ctx: CostContext, split: str = "bat
     return max(flops / rate, moved / device.memory_bandwidth_bytes_per_s) * slowdown
 
 
-def dtensor_overhead_s(ctx: CostContext) -> float:
-    """What running a layer through DTensor's parallel styles costs beyond its math and
-    collectives (measured by `hyplan calibrate`; 0 when not calibrated)."""
-    return ctx.cluster.dtensor_layer_overhead_s if ctx.ranks > 1 else 0.0
+def dtensor_overhead_s(ctx: CostContext, weight_bytes: float = 0.0) -> float:
+    """What running a layer of `weight_bytes` (its whole weight) through DTensor's parallel
+    styles costs beyond its math and collectives: where `hyplan calibrate` timed
+    tensor-parallel pairs on this link, their fit ("tp_layer", a fixed part and a part per
+    weight byte); else the tiny Linear's fixed figure (0 when not calibrated)."""
+    if ctx.ranks <= 1:
+        return 0.0
+    if "tp_layer" in ctx.link.collectives:
+        return collective_time_s("tp_layer", weight_bytes, ctx.ranks, ctx.link)
+    return ctx.cluster.dtensor_layer_overhead_s
 
 
 def weights_memory(param_bytes: float, ctx: CostContext, sharded: bool = False) -> float:
@@ -225,7 +232,8 @@ class ColumnParallel(Strategy):
     def cost(self, layer, ctx):
         local = layer.param_bytes / ctx.ranks
         memory = weights_memory(local, ctx) + layer.output.nbytes / ctx.ranks
-        compute = compute_s(layer, 1 / ctx.ranks, ctx, "out") + dtensor_overhead_s(ctx)
+        compute = (compute_s(layer, 1 / ctx.ranks, ctx, "out")
+                   + dtensor_overhead_s(ctx, layer.param_bytes))
         return Cost(compute, 0.0, memory, update_s(local, ctx))
 
 
@@ -267,7 +275,8 @@ class RowParallel(Strategy):
             kept = n
         local = layer.param_bytes / ctx.ranks
         memory = weights_memory(local, ctx) + kept
-        compute = compute_s(layer, 1 / ctx.ranks, ctx, "in") + dtensor_overhead_s(ctx)
+        compute = (compute_s(layer, 1 / ctx.ranks, ctx, "in")
+                   + dtensor_overhead_s(ctx, layer.param_bytes))
         return Cost(compute, comm, memory, update_s(local, ctx),
                     {"output_reduction_s": comm, "output_bytes": n, "communication_bytes": sent})
 

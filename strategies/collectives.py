@@ -41,6 +41,10 @@ COEFFICIENTS["bucket_all_reduce"] = COEFFICIENTS["all_reduce"]
 # one layer under FSDP2 for one step of one microbatch, measured end to end by `hyplan
 # calibrate` (fsdp_layer_s): two all-gathers and a reduce-scatter of its weights' bytes
 COEFFICIENTS["fsdp_layer"] = lambda p: (3 * (p - 1), 3 * (p - 1) / p)
+# what DTensor costs one tensor-parallel Linear beyond its local math and collectives, per
+# step of one microbatch, over `n` = its whole weight's bytes (each rank holds n/P), measured
+# by `hyplan calibrate` as column/row pairs (strategies.calibrated.tp_layer_fit)
+COEFFICIENTS["tp_layer"] = lambda p: (1, 1 / p)
 
 
 def collective_time_s(name: str, n: float, ranks: int, link: LinkSpec) -> float:

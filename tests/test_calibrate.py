@@ -166,3 +166,42 @@ def test_fsdp_layers_are_priced_by_their_whole_measured_cost_where_calibrated():
     ctx = CostContext(cluster=_cpu_cluster(measured), ranks=2, batch=8)
     cost = ShardedDataParallel().cost(layer, ctx)
     assert cost.communication_s == pytest.approx(g + s)
+
+
+def test_tensor_parallel_layers_are_priced_by_the_pairs_fit_where_calibrated():
+    # tensor-parallel pairs timed at a few widths ("tp_layer": DTensor's cost per layer
+    # beyond its math and collectives) price a column- or row-parallel layer by its weight
+    # bytes; a pair at or below its collectives' price (0) does not drag the line to zero
+    from torch import nn
+
+    from profiler.graph import Layer, TensorMeta
+    from strategies.calibrated import tp_layer_fit
+    from strategies.catalog import ColumnParallel, CostContext, RowParallel
+
+    alpha, slope = 0.8e-3, 0.08e-3 / 2**20  # 0.8 ms + 0.08 ms per MB on each rank
+    weights = [66_048, 4_198_400, 16_785_408, 67_125_248]
+    samples = [Sample(collective="tp_layer", ranks=2, nbytes=n, seconds=alpha + slope * n / 2)
+               for n in weights]
+    fit = tp_layer_fit(samples)
+    assert fit.latency_s == pytest.approx(alpha, rel=1e-6)
+    assert 1 / fit.bandwidth_bytes_per_s == pytest.approx(slope, rel=1e-6)
+    small_free = [s.model_copy(update={"seconds": 1e-9}) if s.nbytes < 2**20 else s
+                  for s in samples]
+    # in absolute seconds a zero at the smallest size moves the slope by under 20%
+    assert 1 / tp_layer_fit(small_free).bandwidth_bytes_per_s == pytest.approx(slope, rel=0.2)
+
+    fitted = LinkSpec(name="gloo", bandwidth_bytes_per_s=1e9, latency_s=1e-3,
+                      collectives={"tp_layer": fit})
+    plain = LinkSpec(name="gloo", bandwidth_bytes_per_s=1e9, latency_s=1e-3)
+    n = weights[-1]
+    layer = Layer(name="fc", node="fc", op="call_module", kind="Linear", inputs=(),
+                  output=TensorMeta(shape=(8, 4096), dtype="float32", nbytes=8 * 4096 * 4),
+                  module_type=nn.Linear, param_bytes=n, param_count=n // 4,
+                  attrs={"in_features": 4096, "out_features": 4096})
+    for strategy in (ColumnParallel(), RowParallel()):
+        with_fit = strategy.cost(layer, CostContext(cluster=_cpu_cluster(fitted), ranks=2,
+                                                    batch=8))
+        without = strategy.cost(layer, CostContext(cluster=_cpu_cluster(plain).model_copy(
+            update={"dtensor_layer_overhead_s": 0.5e-3}), ranks=2, batch=8))
+        assert with_fit.compute_s - without.compute_s == pytest.approx(
+            alpha + slope * n / 2 - 0.5e-3, rel=1e-6)
