@@ -529,8 +529,11 @@ def search(graph: ModelGraph, cluster: Cluster, optimizer: str, budget_bytes: fl
             out.append(Candidate(shape, "infeasible", note="a layout change the module "
                                  "executor cannot make (planner.price._unrealizable)"))
             continue
+        # with chunks: one microbatch in flight until the chunked phase below (the
+        # schedule's order is simulated only for shapes a bound leaves in)
         need = min_memory_bytes(b.problem, shape.pp, shape.microbatches, shape.schedule,
-                                shape.chunks) + b.transient_bytes
+                                shape.chunks, 1 if shape.chunks > 1 else None
+                                ) + b.transient_bytes
         if budget_bytes is not None and need > budget_bytes:
             out.append(Candidate(shape, "does_not_fit", note=f"needs at least "
                                  f"{need / 1e9:.1f} GB per device"))
@@ -634,11 +637,19 @@ def search(graph: ModelGraph, cluster: Cluster, optimizer: str, budget_bytes: fl
             if incumbent is not None and c.bound_s >= incumbent * (1 - 1e-9):
                 c.note = f"bound {c.bound_s * 1e3:.3g} ms >= best {incumbent * 1e3:.3g} ms"
                 continue
-            guesses.append((max(c.bound_s, estimate(problem_of(s).problem, s.pp,
-                                                    s.microbatches, s.schedule, s.chunks)),
+            b = problem_of(s)
+            need = min_memory_bytes(b.problem, s.pp, s.microbatches, s.schedule, s.chunks
+                                    ) + b.transient_bytes
+            if budget_bytes is not None and need > budget_bytes:
+                c.outcome, c.note = "does_not_fit", f"needs at least {need / 1e9:.1f} GB per device"
+                continue
+            guesses.append((estimate(b.problem, s.pp, s.microbatches, s.schedule, s.chunks),
                             c))
+        # tried in the order of the estimate alone: a bound raised by memory above it says
+        # the shape is tight, not that its stage MIP will be quick
         guesses.sort(key=lambda t: t[0])
         for guess, c in guesses:
+            guess = max(guess, c.bound_s)
             if out_of_time():
                 break
             incumbent = best.solution.times.step_s if best else None

@@ -873,10 +873,11 @@ def estimate(problem: StageProblem, pp: int, microbatches: int, schedule: str,
 
 
 def min_memory_bytes(problem: StageProblem, pp: int, microbatches: int, schedule: str,
-                     chunks: int = 1) -> float:
+                     chunks: int = 1, fewest_in_flight: int | None = None) -> float:
     """A bound on the largest rank's memory: the smallest total, shared evenly, with the
-    fewest microbatches any stage keeps in flight (with chunks per rank: one, which every
-    stage holds at least, rather than simulate the schedule's order for each shape)."""
-    f = 1 if chunks > 1 else min(in_flight(schedule, pp, microbatches, k)
-                                 for k in range(pp))
+    fewest microbatches any stage keeps in flight (from the schedule's order, simulated
+    once per shape; or `fewest_in_flight` where given, e.g. one, which every stage holds
+    at least)."""
+    f = fewest_in_flight or min(in_flight(schedule, pp, microbatches, k, chunks)
+                                for k in range(pp * chunks))
     return float(problem.tables.least_memory_by_unit(f).sum()) / pp
