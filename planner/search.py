@@ -45,7 +45,7 @@ from planner.progress import Progress, listened, report
 from planner.schedules import SCHEDULES, V_SHAPED, chunks_allowed, refusal
 from planner.stages import (
     LayerOptions, StageProblem, StageSolution, TimeLimit, estimate, lower_bound,
-    min_memory_bytes, solve_stages,
+    min_memory_bytes, quick_plan, solve_stages,
 )
 from profiler.graph import Layer, ModelGraph
 from strategies.catalog import CostContext, candidates
@@ -54,7 +54,8 @@ from strategies.collectives import send_recv_s
 
 FIRST_PASS_S = 5.0  # seconds per candidate in the search's first pass
 CHUNKED_PASS_S = 5.0  # seconds per candidate with chunks per rank (one pass only)
-CHUNKED_TRIES = 3  # candidates with chunks per rank solved at most, best estimate first
+CHUNKED_TRIES = 1  # chunked candidates whose stage MIP runs: the best quick plans
+QUICK_PASS_S = 3.0  # seconds for quick plans of chunked candidates (stages.quick_plan)
 
 
 @dataclass(frozen=True)
@@ -588,7 +589,6 @@ def search(graph: ModelGraph, cluster: Cluster, optimizer: str, budget_bytes: fl
         if best is None or solution.times.step_s < best.solution.times.step_s:
             best = c
 
-    chunked_tries = 0
     chunked: list[Candidate] = []
 
     def tell(current: str = "") -> None:
@@ -645,9 +645,14 @@ def search(graph: ModelGraph, cluster: Cluster, optimizer: str, budget_bytes: fl
                 continue
             guesses.append((estimate(b.problem, s.pp, s.microbatches, s.schedule, s.chunks),
                             c))
-        # tried in the order of the estimate alone: a bound raised by memory above it says
-        # the shape is tight, not that its stage MIP will be quick
-        guesses.sort(key=lambda t: t[0])
+        # in the order of the estimate (or the bound, where memory raises it above), a
+        # plan in a fraction of a second each
+        # (stages.quick_plan), for QUICK_PASS_S in all; then the stage MIPs of the
+        # CHUNKED_TRIES best of those plans, started from them and cut off at the best,
+        # which keep a plan where they find no better
+        guesses.sort(key=lambda t: max(t[0], t[1].bound_s))
+        quick_ones = []
+        quick_until = time.perf_counter() + QUICK_PASS_S
         for guess, c in guesses:
             guess = max(guess, c.bound_s)
             if out_of_time():
@@ -657,13 +662,37 @@ def search(graph: ModelGraph, cluster: Cluster, optimizer: str, budget_bytes: fl
                 c.outcome = "skipped"
                 c.note = f"estimate {guess * 1e3:.3g} ms >= best {incumbent * 1e3:.3g} ms"
                 continue
-            if chunked_tries >= CHUNKED_TRIES:
+            if best is not None and time.perf_counter() > quick_until:
                 c.outcome = "skipped"
-                c.note = f"not solved: past the {CHUNKED_TRIES} best chunked estimates"
+                c.note = f"not solved: past the {QUICK_PASS_S:g} s of quick plans"
                 continue
-            chunked_tries += 1
+            s = c.shape
+            t0 = time.perf_counter()
+            quick = quick_plan(problem_of(s).problem, s.pp, s.microbatches, s.schedule,
+                               budget_of(s), s.chunks)
+            c.seconds += time.perf_counter() - t0
+            solve_seconds += time.perf_counter() - t0
+            if quick is None:
+                c.outcome, c.note = "skipped", "not solved: no quick plan fits"
+                continue
+            c.outcome, c.solution = "solved", quick
+            quick_ones.append(c)
+            if incumbent is None or quick.times.step_s < incumbent:
+                best = c
+        quick_ones.sort(key=lambda c: c.solution.times.step_s)
+        for c in quick_ones[:CHUNKED_TRIES]:
+            if out_of_time():
+                break
+            incumbent = best.solution.times.step_s
+            if c.bound_s >= incumbent * (1 - 1e-9):
+                continue
+            kept = c.solution
             tell(_words(c.shape))
             attempt(c, min(time_limit_s, CHUNKED_PASS_S))
+            if c.solution is None or c.solution.times.step_s > kept.times.step_s:
+                c.outcome, c.solution = "solved", kept
+                if c is best or kept.times.step_s < best.solution.times.step_s:
+                    best = c
             tell()
         # Second pass: what is left open and might still beat the best, now cut off at it
         # (an integer program whose LP bound is above the cutoff ends at once).
