@@ -16,7 +16,8 @@ from planner.problem import Edge
 from planner.schedules import SINGLE
 from planner.search import CostCache, build, rank_groups, search, shapes
 from planner.stages import (
-    LayerOptions, StageProblem, brute_force, evaluate, in_flight, lower_bound, solve_stages,
+    LayerOptions, StageProblem, brute_force, evaluate, in_flight, lower_bound, quick_plan,
+    solve_stages,
 )
 from profiler import profile, trace
 from strategies.parse import parse_devices
@@ -139,6 +140,31 @@ def test_chunked_bound_below_every_simulated_step_that_fits(schedule):
     assert lower_bound(p, pp, m, schedule, v) == pytest.approx(16.0)
     # the Lagrangian's grid of multipliers approaches 24 (22.4 here)
     assert 22.0 <= lower_bound(p, pp, m, schedule, v, budget) <= fitting
+
+
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("schedule,v", [("1F1B", 1), ("Interleaved1F1B", 2),
+                                        ("ZBVZeroBubble", 2)])
+def test_quick_plan_fits_and_is_priced_as_evaluated(seed, schedule, v):
+    """stages.quick_plan finds a plan (under v budgets where its cut, which gives each
+    chunk its share of a rank's budget, found none); the plan fits, is priced as
+    evaluate() prices it, and its bound is below the best plan's step."""
+    rng = np.random.default_rng(500 + seed)
+    p = _random_problem(rng, units=6, layers=7)
+    pp, m = 2, 4
+    loose = brute_force(p, pp, m, schedule, None, v)
+    budget = 0.9 * max(loose[0].memory_bytes)
+    best = brute_force(p, pp, m, schedule, budget, v)
+    quick = quick_plan(p, pp, m, schedule, budget, v)
+    if quick is None:  # its cut gives each chunk its share of a rank's budget
+        quick = quick_plan(p, pp, m, schedule, v * budget, v)
+        budget = v * budget
+        best = brute_force(p, pp, m, schedule, budget, v)
+    assert max(quick.times.memory_bytes) <= budget * (1 + 1e-9)
+    again = evaluate(p, quick.starts, quick.choice, m, schedule, v)
+    assert again.step_s == pytest.approx(quick.times.step_s)
+    assert best is not None and quick.bound_s <= best[0].step_s * (1 + 1e-9)
+    assert quick.status == "feasible"
 
 
 @pytest.mark.parametrize("pp,m", [(2, 2), (3, 5), (4, 4), (4, 9)])
