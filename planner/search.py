@@ -16,7 +16,9 @@ Keeping it fast as the space widens:
   and never solved where 1F1B runs (1F1B needs m >= pp);
 - the schedules with chunks per rank (interleaved, zero-bubble, DualPipeV) are candidates
   of their own, each priced by simulating its action list (planner.schedules), which is
-  done only for those a bound does not rule out;
+  done only for those a bound does not rule out; they come after every one-chunk shape,
+  each with a quick plan (planner.stages.quick_plan, not a proof), and only the best of
+  those gets a short stage MIP (their MIPs are the hardest, and rarely better in seconds);
 - a shape whose smallest possible memory exceeds the budget is dropped unsolved;
 - the rest are solved one-stage shapes first (their solvers are the fastest, and their
   best cuts off every pipelined shape), then in order of a lower bound, each with the
