@@ -97,6 +97,9 @@ TWO_RANKS = {"llama_1f1b": ("llama4", Shape(2, 1, 1, 2, "1F1B")),
              "gpt2_tied_zbv": ("gpt2", Shape(2, 1, 1, 4, "ZBVZeroBubble", 2)),
              # two blocks in four stages: one of the embeddings alone, one of the head alone
              "llama_interleaved": ("llama", Shape(2, 1, 1, 4, "Interleaved1F1B", 2)),
+             # DualPipeV (what the search picks for Llama 7B and GPT-2 XL on 8 ranks): a V
+             # whose ranks overlap one microbatch's forward with another's backward
+             "llama_dualpipev": ("llama4", Shape(2, 1, 1, 4, "DualPipeV", 2)),
              # no pipeline: data parallel with 2 microbatches accumulated, one stage
              "llama_accumulated": ("llama", Shape(1, 2, 1, 2, "1F1B"))}
 
@@ -149,6 +152,12 @@ def test_gpt2_tied_embedding_and_head_on_two_stages_equal_single_process(two_ran
 
 def test_gpt2_tied_zero_bubble_v_equals_single_process(two_rank_runs):
     plan = _check(two_rank_runs, "gpt2_tied_zbv")
+    assert [s.pipeline_rank for s in plan.pipeline.stages] == [0, 1, 1, 0]
+
+
+def test_llama_dualpipev_equals_single_process(two_rank_runs):
+    plan = _check(two_rank_runs, "llama_dualpipev")
+    assert plan.pipeline.schedule == "DualPipeV"
     assert [s.pipeline_rank for s in plan.pipeline.stages] == [0, 1, 1, 0]
 
 
