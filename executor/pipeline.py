@@ -31,6 +31,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 import torch.fx as fx
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.pipelining import (
@@ -44,6 +45,7 @@ from executor.graph_rewrite import apply_tensor_parallel, device_of, insert_resh
 from executor.levers import apply_levers
 from executor.precision import run_in_precision
 from executor.styles import summed_params
+from strategies.collectives import DDP_BUCKET_BYTES, DDP_BUCKET_CAP_BYTES
 from planner.plan import Plan
 from planner.stages import stage_ranks
 from strategies.layouts import Layout
@@ -181,22 +183,48 @@ class StageModel(nn.Module):
         return self.has_last
 
     def sync_gradients(self) -> None:
-        """Sum each gradient over the ranks that hold a copy of its weights."""
+        """Sum each gradient over the ranks that hold a copy of its weights, in DDP's
+        buckets (what planner.price charges: one all-reduce per bucket, not per weight)."""
         for params, group, size in ((self.sum_over_dp, self.dp_group, self.dp),
                                     (self.sum_over_stage, self.stage_group, self.dp * self.tp)):
             if size == 1:
                 continue
+            grads = []
             for p in params:
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
-                g = p.grad._local_tensor if isinstance(p.grad, DTensor) else p.grad
-                dist.all_reduce(g, group=group)
+                grads.append(p.grad._local_tensor if isinstance(p.grad, DTensor) else p.grad)
+            sum_in_buckets(grads, group)
         if self.tied_group is not None:  # after the dp sums: the two copies' totals added
             for p in self.tied_copies:
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
                 g = p.grad._local_tensor if isinstance(p.grad, DTensor) else p.grad
                 dist.all_reduce(g, group=self.tied_group)
+
+
+def sum_in_buckets(grads: list[torch.Tensor], group) -> None:
+    """All-reduce (sum) `grads` in place over `group` as DDP packs them: in reverse order
+    (backward's), into flat buckets of one dtype, the first up to 1 MB, the rest up to
+    25 MB; one collective per bucket."""
+    bucket: list[torch.Tensor] = []
+    size, cap = 0, DDP_BUCKET_BYTES
+
+    def flush() -> None:
+        flat = _flatten_dense_tensors(bucket)
+        dist.all_reduce(flat, group=group)
+        for g, summed in zip(bucket, _unflatten_dense_tensors(flat, bucket)):
+            g.copy_(summed)
+
+    for g in reversed(grads):
+        nbytes = g.numel() * g.element_size()
+        if bucket and (g.dtype != bucket[0].dtype or size + nbytes > cap):
+            flush()
+            bucket, size, cap = [], 0, DDP_BUCKET_CAP_BYTES
+        bucket.append(g)
+        size += nbytes
+    if bucket:
+        flush()
 
 
 def parallelize_3d(model: nn.Module, plan: Plan, *, leaf_modules=()) -> StageModel:

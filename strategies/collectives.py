@@ -58,6 +58,7 @@ def collective_time_s(name: str, n: float, ranks: int, link: LinkSpec) -> float:
 
 # DistributedDataParallel's first bucket (later ones hold up to bucket_cap_mb, 25 MB)
 DDP_BUCKET_BYTES = 2**20
+DDP_BUCKET_CAP_BYTES = 25 * 2**20
 
 
 def bucketed_all_reduce_s(n: float, ranks: int, link: LinkSpec) -> float:
