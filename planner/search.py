@@ -627,11 +627,11 @@ def search(graph: ModelGraph, cluster: Cluster, optimizer: str, budget_bytes: fl
             tell(_words(c.shape))
             attempt(c, min(time_limit_s, FIRST_PASS_S))
             tell()
-        # Chunked schedules, not by a bound: those their bound leaves in (it leaves the
-        # bubble out) are dropped on their balanced estimate (a simulation of the
-        # schedule, made only for them), which the cut can only miss by imbalance, and
-        # only the CHUNKED_TRIES best estimates below the best are solved (their stage MIPs
-        # are the hardest); what is dropped so is "skipped", and counts in the gap
+        # Chunked schedules, after every one-chunk shape. Those their bound leaves in (it
+        # leaves the bubble out) and that fit with the schedule's own in-flight counts
+        # are dropped on their balanced estimate (a simulation of the schedule, made only
+        # for them), which the cut can only miss by imbalance; what is dropped so is
+        # "skipped", and counts in the gap.
         guesses = []
         for c in chunked:
             if out_of_time():
@@ -649,11 +649,11 @@ def search(graph: ModelGraph, cluster: Cluster, optimizer: str, budget_bytes: fl
                 continue
             guesses.append((estimate(b.problem, s.pp, s.microbatches, s.schedule, s.chunks),
                             c))
-        # in the order of the estimate (or the bound, where memory raises it above), a
-        # plan in a fraction of a second each
-        # (stages.quick_plan), for QUICK_PASS_S in all; then the stage MIPs of the
-        # CHUNKED_TRIES best of those plans, started from them and cut off at the best,
-        # which keep a plan where they find no better
+        # The rest, in the order of the estimate (or the bound, where memory raises it
+        # above), a plan in a fraction of a second each (stages.quick_plan), for
+        # QUICK_PASS_S in all; then the stage MIPs of the CHUNKED_TRIES best of those
+        # plans, started from them and cut off at the best (their MIPs are the hardest:
+        # they keep the quick plan where they find no better in CHUNKED_PASS_S)
         guesses.sort(key=lambda t: max(t[0], t[1].bound_s))
         quick_ones = []
         quick_until = time.perf_counter() + QUICK_PASS_S
