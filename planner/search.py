@@ -695,8 +695,6 @@ def search(graph: ModelGraph, cluster: Cluster, optimizer: str, budget_bytes: fl
             attempt(c, min(time_limit_s, CHUNKED_PASS_S))
             if c.solution is None or c.solution.times.step_s > kept.times.step_s:
                 c.outcome, c.solution = "solved", kept
-                if c is best or kept.times.step_s < best.solution.times.step_s:
-                    best = c
             tell()
         # Second pass: what is left open and might still beat the best, now cut off at it
         # (an integer program whose LP bound is above the cutoff ends at once).

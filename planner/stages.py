@@ -661,6 +661,24 @@ def balanced_cut(problem: StageProblem, pp: int, microbatches: int, schedule: st
                                    budget_bytes) or choice
 
 
+def _ilp_problem(problem: StageProblem, members, flights, m: int,
+                 budget_bytes: float | None) -> Problem:
+    """planner.ilp's problem of the layers `members` on one rank, layer members[n] with
+    flights[n] microbatches in flight: each option at m·t + s and weights + f·activations,
+    the edges between those layers at m times their cost."""
+    index = {i: n for n, i in enumerate(members)}
+    nodes = []
+    for i, f in zip(members, flights):
+        l = problem.layers[i]
+        nodes.append(Node(l.name, tuple(
+            Option(name, m * float(l.microbatch_s[o]) + float(l.step_s[o]),
+                   float(l.weight_bytes[o]) + f * float(l.activation_bytes[o]))
+            for o, name in enumerate(l.strategies))))
+    edges = tuple(Edge(index[e.src], index[e.dst], m * np.asarray(e.cost_s, float))
+                  for e in problem.edges if e.src in index and e.dst in index)
+    return Problem(tuple(nodes), edges, budget_bytes)
+
+
 def _fitting_choice(problem: StageProblem, starts, pp: int, m: int, schedule: str,
                     chunks: int, budget_bytes: float | None, time_limit_s: float = 2.0):
     """On a cut, each rank's options by planner.ilp: the least m·t + s with the edges
@@ -680,18 +698,10 @@ def _fitting_choice(problem: StageProblem, starts, pp: int, m: int, schedule: st
     choice = [0] * len(problem.layers)
     for r in range(pp):
         mine = [i for i, q in enumerate(rank_of) if q == r]
-        index = {i: n for n, i in enumerate(mine)}
-        nodes = []
-        for i in mine:
-            l, f = problem.layers[i], flight[stage_of_unit[problem.layers[i].unit]]
-            nodes.append(Node(l.name, tuple(
-                Option(name, m * float(l.microbatch_s[o]) + float(l.step_s[o]),
-                       float(l.weight_bytes[o]) + f * float(l.activation_bytes[o]))
-                for o, name in enumerate(l.strategies))))
-        edges = tuple(Edge(index[e.src], index[e.dst], m * np.asarray(e.cost_s, float))
-                      for e in problem.edges if e.src in index and e.dst in index)
+        flights = [flight[stage_of_unit[problem.layers[i].unit]] for i in mine]
         try:
-            got = ilp.solve(Problem(tuple(nodes), edges, budget_bytes), time_limit_s)
+            got = ilp.solve(_ilp_problem(problem, mine, flights, m, budget_bytes),
+                            time_limit_s)
         except Infeasible:
             return None
         for i, c in zip(mine, got.choice):
@@ -741,17 +751,11 @@ def _solve_one_stage(problem: StageProblem, microbatches: int, schedule: str,
     reductions (dominance, additive-edge folding, reduced-cost fixing) prove it in well
     under a second where the stage MIP above took minutes on large models."""
     flight = in_flight(schedule, 1, microbatches, 0)
-    nodes = tuple(
-        Node(layer.name, tuple(
-            Option(name, microbatches * float(layer.microbatch_s[i]) + float(layer.step_s[i]),
-                   float(layer.weight_bytes[i]) + flight * float(layer.activation_bytes[i]))
-            for i, name in enumerate(layer.strategies)))
-        for layer in problem.layers)
-    edges = tuple(Edge(e.src, e.dst, microbatches * np.asarray(e.cost_s, float))
-                  for e in problem.edges)
+    layers = range(len(problem.layers))
     try:
-        solution = ilp.solve(Problem(nodes, edges, budget_bytes), time_limit_s,
-                             cutoff_s=cutoff_s)
+        solution = ilp.solve(_ilp_problem(problem, layers, [flight] * len(layers),
+                                          microbatches, budget_bytes),
+                             time_limit_s, cutoff_s=cutoff_s)
     except Infeasible as error:  # nothing fits the budget, or nothing beats the cutoff
         if error.family not in ("memory", "cutoff"):
             raise  # a numerical problem in the model is a bug, not an answer
@@ -870,10 +874,8 @@ def lower_bound(problem: StageProblem, pp: int, microbatches: int, schedule: str
         return float(a.sum()) + split(0.0) * (m - 1) / m + once
     # 1F1B: rank k also idles while the first and the last microbatch go through the
     # stages after it (_one_f_one_b_idle)
-    waits = [m * body + _one_f_one_b_idle(body, prefix[-1] - prefix, pp, m, k)
-             for k in range(pp)] if stage_ms is None else [
-        s + _one_f_one_b_idle(s / m, prefix[-1] - prefix, pp, m, k)
-        for k, s in enumerate(stage_m)]
+    waits = [s + _one_f_one_b_idle(s / m, prefix[-1] - prefix, pp, m, k)
+             for k, s in enumerate(stage_m)]
     bound = split(1.0, waits) + once
     if stage_ms is None:
         return bound
