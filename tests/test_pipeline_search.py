@@ -15,6 +15,7 @@ from planner.plan3d import optimize_3d
 from planner.problem import Edge
 from planner.schedules import SINGLE
 from planner.search import CostCache, build, rank_groups, search, shapes
+from planner.stage_loads import busiest_rank_bound
 from planner.stages import (
     LayerOptions, StageProblem, brute_force, evaluate, in_flight, lower_bound, quick_plan,
     solve_stages,
@@ -140,6 +141,44 @@ def test_chunked_bound_below_every_simulated_step_that_fits(schedule):
     assert lower_bound(p, pp, m, schedule, v) == pytest.approx(16.0)
     # the Lagrangian's grid of multipliers approaches 24 (22.4 here)
     assert 22.0 <= lower_bound(p, pp, m, schedule, v, budget) <= fitting
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_busiest_rank_bound_below_every_simulated_step(seed):
+    """The whole-unit bound of chunked shapes (planner.stage_loads) is below the simulated
+    step of every cut and choice, looped and V-shaped, and never below the shared-work
+    bound it starts from; on four equal units and two ranks it is exact where sharing is
+    not: a rank holds two whole units."""
+    rng = np.random.default_rng(500 + seed)
+    p = _random_problem(rng, units=7, layers=8)
+    for schedule in ("Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"):
+        for pp in (2, 3):
+            if 2 * pp > len(p.units):
+                continue
+            m = 2 * pp
+            best = min(evaluate(p, (0, *cuts), choice, m, schedule, 2).step_s
+                       for cuts in itertools.combinations(range(1, len(p.units)), 2 * pp - 1)
+                       for choice in itertools.product(*(range(len(l.strategies))
+                                                         for l in p.layers)))
+            shared = lower_bound(p, pp, m, schedule, 2)
+            whole = busiest_rank_bound(p, pp, m, schedule, 2, shared, 2 * best)
+            assert shared <= whole <= best * (1 + 1e-6), (schedule, pp, whole, best)
+            # no cut under a value above the best: the best's own cut fits it
+            assert busiest_rank_bound(p, pp, m, schedule, 2, shared, best * 1.01,
+                                      within=0) == shared
+
+    # five units: four of 1, one of 3 in the middle; two ranks of two stages; m = 4.
+    # Shared evenly: 4·7/2 = 14. Whole: rank 0 (stages 0 and 3 of the V) holding the 3
+    # holds three more units (24), so rank 1 does, with one more: 4·4, after the first
+    # stage's forward (1/3) at least
+    one = lambda x: np.array([x], float)
+    layers = tuple(LayerOptions(f"l{u}", u, ("a",), one(3.0 if u == 2 else 1.0), one(0.0),
+                                one(0.0), one(0.0)) for u in range(5))
+    p = StageProblem(layers, (), tuple(f"u{u}" for u in range(5)), (0.0,) * 5)
+    assert lower_bound(p, 2, 4, "ZBVZeroBubble", 2) == pytest.approx(14.0)
+    assert busiest_rank_bound(p, 2, 4, "ZBVZeroBubble", 2, 14.0, 40.0) == pytest.approx(
+        16 + 1 / 3, rel=1e-5)
+    assert busiest_rank_bound(p, 2, 4, "Interleaved1F1B", 4, 14.0, 40.0) is None
 
 
 @pytest.mark.parametrize("seed", range(3))

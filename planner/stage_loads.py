@@ -1,0 +1,148 @@
+"""A lower bound on chunked pipeline shapes that keeps the units whole: the least, over
+contiguous stage cuts, of the busiest rank's work.
+
+The chunked bound of planner.stages shares the model's work evenly over the ranks, as if a
+stage could end inside a transformer block. Blocks are whole, and a rank holds two stages
+(a V-shaped schedule: the first and the last, ZBV and DualPipeV; a looped one: r and
+pp + r), so the busiest rank does more than its share: on a 48-block GPT over 8 ranks of a
+DualPipeV, the rank with the embedding and the head holds six blocks too. Its step is at
+least
+
+    lead_r + Σ over its units of min over options (m·t + s) + m·(its cut transfers)
+
+where lead_r is the forward of microbatch 0 through the stages before its first one (it
+cannot start earlier), t a layer's per-microbatch time, s its once-per-step time (a rank
+waits for its own gradient sync and update: step = makespan + the slowest rank's part),
+and each layer's m·t + s priced with one option, not two separate minima (the cheapest
+microbatch option, replicated, syncs the most gradients). The least over cuts of the
+largest of these is found by bisection on the step: a cut whose every rank fits under
+tau exists iff a dynamic program over the ranks in turn reaches the end, and with the
+rank's two stages as its state the rank's term splits into a part of the old state and a
+part of the new one, so each step is a two-dimensional running minimum (O(U²) per rank,
+U units; looped placements add the start of the second lap to the state).
+
+Valid for every choice (each unit costs at least its least), every memory budget (memory
+is not read: the bound only relaxes) and every schedule with that placement (no schedule
+runs a rank's actions faster than back to back). Not offered for four chunks per rank
+(None): the state would be four-dimensional.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from planner import schedules
+
+SETTLED = 1e-6  # bisection stops at this relative width
+
+
+def busiest_rank_bound(problem, pp: int, microbatches: int, schedule: str, chunks: int,
+                       low_s: float, high_s: float, within: float = SETTLED) -> float | None:
+    """A lower bound on this shape's step, at least `low_s` (a bound already known): the
+    least busiest-rank work over cuts (module docstring), found to within `within` of
+    `high_s` (0: no bisection, `low_s` where a cut fits under `high_s`); where no cut fits
+    under `high_s` (e.g. the incumbent), `high_s` itself. None where not offered (one
+    chunk per rank, or four)."""
+    fits = _feasibility(problem, pp, microbatches, schedule, chunks)
+    if fits is None:
+        return None
+    if not fits(high_s):
+        return high_s
+    low, high = low_s, high_s
+    if within <= 0 or fits(low):
+        return low
+    while high - low > within * high:
+        mid = (low + high) / 2
+        low, high = (low, mid) if fits(mid) else (mid, high)
+    return low
+
+
+def _feasibility(problem, pp: int, m: int, schedule: str, chunks: int):
+    """tau -> whether some cut keeps every rank's work under tau; None where not offered."""
+    if chunks != 2 or pp < 2:
+        return None
+    tables = problem.tables
+    U = len(problem.units)
+    if pp * chunks > U:
+        return lambda tau: False
+    forward = tables.layer_least_s + tables.edge_least_s
+    A = np.concatenate([[0.0], np.cumsum(forward)])
+    cut = np.concatenate([np.asarray(problem.cut_s, float), [0.0]])
+    cut[0] = 0.0  # no transfer before the first unit or after the last
+    idx = np.arange(U + 1)
+
+    # per unit: Σ over its layers of min over options (m·t + s), and m·(least edges)
+    work = (m * tables.microbatch_s + tables.step_s).min(axis=1) @ tables.counts
+    R = np.concatenate([[0.0], np.cumsum(work + m * tables.edge_least_s)])
+    lead = (A + cut) / 3  # the forward of microbatch 0 up to a stage starting there
+    shape = _v_shaped if schedule in schedules.V_SHAPED else _looped
+    return shape(pp, U, m * cut, idx, R, lead)
+
+
+def _v_shaped(pp, U, sends, idx, R, lead):
+    """Rank r holds stages r = [i, i') and 2pp-1-r = [j', j); the state after rank r is
+    (i', j'), from (0, U); the last rank's two stages meet (i' == j': the turn of the V,
+    no transfer). The rank's term splits into a part of the old state (i, j) and one of
+    the new (i', j')."""
+    old = (lead - R + sends)[:, None] + (R + sends)[None, :]
+    new = (R + sends)[:, None] - (R - sends)[None, :]
+    turn = R[:, None] - R[None, :]
+    gap = idx[None, :] - idx[:, None]
+    valid = [gap >= 2 * (pp - 1 - r) if r < pp - 1 else gap == 0 for r in range(pp)]
+
+    def fits(tau: float) -> bool:
+        reach = np.zeros((U + 1, U + 1), bool)
+        reach[0, U] = True
+        for r in range(pp):
+            least = _before_after(np.where(reach, old, math.inf))
+            reach = (least + (new if r < pp - 1 else turn) <= tau) & valid[r]
+            if not reach.any():
+                return False
+        return True
+
+    return fits
+
+
+def _looped(pp, U, sends, idx, R, lead):
+    """Rank r holds stages r = [i, i') and pp + r = [k, k'); the state after rank r is
+    (i', k') for each start g of the second lap (stage pp), from (0, g) to (g, U)."""
+    laps = idx[pp:U - pp + 1]  # each lap holds at least pp units
+    G = len(laps)
+    if G == 0:
+        return lambda tau: False
+    old = ((lead - R + sends)[:, None] + (sends - R)[None, :])[None]
+    new = ((R + sends)[:, None] + (R + sends)[None, :])[None]
+    g = laps[:, None, None]
+    i2, k2 = idx[None, :, None], idx[None, None, :]
+    valid = [(i2 <= g - (pp - 1 - r)) & (k2 <= U - (pp - 1 - r)) & (k2 > g)
+             if r < pp - 1 else (i2 == g) & (k2 == U) for r in range(pp)]
+
+    def fits(tau: float) -> bool:
+        reach = np.zeros((G, U + 1, U + 1), bool)
+        reach[np.arange(G), 0, laps] = True
+        for r in range(pp):
+            least = _before_before(np.where(reach, old, math.inf))
+            reach = (least + new <= tau) & valid[r]
+            if not reach.any():
+                return False
+        return True
+
+    return fits
+
+
+def _before_after(h: np.ndarray) -> np.ndarray:
+    """out[i', j'] = min of h[i, j] over i < i' and j > j'."""
+    down = np.minimum.accumulate(h, axis=-2)
+    down = np.concatenate([np.full_like(down[..., :1, :], math.inf), down[..., :-1, :]], -2)
+    up = np.minimum.accumulate(down[..., ::-1], axis=-1)[..., ::-1]
+    return np.concatenate([up[..., 1:], np.full(up.shape[:-1] + (1,), math.inf)], -1)
+
+
+def _before_before(h: np.ndarray) -> np.ndarray:
+    """out[..., i', k'] = min of h[..., i, k] over i < i' and k < k'."""
+    down = np.minimum.accumulate(h, axis=-2)
+    down = np.concatenate([np.full_like(down[..., :1, :], math.inf), down[..., :-1, :]], -2)
+    right = np.minimum.accumulate(down, axis=-1)
+    return np.concatenate([np.full_like(right[..., :1], math.inf), right[..., :-1]], -1)
