@@ -34,6 +34,7 @@ Keeping it fast as the space widens:
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field, replace
 
@@ -65,7 +66,7 @@ CHUNKED_PASS_S = 2.0  # seconds for a chunked stage MIP (one pass only): started
 # problems prove in well under it
 CHUNKED_TRIES = 1  # chunked candidates whose stage MIP runs: the best quick plans
 QUICK_PASS_S = 3.0  # seconds for quick plans of chunked candidates (stages.quick_plan)
-REFINE = 1e-3  # relative width to which open chunked bounds are refined at the end
+REFINE = 5e-3  # relative width to which open chunked bounds are refined at the end
 
 
 @dataclass(frozen=True)
@@ -474,8 +475,10 @@ def _refine_chunked(chunked: list[Candidate], best_s: float, problem_of, out_of_
     """Raise the bounds of chunked candidates still open below `best_s` by the busiest
     rank's work (planner.stage_loads), least bound first, until the least is one so raised
     (the gap needs only the least): those raised to the best are settled ("pruned by
-    bound")."""
+    bound"). The bound reads the stages' placement only, not the schedule's order: one
+    dynamic program serves the looped schedules of a problem, pp and m, one the V-shaped."""
     done: set[int] = set()
+    found: dict[tuple, tuple[float, float]] = {}  # placement -> (from, bound)
     while not out_of_time():
         left = [c for c in chunked if c.bound_s < best_s * (1 - 1e-9) and c.outcome != "best"
                 and c.outcome not in ("does_not_fit", "infeasible")]
@@ -486,8 +489,13 @@ def _refine_chunked(chunked: list[Candidate], best_s: float, problem_of, out_of_
             return
         done.add(id(c))
         s = c.shape
-        raised = busiest_rank_bound(problem_of(s).problem, s.pp, s.microbatches, s.schedule,
-                                    s.chunks, c.bound_s, best_s * (1 - 1e-9), within=REFINE)
+        b = problem_of(s).problem
+        key = (id(b), s.pp, s.microbatches, s.chunks, s.schedule in V_SHAPED)
+        start, raised = found.get(key, (math.inf, None))
+        if raised is None or (raised <= start and c.bound_s < start):  # not lifted there
+            raised = busiest_rank_bound(b, s.pp, s.microbatches, s.schedule, s.chunks,
+                                        c.bound_s, best_s * (1 - 1e-9), within=REFINE)
+            found[key] = (c.bound_s, raised)
         c.bound_s = max(c.bound_s, raised or 0.0)
         if c.bound_s >= best_s * (1 - 1e-9) and c.solution is None:
             c.outcome = "pruned_by_bound"

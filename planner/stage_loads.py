@@ -112,8 +112,10 @@ def _looped(pp, U, sends, idx, R, lead):
     G = len(laps)
     if G == 0:
         return lambda tau: False
-    old = ((lead - R + sends)[:, None] + (sends - R)[None, :])[None]
-    new = ((R + sends)[:, None] + (R + sends)[None, :])[None]
+    # single precision (the running minima over the third axis are most of the time),
+    # read with a margin above its rounding: the answer only errs towards fitting
+    old = ((lead - R + sends)[:, None] + (sends - R)[None, :])[None].astype(np.float32)
+    new = ((R + sends)[:, None] + (R + sends)[None, :])[None].astype(np.float32)
     g = laps[:, None, None]
     i2, k2 = idx[None, :, None], idx[None, None, :]
     valid = [(i2 <= g - (pp - 1 - r)) & (k2 <= U - (pp - 1 - r)) & (k2 > g)
@@ -122,11 +124,14 @@ def _looped(pp, U, sends, idx, R, lead):
     def fits(tau: float) -> bool:
         reach = np.zeros((G, U + 1, U + 1), bool)
         reach[np.arange(G), 0, laps] = True
+        alive = np.arange(G)  # the second-lap starts some cut still reaches
         for r in range(pp):
-            least = _before_before(np.where(reach, old, math.inf))
-            reach = (least + new <= tau) & valid[r]
-            if not reach.any():
+            least = _before_before(np.where(reach, old, np.float32(math.inf)))
+            reach = (least + new <= tau * (1 + 1e-5)) & valid[r][alive]
+            keep = reach.any(axis=(1, 2))
+            if not keep.any():
                 return False
+            alive, reach = alive[keep], reach[keep]
         return True
 
     return fits
