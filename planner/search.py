@@ -130,8 +130,10 @@ class SearchResult:
 
 
 def _open(c: "Candidate") -> bool:
+    """Not settled: cut short, skipped, or solved without a proof of its simulated step
+    (StageSolution.settles: a proven stand-in objective is not one)."""
     return c.outcome in ("time_limit", "skipped") or (
-        c.solution is not None and c.solution.status != "optimal")
+        c.solution is not None and not c.solution.settles)
 
 
 def _unvisited(c: "Candidate") -> bool:
