@@ -473,14 +473,35 @@ def tp_whole_rows(shape: Shape, batch: int, cluster: Cluster) -> bool:
 # --- the search --------------------------------------------------------------------------
 
 
-def _refine_chunked(chunked: list[Candidate], best_s: float, problem_of, out_of_time) -> None:
+class _LoadBounds:
+    """The busiest rank's work bound (planner.stage_loads) of chunked candidates, shared:
+    it reads the stages' placement only, not the schedule's order, so one dynamic program
+    serves the looped schedules of a problem, pp and m, and one the V-shaped."""
+
+    def __init__(self, problem_of):
+        self.problem_of = problem_of
+        self.found: dict[tuple, tuple[float, float]] = {}  # placement -> (from, bound)
+
+    def raise_bound(self, c: Candidate, best_s: float, within: float) -> None:
+        """c.bound_s raised by the bound, computed to `within` of the best (0: only
+        whether it reaches the best)."""
+        s = c.shape
+        b = self.problem_of(s).problem
+        key = (id(b), s.pp, s.microbatches, s.chunks, s.schedule in V_SHAPED, within)
+        start, raised = self.found.get(key, (math.inf, None))
+        if raised is None or (raised <= start and c.bound_s < start):  # not lifted there
+            raised = busiest_rank_bound(b, s.pp, s.microbatches, s.schedule, s.chunks,
+                                        c.bound_s, best_s * (1 - 1e-9), within=within)
+            self.found[key] = (c.bound_s, raised)
+        c.bound_s = max(c.bound_s, raised or 0.0)
+
+
+def _refine_chunked(chunked: list[Candidate], best_s: float, loads: _LoadBounds,
+                    out_of_time) -> None:
     """Raise the bounds of chunked candidates still open below `best_s` by the busiest
-    rank's work (planner.stage_loads), least bound first, until the least is one so raised
-    (the gap needs only the least): those raised to the best are settled ("pruned by
-    bound"). The bound reads the stages' placement only, not the schedule's order: one
-    dynamic program serves the looped schedules of a problem, pp and m, one the V-shaped."""
+    rank's work, least bound first, until the least is one so raised (the gap needs only
+    the least): those raised to the best are settled ("pruned by bound")."""
     done: set[int] = set()
-    found: dict[tuple, tuple[float, float]] = {}  # placement -> (from, bound)
     while not out_of_time():
         left = [c for c in chunked if c.bound_s < best_s * (1 - 1e-9) and c.outcome != "best"
                 and c.outcome not in ("does_not_fit", "infeasible")]
@@ -490,15 +511,7 @@ def _refine_chunked(chunked: list[Candidate], best_s: float, problem_of, out_of_
         if id(c) in done:
             return
         done.add(id(c))
-        s = c.shape
-        b = problem_of(s).problem
-        key = (id(b), s.pp, s.microbatches, s.chunks, s.schedule in V_SHAPED)
-        start, raised = found.get(key, (math.inf, None))
-        if raised is None or (raised <= start and c.bound_s < start):  # not lifted there
-            raised = busiest_rank_bound(b, s.pp, s.microbatches, s.schedule, s.chunks,
-                                        c.bound_s, best_s * (1 - 1e-9), within=REFINE)
-            found[key] = (c.bound_s, raised)
-        c.bound_s = max(c.bound_s, raised or 0.0)
+        loads.raise_bound(c, best_s, REFINE)
         if c.bound_s >= best_s * (1 - 1e-9) and c.solution is None:
             c.outcome = "pruned_by_bound"
             c.note = f"bound {c.bound_s * 1e3:.3g} ms >= best {best_s * 1e3:.3g} ms"
@@ -634,6 +647,7 @@ def search(graph: ModelGraph, cluster: Cluster, optimizer: str, budget_bytes: fl
             best = c
 
     chunked: list[Candidate] = []
+    loads = _LoadBounds(problem_of)
 
     def tell(current: str = "") -> None:
         """Report where the search stands: candidates dealt with (dropped, pruned, skipped
@@ -698,10 +712,15 @@ def search(graph: ModelGraph, cluster: Cluster, optimizer: str, budget_bytes: fl
         quick_ones = []
         quick_until = time.perf_counter() + QUICK_PASS_S
         for guess, c in guesses:
-            guess = max(guess, c.bound_s)
             if out_of_time():
                 break
             incumbent = best.solution.times.step_s if best else None
+            if incumbent is not None:  # whole units may rule it out before a quick plan
+                loads.raise_bound(c, incumbent, 0.0)
+                if c.bound_s >= incumbent * (1 - 1e-9):
+                    c.note = f"bound {c.bound_s * 1e3:.3g} ms >= best {incumbent * 1e3:.3g} ms"
+                    continue
+            guess = max(guess, c.bound_s)
             if incumbent is not None and guess >= incumbent * (1 - 1e-9):
                 c.outcome = "skipped"
                 c.note = f"estimate {guess * 1e3:.3g} ms >= best {incumbent * 1e3:.3g} ms"
@@ -740,7 +759,7 @@ def search(graph: ModelGraph, cluster: Cluster, optimizer: str, budget_bytes: fl
         # under the final best to REFINE of it: those it reaches are settled, and the
         # least bound left is the search's gap (refined until it is one so found)
         if best is not None:
-            _refine_chunked(chunked, best.solution.times.step_s, problem_of, out_of_time)
+            _refine_chunked(chunked, best.solution.times.step_s, loads, out_of_time)
         # Second pass: what is left open and might still beat the best, now cut off at it
         # (an integer program whose LP bound is above the cutoff ends at once).
         for _, c in ranked:
