@@ -75,7 +75,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 from ortools.linear_solver import pywraplp
 
-from planner import ilp, schedules, stage_dp, stage_intervals
+from planner import ilp, schedules, stage_dp, stage_intervals, stage_loads
 from planner.numerics import mip_solver
 from planner.problem import Edge, Infeasible, Node, Option, Problem
 from planner.schedules import SCHEDULES
@@ -821,7 +821,8 @@ def lower_bound(problem: StageProblem, pp: int, microbatches: int, schedule: str
         sends = _least_sends_s(problem, schedule, pp, chunks)
         work = float(a.sum()) + sends
         chain = (2 / 3 if schedule in schedules.SPLIT_BACKWARD else 1.0) * work
-        bound = max(m * work / pp, chain) + once
+        bound = max(m * work / pp + once, chain + once, stage_loads.packing_bound(
+            problem, pp, m, schedule, chunks))
         if budget_bytes is None:
             return bound
         # the ranks' memory together fits pp budgets, every stage holding at least one
