@@ -15,7 +15,7 @@ from planner.plan3d import optimize_3d
 from planner.problem import Edge
 from planner.schedules import SINGLE
 from planner.search import CostCache, build, rank_groups, search, shapes
-from planner.stage_loads import busiest_rank_bound
+from planner.stage_loads import busiest_rank_bound, packing_bound
 from planner.stages import (
     LayerOptions, StageProblem, brute_force, evaluate, in_flight, lower_bound, quick_plan,
     solve_stages,
@@ -179,6 +179,34 @@ def test_busiest_rank_bound_below_every_simulated_step(seed):
     assert busiest_rank_bound(p, 2, 4, "ZBVZeroBubble", 2, 14.0, 40.0) == pytest.approx(
         16 + 1 / 3, rel=1e-5)
     assert busiest_rank_bound(p, 2, 4, "Interleaved1F1B", 4, 14.0, 40.0) is None
+
+
+@pytest.mark.parametrize("schedule,v", [("Interleaved1F1B", 4), ("InterleavedZeroBubble", 2),
+                                        ("DualPipeV", 2)])
+def test_packing_bound_below_every_cut_and_whole(schedule, v):
+    """The pigeonhole bound on whole units (stage_loads.packing_bound, in the chunked lower
+    bound) is below the simulated step of every cut, four chunks per rank included; on
+    eight blocks of 1 and a head of 1/2 over two ranks, some rank holds four blocks and the
+    head or five blocks: 4.5 per microbatch, where sharing said 4.25."""
+    rng = np.random.default_rng(7)
+    one = lambda x: np.array([x], float)
+    units = 10
+    layers = tuple(LayerOptions(f"l{u}", u, ("a",), one(rng.uniform(0.2, 1.0)),
+                                one(rng.uniform(0, 0.3)), one(0.0), one(0.0))
+                   for u in range(units))
+    p = StageProblem(layers, (), tuple(f"u{u}" for u in range(units)),
+                     tuple(float(x) for x in rng.uniform(0, 0.05, units)))
+    pp, m = 2, 4
+    least = min(evaluate(p, (0, *cuts), (0,) * units, m, schedule, v).step_s
+                for cuts in itertools.combinations(range(1, units), pp * v - 1))
+    assert lower_bound(p, pp, m, schedule, v) <= least * (1 + 1e-9)
+
+    sizes = [1.0] * 8 + [0.5]
+    layers = tuple(LayerOptions(f"l{u}", u, ("a",), one(x), one(0.0), one(0.0), one(0.0))
+                   for u, x in enumerate(sizes))
+    p = StageProblem(layers, (), tuple(f"u{u}" for u in range(9)), (0.0,) * 9)
+    assert packing_bound(p, 2, 1, schedule, v) == pytest.approx(4.5)
+    assert lower_bound(p, 2, 1, schedule, v) >= 4.5 - 1e-9
 
 
 @pytest.mark.parametrize("seed", range(3))
