@@ -19,10 +19,11 @@ Keeping it fast as the space widens:
   done only for those a bound does not rule out; they come after every one-chunk shape,
   each with a quick plan (planner.stages.quick_plan, not a proof), and only the best of
   those gets a short stage MIP (their MIPs are the hardest, and rarely better in seconds);
-  at the end, those still open get the whole-unit bound of the busiest rank
-  (planner.stage_loads), least bound first, which settles those it lifts to the best and
-  makes the gap honest (on a 48-block GPT over 64 A100s: 10%, where the shared-work bound
-  said 24%);
+  before its quick plan, and again at the end for those still open (least bound first),
+  each meets the busiest rank's work over contiguous cuts of whole units
+  (planner.stage_loads), which settles those it lifts to the best and narrows the gap
+  (on a 48-block GPT over 64 A100s, with the pigeonhole bound on whole units in the
+  chunked bound itself: 8.6%, where sharing the work evenly said 24%);
 - a shape whose smallest possible memory exceeds the budget is dropped unsolved;
 - the rest are solved one-stage shapes first (their solvers are the fastest, and their
   best cuts off every pipelined shape), then in order of a lower bound, each with the
@@ -503,7 +504,7 @@ def _refine_chunked(chunked: list[Candidate], best_s: float, loads: _LoadBounds,
     the least): those raised to the best are settled ("pruned by bound")."""
     done: set[int] = set()
     while not out_of_time():
-        left = [c for c in chunked if c.bound_s < best_s * (1 - 1e-9) and c.outcome != "best"
+        left = [c for c in chunked if c.bound_s < best_s * (1 - 1e-9)
                 and c.outcome not in ("does_not_fit", "infeasible")]
         if not left:
             return

@@ -24,7 +24,16 @@ U units; looped placements add the start of the second lap to the state).
 Valid for every choice (each unit costs at least its least), every memory budget (memory
 is not read: the bound only relaxes) and every schedule with that placement (no schedule
 runs a rank's actions faster than back to back). Not offered for four chunks per rank
-(None): the state would be four-dimensional.
+(None): the state would be four-dimensional; there `packing_bound` (the units whole but in
+any order, by pigeonhole, in O(U log U)) stands in, and planner.stages' chunked bound
+includes it for every shape.
+
+The bubble is left out. Paths through a rank's fill and drain (its lead, one microbatch's
+trips through the stages between and after its own) fit the same dynamic program, and
+were tried, up to eight per rank at once: the best cut escapes them by shortening the
+stages those trips cross (a 48-block GPT, ZBV at pp 8 with 8 microbatches: 1.306 s raised
+to 1.348 s, against 1.516 s simulated on its balanced cut, which no cut found by local
+search beats); what the fill really costs runs through several ranks.
 """
 
 from __future__ import annotations

@@ -797,9 +797,10 @@ def lower_bound(problem: StageProblem, pp: int, microbatches: int, schedule: str
     chunks, a rank does m times its share of the work, at least m·Σ a / pp (with a budget:
     the Lagrangian bound of the whole model in pp budgets, shared), and the first
     microbatch passes every stage forward and back (2/3 of it where the weight gradients
-    can wait); the bubble is left out, and so is the wholeness of units, which the search
-    adds where it matters (planner.stage_loads: a dynamic program per shape, too slow to
-    run for every candidate)."""
+    can wait), and units are whole: some rank holds k + 1 of the k·pp + 1 largest
+    (stage_loads.packing_bound). The bubble is left out, and so is contiguity, which the
+    search adds where it matters (stage_loads.busiest_rank_bound: a dynamic program per
+    shape, too slow to run for every candidate)."""
     U = len(problem.units)
     tables = problem.tables
     a = tables.layer_least_s + tables.edge_least_s
