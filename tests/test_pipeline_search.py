@@ -86,6 +86,22 @@ def test_stage_mip_equals_brute_force_random(seed):
                     expected[0].step_s * (1 + 1e-9)
                 if budget is not None:
                     assert max(got.times.memory_bytes) <= budget * (1 + 1e-7)
+                # a settled solution's simulated step is the least of every cut and
+                # choice; where the objective is the step (one stage, GPipe) it settles
+                if got.settles:
+                    assert got.times.step_s == pytest.approx(
+                        _least_step(p, pp, m, schedule, budget), rel=1e-7)
+                if pp == 1 or schedule == "GPipe":
+                    assert got.settles
+
+
+def _least_step(p, pp, m, schedule, budget, chunks=1):
+    """The least simulated step over every cut and choice that fits (brute force)."""
+    return min(t.step_s for cuts in itertools.combinations(range(1, len(p.units)),
+                                                           pp * chunks - 1)
+               for choice in itertools.product(*(range(len(l.strategies)) for l in p.layers))
+               for t in [evaluate(p, (0, *cuts), choice, m, schedule, chunks)]
+               if budget is None or max(t.memory_bytes) <= budget * (1 + 1e-9))
 
 
 @pytest.mark.parametrize("seed", range(6))
