@@ -441,45 +441,6 @@ def repeats_for(nbytes: int, repeats: int) -> int:
     return repeats
 
 
-# The small messages' rounds are taken in SMALL_CHUNKS shares spread over the whole
-# calibration, between its other measurements: this VM's slow-call share drifts over
-# seconds (40 rounds in one process: a 1 KB all-reduce 1.3-2.3 ms from one 7 s block to the
-# next), so all 120 rounds in one ~16 s block still put it at 1.6-2.3 ms and a 1 KB
-# all-gather at 0.7-1.45 ms over four idle calibrations, several times what 120 calls'
-# sampling alone scatters. Spread out, they average the spells of the ~40 s, including
-# the ones the DTensor, DDP-step and tensor-parallel pairs they are subtracted from ran in.
-SMALL_CHUNKS = 5
-
-
-class _SpreadRounds:
-    """`rounds` interleaved rounds of `calls` ({key: (fn, together)}, `_interleaved_spans`)
-    taken a share at a time: each call of the object takes the next share; `.spans` holds
-    {key: [(start, end) per round]} so far. A collective the backend lacks empties it."""
-
-    def __init__(self, calls: dict, device, rounds: int, chunks: int = SMALL_CHUNKS):
-        self.calls, self.device = calls, device
-        self.per_chunk = -(-rounds // chunks)
-        self.spans: dict = {key: [] for key in calls}
-
-    def __call__(self) -> None:
-        if not self.calls:
-            return
-        try:
-            taken = _interleaved_spans(self.calls, self.device, self.per_chunk)
-        except RuntimeError as error:
-            if not _unsupported(error):
-                raise
-            self.calls, self.spans = {}, {}
-            return
-        for key, calls in taken.items():
-            self.spans[key].extend(calls)
-
-
-def _unsupported(error: RuntimeError) -> bool:
-    """Is `error` a backend saying it lacks a collective?"""
-    return "not supported" in str(error).lower() or "unsupported" in str(error).lower()
-
-
 def _rank_measure(rank: int, world: int, sizes, repeats: int, quiet_wait_s: float = 0.0,
                   quick: bool = False) -> dict:
     device = torch.device("cuda", rank) if dist.get_backend() == "nccl" else torch.device("cpu")
@@ -491,44 +452,46 @@ def _rank_measure(rank: int, world: int, sizes, repeats: int, quiet_wait_s: floa
              if not (name == "send_recv" and world != 2)  # one pair is enough: 2 ranks
              # DTensor runs it as an all-gather on gloo: calibrate() copies those
              and not (name == "all_to_all" and dist.get_backend() == "gloo")]
-    small = _SpreadRounds(
-        {(name, nbytes): (_collective_call(name, nbytes, rank, world, device),
-                          name == "bucket_all_reduce")
-         for name in names for nbytes in sizes if nbytes <= SMALL_BYTES},
-        device, max(repeats, SMALL_REPEATS // shared))
-    small()
-    large = {}
+    small = [(name, nbytes) for name in names for nbytes in sizes if nbytes <= SMALL_BYTES]
+    try:
+        taken = _interleaved_spans(
+            {(name, nbytes): (_collective_call(name, nbytes, rank, world, device),
+                              name == "bucket_all_reduce") for name, nbytes in small},
+            device, max(repeats, SMALL_REPEATS // shared))
+    except RuntimeError as error:  # e.g. a collective the backend lacks
+        if "not supported" not in str(error).lower() and "unsupported" not in str(error).lower():
+            raise
+        taken = {}
+    spans = []
     for name in names:
-        for nbytes in (n for n in sizes if n > SMALL_BYTES):
+        for nbytes in sizes:
+            if nbytes <= SMALL_BYTES:
+                if (name, nbytes) in taken:
+                    spans.append((name, nbytes, taken[(name, nbytes)]))
+                continue
             if quiet_wait_s > 0:  # on a shared machine, measure between others' bursts
                 if rank == 0:
                     wait_for_quiet(quiet_wait_s)
                 dist.barrier()
             try:
                 timing = _together_spans if name == "bucket_all_reduce" else _in_step_spans
-                large[(name, nbytes)] = timing(
-                    _collective_call(name, nbytes, rank, world, device), device,
-                    repeats_for(nbytes, repeats))
+                calls = timing(_collective_call(name, nbytes, rank, world, device), device,
+                               repeats_for(nbytes, repeats))
             except RuntimeError as error:  # e.g. a collective the backend lacks
-                if _unsupported(error):
+                if "not supported" in str(error).lower() or "unsupported" in str(error).lower():
                     break
                 raise
-    small()
-    # each a difference of two means whose calls hold a bimodal collective (see
-    # SMALL_REPEATS): 21-31 rounds moved them by 1-1.5 ms between calibrations
-    out = {"dtensor": _dtensor_overheads(rank, world, device, 90 // shared),
-           "contention": together, "step": _step_overhead(device, 60 // shared)}
-    small()
-    out["fsdp"] = _fsdp_layers(device, 9 if quick else 15,
-                               FSDP_LAYERS_QUICK if quick else FSDP_LAYERS)
-    small()
-    out["tp"] = _tp_pairs(device, (7 if quick else 11) // shared,
-                          TP_WIDTHS_QUICK if quick else TP_WIDTHS, 80 // shared)
-    small()
-    taken = {**small.spans, **large}
-    out["spans"] = [(name, nbytes, taken[(name, nbytes)])
-                    for name in names for nbytes in sizes if (name, nbytes) in taken]
-    return out
+            spans.append((name, nbytes, calls))
+    # tiny ops: many repeats are cheap, and the difference of two medians needs them
+    return {"spans": spans,
+            # each a difference of two means whose calls hold a bimodal collective (see
+            # SMALL_REPEATS): 21-31 rounds moved them by 1-1.5 ms between calibrations
+            "dtensor": _dtensor_overheads(rank, world, device, 90 // shared),
+            "contention": together, "step": _step_overhead(device, 60 // shared),
+            "fsdp": _fsdp_layers(device, 9 if quick else 15,
+                                  FSDP_LAYERS_QUICK if quick else FSDP_LAYERS),
+            "tp": _tp_pairs(device, (7 if quick else 11) // shared,
+                            TP_WIDTHS_QUICK if quick else TP_WIDTHS, 80 // shared)}
 
 
 # --- compute ---------------------------------------------------------------------------------
