@@ -40,7 +40,9 @@ from profiler.profile import median_time
 # 41%), so the fit is piecewise (fit_collective) and the sizes reach past the cache.
 SIZES = (1 << 10, 16 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 32 << 20, 64 << 20,
          128 << 20)
-QUICK_SIZES = (1 << 10, 16 << 10, 256 << 10, 1 << 20, 8 << 20, 32 << 20, 64 << 20, 128 << 20)
+# Quick: one latency-bound size (16 KB) fewer than the full set's two (1 and 16 KB): its
+# calls pay for more rounds of the others (SMALL_REPEATS), which steadies the small fit
+QUICK_SIZES = (1 << 10, 256 << 10, 1 << 20, 8 << 20, 32 << 20, 64 << 20, 128 << 20)
 # a second regime must at least halve the one line's squared relative error to be kept
 MEASURED = ("all_reduce", "bucket_all_reduce", "all_gather", "reduce_scatter", "all_to_all",
             "send_recv")
@@ -255,10 +257,11 @@ def _dtensor_overheads(rank: int, world: int, device, repeats: int) -> dict[str,
 TP_WIDTHS = (128, 512, 1024, 2048, 3072, 4096)
 TP_WIDTHS_QUICK = (128, 1024, 4096)
 TP_ROWS = 16
+TP_SMALL_WIDTH = 1024  # up to here a pair is cheap: more rounds (`_tp_pairs`)
 
 
-def _tp_pairs(device, repeats: int = 7,
-              widths=TP_WIDTHS) -> dict[int, tuple[float, float, float, float]]:
+def _tp_pairs(device, repeats: int = 7, widths=TP_WIDTHS,
+              small_repeats: int = 80) -> dict[int, tuple[float, float, float, float]]:
     """{width: (bytes of one layer's weights, bytes of the activation, plain pair s, TP pair
     s)}: a column-parallel Linear, a ReLU and a row-parallel Linear (Megatron's MLP, the
     executor's styles, output replicated), forward and backward on TP_ROWS replicated
@@ -268,7 +271,10 @@ def _tp_pairs(device, repeats: int = 7,
     from_local/to_local, redistribute's bookkeeping, and per weight byte whatever it does
     beyond the math (`strategies.calibrated.tp_layer_fit`). A tiny Linear timed alone,
     the figure this replaces, saw none of the latter: 0.6-1.9 ms per layer against 6-6.7
-    ms measured for a 4096-wide one in a step (fc_heavy_cnn's plan priced 19% short)."""
+    ms measured for a 4096-wide one in a step (fc_heavy_cnn's plan priced 19% short).
+    Pairs up to TP_SMALL_WIDTH run `small_repeats` rounds: a few ms each, their figure is
+    ~1 ms beside two bimodal all-reduces (0.3 or ~4 ms each), and 7 rounds put the fitted
+    per-layer cost anywhere in 0-1.4 ms from one calibration to the next."""
     from torch import nn
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard
@@ -296,7 +302,8 @@ def _tp_pairs(device, repeats: int = 7,
                     p.grad = None
             return step
 
-        t = _interleaved_times({"plain": step_of(local), "tp": step_of(pair)}, device, repeats)
+        rounds = max(repeats, small_repeats) if width <= TP_SMALL_WIDTH else repeats
+        t = _interleaved_times({"plain": step_of(local), "tp": step_of(pair)}, device, rounds)
         out[width] = (float(width * (width + 1) * 4), float(TP_ROWS * width * 4),
                       t["plain"], t["tp"])
         del pair, local
@@ -414,11 +421,14 @@ def _contention(rank: int, device, quiet_wait_s: float, trials: int = 5,
     return {key: statistics.median(r) if r else 1.0 for key, r in ratios.items()}
 
 
-# Messages up to 1 MB are timed in turn (`_interleaved_spans`), 40 calls each: their time
-# is the latency, bimodal in a step (a rank asleep in the collective or not, 0.3 or 2 ms),
-# and 10 calls in one block moved the fitted latency by 2x from one calibration to the
-# next, and every small model's prediction with it. 40 calls of a few ms cost seconds.
-SMALL_BYTES, SMALL_REPEATS = 1 << 20, 40
+# Messages up to 1 MB are timed in turn (`_interleaved_spans`), 120 calls each: their time
+# is the latency, bimodal in a step (0.3 or ~4 ms after a burst, each call one or the
+# other about half the time, whatever the ranks' arrival skew), so a mean over n calls
+# scatters by ~1.9 ms / sqrt(n): 10 calls in one block moved the fitted latency by 2x from
+# one calibration to the next, 40 calls by 1.5x (a 256 KB all-reduce priced 1.6-2.8 ms by
+# four idle quick calibrations; benchmarks/calibration_spread.py), and every small model's
+# prediction with it. A call costs its ~9 ms burst: 120 rounds of 15 are ~16 s.
+SMALL_BYTES, SMALL_REPEATS = 1 << 20, 120
 
 
 def repeats_for(nbytes: int, repeats: int) -> int:
@@ -434,6 +444,8 @@ def repeats_for(nbytes: int, repeats: int) -> int:
 def _rank_measure(rank: int, world: int, sizes, repeats: int, quiet_wait_s: float = 0.0,
                   quick: bool = False) -> dict:
     device = torch.device("cuda", rank) if dist.get_backend() == "nccl" else torch.device("cpu")
+    # more processes than cores: each call takes ~2-5x longer (time-sharing), fewer rounds
+    shared = 2 if device.type == "cpu" and world > (os.cpu_count() or 1) else 1
     together = _contention(rank, device, quiet_wait_s, trials=3 if quick else 5,
                            repeats=5 if quick else 9)
     names = [name for name in MEASURED
@@ -445,7 +457,7 @@ def _rank_measure(rank: int, world: int, sizes, repeats: int, quiet_wait_s: floa
         taken = _interleaved_spans(
             {(name, nbytes): (_collective_call(name, nbytes, rank, world, device),
                               name == "bucket_all_reduce") for name, nbytes in small},
-            device, max(repeats, SMALL_REPEATS))
+            device, max(repeats, SMALL_REPEATS // shared))
     except RuntimeError as error:  # e.g. a collective the backend lacks
         if "not supported" not in str(error).lower() and "unsupported" not in str(error).lower():
             raise
@@ -472,13 +484,14 @@ def _rank_measure(rank: int, world: int, sizes, repeats: int, quiet_wait_s: floa
             spans.append((name, nbytes, calls))
     # tiny ops: many repeats are cheap, and the difference of two medians needs them
     return {"spans": spans,
-            "dtensor": _dtensor_overheads(rank, world, device, 31),
-            "contention": together, "step": _step_overhead(device, 21),
+            # each a difference of two means whose calls hold a bimodal collective (see
+            # SMALL_REPEATS): 21-31 rounds moved them by 1-1.5 ms between calibrations
+            "dtensor": _dtensor_overheads(rank, world, device, 90 // shared),
+            "contention": together, "step": _step_overhead(device, 60 // shared),
             "fsdp": _fsdp_layers(device, 9 if quick else 15,
                                   FSDP_LAYERS_QUICK if quick else FSDP_LAYERS),
-            # more processes than cores: each pair takes ~5x longer (time-sharing), fewer rounds
-            "tp": _tp_pairs(device, (7 if quick else 11) // (2 if world > os.cpu_count() else 1),
-                            TP_WIDTHS_QUICK if quick else TP_WIDTHS)}
+            "tp": _tp_pairs(device, (7 if quick else 11) // shared,
+                            TP_WIDTHS_QUICK if quick else TP_WIDTHS, 80 // shared)}
 
 
 # --- compute ---------------------------------------------------------------------------------
