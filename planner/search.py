@@ -795,4 +795,5 @@ def search(graph: ModelGraph, cluster: Cluster, optimizer: str, budget_bytes: fl
     stats = {"layer_costs_computed": cache.misses, "layer_costs_reused": cache.hits,
              "problems_built": len(built), "solve_seconds": solve_seconds,
              "interrupted": interrupted, "out_of_time": ran_out}
-    return SearchResult(best, problem_of(best.shape) if best else None, out, time.perf_counter() - started, stats)
+    return SearchResult(best, problem_of(best.shape) if best else None, out,
+                        time.perf_counter() - started, stats)

@@ -74,12 +74,11 @@ def packing_bound(problem, pp: int, microbatches: int, schedule: str, chunks: in
     least the k + 1 smallest of them (the pigeonhole bound of scheduling on identical
     machines), and like every rank it pays at least 2·chunks - 1 transfers per microbatch
     (each stage's cut in and out, but for the model's first and last stage; one fewer on a
-    V, whose turn stays on a rank), each at least the least cut. Weaker than the dynamic program where that runs, but for any placement and
-    chunks, in O(U log U): on a 48-block GPT over 8 ranks, 6 blocks and the head."""
-    tables = problem.tables
+    V, whose turn stays on a rank), each at least the least cut. Weaker than the dynamic
+    program where that runs, but for any placement and chunks, in O(U log U): on a
+    48-block GPT over 8 ranks, 6 blocks and the head."""
     m = microbatches
-    work = (m * tables.microbatch_s + tables.step_s).min(axis=1) @ tables.counts
-    work = np.sort(work + m * tables.edge_least_s)[::-1]
+    work = np.sort(_unit_work(problem.tables, m))[::-1]
     best = float(work.sum()) / pp
     k = 0
     while k * pp < len(work):
@@ -89,6 +88,13 @@ def packing_bound(problem, pp: int, microbatches: int, schedule: str, chunks: in
     hops = 2 * chunks - (2 if schedule in schedules.V_SHAPED else 1)
     sends = hops * m * float(cuts.min()) if len(cuts) else 0.0
     return best + sends
+
+
+def _unit_work(tables, m: int) -> np.ndarray:
+    """Per unit: Σ over its layers of min over options (m·t + s), each layer's two parts
+    priced with one option, and m times its least edges: what it adds to its rank's step."""
+    work = (m * tables.microbatch_s + tables.step_s).min(axis=1) @ tables.counts
+    return work + m * tables.edge_least_s
 
 
 def _feasibility(problem, pp: int, m: int, schedule: str, chunks: int):
@@ -105,9 +111,7 @@ def _feasibility(problem, pp: int, m: int, schedule: str, chunks: int):
     cut[0] = 0.0  # no transfer before the first unit or after the last
     idx = np.arange(U + 1)
 
-    # per unit: Σ over its layers of min over options (m·t + s), and m·(least edges)
-    work = (m * tables.microbatch_s + tables.step_s).min(axis=1) @ tables.counts
-    R = np.concatenate([[0.0], np.cumsum(work + m * tables.edge_least_s)])
+    R = np.concatenate([[0.0], np.cumsum(_unit_work(tables, m))])
     lead = (A + cut) / 3  # the forward of microbatch 0 up to a stage starting there
     shape = _v_shaped if schedule in schedules.V_SHAPED else _looped
     return shape(pp, U, m * cut, idx, R, lead)
