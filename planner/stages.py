@@ -884,7 +884,10 @@ def lower_bound(problem: StageProblem, pp: int, microbatches: int, schedule: str
         return float(best[U])
 
     if schedule == "GPipe":  # Σ_k T_k + (m - 1)·max_k T_k, exactly
-        return float(a.sum()) + split(0.0) * (m - 1) / m + once
+        slowest = split(0.0)
+        if math.isinf(slowest):  # no split fits the budget (not inf·0 = nan where m = 1)
+            return math.inf
+        return float(a.sum()) + slowest * (m - 1) / m + once
     # 1F1B: rank k also idles while the first and the last microbatch go through the
     # stages after it (_one_f_one_b_idle)
     waits = [s + _one_f_one_b_idle(s / m, prefix[-1] - prefix, pp, m, k)

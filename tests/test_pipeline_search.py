@@ -95,6 +95,14 @@ def test_stage_mip_equals_brute_force_random(seed):
                     assert got.settles
 
 
+def test_lower_bound_where_no_split_fits_is_infinite():
+    """GPipe with one microbatch where no split fits the budget: the bound is infinite
+    (the shape is pruned), not inf·0 = nan, which a plan's JSON cannot carry."""
+    p = _random_problem(np.random.default_rng(3))
+    assert lower_bound(p, 2, 1, "GPipe", budget_bytes=1.0) == float("inf")
+    assert lower_bound(p, 2, 1, "1F1B", budget_bytes=1.0) == float("inf")
+
+
 def _least_step(p, pp, m, schedule, budget, chunks=1):
     """The least simulated step over every cut and choice that fits (brute force)."""
     return min(t.step_s for cuts in itertools.combinations(range(1, len(p.units)),
