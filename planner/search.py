@@ -497,6 +497,14 @@ class _LoadBounds:
         c.bound_s = max(c.bound_s, raised or 0.0)
 
 
+def _ruled_out(c: Candidate, best_s: float | None) -> bool:
+    """Whether c's bound reaches the best plan's step (so c cannot beat it), noted on c."""
+    if best_s is None or not c.bound_s >= best_s * (1 - 1e-9):
+        return False
+    c.note = f"bound {c.bound_s * 1e3:.3g} ms >= best {best_s * 1e3:.3g} ms"
+    return True
+
+
 def _refine_chunked(chunked: list[Candidate], best_s: float, loads: _LoadBounds,
                     out_of_time) -> None:
     """Raise the bounds of chunked candidates still open below `best_s` by the busiest
@@ -513,9 +521,8 @@ def _refine_chunked(chunked: list[Candidate], best_s: float, loads: _LoadBounds,
             return
         done.add(id(c))
         loads.raise_bound(c, best_s, REFINE)
-        if c.bound_s >= best_s * (1 - 1e-9) and c.solution is None:
+        if c.solution is None and _ruled_out(c, best_s):
             c.outcome = "pruned_by_bound"
-            c.note = f"bound {c.bound_s * 1e3:.3g} ms >= best {best_s * 1e3:.3g} ms"
 
 
 def search(graph: ModelGraph, cluster: Cluster, optimizer: str, budget_bytes: float | None,
@@ -670,10 +677,8 @@ def search(graph: ModelGraph, cluster: Cluster, optimizer: str, budget_bytes: fl
         for _, c in ranked:
             if out_of_time():
                 break
-            bound = c.bound_s
             incumbent = best.solution.times.step_s if best else None
-            if incumbent is not None and bound >= incumbent * (1 - 1e-9):
-                c.note = f"bound {bound * 1e3:.3g} ms >= best {incumbent * 1e3:.3g} ms"
+            if _ruled_out(c, incumbent):
                 tell()
                 continue
             if c.shape.chunks > 1:
@@ -693,8 +698,7 @@ def search(graph: ModelGraph, cluster: Cluster, optimizer: str, budget_bytes: fl
                 break
             s = c.shape
             incumbent = best.solution.times.step_s if best else None
-            if incumbent is not None and c.bound_s >= incumbent * (1 - 1e-9):
-                c.note = f"bound {c.bound_s * 1e3:.3g} ms >= best {incumbent * 1e3:.3g} ms"
+            if _ruled_out(c, incumbent):
                 continue
             b = problem_of(s)
             need = min_memory_bytes(b.problem, s.pp, s.microbatches, s.schedule, s.chunks
@@ -718,8 +722,7 @@ def search(graph: ModelGraph, cluster: Cluster, optimizer: str, budget_bytes: fl
             incumbent = best.solution.times.step_s if best else None
             if incumbent is not None:  # whole units may rule it out before a quick plan
                 loads.raise_bound(c, incumbent, 0.0)
-                if c.bound_s >= incumbent * (1 - 1e-9):
-                    c.note = f"bound {c.bound_s * 1e3:.3g} ms >= best {incumbent * 1e3:.3g} ms"
+                if _ruled_out(c, incumbent):
                     continue
             guess = max(guess, c.bound_s)
             if incumbent is not None and guess >= incumbent * (1 - 1e-9):
