@@ -168,6 +168,51 @@ def _interleaved_spans(calls: dict, device, rounds: int) -> dict:
     return spans
 
 
+# The gap curve (strategies.devices.GapCurve): a small all-reduce after each of these gaps
+# of compute, in rows of GAP_BLOCK calls at one gap (the first GAP_DROP of a row dropped:
+# the rhythm changing), the gaps in turn for GAP_ROUNDS rounds: ~0.7 s on 2 processes.
+# In rows because the cost follows the rhythm, not the one gap before a call: taken one
+# call per gap in turn, a 16 KB all-reduce cost 0.9-1.4 ms whatever the gap; in rows
+# 0.4-1.5 ms up to 2 ms and 3.0-3.6 ms at 8 ms, as benchmarks/collective_gap.py finds.
+GAPS_S = (0.25e-3, 0.5e-3, 1e-3, 2e-3, 4e-3, 8e-3)
+GAP_BYTES = 16 << 10
+GAP_BLOCK, GAP_DROP, GAP_ROUNDS = 6, 2, 4
+
+
+def _gap_spans(fn, device, gaps_s=GAPS_S, rounds: int = GAP_ROUNDS) -> dict:
+    """{"spans": {gap: [(start, end) of each call kept]}, "walls": {gap: mean seconds from
+    the end of one call to the start of the next}} of `fn` called after `gap` seconds of
+    compute on every rank (see GAPS_S). The wall gap, what the ranks really computed
+    between two calls, is the curve's abscissa."""
+    span = _span_timer(device)
+    bursts = {gap: _compute_burst(device, gap) for gap in gaps_s}
+    fn()  # warm up: connections, buffers
+    dist.barrier()
+    spans: dict = {gap: [] for gap in gaps_s}
+    walls: dict = {gap: [] for gap in gaps_s}
+    for _ in range(rounds):
+        for gap in gaps_s:
+            ended = time.perf_counter()
+            for call in range(GAP_BLOCK):
+                bursts[gap]()
+                timed = span(fn)
+                if call >= GAP_DROP:
+                    spans[gap].append(timed)
+                    walls[gap].append(timed[0] - ended)
+                ended = timed[1]
+    return {"spans": spans, "walls": {gap: statistics.fmean(w) for gap, w in walls.items()}}
+
+
+def gap_seconds(per_rank: list[dict]) -> dict[float, float]:
+    """{wall gap s (the ranks' mean): the small all-reduce's cost to a step after it},
+    from every rank's `_gap_spans`, each gap's calls combined as `_call_seconds` does."""
+    out = {}
+    for gap in per_rank[0]["gap"]["spans"]:
+        wall = statistics.fmean(r["gap"]["walls"][gap] for r in per_rank)
+        out[wall] = _call_seconds([r["gap"]["spans"][gap] for r in per_rank])
+    return out
+
+
 def _interleaved_times(steps: dict, device, rounds: int) -> dict[str, float]:
     """{key: seconds} of `steps` ({key: fn}) each as a training step meets it, timed in
     turn (`_interleaved_spans`): the mean of the middle 80% of each one's calls."""
@@ -483,7 +528,11 @@ def _rank_measure(rank: int, world: int, sizes, repeats: int, quiet_wait_s: floa
                 raise
             spans.append((name, nbytes, calls))
     # tiny ops: many repeats are cheap, and the difference of two medians needs them
-    return {"spans": spans,
+    # gloo's wake-up after compute; not where processes outnumber cores (a waiting rank
+    # hands its core to a computing one), nor on GPUs (NCCL's kernels queue behind compute)
+    gap = (_gap_spans(_collective_call("all_reduce", GAP_BYTES, rank, world, device), device)
+           if device.type == "cpu" and shared == 1 else None)
+    return {"spans": spans, "gap": gap,
             # each a difference of two means whose calls hold a bimodal collective (see
             # SMALL_REPEATS): 21-31 rounds moved them by 1-1.5 ms between calibrations
             "dtensor": _dtensor_overheads(rank, world, device, 90 // shared),
