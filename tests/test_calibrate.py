@@ -205,3 +205,34 @@ def test_tensor_parallel_layers_are_priced_by_the_pairs_fit_where_calibrated():
             update={"dtensor_layer_overhead_s": 0.5e-3}), ranks=2, batch=8))
         assert with_fit.compute_s - without.compute_s == pytest.approx(
             alpha + slope * n / 2 - 0.5e-3, rel=1e-6)
+
+
+def _contention_rank(rank, world):
+    import torch
+
+    from profiler.calibrate import _contention
+
+    return _contention(rank, torch.device("cpu"), 0.0, trials=3, repeats=5)
+
+
+def test_the_slowdown_of_all_ranks_at_once_does_not_count_a_process_outside_them():
+    # a busy process outside the ranks takes a core from the ranks computing together and
+    # none from rank 0 alone: by wall time that read as a 2x compute slowdown on 2 cores
+    # (and priced every layer of every plan 2x); by the layer clock it is the ranks' own
+    import os
+    import subprocess
+    import sys
+
+    from distributed import run_ranks
+    from profiler.calibrate import core_share
+
+    if (os.cpu_count() or 1) < 2:
+        pytest.skip("needs 2 cores: one per rank")
+    spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        slowdown = run_ranks(_contention_rank, 2)[0]
+    finally:
+        spinner.kill()
+        spinner.wait()
+    assert 1.0 <= slowdown["compute"] < 1.35 * core_share(2)
+    assert slowdown["memory"] >= 1.0
