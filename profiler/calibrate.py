@@ -213,14 +213,11 @@ def gap_seconds(per_rank: list[dict]) -> dict[float, float]:
     return out
 
 
-def _interleaved_times(steps: dict, device, rounds: int,
-                       combine=None) -> dict[str, float]:
+def _interleaved_times(steps: dict, device, rounds: int) -> dict[str, float]:
     """{key: seconds} of `steps` ({key: fn}) each as a training step meets it, timed in
-    turn (`_interleaved_spans`): `combine` of each one's calls (default the mean of the
-    middle 80%, `_trimmed_mean`)."""
-    combine = combine or _trimmed_mean
+    turn (`_interleaved_spans`): the mean of the middle 80% of each one's calls."""
     spans = _interleaved_spans({key: (fn, False) for key, fn in steps.items()}, device, rounds)
-    return {key: combine([end - start for start, end in calls])
+    return {key: _trimmed_mean([end - start for start, end in calls])
             for key, calls in spans.items()}
 
 
@@ -418,13 +415,18 @@ def _step_overhead(device, repeats: int = 21) -> dict[str, float]:
 # (past it gloo streams from memory), smaller ones where the per-layer fixed cost shows
 FSDP_LAYERS = ((128, 8), (1024, 2), (2048, 2), (3072, 2), (3584, 2), (4096, 2))
 FSDP_LAYERS_QUICK = ((128, 8), (1024, 2), (3072, 2), (4096, 2))  # two on each side
-# A step of two 38-67 MB FSDP2 layers is a few long gloo transfers that now and then stall:
-# 8 steps of two 67 MB layers here cost 118-295 ms a layer and, taken in turn with the plain
-# step, 152-523 (one 802). The mean of the 4 rounds the quick calibration took then priced
-# such a layer 236-348 ms between calibrations while fc_cnn's FSDP plan ran its two in
-# ~200 ms each (its step 488-495 ms, a median over steps, as benchmarks/fidelity.py and a
-# training run read it): fc_cnn fsdp +22..+35%, mlp fsdp +18..+22%. The median of 6 rounds
-# keeps the stalls out for ~2 s more calibration.
+# A step of two 38-67 MB FSDP2 layers is a few long gloo transfers that now and then stall
+# 2-3x, most often in the first rounds of a new width: 8 steps of two 67 MB layers cost
+# 152-523 ms a layer (one 802) taken in turn with the plain step. The mean of the 4
+# rounds the quick calibration took priced such a layer 236-348 ms between calibrations
+# (fc_cnn fsdp +15..+35%, mlp fsdp +18..+22%) while fc_cnn's FSDP plan ran its two in
+# ~200 ms each (its step 488-495 ms). Their median is no better: it left the stalls out
+# and priced them 141-151 ms (fc_cnn fsdp -21..-30%), because the plan pays some of them
+# too (its single steps vary -30..+60%). Each layer here is its own FSDP2 root, kept
+# gathered from forward to backward at FSDP2's default, where executor.levers reshards and
+# gathers again: calibrated that way, 67 MB layers came out 303 ms (+39%) and the
+# calibration 5 s longer, so the default stays. 6 rounds: the mean of more steps past
+# the first stalls, for ~2 s more calibration.
 FSDP_BIG_ROUNDS = 6
 
 
@@ -450,11 +452,10 @@ def _fsdp_layers(device, repeats: int = 9,
         for module in sharded:
             if isinstance(module, nn.Linear):
                 fully_shard(module, mesh=mesh)
-        # past 1024 (0.1-0.6 s a step) fewer rounds, and their median: see FSDP_BIG_ROUNDS
-        big = width > 1024
+        # 0.1-0.6 s a step past 1024: fewer rounds (see FSDP_BIG_ROUNDS)
+        rounds = repeats if width <= 1024 else max(FSDP_BIG_ROUNDS, repeats // 2)
         t = _interleaved_times({"plain": step_of(plain), "fsdp": step_of(sharded)}, device,
-                               max(FSDP_BIG_ROUNDS, repeats // 2) if big else repeats,
-                               statistics.median if big else _trimmed_mean)
+                               rounds)
         out[width] = (layers, float(width * (width + 1) * 4), t["plain"], t["fsdp"])
         del plain, sharded
     return out
