@@ -430,8 +430,8 @@ FSDP_LAYERS_QUICK = ((128, 8), (1024, 2), (3072, 2), (4096, 2))  # two on each s
 FSDP_BIG_ROUNDS = 6
 
 
-def _fsdp_layers(device, repeats: int = 9,
-                 sizes=FSDP_LAYERS) -> dict[int, tuple[int, float, float, float]]:
+def _fsdp_layers(device, repeats: int = 9, sizes=FSDP_LAYERS,
+                 big_rounds: int = FSDP_BIG_ROUNDS) -> dict[int, tuple[int, float, float, float]]:
     """{width: (layers, bytes of one layer's weights, plain step s, FSDP2 step s)}: a step
     of `layers` Linears run plainly and under FSDP2 `fully_shard` per layer, timed in turn.
     Their difference per layer is what FSDP2 costs a layer end to end (two all-gathers, a
@@ -453,7 +453,7 @@ def _fsdp_layers(device, repeats: int = 9,
             if isinstance(module, nn.Linear):
                 fully_shard(module, mesh=mesh)
         # 0.1-0.6 s a step past 1024: fewer rounds (see FSDP_BIG_ROUNDS)
-        rounds = repeats if width <= 1024 else max(FSDP_BIG_ROUNDS, repeats // 2)
+        rounds = repeats if width <= 1024 else max(big_rounds, repeats // 2)
         t = _interleaved_times({"plain": step_of(plain), "fsdp": step_of(sharded)}, device,
                                rounds)
         out[width] = (layers, float(width * (width + 1) * 4), t["plain"], t["fsdp"])
@@ -572,8 +572,11 @@ def _rank_measure(rank: int, world: int, sizes, repeats: int, quiet_wait_s: floa
             # SMALL_REPEATS): 21-31 rounds moved them by 1-1.5 ms between calibrations
             "dtensor": _dtensor_overheads(rank, world, device, 90 // shared),
             "contention": together, "step": _step_overhead(device, 60 // shared),
+            # more processes than cores: 4 rounds, as before FSDP_BIG_ROUNDS (6 took the
+            # 4-process quick calibration from 57 s to 63 s, past its minute)
             "fsdp": _fsdp_layers(device, 9 if quick else 15,
-                                  FSDP_LAYERS_QUICK if quick else FSDP_LAYERS),
+                                  FSDP_LAYERS_QUICK if quick else FSDP_LAYERS,
+                                  FSDP_BIG_ROUNDS if shared == 1 else 4),
             "tp": _tp_pairs(device, (7 if quick else 11) // shared,
                             TP_WIDTHS_QUICK if quick else TP_WIDTHS, 80 // shared)}
 
