@@ -213,11 +213,12 @@ def gap_seconds(per_rank: list[dict]) -> dict[float, float]:
     return out
 
 
-def _interleaved_times(steps: dict, device, rounds: int) -> dict[str, float]:
+def _interleaved_times(steps: dict, device, rounds: int, warmup: int = 0) -> dict[str, float]:
     """{key: seconds} of `steps` ({key: fn}) each as a training step meets it, timed in
-    turn (`_interleaved_spans`): the mean of the middle 80% of each one's calls."""
+    turn (`_interleaved_spans`): the mean of the middle 80% of each one's calls after the
+    first `warmup` rounds."""
     spans = _interleaved_spans({key: (fn, False) for key, fn in steps.items()}, device, rounds)
-    return {key: _trimmed_mean([end - start for start, end in calls])
+    return {key: _trimmed_mean([end - start for start, end in calls[warmup:]])
             for key, calls in spans.items()}
 
 
@@ -415,23 +416,23 @@ def _step_overhead(device, repeats: int = 21) -> dict[str, float]:
 # (past it gloo streams from memory), smaller ones where the per-layer fixed cost shows
 FSDP_LAYERS = ((128, 8), (1024, 2), (2048, 2), (3072, 2), (3584, 2), (4096, 2))
 FSDP_LAYERS_QUICK = ((128, 8), (1024, 2), (3072, 2), (4096, 2))  # two on each side
-# A step of two 38-67 MB FSDP2 layers is a few long gloo transfers that now and then stall
-# 2-3x, most often in the first rounds of a new width: 8 steps of two 67 MB layers cost
-# 152-523 ms a layer (one 802) taken in turn with the plain step. The mean of the 4
-# rounds the quick calibration took priced such a layer 236-348 ms between calibrations
-# (fc_cnn fsdp +15..+35%, mlp fsdp +18..+22%) while fc_cnn's FSDP plan ran its two in
-# ~200 ms each (its step 488-495 ms). Their median is no better: it left the stalls out
-# and priced them 141-151 ms (fc_cnn fsdp -21..-30%), because the plan pays some of them
-# too (its single steps vary -30..+60%). Each layer here is its own FSDP2 root, kept
-# gathered from forward to backward at FSDP2's default, where executor.levers reshards and
-# gathers again: calibrated that way, 67 MB layers came out 303 ms (+39%) and the
-# calibration 5 s longer, so the default stays. 6 rounds: the mean of more steps past
-# the first stalls, for ~2 s more calibration.
-FSDP_BIG_ROUNDS = 6
+# Past 1024 wide the first steps of a new width are warm-up: in three quick calibrations
+# the per-layer cost of 67 MB layers ran 436 318 120 163 212 228, 385 280 255 196 286 134
+# and 265 362 200 131 251 202 ms, round by round (the first two high each time; new 64 MB
+# buffers, FSDP2's first gathers), where fc_cnn's FSDP plan, timed after 4 warm-up steps,
+# runs its two at ~200 ms each (its step 486-495 ms). The mean of the 4 rounds the quick
+# calibration took, its first among them, priced them 236-348 ms (fc_cnn fsdp +15..+39%,
+# mlp fsdp +18..+24%); their median, 141-151 ms (-21..-30%); the mean of 6 still 197-293.
+# Dropping the first FSDP_BIG_WARMUP rounds, the mean of the rest: 181, 218, 196 ms, for
+# ~2 s more calibration (2 more rounds). Each layer here is its own FSDP2 root, kept
+# gathered from forward to backward at FSDP2's default where executor.levers reshards and
+# gathers again; calibrated that way 67 MB layers came out 303 ms (+39% on fc_cnn) and the
+# calibration 5 s longer, so the default stays.
+FSDP_BIG_ROUNDS, FSDP_BIG_WARMUP = 6, 2
 
 
-def _fsdp_layers(device, repeats: int = 9, sizes=FSDP_LAYERS,
-                 big_rounds: int = FSDP_BIG_ROUNDS) -> dict[int, tuple[int, float, float, float]]:
+def _fsdp_layers(device, repeats: int = 9, sizes=FSDP_LAYERS, big_rounds: int = FSDP_BIG_ROUNDS,
+                 big_warmup: int = FSDP_BIG_WARMUP) -> dict[int, tuple[int, float, float, float]]:
     """{width: (layers, bytes of one layer's weights, plain step s, FSDP2 step s)}: a step
     of `layers` Linears run plainly and under FSDP2 `fully_shard` per layer, timed in turn.
     Their difference per layer is what FSDP2 costs a layer end to end (two all-gathers, a
@@ -452,10 +453,11 @@ def _fsdp_layers(device, repeats: int = 9, sizes=FSDP_LAYERS,
         for module in sharded:
             if isinstance(module, nn.Linear):
                 fully_shard(module, mesh=mesh)
-        # 0.1-0.6 s a step past 1024: fewer rounds (see FSDP_BIG_ROUNDS)
-        rounds = repeats if width <= 1024 else max(big_rounds, repeats // 2)
+        # 0.1-0.6 s a step past 1024: fewer rounds, the first ones warm-up (FSDP_BIG_ROUNDS)
+        big = width > 1024
+        rounds = max(big_rounds, repeats // 2) if big else repeats
         t = _interleaved_times({"plain": step_of(plain), "fsdp": step_of(sharded)}, device,
-                               rounds)
+                               rounds, warmup=big_warmup if big else 0)
         out[width] = (layers, float(width * (width + 1) * 4), t["plain"], t["fsdp"])
         del plain, sharded
     return out
@@ -572,11 +574,12 @@ def _rank_measure(rank: int, world: int, sizes, repeats: int, quiet_wait_s: floa
             # SMALL_REPEATS): 21-31 rounds moved them by 1-1.5 ms between calibrations
             "dtensor": _dtensor_overheads(rank, world, device, 90 // shared),
             "contention": together, "step": _step_overhead(device, 60 // shared),
-            # more processes than cores: 4 rounds, as before FSDP_BIG_ROUNDS (6 took the
-            # 4-process quick calibration from 57 s to 63 s, past its minute)
+            # more processes than cores: 4 rounds, none dropped, as before FSDP_BIG_ROUNDS
+            # (6 took the 4-process quick calibration from 57 s to 63 s, past its minute)
             "fsdp": _fsdp_layers(device, 9 if quick else 15,
                                   FSDP_LAYERS_QUICK if quick else FSDP_LAYERS,
-                                  FSDP_BIG_ROUNDS if shared == 1 else 4),
+                                  *((FSDP_BIG_ROUNDS, FSDP_BIG_WARMUP) if shared == 1
+                                    else (4, 0))),
             "tp": _tp_pairs(device, (7 if quick else 11) // shared,
                             TP_WIDTHS_QUICK if quick else TP_WIDTHS, 80 // shared)}
 
