@@ -12,7 +12,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from planner.handback import output_layout
-from planner.price import Price, edge_cost, edge_kind, output_kind, price, tp_context
+from planner.price import (
+    Price, edge_cost, edge_kind, in_rhythm, output_kind, price, tp_context,
+)
 from planner.problem import Edge, Node, Option, Problem
 from profiler.graph import Layer, ModelGraph
 from strategies.catalog import Cost, CostContext, Strategy, candidates
@@ -77,7 +79,9 @@ def layer_choices(graph: ModelGraph, cluster: Cluster, optimizer: str,
     options)` returns the options a baseline allows for a layer (see planner.baseline)."""
     pin = dict(pin or {})
     # one group of all devices: the 3-D shape pp = 1, dp = 1, tp = N (planner.price)
-    ctx = tp_context(cluster, cluster.num_devices, graph.batch_size, optimizer)
+    devices = cluster.num_devices
+    ctx = tp_context(in_rhythm(cluster, graph, devices, graph.batch_size, optimizer), devices,
+                     graph.batch_size, optimizer)
     index = {layer.node: i for i, layer in enumerate(graph.layers)}
     sharing = {node for group in graph.tied_groups() for node in group}
     rows: list[LayerChoices] = []

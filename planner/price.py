@@ -14,7 +14,8 @@ here once:
   group, dp for the rest, with DDP's copies into and out of its buckets, once per step;
 - the reshard overhead and the batch-free rule on edges (`edge_cost`), and for torch.export
   graphs the layout changes the module executor can make;
-- the fixed cost of a distributed step (`step_overhead_s`), outside every choice.
+- the fixed cost of a distributed step (`step_overhead_s`), outside every choice;
+- the rhythm blocking collectives are priced at (`in_rhythm`), where the link measured one.
 
     microbatch_s  the catalog's time on one microbatch over the tp group, less its
                   gradient sync                                   (charged m times a step)
@@ -32,9 +33,9 @@ import numpy as np
 
 from planner import dp_shard
 from planner.handback import output_layout
-from profiler.graph import Layer
+from profiler.graph import Layer, ModelGraph
 from strategies.catalog import (
-    Cost, CostContext, Strategy, memory_s, update_s, weights_memory,
+    Cost, CostContext, Strategy, compute_s, memory_s, update_s, weights_memory,
 )
 from strategies.cluster import Cluster
 from strategies.collectives import all_reduce_s, bucketed_all_reduce_s
@@ -70,6 +71,31 @@ def tp_context(cluster: Cluster, tp: int, rows: int, optimizer: str) -> CostCont
     if group_link(cluster, tp) is not cluster.link(tp):  # in a node, not aligned to one
         cluster = cluster.model_copy(update={"intra_node": cluster.inter_node})
     return CostContext(cluster=cluster, ranks=tp, batch=rows, optimizer=optimizer)
+
+
+def in_rhythm(cluster: Cluster, graph: ModelGraph, tp: int, rows: int,
+              optimizer: str) -> Cluster:
+    """`cluster` whose links (those with a measured gap curve) price blocking collectives
+    at the rhythm a model-parallel plan of `graph` on tp groups of `tp` ranks, `rows` rows,
+    issues them (strategies.collectives.rhythm_latency_s). In such a plan each layer with
+    weights synchronises its group about once a step (a column layer's input-gradient
+    all-reduce, a row, head or vocabulary layer's output reduction), so the ranks compute
+    about one such layer's share, with the parameter-free ops around it, between two:
+    the layers' compute at 1/tp over the number with weights. Known from the graph, not
+    from a solution: every option of every shape is priced at it, and the plan the solver
+    returns is optimal for the prices it reports. A plan that issues no blocking
+    collective (DDP, FSDP) pays nothing for it."""
+    links = {name: getattr(cluster, name) for name in ("intra_node", "inter_node")}
+    if tp <= 1 or all(link.gap_curve is None for link in links.values()):
+        return cluster
+    ctx = tp_context(cluster, tp, graph.batch_size, optimizer)
+    layers = [layer for layer in graph.layers if not layer.is_input]
+    weighted = sum(1 for layer in layers if layer.param_bytes > 0)
+    compute = sum(compute_s(layer, 1 / tp, ctx) for layer in layers)
+    gap_s = compute / max(1, weighted) * rows / graph.batch_size
+    return cluster.model_copy(update={
+        name: link.model_copy(update={"blocking_gap_s": gap_s})
+        for name, link in links.items() if link.gap_curve is not None})
 
 
 @dataclass(frozen=True)

@@ -45,8 +45,8 @@ from planner.block_cuts import block_units, carries_weights, tied_heads, why_no_
 from planner import block_recompute, dp_shard
 from planner.choices import OUTPUT, module_executor_options
 from planner.price import (
-    EdgeKind, Price, edge_cost, edge_kind, group_link, output_kind, price, tp_context,
-    with_tied_copy,
+    EdgeKind, Price, edge_cost, edge_kind, group_link, in_rhythm, output_kind, price,
+    tp_context, with_tied_copy,
 )
 from planner.problem import Edge
 from planner.progress import Progress, listened, report
@@ -259,6 +259,7 @@ class CostCache:
         self.tied = {node for group in graph.tied_groups() for node in group}
         self._layer: dict = {}
         self._edge: dict = {}
+        self._rhythm: dict = {}  # (tp, rows): the cluster at that rhythm (in_rhythm)
         self._signatures: dict = {}  # per node: _signature(layer), a repr of its attrs
         # build()'s per-layer options and per-edge costs, keyed by the entries they price
         # (which this cache keeps alive, so their ids stay theirs)
@@ -280,7 +281,7 @@ class CostCache:
             return hit
         self.misses += 1
         scaled = _scaled(layer, self.graph.batch_size, rows)
-        cluster = self.cluster
+        cluster = self.rhythm(tp, rows)
         if computing is not None:
             cluster = cluster.computing_at_once(computing)
         ctx = tp_context(cluster, tp, rows, self.optimizer)
@@ -301,11 +302,19 @@ class CostCache:
             hit = entry.prices[key] = price(entry.layer, strategy, entry.ctx, dp, sharded)
         return hit
 
+    def rhythm(self, tp: int, rows: int) -> Cluster:
+        """planner.price.in_rhythm of this cache's cluster, once per tp and rows."""
+        hit = self._rhythm.get((tp, rows))
+        if hit is None:
+            hit = self._rhythm[(tp, rows)] = in_rhythm(self.cluster, self.graph, tp, rows,
+                                                       self.optimizer)
+        return hit
+
     def edge(self, kind: EdgeKind):
         """planner.price.edge_cost, once per distinct edge."""
         hit = self._edge.get(kind)
         if hit is None:
-            hit = edge_cost(kind, self.cluster)
+            hit = edge_cost(kind, self.rhythm(kind.ranks, kind.rows))
             self._edge[kind] = hit
         return hit
 

@@ -32,7 +32,7 @@ from pydantic import BaseModel, ConfigDict
 
 from profiler.launch import run_ranks, wait_for_quiet
 from profiler.machine import threads as thread_count
-from profiler.profile import median_time
+from profiler.profile import layer_clock, median_time
 
 # Up to 128 MB. Past the shared cache gloo's copies stream from memory on every rank at
 # once: a 64-128 MB all-gather took twice what a fit on sizes <= 32 MB predicts, and one
@@ -168,11 +168,57 @@ def _interleaved_spans(calls: dict, device, rounds: int) -> dict:
     return spans
 
 
-def _interleaved_times(steps: dict, device, rounds: int) -> dict[str, float]:
+# The gap curve (strategies.devices.GapCurve): a small all-reduce after each of these gaps
+# of compute, in rows of GAP_BLOCK calls at one gap (the first GAP_DROP of a row dropped:
+# the rhythm changing), the gaps in turn for GAP_ROUNDS rounds: ~0.7 s on 2 processes.
+# In rows because the cost follows the rhythm, not the one gap before a call: taken one
+# call per gap in turn, a 16 KB all-reduce cost 0.9-1.4 ms whatever the gap; in rows
+# 0.4-1.5 ms up to 2 ms and 3.0-3.6 ms at 8 ms, as benchmarks/collective_gap.py finds.
+GAPS_S = (0.25e-3, 0.5e-3, 1e-3, 2e-3, 4e-3, 8e-3)
+GAP_BYTES = 16 << 10
+GAP_BLOCK, GAP_DROP, GAP_ROUNDS = 6, 2, 4
+
+
+def _gap_spans(fn, device, gaps_s=GAPS_S, rounds: int = GAP_ROUNDS) -> dict:
+    """{"spans": {gap: [(start, end) of each call kept]}, "walls": {gap: mean seconds from
+    the end of one call to the start of the next}} of `fn` called after `gap` seconds of
+    compute on every rank (see GAPS_S). The wall gap, what the ranks really computed
+    between two calls, is the curve's abscissa."""
+    span = _span_timer(device)
+    bursts = {gap: _compute_burst(device, gap) for gap in gaps_s}
+    fn()  # warm up: connections, buffers
+    dist.barrier()
+    spans: dict = {gap: [] for gap in gaps_s}
+    walls: dict = {gap: [] for gap in gaps_s}
+    for _ in range(rounds):
+        for gap in gaps_s:
+            ended = time.perf_counter()
+            for call in range(GAP_BLOCK):
+                bursts[gap]()
+                timed = span(fn)
+                if call >= GAP_DROP:
+                    spans[gap].append(timed)
+                    walls[gap].append(timed[0] - ended)
+                ended = timed[1]
+    return {"spans": spans, "walls": {gap: statistics.fmean(w) for gap, w in walls.items()}}
+
+
+def gap_seconds(per_rank: list[dict]) -> dict[float, float]:
+    """{wall gap s (the ranks' mean): the small all-reduce's cost to a step after it},
+    from every rank's `_gap_spans`, each gap's calls combined as `_call_seconds` does."""
+    out = {}
+    for gap in per_rank[0]["gap"]["spans"]:
+        wall = statistics.fmean(r["gap"]["walls"][gap] for r in per_rank)
+        out[wall] = _call_seconds([r["gap"]["spans"][gap] for r in per_rank])
+    return out
+
+
+def _interleaved_times(steps: dict, device, rounds: int, warmup: int = 0) -> dict[str, float]:
     """{key: seconds} of `steps` ({key: fn}) each as a training step meets it, timed in
-    turn (`_interleaved_spans`): the mean of the middle 80% of each one's calls."""
+    turn (`_interleaved_spans`): the mean of the middle 80% of each one's calls after the
+    first `warmup` rounds."""
     spans = _interleaved_spans({key: (fn, False) for key, fn in steps.items()}, device, rounds)
-    return {key: _trimmed_mean([end - start for start, end in calls])
+    return {key: _trimmed_mean([end - start for start, end in calls[warmup:]])
             for key, calls in spans.items()}
 
 
@@ -310,11 +356,12 @@ def _tp_pairs(device, repeats: int = 7, widths=TP_WIDTHS,
     return out
 
 
-def contention_ops(device: torch.device, repeats: int = 15) -> dict[str, float]:
-    """Median seconds of a compute-bound op (a 2048-wide Linear, forward and backward, on
-    64 rows) and a memory-bound one (a 256 MB copy), each ~30 ms so that time slices
-    average out. Run alone and on every rank at once, their ratio is what sharing the
-    machine costs: cores, caches and memory bandwidth."""
+def contention_ops(device: torch.device, repeats: int = 15, clock=time.perf_counter
+                   ) -> dict[str, float]:
+    """Median seconds by `clock` of a compute-bound op (a 2048-wide Linear, forward and
+    backward, on 64 rows) and a memory-bound one (a 256 MB copy), each ~30 ms so that
+    time slices average out. Run alone and on every rank at once, their ratio is what
+    sharing the machine costs: cores, caches and memory bandwidth."""
     torch.manual_seed(0)
     linear = torch.nn.Linear(2048, 2048).to(device)
     x = torch.randn(64, 2048, device=device)
@@ -324,8 +371,8 @@ def contention_ops(device: torch.device, repeats: int = 15) -> dict[str, float]:
     def step():
         linear(x.detach().requires_grad_(True)).sum().backward()
 
-    return {"compute": median_time(step, repeats, budget_s=0.0),
-            "memory": median_time(lambda: dst.copy_(src), repeats, budget_s=0.0)}
+    return {"compute": median_time(step, repeats, budget_s=0.0, clock=clock),
+            "memory": median_time(lambda: dst.copy_(src), repeats, budget_s=0.0, clock=clock)}
 
 
 def _linears(width: int, layers: int, device):
@@ -369,10 +416,23 @@ def _step_overhead(device, repeats: int = 21) -> dict[str, float]:
 # (past it gloo streams from memory), smaller ones where the per-layer fixed cost shows
 FSDP_LAYERS = ((128, 8), (1024, 2), (2048, 2), (3072, 2), (3584, 2), (4096, 2))
 FSDP_LAYERS_QUICK = ((128, 8), (1024, 2), (3072, 2), (4096, 2))  # two on each side
+# Past 1024 wide the first steps of a new width are warm-up: in three quick calibrations
+# the per-layer cost of 67 MB layers ran 436 318 120 163 212 228, 385 280 255 196 286 134
+# and 265 362 200 131 251 202 ms, round by round (the first two high each time; new 64 MB
+# buffers, FSDP2's first gathers), where fc_cnn's FSDP plan, timed after 4 warm-up steps,
+# runs its two at ~200 ms each (its step 486-495 ms). The mean of the 4 rounds the quick
+# calibration took, its first among them, priced them 236-348 ms (fc_cnn fsdp +15..+39%,
+# mlp fsdp +18..+24%); their median, 141-151 ms (-21..-30%); the mean of 6 still 197-293.
+# Dropping the first FSDP_BIG_WARMUP rounds, the mean of the rest: 181, 218, 196 ms, for
+# ~2 s more calibration (2 more rounds). Each layer here is its own FSDP2 root, kept
+# gathered from forward to backward at FSDP2's default where executor.levers reshards and
+# gathers again; calibrated that way 67 MB layers came out 303 ms (+39% on fc_cnn) and the
+# calibration 5 s longer, so the default stays.
+FSDP_BIG_ROUNDS, FSDP_BIG_WARMUP = 6, 2
 
 
-def _fsdp_layers(device, repeats: int = 9,
-                 sizes=FSDP_LAYERS) -> dict[int, tuple[int, float, float, float]]:
+def _fsdp_layers(device, repeats: int = 9, sizes=FSDP_LAYERS, big_rounds: int = FSDP_BIG_ROUNDS,
+                 big_warmup: int = FSDP_BIG_WARMUP) -> dict[int, tuple[int, float, float, float]]:
     """{width: (layers, bytes of one layer's weights, plain step s, FSDP2 step s)}: a step
     of `layers` Linears run plainly and under FSDP2 `fully_shard` per layer, timed in turn.
     Their difference per layer is what FSDP2 costs a layer end to end (two all-gathers, a
@@ -393,9 +453,11 @@ def _fsdp_layers(device, repeats: int = 9,
         for module in sharded:
             if isinstance(module, nn.Linear):
                 fully_shard(module, mesh=mesh)
-        rounds = repeats if width <= 1024 else max(4, repeats // 2)  # 0.1-0.6 s a step
+        # 0.1-0.6 s a step past 1024: fewer rounds, the first ones warm-up (FSDP_BIG_ROUNDS)
+        big = width > 1024
+        rounds = max(big_rounds, repeats // 2) if big else repeats
         t = _interleaved_times({"plain": step_of(plain), "fsdp": step_of(sharded)}, device,
-                               rounds)
+                               rounds, warmup=big_warmup if big else 0)
         out[width] = (layers, float(width * (width + 1) * 4), t["plain"], t["fsdp"])
         del plain, sharded
     return out
@@ -404,21 +466,41 @@ def _fsdp_layers(device, repeats: int = 9,
 def _contention(rank: int, device, quiet_wait_s: float, trials: int = 5,
                 repeats: int = 9) -> dict[str, float]:
     """Rank 0 alone (the others idle in a barrier), then every rank at once, in turn
-    `trials` times: the median of the ratios, so that load elsewhere on the machine, which
-    drifts, weighs on both sides alike."""
+    `trials` times: the median of the ratios, times the share of the cores each rank gets
+    with all computing (`core_share`).
+
+    Timed by the clock layers are timed by (profiler.profile.layer_clock: with one thread,
+    this process's CPU time), which holds what sharing the machine with the other ranks
+    costs an op that runs (caches, memory bandwidth: a stalled core is busy) and not the
+    time slices a process outside the ranks takes. By wall time the quick calibration's
+    memory figure ranged 1.0-1.74x and the compute one reached 2.1x on 2 processes, 2
+    cores, as other load came and went (one busy process elsewhere halves the cores the
+    ranks get together and not the one rank 0 gets alone), and fc_cnn's FSDP plan, whose
+    layers stream past the shared cache, was priced +40%. Where the ranks outnumber the
+    cores they time-share by design: that share is the rule's, not a measurement's."""
+    clock = layer_clock() if device.type == "cpu" else time.perf_counter
     ratios: dict[str, list[float]] = {"compute": [], "memory": []}
     for _ in range(trials):
         if quiet_wait_s > 0 and rank == 0:
             wait_for_quiet(quiet_wait_s)
         dist.barrier()
-        alone = contention_ops(device, repeats) if rank == 0 else None
+        alone = contention_ops(device, repeats, clock) if rank == 0 else None
         dist.barrier()
-        together = contention_ops(device, repeats)
+        together = contention_ops(device, repeats, clock)
         dist.barrier()
         if rank == 0:
             for key in ratios:
                 ratios[key].append(together[key] / alone[key])
-    return {key: statistics.median(r) if r else 1.0 for key, r in ratios.items()}
+    share = core_share(dist.get_world_size()) if clock is not time.perf_counter else 1.0
+    return {key: share * max(1.0, statistics.median(r)) if r else 1.0
+            for key, r in ratios.items()}
+
+
+def core_share(world: int) -> float:
+    """How many times slower a rank computes with all `world` ranks computing at once,
+    from their time slices alone: each needs its threads, the machine has os.cpu_count()
+    cores."""
+    return max(1.0, world * torch.get_num_threads() / (os.cpu_count() or 1))
 
 
 # Messages up to 1 MB are timed in turn (`_interleaved_spans`), 120 calls each: their time
@@ -483,13 +565,21 @@ def _rank_measure(rank: int, world: int, sizes, repeats: int, quiet_wait_s: floa
                 raise
             spans.append((name, nbytes, calls))
     # tiny ops: many repeats are cheap, and the difference of two medians needs them
-    return {"spans": spans,
+    # gloo's wake-up after compute; not where processes outnumber cores (a waiting rank
+    # hands its core to a computing one), nor on GPUs (NCCL's kernels queue behind compute)
+    gap = (_gap_spans(_collective_call("all_reduce", GAP_BYTES, rank, world, device), device)
+           if device.type == "cpu" and shared == 1 else None)
+    return {"spans": spans, "gap": gap,
             # each a difference of two means whose calls hold a bimodal collective (see
             # SMALL_REPEATS): 21-31 rounds moved them by 1-1.5 ms between calibrations
             "dtensor": _dtensor_overheads(rank, world, device, 90 // shared),
             "contention": together, "step": _step_overhead(device, 60 // shared),
+            # more processes than cores: 4 rounds, none dropped, as before FSDP_BIG_ROUNDS
+            # (6 took the 4-process quick calibration from 57 s to 63 s, past its minute)
             "fsdp": _fsdp_layers(device, 9 if quick else 15,
-                                  FSDP_LAYERS_QUICK if quick else FSDP_LAYERS),
+                                  FSDP_LAYERS_QUICK if quick else FSDP_LAYERS,
+                                  *((FSDP_BIG_ROUNDS, FSDP_BIG_WARMUP) if shared == 1
+                                    else (4, 0))),
             "tp": _tp_pairs(device, (7 if quick else 11) // shared,
                             TP_WIDTHS_QUICK if quick else TP_WIDTHS, 80 // shared)}
 

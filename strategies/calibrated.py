@@ -26,7 +26,8 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from profiler.calibrate import (
-    MEASURED, QUICK_SIZES, SIZES, ComputeRates, Sample, measure_collectives, measure_compute,
+    GAP_BYTES, MEASURED, QUICK_SIZES, SIZES, ComputeRates, Sample, gap_seconds,
+    measure_collectives, measure_compute,
 )
 from profiler.launch import wait_for_quiet
 from profiler.machine import cpu_model
@@ -35,7 +36,7 @@ from strategies.collectives import (
     COEFFICIENTS, all_gather_s, all_reduce_s, collective_time_s,
 )
 from strategies.devices import (
-    CPU_LINK, CollectiveFit, DeviceSpec, LinkSpec, Regime, shared_cache_bytes,
+    CPU_LINK, CollectiveFit, DeviceSpec, GapCurve, LinkSpec, Regime, shared_cache_bytes,
 )
 
 PROFILE_SCHEMA = "hyplan.cluster-profile/1"
@@ -265,6 +266,28 @@ def fit_link(samples: list[Sample], name: str, source: str,
 
 
 
+def gap_curve(per_rank: list[dict]) -> GapCurve:
+    """The link's GapCurve from every rank's timings of the small all-reduce after each
+    gap (profiler.calibrate._gap_spans), made non-decreasing (`monotone`): a process that
+    computed longer pays more to wake, and a few calls' noise would otherwise price a
+    shorter gap above a longer one."""
+    seconds = gap_seconds(per_rank)
+    gaps = sorted(seconds)
+    return GapCurve(gaps_s=tuple(gaps), seconds=tuple(monotone([seconds[g] for g in gaps])))
+
+
+def monotone(values: list[float]) -> list[float]:
+    """The non-decreasing sequence nearest `values` in least squares (pool adjacent
+    violators: a run that falls is replaced by its mean)."""
+    blocks: list[list[float]] = []  # [mean, count]
+    for v in values:
+        blocks.append([v, 1])
+        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
+            (m2, c2), (m1, c1) = blocks.pop(), blocks.pop()
+            blocks.append([(m1 * c1 + m2 * c2) / (c1 + c2), c1 + c2])
+    return [m for m, c in blocks for _ in range(c)]
+
+
 def device_spec(rates: ComputeRates) -> DeviceSpec:
     """The DeviceSpec of a measured device: rates achieved, so efficiency 1; on a CPU the
     half-precision rates are what its float32 matmul allows (no tensor cores)."""
@@ -322,6 +345,8 @@ def calibrate(processes=(2, 4), quick: bool = False, repeats: int | None = None,
         link = fit_link(samples, f"{backend} ({world} processes)",
                         f"fitted by hyplan calibrate on {platform.node()}",
                         split_bytes=device.cache_bytes or None)
+        if per_rank[0].get("gap") is not None:  # gloo, no more processes than cores
+            link = link.model_copy(update={"gap_curve": gap_curve(per_rank)})
         tp_samples = tp_layer_samples(per_rank, world, link)
         if tp_samples:  # fitted on its own (absolute seconds, weights' bytes): see there
             link = link.model_copy(update={"collectives": {
@@ -336,6 +361,11 @@ def calibrate(processes=(2, 4), quick: bool = False, repeats: int | None = None,
                 line += (f"; past {r.above_bytes / 2**20:g} MB: alpha {r.latency_s * 1e3:.3f} "
                          f"ms, beta {r.bandwidth_bytes_per_s / 1e9:.2f} GB/s")
             log(line)
+        if link.gap_curve is not None:
+            curve = link.gap_curve
+            log(f"  a {GAP_BYTES // 1024} KB all-reduce after " + ", ".join(
+                f"{g * 1e3:.2g} ms: {t * 1e3:.2f} ms" for g, t in zip(curve.gaps_s, curve.seconds))
+                + " of compute")
         # a layer's fixed part (the tp_layer fit's latency): what prices a layer where a
         # profile has no fit, and what StepMonitor's refit scales
         layer_overhead[world] = link.collectives["tp_layer"].latency_s if tp_samples else 0.0

@@ -15,6 +15,14 @@ all_reduce, but every rank issues it at the same point of backward, so it meets 
 that is still computing. `hyplan calibrate` times it that way (ranks started together),
 apart from the blocking collectives of tensor-parallel layers and layout changes (timed
 after a burst of compute, as a step meets them); uncalibrated links price both alike.
+How long that burst is matters on gloo: a process that computed longer pays more to wake
+into the collective, and a chain of small model-parallel layers issues one every ~0.3-1.5
+ms, not after the ~8 ms the fits were timed behind (gpt_tiny's and the small Hugging Face
+models' tensor plans priced +32-38%: the measured steps imply ~0.7-0.9 ms per message
+against the fits' 1.2). Where the link has a measured `GapCurve` and the planner set the
+plans' rhythm (`LinkSpec.blocking_gap_s`, planner.price.in_rhythm), a blocking collective
+(`BLOCKING`) pays the curve's latency per message at that gap where it is below the fit's;
+its bandwidth term stays.
 
 Every formula is `a(P)·α + b(P)·n/β`; `COEFFICIENTS` holds (a, b), which is also what
 `strategies.calibrated` fits measured timings against. α and β come from the link, per
@@ -45,15 +53,31 @@ COEFFICIENTS["fsdp_layer"] = lambda p: (3 * (p - 1), 3 * (p - 1) / p)
 # step of one microbatch, over `n` = its whole weight's bytes (each rank holds n/P), measured
 # by `hyplan calibrate` as column/row pairs (strategies.calibrated.tp_layer_fit)
 COEFFICIENTS["tp_layer"] = lambda p: (1, 1 / p)
+# issued in a step's critical path by a layer or a layout change, each rank waiting for its
+# peers (DDP's bucket all-reduces, FSDP's layers and send/recv are priced by their own fits)
+BLOCKING = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
 
 
 def collective_time_s(name: str, n: float, ranks: int, link: LinkSpec) -> float:
-    """a(P)·α + b(P)·n/β for the collective `name` over `n` bytes on `ranks` ranks."""
+    """a(P)·α + b(P)·n/β for the collective `name` over `n` bytes on `ranks` ranks; a
+    blocking one at the link's rhythm where it has one (`rhythm_latency_s`)."""
     if n <= 0 or (ranks <= 1 and name != "send_recv"):
         return 0.0
     alpha, beta = link.alpha_beta(name, n)
+    if name in BLOCKING:
+        alpha = min(alpha, rhythm_latency_s(link, ranks, alpha))
     a, b = COEFFICIENTS[name](ranks)
     return a * alpha + b * n / beta
+
+
+def rhythm_latency_s(link: LinkSpec, ranks: int, default_s: float) -> float:
+    """The latency per message of a blocking collective issued `link.blocking_gap_s` of
+    compute after the previous one: the gap curve's all-reduce there over its 2(P-1)
+    messages (its 16 KB move, ~10 µs here, counted as latency); `default_s` where the link
+    has no curve or no rhythm was set."""
+    if link.gap_curve is None or link.blocking_gap_s is None:
+        return default_s
+    return link.gap_curve.seconds_at(link.blocking_gap_s) / COEFFICIENTS["all_reduce"](ranks)[0]
 
 
 # DistributedDataParallel's first bucket (later ones hold up to bucket_cap_mb, 25 MB)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import glob
 import os
 
+import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
 GB = 1e9
@@ -107,11 +108,32 @@ class CollectiveFit(BaseModel):
         return alpha, beta
 
 
+class GapCurve(BaseModel):
+    """What a small blocking collective (a 16 KB all-reduce) costs a step against how much
+    compute the ranks ran since the previous one: `seconds[i]` after `gaps_s[i]`
+    (ascending), measured by `hyplan calibrate` in rows of calls at one gap (a gloo process
+    that computed longer pays more to wake into the collective; idle 2-core VM: 0.23 /
+    1.00 / 2.38 / 3.76 ms after 0 / 0.5 / 2 / 8 ms, benchmarks/collective_gap.py)."""
+
+    model_config = ConfigDict(frozen=True)
+
+    gaps_s: tuple[float, ...]
+    seconds: tuple[float, ...]
+
+    def seconds_at(self, gap_s: float) -> float:
+        """The curve's all-reduce after `gap_s` of compute: interpolated between the
+        measured gaps, the nearest end's figure outside them."""
+        return float(np.interp(gap_s, self.gaps_s, self.seconds))
+
+
 class LinkSpec(BaseModel):
     """A link between devices: bandwidth per device (one direction) and latency per message.
 
     `collectives` holds measured per-collective figures (from `hyplan calibrate`); a
-    collective without one uses the link's own bandwidth and latency."""
+    collective without one uses the link's own bandwidth and latency. `gap_curve` (gloo,
+    measured) and `blocking_gap_s` (the compute between two blocking collectives of the
+    plans being priced, set by planner.price.in_rhythm) price blocking collectives at the
+    rhythm a plan issues them (strategies.collectives.collective_time_s)."""
 
     model_config = ConfigDict(frozen=True)
 
@@ -120,6 +142,8 @@ class LinkSpec(BaseModel):
     latency_s: float = Field(ge=0)
     source: str = ""
     collectives: dict[str, CollectiveFit] = Field(default_factory=dict)
+    gap_curve: GapCurve | None = None  # None (catalog links, older profiles): the fits alone
+    blocking_gap_s: float | None = None  # None: blocking collectives at their fits
 
     def alpha_beta(self, collective: str, nbytes: float = 0.0) -> tuple[float, float]:
         """(latency per message, bandwidth per rank) the cost of `collective` over a

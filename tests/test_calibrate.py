@@ -1,14 +1,17 @@
 """The calibration fit recovers known alpha and beta; a saved profile plans like a Cluster."""
 
+import json
 import random
 
 import pytest
 
 from profiler.calibrate import Sample
-from strategies.calibrated import ClusterProfile, fit_alpha_beta, fit_link, load_profile
+from strategies.calibrated import (
+    ClusterProfile, fit_alpha_beta, fit_link, load_profile, monotone,
+)
 from strategies import parse_devices
-from strategies.collectives import COEFFICIENTS, collective_time_s
-from strategies.devices import DeviceSpec, LinkSpec
+from strategies.collectives import BLOCKING, COEFFICIENTS, collective_time_s
+from strategies.devices import DeviceSpec, GapCurve, LinkSpec
 
 SIZES = [1 << 10, 16 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20]
 
@@ -205,3 +208,101 @@ def test_tensor_parallel_layers_are_priced_by_the_pairs_fit_where_calibrated():
             update={"dtensor_layer_overhead_s": 0.5e-3}), ranks=2, batch=8))
         assert with_fit.compute_s - without.compute_s == pytest.approx(
             alpha + slope * n / 2 - 0.5e-3, rel=1e-6)
+
+
+def _contention_rank(rank, world):
+    import torch
+
+    from profiler.calibrate import _contention
+
+    return _contention(rank, torch.device("cpu"), 0.0, trials=3, repeats=5)
+
+
+def test_the_slowdown_of_all_ranks_at_once_does_not_count_a_process_outside_them():
+    # a busy process outside the ranks takes a core from the ranks computing together and
+    # none from rank 0 alone: by wall time that read as a 2x compute slowdown on 2 cores
+    # (and priced every layer of every plan 2x); by the layer clock it is the ranks' own
+    import os
+    import subprocess
+    import sys
+
+    from distributed import run_ranks
+    from profiler.calibrate import core_share
+
+    if (os.cpu_count() or 1) < 2:
+        pytest.skip("needs 2 cores: one per rank")
+    spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        slowdown = run_ranks(_contention_rank, 2)[0]
+    finally:
+        spinner.kill()
+        spinner.wait()
+    assert 1.0 <= slowdown["compute"] < 1.35 * core_share(2)
+    assert slowdown["memory"] >= 1.0
+
+
+# a 16 KB gloo all-reduce after 0.25-8 ms of compute on the 2-core VM (seconds)
+CURVE = GapCurve(gaps_s=(0.25e-3, 0.5e-3, 2e-3, 8e-3), seconds=(0.23e-3, 1.0e-3, 2.38e-3, 3.76e-3))
+
+
+def test_the_gap_curve_is_the_nearest_non_decreasing_sequence():
+    # pool adjacent violators, on random data with ties: non-decreasing, the same total,
+    # unchanged where already sorted, and no farther from the data than two other
+    # non-decreasing sequences (the running maximum, the mean)
+    rng = random.Random(0)
+    for _ in range(300):
+        _check_monotone([round(rng.uniform(0, 10), rng.choice((0, 3)))
+                         for _ in range(rng.randint(1, 12))])
+
+
+def _check_monotone(values):
+    out = monotone(values)
+    assert len(out) == len(values)
+    assert all(a <= b + 1e-9 for a, b in zip(out, out[1:]))
+    assert sum(out) == pytest.approx(sum(values), abs=1e-6)
+    if values == sorted(values):
+        assert out == pytest.approx(values)
+    distance = lambda xs: sum((x - v) ** 2 for x, v in zip(xs, values))  # noqa: E731
+    running = [max(values[:i + 1]) for i in range(len(values))]
+    assert distance(out) <= distance(running) + 1e-6
+    assert distance(out) <= distance([sum(values) / len(values)] * len(values)) + 1e-6
+
+
+def test_blocking_collectives_pay_the_curves_latency_at_the_plans_rhythm():
+    # at a 0.5 ms rhythm an all-reduce's 2(P-1) messages cost the curve's 1.0 ms between
+    # them instead of the fit's 1.8 ms each; its bandwidth term stays. Past the fit's
+    # latency the curve does not raise it; the FSDP and DDP fits and send/recv (not
+    # blocking a layer's chain) never move; a link without a rhythm prices the fit
+    base = LinkSpec(name="gloo", bandwidth_bytes_per_s=1e9, latency_s=1.8e-3, gap_curve=CURVE)
+    paced = base.model_copy(update={"blocking_gap_s": 0.5e-3})
+    n = 64 << 20
+    for p in (2, 4):
+        a, b = COEFFICIENTS["all_reduce"](p)
+        assert collective_time_s("all_reduce", n, p, paced) == pytest.approx(1.0e-3 + b * n / 1e9)
+        assert collective_time_s("all_reduce", n, p, base) == pytest.approx(a * 1.8e-3 + b * n / 1e9)
+    slow = base.model_copy(update={"blocking_gap_s": 30e-3, "latency_s": 0.1e-3})
+    assert collective_time_s("all_gather", n, 2, slow) == pytest.approx(
+        collective_time_s("all_gather", n, 2, slow.model_copy(update={"gap_curve": None})))
+    for name in set(COEFFICIENTS) - set(BLOCKING):
+        assert collective_time_s(name, n, 2, paced) == collective_time_s(name, n, 2, base)
+    assert CURVE.seconds_at(1.25e-3) == pytest.approx((1.0 + 2.38) / 2 * 1e-3)
+    assert CURVE.seconds_at(0.0) == CURVE.seconds[0] and CURVE.seconds_at(1.0) == CURVE.seconds[-1]
+
+
+def test_the_gap_curve_is_kept_with_the_link_and_read_back(tmp_path):
+    device = DeviceSpec(name="cpu", kind="cpu", peak_flops={"float32": 50e9}, efficiency=1.0,
+                        memory_bytes=24e9, memory_bandwidth_bytes_per_s=8e9)
+    link = fit_link(_synthetic("all_reduce", 0.5e-3, 1.2e9, ranks=(2,)), "gloo (2)", "t")
+    profile = ClusterProfile(created="2026-01-01T00:00:00+00:00", host="test",
+                             torch_version="x", backend="gloo", cores=2, threads_per_process=1,
+                             device=device, links={2: link.model_copy(
+                                 update={"gap_curve": CURVE})})
+    path = tmp_path / "profile.json"
+    profile.save(path)
+    assert parse_devices(f"2x{path}").intra_node.gap_curve == CURVE
+    # a profile made before the curve was measured still loads, without one (every
+    # collective at its fitted price)
+    old = json.loads(path.read_text())
+    del old["links"]["2"]["gap_curve"]
+    path.write_text(json.dumps(old))
+    assert parse_devices(f"2x{path}").intra_node.gap_curve is None

@@ -15,6 +15,7 @@ from planner.choices import layer_choices
 from planner.ilp import solve
 from planner.plan3d import optimize_3d
 from planner.profiled import profiled_graph
+from planner.price import tp_context
 from planner.search import CostCache, Shape, build
 from planner.stages import solve_stages
 from zoo import SEQ, VOCAB, ZOO
@@ -129,3 +130,40 @@ def test_llamas_mlp_under_tp_runs_on_feature_shards_without_a_gather():
                        pin=pin)
     chosen = {l.name: l.strategy for l in plan.layers}
     assert chosen[mlp + "act_fn"] == chosen[product.name] == "feature_parallel"
+
+
+def test_blocking_collectives_are_priced_at_the_rhythm_of_the_models_layers():
+    # planner.price.in_rhythm: with a measured gap curve, the links of a tp group carry the
+    # compute between two blocking collectives (the layers' compute at 1/tp over those with
+    # weights, for the rows priced); every 1-D option that issues them pays the curve's
+    # latency there, DDP's options (bucketed gradient sync) do not move; no curve or
+    # tp 1: no change. (This link has no fits: FSDP falls back to all-gathers, blocking.)
+    from planner.price import in_rhythm
+    from strategies.catalog import compute_s
+    from strategies.devices import GapCurve
+
+    graph, flat = _profiled("gpt", "2xcpu")
+    flat = flat.model_copy(update={"intra_node": flat.intra_node.model_copy(
+        update={"latency_s": 5e-3, "collectives": {}})})
+    curve = GapCurve(gaps_s=(1e-5, 1.0), seconds=(0.1e-3, 0.2e-3))
+    curved = flat.model_copy(update={"intra_node": flat.intra_node.model_copy(
+        update={"gap_curve": curve})})
+    assert in_rhythm(curved, graph, 1, graph.batch_size, "adam") is curved
+    assert in_rhythm(flat, graph, 2, graph.batch_size, "adam") is flat
+    ctx = tp_context(curved, 2, graph.batch_size, "adam")
+    layers = [layer for layer in graph.layers if not layer.is_input]
+    gap = (sum(compute_s(layer, 0.5, ctx) for layer in layers)
+           / sum(layer.param_bytes > 0 for layer in layers))
+    for rows in (graph.batch_size, graph.batch_size // 2):
+        paced = in_rhythm(curved, graph, 2, rows, "adam")
+        assert paced.intra_node.blocking_gap_s == pytest.approx(gap * rows / graph.batch_size)
+    before, after = (layer_choices(graph, c, "adam", None) for c in (flat, curved))
+    cheaper = 0
+    for old, new in zip(before.layers, after.layers):
+        for strategy, a, b in zip(old.strategies, old.prices, new.prices):
+            if strategy.name in ("data_parallel", "replicate"):
+                assert b.time_s == a.time_s
+            assert b.time_s <= a.time_s + 1e-12
+            cheaper += b.time_s < a.time_s - 1e-6
+    assert cheaper > 0
+    assert any(s.name == "data_parallel" for row in before.layers for s in row.strategies)

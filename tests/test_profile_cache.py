@@ -11,6 +11,7 @@ import torch
 import models
 import planner
 from planner.cli import main
+from profiler.calibrate import GAPS_S
 from profiler.machine import cpu_model
 from strategies.profile_cache import cache_dir, machine_key, profile_path
 from strategies import parse_devices
@@ -80,6 +81,13 @@ def test_first_use_of_two_processes_measures_collectives_past_the_cache(fresh_ca
         # tp_layer: one line over the weights' bytes of tensor-parallel pairs)
         assert all(f.regimes and f.regimes[0].above_bytes == cluster.device.cache_bytes
                    for name, f in link.collectives.items() if name != "tp_layer")
+    # the small all-reduce after each compute gap (as the wall measured it: at least the
+    # compute asked for), made non-decreasing, read back with the link
+    curve = link.gap_curve
+    assert curve is not None and len(curve.gaps_s) == len(GAPS_S)
+    assert all(wall >= 0.8 * asked for wall, asked in zip(curve.gaps_s, GAPS_S))
+    assert list(curve.gaps_s) == sorted(curve.gaps_s)
+    assert list(curve.seconds) == sorted(curve.seconds) and curve.seconds[0] > 0
     began = time.perf_counter()
     assert parse_devices("2xcpu") == cluster
     assert time.perf_counter() - began < 1.0
