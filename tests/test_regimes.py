@@ -6,7 +6,7 @@ import pytest
 from profiler.calibrate import Sample
 from strategies.calibrated import ClusterProfile, fit_collective, fit_link
 from strategies.collectives import COEFFICIENTS, collective_time_s
-from strategies.cluster import Cluster, time_sharing_slowdown
+from strategies.cluster import Cluster, memory_sharing_slowdown, time_sharing_slowdown
 from strategies.devices import CollectiveFit, DeviceSpec, LinkSpec, Regime
 
 MB = 2**20
@@ -150,3 +150,12 @@ def test_a_pipeline_stage_waiting_for_its_input_holds_no_core():
     for a, t in weighted:
         assert t.microbatch_s[0] / a.microbatch_s[0] == pytest.approx(2.2)
     assert shared.computing_at_once(4) is shared  # every process computing: as measured
+    # memory-bound work too: one streaming alone pays no share of the bandwidth, half the
+    # processes a third of the excess (1 + 0.6·1/3), all of them what was measured
+    streaming = shared.model_copy(update={"memory_slowdown": 1.6})
+    assert streaming.computing_at_once(1).memory_slowdown == 1.0
+    assert streaming.computing_at_once(2).memory_slowdown == pytest.approx(1.2)
+    assert memory_sharing_slowdown(4, 4, 1.6) == memory_sharing_slowdown(6, 4, 1.6) == 1.6
+    free = [p.microbatch_s[0] for p in build(CostCache(graph, streaming, "sgd"), pp=4, dp=1,
+                                             tp=1, rows=32).problem.layers]
+    assert free == pytest.approx([a.microbatch_s[0] for a in alone.problem.layers])
