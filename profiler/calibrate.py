@@ -491,7 +491,7 @@ def _contention(rank: int, device, quiet_wait_s: float, trials: int = 5,
         if rank == 0:
             for key in ratios:
                 ratios[key].append(together[key] / alone[key])
-    share = core_share(dist.get_world_size()) if clock is not time.perf_counter else 1.0
+    share = core_share(dist.get_world_size()) if device.type == "cpu" else 1.0
     return {key: share * max(1.0, statistics.median(r)) if r else 1.0
             for key, r in ratios.items()}
 
@@ -564,11 +564,11 @@ def _rank_measure(rank: int, world: int, sizes, repeats: int, quiet_wait_s: floa
                     break
                 raise
             spans.append((name, nbytes, calls))
-    # tiny ops: many repeats are cheap, and the difference of two medians needs them
     # gloo's wake-up after compute; not where processes outnumber cores (a waiting rank
     # hands its core to a computing one), nor on GPUs (NCCL's kernels queue behind compute)
     gap = (_gap_spans(_collective_call("all_reduce", GAP_BYTES, rank, world, device), device)
            if device.type == "cpu" and shared == 1 else None)
+    # tiny ops: many repeats are cheap, and the difference of two medians needs them
     return {"spans": spans, "gap": gap,
             # each a difference of two means whose calls hold a bimodal collective (see
             # SMALL_REPEATS): 21-31 rounds moved them by 1-1.5 ms between calibrations
@@ -578,8 +578,8 @@ def _rank_measure(rank: int, world: int, sizes, repeats: int, quiet_wait_s: floa
             # (6 took the 4-process quick calibration from 57 s to 63 s, past its minute)
             "fsdp": _fsdp_layers(device, 9 if quick else 15,
                                   FSDP_LAYERS_QUICK if quick else FSDP_LAYERS,
-                                  *((FSDP_BIG_ROUNDS, FSDP_BIG_WARMUP) if shared == 1
-                                    else (4, 0))),
+                                  big_rounds=FSDP_BIG_ROUNDS if shared == 1 else 4,
+                                  big_warmup=FSDP_BIG_WARMUP if shared == 1 else 0),
             "tp": _tp_pairs(device, (7 if quick else 11) // shared,
                             TP_WIDTHS_QUICK if quick else TP_WIDTHS, 80 // shared)}
 
