@@ -424,11 +424,26 @@ FSDP_LAYERS_QUICK = ((128, 8), (1024, 2), (3072, 2), (4096, 2))  # two on each s
 # calibration took, its first among them, priced them 236-348 ms (fc_cnn fsdp +15..+39%,
 # mlp fsdp +18..+24%); their median, 141-151 ms (-21..-30%); the mean of 6 still 197-293.
 # Dropping the first FSDP_BIG_WARMUP rounds, the mean of the rest: 181, 218, 196 ms, for
-# ~2 s more calibration (2 more rounds). Each layer here is its own FSDP2 root, kept
-# gathered from forward to backward at FSDP2's default where executor.levers reshards and
-# gathers again; calibrated that way 67 MB layers came out 303 ms (+39% on fc_cnn) and the
-# calibration 5 s longer, so the default stays.
+# ~2 s more calibration (2 more rounds). Each layer here is its own FSDP2 root resharded
+# after forward and gathered again in backward, as executor.levers wraps a plan's fsdp
+# layers: at FSDP2's default (a root keeps its weights gathered until backward) a 67 MB
+# layer cost 245-271 ms a step on 2026-11-25's host against 374-414 ms resharded, and
+# every FSDP plan of benchmarks/fidelity.py (2 processes, two runs) measured 17-38% above
+# its price; on 2026-11-24's host the plans had measured near the default's figure.
 FSDP_BIG_ROUNDS, FSDP_BIG_WARMUP = 6, 2
+
+
+def fsdp_stack(stack, mesh):
+    """`stack` with FSDP2 `fully_shard` on each Linear, as executor.levers wraps a plan's
+    fsdp layers: each its own unit, resharded after forward and gathered again in
+    backward (see FSDP_BIG_ROUNDS for what the default cost the prices)."""
+    from torch import nn
+    from torch.distributed.fsdp import fully_shard
+
+    for module in stack:
+        if isinstance(module, nn.Linear):
+            fully_shard(module, mesh=mesh, reshard_after_forward=True)
+    return stack
 
 
 def _fsdp_layers(device, repeats: int = 9, sizes=FSDP_LAYERS, big_rounds: int = FSDP_BIG_ROUNDS,
@@ -441,18 +456,13 @@ def _fsdp_layers(device, repeats: int = 9, sizes=FSDP_LAYERS, big_rounds: int = 
     alone, it came out 1.6x too high for 64 KB layers (the fixed cost of three calls in a
     step) and 2.4x too high or 0.7x too low for 64 MB ones (a lone 64 MB all-gather
     ranged 63-179 ms between calibrations; FSDP2's whole layer took 155 ms)."""
-    from torch import nn
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
 
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     out = {}
     for width, layers in sizes:
         plain, step_of = _linears(width, layers, device)
-        sharded = _linears(width, layers, device)[0]
-        for module in sharded:
-            if isinstance(module, nn.Linear):
-                fully_shard(module, mesh=mesh)
+        sharded = fsdp_stack(_linears(width, layers, device)[0], mesh)
         # 0.1-0.6 s a step past 1024: fewer rounds, the first ones warm-up (FSDP_BIG_ROUNDS)
         big = width > 1024
         rounds = max(big_rounds, repeats // 2) if big else repeats
