@@ -417,9 +417,9 @@ def _step_overhead(device, repeats: int = 21) -> dict[str, float]:
 FSDP_LAYERS = ((128, 8), (1024, 2), (2048, 2), (3072, 2), (3584, 2), (4096, 2))
 FSDP_LAYERS_QUICK = ((128, 8), (1024, 2), (3072, 2), (4096, 2))  # two on each side
 # Past 1024 wide the first steps of a new width are warm-up: in three quick calibrations
-# the per-layer cost of 67 MB layers ran 436 318 120 163 212 228, 385 280 255 196 286 134
-# and 265 362 200 131 251 202 ms, round by round (the first two high each time; new 64 MB
-# buffers, FSDP2's first gathers), where fc_cnn's FSDP plan, timed after 4 warm-up steps,
+# (2026-11-24's host, FSDP2's default, see below) the per-layer cost of 67 MB layers ran
+# 436 318 120 163 212 228, 385 280 255 196 286 134 and 265 362 200 131 251 202 ms, round
+# by round (the first two high each time; new 64 MB buffers, FSDP2's first gathers), where fc_cnn's FSDP plan, timed after 4 warm-up steps,
 # runs its two at ~200 ms each (its step 486-495 ms). The mean of the 4 rounds the quick
 # calibration took, its first among them, priced them 236-348 ms (fc_cnn fsdp +15..+39%,
 # mlp fsdp +18..+24%); their median, 141-151 ms (-21..-30%); the mean of 6 still 197-293.
@@ -436,7 +436,8 @@ FSDP_BIG_ROUNDS, FSDP_BIG_WARMUP = 6, 2
 def fsdp_stack(stack, mesh):
     """`stack` with FSDP2 `fully_shard` on each Linear, as executor.levers wraps a plan's
     fsdp layers: each its own unit, resharded after forward and gathered again in
-    backward (see FSDP_BIG_ROUNDS for what the default cost the prices)."""
+    backward (the comment above FSDP_BIG_ROUNDS says what FSDP2's default did to the
+    prices)."""
     from torch import nn
     from torch.distributed.fsdp import fully_shard
 
