@@ -419,17 +419,18 @@ FSDP_LAYERS_QUICK = ((128, 8), (1024, 2), (3072, 2), (4096, 2))  # two on each s
 # Past 1024 wide the first steps of a new width are warm-up: in three quick calibrations
 # (2026-11-24's host, FSDP2's default, see below) the per-layer cost of 67 MB layers ran
 # 436 318 120 163 212 228, 385 280 255 196 286 134 and 265 362 200 131 251 202 ms, round
-# by round (the first two high each time; new 64 MB buffers, FSDP2's first gathers), where fc_cnn's FSDP plan, timed after 4 warm-up steps,
-# runs its two at ~200 ms each (its step 486-495 ms). The mean of the 4 rounds the quick
-# calibration took, its first among them, priced them 236-348 ms (fc_cnn fsdp +15..+39%,
-# mlp fsdp +18..+24%); their median, 141-151 ms (-21..-30%); the mean of 6 still 197-293.
-# Dropping the first FSDP_BIG_WARMUP rounds, the mean of the rest: 181, 218, 196 ms, for
-# ~2 s more calibration (2 more rounds). Each layer here is its own FSDP2 root resharded
-# after forward and gathered again in backward, as executor.levers wraps a plan's fsdp
-# layers: at FSDP2's default (a root keeps its weights gathered until backward) a 67 MB
-# layer cost 245-271 ms a step on 2026-11-25's host against 374-414 ms resharded, and
-# every FSDP plan of benchmarks/fidelity.py (2 processes, two runs) measured 17-38% above
-# its price; on 2026-11-24's host the plans had measured near the default's figure.
+# by round (the first two high each time; new 64 MB buffers, FSDP2's first gathers),
+# where fc_cnn's FSDP plan, timed after 4 warm-up steps, runs its two at ~200 ms each
+# (its step 486-495 ms). The mean of the 4 rounds the quick calibration took, its first
+# among them, priced them 236-348 ms (fc_cnn fsdp +15..+39%, mlp fsdp +18..+24%); their
+# median, 141-151 ms (-21..-30%); the mean of 6 still 197-293. Dropping the first
+# FSDP_BIG_WARMUP rounds, the mean of the rest: 181, 218, 196 ms, for ~2 s more
+# calibration (2 more rounds). Each layer here is its own FSDP2 root resharded after
+# forward and gathered again in backward, as executor.levers wraps a plan's fsdp layers:
+# at FSDP2's default (a root keeps its weights gathered until backward) a 67 MB layer
+# cost 245-271 ms a step on 2026-11-25's host against 374-414 ms resharded, and every
+# FSDP plan of benchmarks/fidelity.py (2 processes, two runs) measured 17-38% above its
+# price; on 2026-11-24's host the plans had measured near the default's figure.
 FSDP_BIG_ROUNDS, FSDP_BIG_WARMUP = 6, 2
 
 
