@@ -219,8 +219,15 @@ def _fault(where: str, step: int, model: nn.Module) -> None:
     rank, at, kind = spec.split(":")
     if int(rank) != dist.get_rank() or int(at) != step or kind != where:
         return
+
+    def kill(*_):
+        # said first: torchrun logs only the failure it saw first, and the killed rank's
+        # peer, failing in the collective, is often seen first (its exit code, not -9)
+        print(f"HYPLAN_FAULT: SIGKILL rank {rank} at step {step} ({where})", flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+
     if where == "step":
         param = next(p for p in model.parameters() if p.requires_grad)
-        param.register_hook(lambda grad: os.kill(os.getpid(), signal.SIGKILL))
+        param.register_hook(kill)
     else:
-        os.kill(os.getpid(), signal.SIGKILL)
+        kill()
