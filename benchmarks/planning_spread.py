@@ -40,6 +40,11 @@ def _one_planning(models: list[str], procs: int, out) -> None:
     out.put(figures)
 
 
+def _spread(values: list[float]) -> float:
+    """(max - min) / median."""
+    return (max(values) - min(values)) / statistics.median(values)
+
+
 def main() -> None:
     import fidelity
 
@@ -60,13 +65,11 @@ def main() -> None:
           f"(predicted step, ms: min / median / max, spread; compute's spread)")
     spreads = []
     for case in runs[0]:
-        steps = sorted(r[case][0] * 1e3 for r in runs)
-        computes = sorted(r[case][1] * 1e3 for r in runs)
-        mid = statistics.median(steps)
-        spread = (steps[-1] - steps[0]) / mid
-        spreads.append(spread)
-        print(f"  {case[0]:<10} {case[1]:<9} {steps[0]:8.1f} {mid:8.1f} {steps[-1]:8.1f}"
-              f"   {spread:4.0%}   compute {(computes[-1] - computes[0]) / statistics.median(computes):4.0%}")
+        steps = [r[case][0] * 1e3 for r in runs]
+        spreads.append(_spread(steps))
+        print(f"  {case[0]:<10} {case[1]:<9} {min(steps):8.1f} {statistics.median(steps):8.1f}"
+              f" {max(steps):8.1f}   {spreads[-1]:4.0%}"
+              f"   compute {_spread([r[case][1] for r in runs]):4.0%}")
     print(f"median spread {statistics.median(spreads):.0%}, largest {max(spreads):.0%}")
 
 
