@@ -15,8 +15,8 @@ export_timing = importlib.import_module("profiler.export_timing")
 layer_timing = importlib.import_module("profiler.profile")  # the module, not the function
 
 
-def _llama(width: int):
-    return _hf("LlamaConfig", "LlamaForCausalLM", vocab_size=256, hidden_size=width,
+def _llama(width: int, vocab: int = 256):
+    return _hf("LlamaConfig", "LlamaForCausalLM", vocab_size=vocab, hidden_size=width,
                intermediate_size=4 * width, num_hidden_layers=2, num_attention_heads=4,
                num_key_value_heads=2, max_position_embeddings=64, bos_token_id=0,
                eos_token_id=0, pad_token_id=0)()
@@ -51,16 +51,19 @@ def test_timed_ops_are_each_layers_forward_and_backward(monkeypatch):
 
 
 def test_llama_layers_measured_in_flop_order():
+    # wide enough that each matmul's FLOPs, not the per-call overhead, set its time: at
+    # width 128 the MLP (2x the head's FLOPs) and the head both took ~0.6 ms on a slow host
+    # and came out in either order
     torch.manual_seed(0)
-    model = _llama(width=128)
-    ids = torch.randint(0, 256, (4, 32))
+    model = _llama(width=512, vocab=1024)
+    ids = torch.randint(0, 1024, (4, 32))
     graph, _ = profiled_graph(model, "2xcpu", (ids,), {"use_cache": False})
     timed = [l for l in graph.layers if not l.is_input]
     assert all(l.measured_s > 0 and l.measured_batch == 2 for l in timed)
     by_name = {l.name: l for l in timed}
     mlp, norm = by_name["model.layers.0.mlp.up_proj"], by_name["model.layers.0.post_attention_layernorm"]
     head = by_name["lm_head"]
-    assert mlp.fwd_flops == 2 * head.fwd_flops and norm.fwd_flops == 0  # 4w x w, 256 x w
+    assert mlp.fwd_flops == 2 * head.fwd_flops and norm.fwd_flops == 0  # 4w x w, 2w x w
     assert mlp.measured_s > head.measured_s > norm.measured_s
     assert set(head.measured_shards) == {"whole", "out", "in"}  # tensor-parallel shapes
 
