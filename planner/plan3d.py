@@ -161,6 +161,8 @@ def to_plan(graph, cluster: Cluster, optimizer: str, budget: float, result: Sear
             inputs=list(layer.inputs),
             reason=_reason(strategy, k, S, tp, cost, opts, c),
             **_shard_fields(opts, opts.plain_index(c), m, sharded)))
+    for k in range(1, S):  # each later stage reruns what depends on positions alone
+        compute[ranks_of[k]] += problem.replay_s
     recomputed = [problem.units[u] for u in problem.recomputed_units(choice)]
     if recomputed:  # one block's activations, live again in its backward
         holding = {ranks_of[stage_of_unit[u]] for u in problem.recomputed_units(choice)}

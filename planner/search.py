@@ -41,7 +41,9 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from planner.block_cuts import block_units, carries_weights, tied_heads, why_no_blocks
+from planner.block_cuts import (
+    BEFORE, block_units, carries_weights, tied_heads, why_no_blocks,
+)
 from planner import block_recompute, dp_shard
 from planner.choices import OUTPUT, module_executor_options
 from planner.price import (
@@ -465,9 +467,24 @@ def build(cache: CostCache, pp: int, dp: int, tp: int, rows: int,
                     grad = 0 if scaled_layers[src].is_input else 1
                     t += (1 + grad) * send_recv_s(nbytes, link)
             cut_s[u] = t
-    problem = StageProblem(tuple(options), tuple(edges), tuple(unit_names), tuple(cut_s))
+    problem = StageProblem(tuple(options), tuple(edges), tuple(unit_names), tuple(cut_s),
+                           replay_s=_replay_s(graph, options, unit_names, sent)
+                           if pp > 1 else 0.0)
     return Built(problem, tuple(strategies), tuple(costs), tuple(scaled_layers), tuple(local),
                  tuple(sharded_all))
+
+
+def _replay_s(graph, options: list[LayerOptions], units: list[str], sent: set[str]) -> float:
+    """What each stage after the first computes again per microbatch: a torch.export
+    model's values ahead of its blocks that depend on positions alone (the causal mask,
+    position ids, rotary tables), which executor.hf_stages has every stage rerun rather
+    than receive. Priced at each such layer's cheapest option; an fx model's stages
+    receive every value (nothing replayed)."""
+    if graph.tracer != "export":
+        return 0.0
+    return sum(float(opt.microbatch_s.min())
+               for layer, opt in zip(graph.layers, options)
+               if units[opt.unit] == BEFORE and not layer.is_input and layer.node not in sent)
 
 
 def tp_whole_rows(shape: Shape, batch: int, cluster: Cluster) -> bool:

@@ -217,6 +217,7 @@ def _pass(units: _Units, pp: int, microbatches: int, flights: list[int],
     budget = math.inf if budget_bytes is None else budget_bytes / _GB * (1 + 1e-9)
     cutoff = math.inf if cutoff_s is None else cutoff_s * (1 + 1e-9)
     cut = [float(c) for c in problem.cut_s]
+    replay = float(problem.replay_s)  # paid by every stage opened after the first
     # rest[u]: the least units u.. add to Σ T (each layer's cheapest option and edge)
     least = np.zeros(U + 1)
     for l in problem.layers:
@@ -260,7 +261,7 @@ def _pass(units: _Units, pp: int, microbatches: int, flights: list[int],
                         if opens:  # close stage k at this cut, open stage k + 1
                             c = cut[u]
                             maxT, maxS = max(maxT, T + c), max(maxS, S)
-                            sumT, T, S, mem = sumT + 2 * c, c, 0.0, 0.0
+                            sumT, T, S, mem = sumT + 2 * c + replay, c + replay, 0.0, 0.0
                         for A, G, W, V, ch in plist:
                             nmem = mem + W + f * V
                             if nmem > budget:

@@ -89,6 +89,7 @@ class _Solver:
         self.cutoff = math.inf if cutoff_s is None else cutoff_s * (1 + 1e-9)
         self.deadline = deadline
         self.cut = [float(c) for c in problem.cut_s]
+        self.replay = float(problem.replay_s)  # every stage after the first pays it
         least = np.zeros(self.U)  # each unit's least per-microbatch time
         for l in problem.layers:
             least[l.unit] += float(l.microbatch_s.min())
@@ -125,7 +126,7 @@ class _Solver:
     def interval(self, k: int, i: int, state: tuple, incumbent: float, narrow: bool):
         """[{outgoing state: _Front} for j = i+1, i+2, ...]: stage k from unit i."""
         f = self.flights[k]
-        cut_in = self.cut[i] if k > 0 else 0.0
+        cut_in = self.cut[i] + self.replay if k > 0 else 0.0
         last_end = self.U if k == self.pp - 1 else self.U - (self.pp - 1 - k)
         key = (f, cut_in, state, narrow)
         outside = self.prefix[-1]
@@ -184,7 +185,7 @@ class _Solver:
                           for s in self.units.open[i]]
                 if math.prod(counts) > 16:
                     return None
-                cut_in = self.cut[i] if k > 0 else 0.0
+                cut_in = self.cut[i] + self.replay if k > 0 else 0.0
                 for state in itertools.product(*(range(c) for c in counts)):
                     best_sum = best_max = math.inf
                     for n, fronts in enumerate(self.interval(k, i, state, incumbent, False)):
@@ -215,7 +216,7 @@ class _Solver:
                     if k == pp - 1 and j != U:
                         continue
                     cut_out = self.cut[j] if k < pp - 1 else 0.0
-                    cut_in = self.cut[i] if k > 0 else 0.0
+                    cut_in = self.cut[i] + self.replay if k > 0 else 0.0
                     rest = self.prefix[-1] - self.prefix[j]
                     share = rest / (pp - 1 - k) if k < pp - 1 else 0.0
                     for s_out, fr in fronts.items():

@@ -113,12 +113,16 @@ class LayerOptions:
 class StageProblem:
     """Layers in topological order, grouped in `units`; `edges` price layout changes per
     microbatch (charged to the consumer's stage); `cut_s[u]` is the point-to-point time per
-    microbatch (activation forward, its gradient backward) of a cut right before unit u."""
+    microbatch (activation forward, its gradient backward) of a cut right before unit u;
+    `replay_s` is what every stage but the first computes again per microbatch (a
+    torch.export model's stages each rerun its positions, causal mask and rotary tables:
+    executor.hf_stages), whatever the cut."""
 
     layers: tuple[LayerOptions, ...]
     edges: tuple[Edge, ...]
     units: tuple[str, ...]
     cut_s: tuple[float, ...]
+    replay_s: float = 0.0
 
     @functools.cached_property
     def tables(self) -> "_Tables":
@@ -285,7 +289,7 @@ def evaluate(problem: StageProblem, starts: tuple[int, ...], choice, microbatche
             t = problem.cut_s[starts[k]]
             send[k - 1] += t
             send[k] += t
-    total = [a + b for a, b in zip(mb, send)]
+    total = [a + b + (problem.replay_s if k else 0.0) for k, (a, b) in enumerate(zip(mb, send))]
     once_rank = [sum(once[k] for k in range(S) if ranks[k] == r) for r in range(pp)]
     sim = schedules.price(schedule, pp, chunks, microbatches, total)
     step = sim.makespan_s + max(once_rank)
@@ -485,7 +489,7 @@ def solve_stages(problem: StageProblem, pp: int, microbatches: int, schedule: st
         solver.Add(sum(w[u]) >= G[u], f"unit_once_sum[{u}]")
     stage_time = []  # T_k
     for k in range(S):
-        sends = (cut[k] if k > 0 else 0.0) + (cut[k + 1] if k + 1 < S else 0.0)
+        sends = (cut[k] + problem.replay_s if k > 0 else 0.0) + (cut[k + 1] if k + 1 < S else 0.0)
         stage_time.append(sum(v[u][k] for u in range(U)) + sends)
     for r in range(pp):
         solver.Add(C >= sum(stage_time[k] for k in on[r]), f"rank_time[{r}]")
@@ -736,7 +740,7 @@ def _time_unit_s(problem: StageProblem) -> float:
                   default=0.0)
     for e in problem.edges:
         largest = max(largest, float(np.abs(e.cost_s).max(initial=0.0)))
-    largest = max(largest, *problem.cut_s, 0.0)
+    largest = max(largest, *problem.cut_s, problem.replay_s, 0.0)
     return largest if largest > 0.0 else 1.0
 
 
@@ -748,7 +752,8 @@ def _in_units(problem: StageProblem, unit_s: float) -> StageProblem:
     edges = tuple(replace(e, cost_s=np.asarray(e.cost_s, float) / unit_s)
                   for e in problem.edges)
     return replace(problem, layers=layers, edges=edges,
-                   cut_s=tuple(c / unit_s for c in problem.cut_s))
+                   cut_s=tuple(c / unit_s for c in problem.cut_s),
+                   replay_s=problem.replay_s / unit_s)
 
 
 def _solve_one_stage(problem: StageProblem, microbatches: int, schedule: str,

@@ -24,7 +24,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from profiler.graph import Layer, ModelGraph
 from profiler.allocator import keep_freed_memory
 from profiler.export_timing import measure_export_times
-from profiler.whole_step import glue_factor, whole_step_s
+from profiler.whole_step import cached_whole_step_s, glue_factor
 from profiler.machine import threads as thread_count
 from profiler.trace import to_meta, materialize, meta_params, run_node
 
@@ -65,8 +65,9 @@ def profile(graph: ModelGraph, measure: bool = False, measure_batch: int | None 
                 if times:
                     shards = measure_shards(graph, ranks)
             if times and model is not None and example_inputs is not None:
-                glue = glue_factor(whole_step_s(model, example_inputs, graph.example_kwargs,
-                                                graph.batch_size, batch, timed),
+                glue = glue_factor(cached_whole_step_s(model, example_inputs,
+                                                       graph.example_kwargs, graph.batch_size,
+                                                       batch, _timed_step),
                                    sum(times.values()))
                 times = {node: t * glue for node, t in times.items()}
                 shards = {node: {k: t * glue for k, t in by.items()}
@@ -193,6 +194,13 @@ def layer_clock():
 def timed(fn) -> float:
     """One layer's median seconds by `layer_clock()`."""
     return median_time(fn, clock=layer_clock())
+
+
+def _timed_step(fn) -> float:
+    """A whole step's median seconds by `layer_clock()`, over up to a second of samples
+    rather than a layer's 0.3 s: the step sets one factor on every layer (the glue), so a
+    slow spell of the machine in a short window would skew the whole plan."""
+    return median_time(fn, budget_s=1.0, clock=layer_clock())
 
 
 def _shape_key(value):

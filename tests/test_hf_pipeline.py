@@ -14,7 +14,7 @@ import torch
 import executor
 from distributed import run_ranks
 import planner
-from planner.block_cuts import AFTER, BEFORE, block_units, why_no_blocks
+from planner.block_cuts import AFTER, BEFORE, block_units, carries_weights, why_no_blocks
 from planner.profiled import profiled_graph
 from planner.plan import Plan
 from planner.plan3d import plan_3d
@@ -312,3 +312,25 @@ def test_a_tied_embedding_and_head_may_be_cut_apart_with_the_copy_priced_on_the_
     tied_in_a_block = replace(tied_in_a_block, layers=(
         *tied_in_a_block.layers[:-1], replace(head_layer, params=("model.layers.0.mlp.weight",))))
     assert "share a parameter inside its blocks" in why_no_blocks(tied_in_a_block)
+
+
+def test_each_later_stage_pays_for_the_positions_and_mask_it_recomputes():
+    """executor.hf_stages has every stage rerun the model's forward up to its blocks from
+    the sequence length (positions, causal mask, rotary tables): the stage problem charges
+    each stage after the first those layers' time per microbatch, the layers ahead of the
+    blocks whose values depend on no weight, and nothing where the model is not cut."""
+    graph, cluster = _profiled("llama4", 2)
+    rows = graph.batch_size // 2
+    cache = CostCache(graph, cluster, "sgd")
+    problem = build(cache, 2, 1, 1, rows).problem
+    unit = dict(zip((l.node for l in graph.layers), units(graph)))
+    weighted = carries_weights(graph)
+    replayed = [i for i, l in enumerate(graph.layers)
+                if unit[l.node] == BEFORE and not l.is_input and l.node not in weighted]
+    names = {graph.layers[i].name for i in replayed}
+    # the position ids and the causal mask's ops (and_2: its last), not the embedding
+    assert {"arange", "cumsum", "and_2"} <= names and "model.embed_tokens" not in names
+    assert problem.replay_s == pytest.approx(
+        sum(float(problem.layers[i].microbatch_s.min()) for i in replayed))
+    assert problem.replay_s > 0
+    assert build(cache, 1, 2, 1, rows).problem.replay_s == 0.0

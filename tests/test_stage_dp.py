@@ -133,3 +133,33 @@ def test_intervals_equal_stage_mip_on_deeper_blocks():
             continue
         assert mip.status == "optimal"
         assert got.objective_s == pytest.approx(mip.times.objective_s, rel=1e-7)
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_every_solver_prices_the_stages_replay(seed):
+    """A torch.export model's later stages each recompute the values that depend on
+    positions alone (StageProblem.replay_s): the dynamic program, the stage intervals and
+    the stage MIP (one chunk and interleaved) all equal brute force over the cuts with it,
+    and evaluate() charges it to every stage but the first."""
+    from dataclasses import replace
+
+    rng = np.random.default_rng(500 + seed)
+    plain = _random_problem(rng, units=5, layers=6)
+    p = replace(plain, replay_s=0.4)
+    for pp in (2, 3):
+        for m, schedule in [(3, "1F1B"), (2, "GPipe")]:
+            _check_against_brute_force(stage_dp.solve, p, pp, m, schedule, priced=True)
+            _check_against_brute_force(stage_intervals.solve, p, pp, m, schedule,
+                                       priced=True)
+            best, starts, choice = brute_force(p, pp, m, schedule, None)
+            without = evaluate(plain, starts, choice, m, schedule)
+            assert best.microbatch_s[0] == pytest.approx(without.microbatch_s[0])
+            assert best.microbatch_s[1:] == pytest.approx(
+                [t + 0.4 for t in without.microbatch_s[1:]])
+            mip = solve_stages(p, pp, m, schedule, None, method="mip")
+            assert mip.status == "optimal"
+            assert mip.times.objective_s == pytest.approx(best.objective_s, rel=1e-7)
+    for schedule in ("Interleaved1F1B", "ZBVZeroBubble"):
+        mip = solve_stages(p, 2, 4, schedule, None, method="mip", chunks=2)
+        expected = brute_force(p, 2, 4, schedule, None, chunks=2)[0]
+        assert mip.times.objective_s == pytest.approx(expected.objective_s, rel=1e-7)
