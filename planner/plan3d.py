@@ -161,6 +161,8 @@ def to_plan(graph, cluster: Cluster, optimizer: str, budget: float, result: Sear
             inputs=list(layer.inputs),
             reason=_reason(strategy, k, S, tp, cost, opts, c),
             **_shard_fields(opts, opts.plain_index(c), m, sharded)))
+    if problem.for_schedule(shape.schedule) is not problem:  # its backward split in two
+        compute = [c * problem.split_backward for c in compute]
     for k in range(1, S):  # each later stage reruns what depends on positions alone
         compute[ranks_of[k]] += problem.replay_s
     recomputed = [problem.units[u] for u in problem.recomputed_units(choice)]

@@ -116,13 +116,31 @@ class StageProblem:
     microbatch (activation forward, its gradient backward) of a cut right before unit u;
     `replay_s` is what every stage but the first computes again per microbatch (a
     torch.export model's stages each rerun its positions, causal mask and rotary tables:
-    executor.hf_stages), whatever the cut."""
+    executor.hf_stages), whatever the cut; `split_backward` is how much longer the layers
+    run under a schedule that splits the backward into input and weight gradients
+    (schedules.SPLIT_BACKWARD), measured on the model (profiler.whole_step)."""
 
     layers: tuple[LayerOptions, ...]
     edges: tuple[Edge, ...]
     units: tuple[str, ...]
     cut_s: tuple[float, ...]
     replay_s: float = 0.0
+    split_backward: float = 1.0
+
+    def for_schedule(self, schedule: str) -> "StageProblem":
+        """The problem as `schedule` runs it: the layers' per-microbatch times longer by
+        `split_backward` where it splits the backward (its transfers and per-step parts
+        as they are). Every solver and evaluate() price a schedule through this."""
+        if schedule not in schedules.SPLIT_BACKWARD or self.split_backward == 1.0:
+            return self
+        return self._split
+
+    @functools.cached_property
+    def _split(self) -> "StageProblem":
+        f = self.split_backward
+        return replace(self, layers=tuple(replace(l, microbatch_s=l.microbatch_s * f)
+                                          for l in self.layers),
+                       split_backward=1.0)
 
     @functools.cached_property
     def tables(self) -> "_Tables":
@@ -264,6 +282,7 @@ def evaluate(problem: StageProblem, starts: tuple[int, ...], choice, microbatche
     """The cost model, plainly: price stages starting at units `starts` (starts[0] == 0,
     pp·chunks of them) with strategy `choice[l]` per layer by simulating the schedule; also
     the integer program's objective for the same assignment, which it must match."""
+    problem = problem.for_schedule(schedule)
     S = len(starts)
     pp = S // chunks
     ranks = stage_ranks(schedule, pp, chunks)
@@ -365,6 +384,7 @@ def solve_stages(problem: StageProblem, pp: int, microbatches: int, schedule: st
     simulated step can beat it: the cutoff bounds the simulation from below).
     `method` "mip" skips the dynamic program (tests compare the two)."""
     start = time.perf_counter()
+    problem = problem.for_schedule(schedule)
     U = len(problem.units)
     S = pp * chunks
     if S > U:

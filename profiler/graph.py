@@ -103,6 +103,9 @@ class ModelGraph:
     scopes: dict = field(default_factory=dict, compare=False, repr=False)
     # the module classes an export graph kept whole, so that a re-export groups the same way
     units: tuple[type, ...] = field(default=(), compare=False, repr=False)
+    # a step with the backward split as zero-bubble pipeline schedules split it, over one
+    # with a plain backward, measured on this machine (profiler.whole_step); 1.0 unmeasured
+    split_backward: float = 1.0
 
     def __post_init__(self):
         object.__setattr__(self, "_by_node", {layer.node: layer for layer in self.layers})

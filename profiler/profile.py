@@ -24,7 +24,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from profiler.graph import Layer, ModelGraph
 from profiler.allocator import keep_freed_memory
 from profiler.export_timing import measure_export_times
-from profiler.whole_step import cached_whole_step_s, glue_factor
+from profiler.whole_step import cached_whole_step_s, glue_factor, split_backward_ratio
 from profiler.machine import threads as thread_count
 from profiler.trace import to_meta, materialize, meta_params, run_node
 
@@ -49,6 +49,7 @@ def profile(graph: ModelGraph, measure: bool = False, measure_batch: int | None 
         flops = count_flops(graph)
     times: dict[str, float] = {}
     shards: dict[str, dict[str, float]] = {}
+    split = 1.0
     batch = measure_batch or graph.batch_size
     if measure:
         keep_freed_memory()  # as the ranks run (profiler.allocator)
@@ -72,6 +73,9 @@ def profile(graph: ModelGraph, measure: bool = False, measure_batch: int | None 
                 times = {node: t * glue for node, t in times.items()}
                 shards = {node: {k: t * glue for k, t in by.items()}
                           for node, by in shards.items()}
+                if ranks > 1:  # a pipeline's zero-bubble schedules may run it
+                    split = split_backward_ratio(model, example_inputs, graph.example_kwargs,
+                                                 graph.batch_size, batch, layer_clock())
     layers = tuple(
         replace(layer, fwd_flops=flops[layer.node][0], bwd_flops=flops[layer.node][1],
                 measured_s=times.get(layer.node),
@@ -80,7 +84,7 @@ def profile(graph: ModelGraph, measure: bool = False, measure_batch: int | None 
                 measured_parts=ranks if layer.node in shards else None)
         for layer in graph.layers
     )
-    return replace(graph, layers=layers)
+    return replace(graph, layers=layers, split_backward=split)
 
 
 def _inputs_for(node: fx.Node, values: dict, needs_grad: dict) -> tuple[dict, list]:

@@ -131,3 +131,28 @@ def test_a_model_planned_twice_in_a_process_is_priced_the_same(monkeypatch):
     assert [l.measured_s for l in first.layers] == [l.measured_s for l in second.layers]
     profiled_graph(model, "4xcpu", (x,))  # other rows: measured at them
     assert calls == [(32, 16), (32, 8)]
+
+
+def test_split_backward_is_measured_once_and_leaves_the_model_as_it_was():
+    """The zero-bubble schedules' split backward (torch's stage_backward_input, then
+    stage_backward_weight) timed against one backward on the model itself: at least 1,
+    once per model and shape in a process, the model's gradients and buffers untouched."""
+    from torch import nn
+
+    from profiler.profile import layer_clock
+    from profiler.whole_step import split_backward_ratio
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 64), nn.BatchNorm1d(64), nn.GELU(), nn.Linear(64, 64),
+                          nn.GELU(), nn.Linear(64, 4))
+    grad = torch.ones_like(model[0].weight)
+    model[0].weight.grad = grad
+    before = model[1].running_mean.clone()
+    x = torch.randn(8, 16)
+    ratio = split_backward_ratio(model, (x,), {}, 8, 4, layer_clock(), budget_s=0.2)
+    assert 1.0 <= ratio <= 2.0
+    assert model[0].weight.grad is grad and model[3].weight.grad is None
+    assert torch.equal(model[1].running_mean, before)
+    assert split_backward_ratio(model, (x,), {}, 8, 4, lambda: 0.0) == ratio  # cached
+    graph, _ = profiled_graph(model, "2xcpu", (x,))
+    assert graph.split_backward >= 1.0

@@ -163,3 +163,33 @@ def test_every_solver_prices_the_stages_replay(seed):
         mip = solve_stages(p, 2, 4, schedule, None, method="mip", chunks=2)
         expected = brute_force(p, 2, 4, schedule, None, chunks=2)[0]
         assert mip.times.objective_s == pytest.approx(expected.objective_s, rel=1e-7)
+
+
+def test_zero_bubble_schedules_price_the_split_backward():
+    """StageProblem.split_backward lengthens every layer's per-microbatch time under the
+    schedules that split the backward (torch's stage_backward_input, then
+    stage_backward_weight), and only there: evaluate() equals it on the problem scaled by
+    hand, the other schedules are priced as before, and the stage MIP equals brute force
+    on it."""
+    from dataclasses import replace
+
+    rng = np.random.default_rng(600)
+    plain = _random_problem(rng, units=5, layers=6)
+    p = replace(plain, split_backward=1.3)
+    by_hand = replace(plain, layers=tuple(replace(l, microbatch_s=l.microbatch_s * 1.3)
+                                          for l in plain.layers))
+    starts, choice = (0, 1, 2, 3), [0] * len(p.layers)
+    for schedule in ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"):
+        got = evaluate(p, starts, choice, 4, schedule, chunks=2)
+        assert got.step_s == pytest.approx(evaluate(by_hand, starts, choice, 4, schedule,
+                                                    chunks=2).step_s)
+        assert got.step_s > evaluate(plain, starts, choice, 4, schedule, chunks=2).step_s
+    for schedule in ("Interleaved1F1B",):
+        assert evaluate(p, starts, choice, 4, schedule, chunks=2) == evaluate(
+            plain, starts, choice, 4, schedule, chunks=2)
+    mip = solve_stages(p, 2, 4, "InterleavedZeroBubble", None, method="mip", chunks=2)
+    expected = brute_force(p, 2, 4, "InterleavedZeroBubble", None, chunks=2)[0]
+    assert mip.times.objective_s == pytest.approx(expected.objective_s, rel=1e-7)
+    assert mip.status == "optimal"
+    assert mip.times.step_s == pytest.approx(evaluate(
+        by_hand, mip.starts, mip.choice, 4, "InterleavedZeroBubble", chunks=2).step_s)
