@@ -11,6 +11,7 @@ profile() scales every layer's time by it.
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import weakref
 
@@ -25,12 +26,17 @@ from torch.utils import _pytree as pytree
 _STEPS: "weakref.WeakKeyDictionary[nn.Module, dict]" = weakref.WeakKeyDictionary()
 
 
+def _key(example_inputs, example_kwargs: dict, batch: int, rows: int) -> tuple:
+    """What a measurement of one model depends on: the batch, the rows timed, the threads."""
+    shapes = tuple(tuple(x.shape) if isinstance(x, torch.Tensor) else repr(x)
+                   for x in pytree.tree_leaves((tuple(example_inputs), dict(example_kwargs))))
+    return (batch, rows, torch.get_num_threads(), shapes)
+
+
 def cached_whole_step_s(model: nn.Module, example_inputs, example_kwargs: dict, batch: int,
                         rows: int, timer) -> float | None:
     """whole_step_s, measured once per model, batch, rows and thread count in a process."""
-    shapes = tuple(tuple(x.shape) if isinstance(x, torch.Tensor) else repr(x)
-                   for x in pytree.tree_leaves((tuple(example_inputs), dict(example_kwargs))))
-    key = (batch, rows, torch.get_num_threads(), shapes)
+    key = _key(example_inputs, example_kwargs, batch, rows)
     try:
         known = _STEPS.setdefault(model, {})
     except TypeError:  # a model that cannot be weakly referenced: measured each time
@@ -49,26 +55,32 @@ def whole_step_s(model: nn.Module, example_inputs, example_kwargs: dict, batch: 
     The model's gradients and buffers (BatchNorm statistics) are left as they were."""
     if any(p.is_meta for p in model.parameters()):
         return None
+    with _rows_of(model, example_inputs, example_kwargs, batch, rows) as (args, kwargs, params):
+        def step():
+            for p in params:
+                p.grad = None  # zero_grad's default: each step writes fresh gradients
+            out = _first_float(model(*args, **kwargs))
+            torch.log_softmax(out.float(), -1).mean().backward()
 
+        try:
+            return timer(step)
+        except Exception:  # noqa: BLE001 - the layer times stand without the glue
+            return None
+
+
+@contextlib.contextmanager
+def _rows_of(model: nn.Module, example_inputs, example_kwargs: dict, batch: int, rows: int):
+    """(args, kwargs, trainable parameters) with `rows` of the example batch; on exit the
+    model's gradients and buffers (BatchNorm statistics) are what they were before."""
     def cut(x):
         return x[:rows] if isinstance(x, torch.Tensor) and x.dim() and x.shape[0] == batch else x
 
-    args = pytree.tree_map(cut, tuple(example_inputs))
-    kwargs = pytree.tree_map(cut, dict(example_kwargs))
     params = [p for p in model.parameters() if p.requires_grad]
     grads = [p.grad for p in params]
     buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
-
-    def step():
-        for p in params:
-            p.grad = None  # zero_grad's default: each step writes fresh gradients
-        out = _first_float(model(*args, **kwargs))
-        torch.log_softmax(out.float(), -1).mean().backward()
-
     try:
-        return timer(step)
-    except Exception:  # noqa: BLE001 - the layer times stand without the glue
-        return None
+        yield (pytree.tree_map(cut, tuple(example_inputs)),
+               pytree.tree_map(cut, dict(example_kwargs)), params)
     finally:
         for p, g in zip(params, grads):
             p.grad = g
@@ -83,7 +95,7 @@ _SPLITS: "weakref.WeakKeyDictionary[nn.Module, dict]" = weakref.WeakKeyDictionar
 
 
 def split_backward_ratio(model: nn.Module, example_inputs, example_kwargs: dict, batch: int,
-                         rows: int, clock, budget_s: float = 1.0) -> float:
+                         rows: int, clock, budget_s: float = 0.5) -> float:
     """How much longer a step of `model` takes when its backward is split as torch's
     zero-bubble schedules split it (torch.distributed.pipelining's stage_backward_input,
     then stage_backward_weight: two passes of the autograd engine, the second from the
@@ -95,9 +107,7 @@ def split_backward_ratio(model: nn.Module, example_inputs, example_kwargs: dict,
     On this 2-core VM it read 1.04-1.31 over six models; two GPT-2 blocks, 1.36."""
     if any(p.is_meta for p in model.parameters()):
         return 1.0
-    shapes = tuple(tuple(x.shape) if isinstance(x, torch.Tensor) else repr(x)
-                   for x in pytree.tree_leaves((tuple(example_inputs), dict(example_kwargs))))
-    key = (batch, rows, torch.get_num_threads(), shapes)
+    key = _key(example_inputs, example_kwargs, batch, rows)
     try:
         known = _SPLITS.setdefault(model, {})
     except TypeError:
@@ -114,58 +124,43 @@ def _measure_split(model, example_inputs, example_kwargs, batch, rows, clock,
         stage_backward_input, stage_backward_weight,
     )
 
-    def cut(x):
-        return x[:rows] if isinstance(x, torch.Tensor) and x.dim() and x.shape[0] == batch else x
+    with _rows_of(model, example_inputs, example_kwargs, batch, rows) as (args, kwargs, params):
+        def step(split: bool):
+            for p in params:
+                p.grad = None
+            leaves: list[torch.Tensor] = []
 
-    args = pytree.tree_map(cut, tuple(example_inputs))
-    kwargs = pytree.tree_map(cut, dict(example_kwargs))
-    params = [p for p in model.parameters() if p.requires_grad]
-    grads = [p.grad for p in params]
-    buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
+            def first_float(module, inputs, output):  # the stage's received activation
+                if not leaves and isinstance(output, torch.Tensor) and output.is_floating_point():
+                    leaves.append(output.detach().requires_grad_())
+                    return leaves[0]
+                return None
 
-    def step(split: bool):
-        for p in params:
-            p.grad = None
-        leaves: list[torch.Tensor] = []
+            hooks = [m.register_forward_hook(first_float) for m in model.modules()
+                     if not any(True for _ in m.children())]
+            try:
+                loss = torch.log_softmax(_first_float(model(*args, **kwargs)).float(), -1).mean()
+            finally:
+                for h in hooks:
+                    h.remove()
+            if split:
+                _, groups = stage_backward_input([loss], [None], leaves, iter(params))
+                stage_backward_weight(iter(params), groups)
+            else:
+                torch.autograd.backward(loss, inputs=leaves + params)
 
-        def first_float(module, inputs, output):  # the stage's received activation
-            if not leaves and isinstance(output, torch.Tensor) and output.is_floating_point():
-                leaves.append(output.detach().requires_grad_())
-                return leaves[0]
-            return None
-
-        hooks = [m.register_forward_hook(first_float) for m in model.modules()
-                 if not any(True for _ in m.children())]
         try:
-            loss = torch.log_softmax(_first_float(model(*args, **kwargs)).float(), -1).mean()
-        finally:
-            for h in hooks:
-                h.remove()
-        if split:
-            _, groups = stage_backward_input([loss], [None], leaves, iter(params))
-            stage_backward_weight(iter(params), groups)
-        else:
-            torch.autograd.backward(loss, inputs=leaves + params)
-
-    try:
-        step(False), step(True)  # warm-up
-        plain, split = [], []
-        spent = 0.0
-        while len(plain) < 5 or (spent < budget_s and len(plain) < 25):
-            for flag, into in ((False, plain), (True, split)):
-                start = clock()
-                step(flag)
-                into.append(clock() - start)
-                spent += into[-1]
-    except Exception:  # noqa: BLE001 - priced as a plain backward
-        return 1.0
-    finally:
-        for p, g in zip(params, grads):
-            p.grad = g
-        with torch.no_grad():
-            for name, b in model.named_buffers():
-                if name in buffers:
-                    b.copy_(buffers[name])
+            step(False), step(True)  # warm-up
+            plain, split = [], []
+            spent = 0.0
+            while len(plain) < 3 or (spent < budget_s and len(plain) < 25):
+                for flag, into in ((False, plain), (True, split)):
+                    start = clock()
+                    step(flag)
+                    into.append(clock() - start)
+                    spent += into[-1]
+        except Exception:  # noqa: BLE001 - priced as a plain backward
+            return 1.0
     ratio = statistics.median(split) / statistics.median(plain)
     return min(2.0, max(1.0, ratio))
 
@@ -173,7 +168,8 @@ def _measure_split(model, example_inputs, example_kwargs, batch, rows, clock,
 def _first_float(output) -> torch.Tensor:
     """The output to put a loss on: a tensor, or the first floating one inside a tuple or
     a Hugging Face ModelOutput (its logits)."""
-    for leaf in pytree.tree_leaves(output if not hasattr(output, "to_tuple") else output.to_tuple()):
+    flat = output.to_tuple() if hasattr(output, "to_tuple") else output
+    for leaf in pytree.tree_leaves(flat):
         if isinstance(leaf, torch.Tensor) and leaf.is_floating_point() and leaf.requires_grad:
             return leaf
     raise ValueError("no floating-point output that needs a gradient")
