@@ -292,7 +292,10 @@ def why_schedule(result: SearchResult, shape: Shape, times) -> str:
             parts.append(f"{label(s)} {t.step_s:.4g} s, bubble {share(t)}, {memory}")
         else:
             parts.append(f"{label(s)} >= {t:.4g} s ({kind.replace('_', ' ')})")
-    return head + ("; vs " + "; ".join(parts) if parts else "")
+    split = result.built.problem.split_backward if result.built is not None else 1.0
+    note = (f" (zero-bubble schedules priced with torch's split backward, measured "
+            f"{split:.2f}x a plain one on this model)" if split > 1.0 else "")
+    return head + ("; vs " + "; ".join(parts) if parts else "") + note
 
 
 def _shard_fields(opts, c: int, m: int, sharded: bool) -> dict:
