@@ -142,12 +142,13 @@ def main() -> None:
 
     print("\nper rank, its median step (ms): step | actions busy | transfer waits | rest")
     sim_busy = sim.busy_s
+    per_stage = plan.mesh.size("dp") * plan.mesh.size("tp")  # ranks of one pipeline rank
     for r, res in enumerate(results):
         med = _median_step(res["steps"])
         busy = sum(b - a for k, *_, a, b in med["actions"] if k != "wait")
         waits = sum(b - a for k, *_, a, b in med["actions"] if k == "wait")
         print(f"rank {r}: {med['step'] * 1e3:7.1f} | {busy * 1e3:6.1f} (pred "
-              f"{sim_busy[r] * 1e3:5.1f}) | {waits * 1e3:6.1f} | "
+              f"{sim_busy[r // per_stage] * 1e3:5.1f}) | {waits * 1e3:6.1f} | "
               f"{(med['step'] - busy - waits) * 1e3:6.1f}")
         last = max((b for *_, b in med["actions"]), default=0.0)
         print(f"        last action ends {last * 1e3:.1f} ms; order: " + " ".join(
