@@ -150,10 +150,14 @@ def _measure_split(model, example_inputs, example_kwargs, batch, rows, clock,
                 torch.autograd.backward(loss, inputs=leaves + params)
 
         try:
+            begin = clock()
             step(False), step(True)  # warm-up
+            # at least 3 pairs, but one where a pair outlasts a third of the budget (a
+            # large model on a CPU: planning already ran its step 6 times for the glue)
+            least = 3 if clock() - begin < budget_s / 3 else 1
             plain, split = [], []
             spent = 0.0
-            while len(plain) < 3 or (spent < budget_s and len(plain) < 25):
+            while len(plain) < least or (spent < budget_s and len(plain) < 25):
                 for flag, into in ((False, plain), (True, split)):
                     start = clock()
                     step(flag)
