@@ -23,7 +23,7 @@ from planner.plan import (
 )
 from planner.price import group_link, step_overhead_s
 from planner.search import SearchResult, Shape, build, rank_groups, search
-from planner.schedules import LABELS
+from planner.schedules import LABELS, SPLIT_BACKWARD
 from planner.stages import evaluate, in_flight, stage_ranks
 from strategies.catalog import OPTIMIZER_STATE_FACTOR
 from strategies.cluster import Cluster
@@ -161,7 +161,7 @@ def to_plan(graph, cluster: Cluster, optimizer: str, budget: float, result: Sear
             inputs=list(layer.inputs),
             reason=_reason(strategy, k, S, tp, cost, opts, c),
             **_shard_fields(opts, opts.plain_index(c), m, sharded)))
-    if problem.for_schedule(shape.schedule) is not problem:  # its backward split in two
+    if shape.schedule in SPLIT_BACKWARD:  # its backward split in two (StageProblem.for_schedule)
         compute = [c * problem.split_backward for c in compute]
     for k in range(1, S):  # each later stage reruns what depends on positions alone
         compute[ranks_of[k]] += problem.replay_s

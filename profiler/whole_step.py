@@ -33,17 +33,24 @@ def _key(example_inputs, example_kwargs: dict, batch: int, rows: int) -> tuple:
     return (batch, rows, torch.get_num_threads(), shapes)
 
 
+def _once(cache: weakref.WeakKeyDictionary, model: nn.Module, key: tuple, measure):
+    """measure(), kept in `cache` under (model, key); measured each time for a model that
+    cannot be weakly referenced."""
+    try:
+        known = cache.setdefault(model, {})
+    except TypeError:
+        return measure()
+    if key not in known:
+        known[key] = measure()
+    return known[key]
+
+
 def cached_whole_step_s(model: nn.Module, example_inputs, example_kwargs: dict, batch: int,
                         rows: int, timer) -> float | None:
     """whole_step_s, measured once per model, batch, rows and thread count in a process."""
-    key = _key(example_inputs, example_kwargs, batch, rows)
-    try:
-        known = _STEPS.setdefault(model, {})
-    except TypeError:  # a model that cannot be weakly referenced: measured each time
-        return whole_step_s(model, example_inputs, example_kwargs, batch, rows, timer)
-    if key not in known:
-        known[key] = whole_step_s(model, example_inputs, example_kwargs, batch, rows, timer)
-    return known[key]
+    return _once(_STEPS, model, _key(example_inputs, example_kwargs, batch, rows),
+                 lambda: whole_step_s(model, example_inputs, example_kwargs, batch, rows,
+                                      timer))
 
 
 def whole_step_s(model: nn.Module, example_inputs, example_kwargs: dict, batch: int,
@@ -107,15 +114,9 @@ def split_backward_ratio(model: nn.Module, example_inputs, example_kwargs: dict,
     On this 2-core VM it read 1.04-1.31 over six models; two GPT-2 blocks, 1.36."""
     if any(p.is_meta for p in model.parameters()):
         return 1.0
-    key = _key(example_inputs, example_kwargs, batch, rows)
-    try:
-        known = _SPLITS.setdefault(model, {})
-    except TypeError:
-        known = {}
-    if key not in known:
-        known[key] = _measure_split(model, example_inputs, example_kwargs, batch, rows, clock,
-                                    budget_s)
-    return known[key]
+    return _once(_SPLITS, model, _key(example_inputs, example_kwargs, batch, rows),
+                 lambda: _measure_split(model, example_inputs, example_kwargs, batch, rows,
+                                        clock, budget_s))
 
 
 def _measure_split(model, example_inputs, example_kwargs, batch, rows, clock,
@@ -124,31 +125,29 @@ def _measure_split(model, example_inputs, example_kwargs, batch, rows, clock,
         stage_backward_input, stage_backward_weight,
     )
 
+    leaves: list[torch.Tensor] = []  # this step's stage input
+
+    def first_float(module, inputs, output):  # the stage's received activation
+        if not leaves and isinstance(output, torch.Tensor) and output.is_floating_point():
+            leaves.append(output.detach().requires_grad_())
+            return leaves[0]
+        return None
+
     with _rows_of(model, example_inputs, example_kwargs, batch, rows) as (args, kwargs, params):
         def step(split: bool):
             for p in params:
                 p.grad = None
-            leaves: list[torch.Tensor] = []
-
-            def first_float(module, inputs, output):  # the stage's received activation
-                if not leaves and isinstance(output, torch.Tensor) and output.is_floating_point():
-                    leaves.append(output.detach().requires_grad_())
-                    return leaves[0]
-                return None
-
-            hooks = [m.register_forward_hook(first_float) for m in model.modules()
-                     if not any(True for _ in m.children())]
-            try:
-                loss = torch.log_softmax(_first_float(model(*args, **kwargs)).float(), -1).mean()
-            finally:
-                for h in hooks:
-                    h.remove()
+            leaves.clear()
+            loss = torch.log_softmax(_first_float(model(*args, **kwargs)).float(), -1).mean()
             if split:
                 _, groups = stage_backward_input([loss], [None], leaves, iter(params))
                 stage_backward_weight(iter(params), groups)
             else:
                 torch.autograd.backward(loss, inputs=leaves + params)
 
+        # registered once, outside the timed steps
+        hooks = [m.register_forward_hook(first_float) for m in model.modules()
+                 if not any(True for _ in m.children())]
         try:
             begin = clock()
             step(False), step(True)  # warm-up
@@ -165,6 +164,9 @@ def _measure_split(model, example_inputs, example_kwargs, batch, rows, clock,
                     spent += into[-1]
         except Exception:  # noqa: BLE001 - priced as a plain backward
             return 1.0
+        finally:
+            for h in hooks:
+                h.remove()
     ratio = statistics.median(split) / statistics.median(plain)
     return min(2.0, max(1.0, ratio))
 
