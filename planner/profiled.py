@@ -5,6 +5,9 @@ profile it on the cluster; and the error each raises when nothing fits.
 
 from __future__ import annotations
 
+import weakref
+
+import torch
 from torch import nn
 
 from profiler import profile, trace
@@ -51,11 +54,53 @@ def profiled_graph(model: nn.Module, devices, example_inputs, example_kwargs=Non
     return at_precision(graph, cluster.training_precision), cluster
 
 
+# model -> {what it was traced with: its ModelGraph}; weak, so a model dropped by its
+# user drops its graphs
+_traced: "weakref.WeakKeyDictionary[nn.Module, dict]" = weakref.WeakKeyDictionary()
+
+
 def trace_model(model: nn.Module, example_inputs, example_kwargs=None, leaf_modules=(),
                 tracer: str = "auto"):
-    """The model's ModelGraph by torch.fx, or by torch.export where fx cannot follow it."""
+    """The model's ModelGraph by torch.fx, or by torch.export where fx cannot follow it;
+    traced once per model, structure and input shapes in a process (a ModelGraph is
+    frozen): planning one model again, or its baselines beside it (`hyplan compare`, a
+    plan of each kind), traced a Hugging Face model by torch.export each time, ~1 s."""
     if tracer not in ("auto", "fx", "export", "blocks"):
         raise ValueError(f"tracer: {tracer!r} is not one of 'auto', 'fx', 'export', 'blocks'")
+    key = _trace_key(model, example_inputs, example_kwargs, leaf_modules, tracer)
+    try:
+        known = _traced.setdefault(model, {})
+    except TypeError:  # not weakly referenceable: trace every time
+        known = {}
+    if key not in known:
+        known[key] = _trace(model, example_inputs, example_kwargs, leaf_modules, tracer)
+    return known[key]
+
+
+def _trace_key(model: nn.Module, example_inputs, example_kwargs, leaf_modules, tracer) -> tuple:
+    """What a trace depends on: the model's modules (names, classes), its parameters' and
+    buffers' names, shapes and dtypes, its mode, and the inputs' shapes and dtypes (not
+    any values: tracing runs on fake tensors)."""
+    def shape_of(x):
+        if isinstance(x, torch.Tensor):
+            return ("tensor", tuple(x.shape), x.dtype, x.device.type)
+        if isinstance(x, (list, tuple)):
+            return (type(x).__name__, tuple(shape_of(v) for v in x))
+        if isinstance(x, dict):
+            return ("dict", tuple(sorted((k, shape_of(v)) for k, v in x.items())))
+        return ("value", repr(x))
+
+    tensors = [*model.named_parameters(remove_duplicate=False),
+               *model.named_buffers(remove_duplicate=False)]
+    return (tracer, model.training,
+            tuple((name, type(m)) for name, m in model.named_modules()),
+            tuple((name, tuple(t.shape), t.dtype, t.device.type) for name, t in tensors),
+            tuple(id(p) for _, p in tensors),  # a tie made or broken changes the graph
+            shape_of(example_inputs), shape_of(example_kwargs or {}),
+            tuple(leaf_modules))
+
+
+def _trace(model: nn.Module, example_inputs, example_kwargs, leaf_modules, tracer):
     if tracer == "blocks":  # torch.export of three blocks, repeated (profiler.repeat_blocks)
         return trace_repeated(model, example_inputs, example_kwargs, unit_types(model))
     if tracer != "export":

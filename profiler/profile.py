@@ -148,6 +148,10 @@ def count_flops(graph: ModelGraph) -> dict[str, tuple[int, int]]:
     values: dict[str, object] = {}
     needs_grad: dict[str, bool] = {}
     result: dict[str, tuple[int, int]] = {}
+    # node key (what times a node, _node_key: op, module configuration, input shapes) ->
+    # (fwd, bwd, output, needs grad): a transformer's repeated blocks are counted once
+    # (a 48-block GPT: 390 nodes run under the FLOP counter, 3.5 s, where 10 differ)
+    counted: dict[tuple, tuple] = {}
     for node in gm.graph.nodes:
         if node.op == "output":
             continue
@@ -158,14 +162,23 @@ def count_flops(graph: ModelGraph) -> dict[str, tuple[int, int]]:
             if layer is not None:
                 result[node.name] = (0, 0)
             continue
-        try:
-            fwd, bwd, out = _node_flops(node, values, needs_grad, modules, gm, meta=True)
-        except Exception:  # data-dependent Python in a leaf module: count it on zeros
-            real = {n.name: materialize(values.get(n.name)) for n in node.all_input_nodes}
-            fwd, bwd, out = _node_flops(node, real, needs_grad, modules, gm, meta=False)
-            out = to_meta(out)
-        needs_grad[node.name] = isinstance(out, torch.Tensor) and out.requires_grad
-        values[node.name] = out.detach() if isinstance(out, torch.Tensor) else out
+        key = (None if node.op == "get_attr"  # each its own tensor
+               else _node_key(node, modules, values, needs_grad))
+        if key in counted:
+            fwd, bwd, value, grad = counted[key]
+        else:
+            try:
+                fwd, bwd, out = _node_flops(node, values, needs_grad, modules, gm, meta=True)
+            except Exception:  # data-dependent Python in a leaf module: count it on zeros
+                real = {n.name: materialize(values.get(n.name)) for n in node.all_input_nodes}
+                fwd, bwd, out = _node_flops(node, real, needs_grad, modules, gm, meta=False)
+                out = to_meta(out)
+            grad = isinstance(out, torch.Tensor) and out.requires_grad
+            value = out.detach() if isinstance(out, torch.Tensor) else out
+            if key is not None:
+                counted[key] = (fwd, bwd, value, grad)
+        needs_grad[node.name] = grad
+        values[node.name] = value
         if layer is not None:
             result[node.name] = (fwd, bwd)
     return result
@@ -219,7 +232,13 @@ def _shape_key(value):
 
 def _node_key(node: fx.Node, modules: dict, local: dict, needs_grad: dict) -> tuple:
     """What decides a node's time: its op, its module's configuration, its inputs' shapes."""
-    what = repr(modules[node.target]) if node.op == "call_module" else str(node.target)
+    what = str(node.target)
+    if node.op == "call_module":  # its configuration, its tensors' shapes (a custom
+        # module's repr may not show them), and which weights train (its backward)
+        module = modules[node.target]
+        what = (repr(module), tuple((tuple(p.shape), p.requires_grad)
+                                    for p in module.parameters()),
+                tuple(tuple(b.shape) for b in module.buffers()))
     args = fx.node.map_arg((node.args, node.kwargs), lambda n: _shape_key(local.get(n.name)))
     grads = tuple(bool(needs_grad.get(n.name)) for n in node.all_input_nodes)
     return (node.op, what, _shape_key(args), grads, torch.get_num_threads())
