@@ -137,6 +137,10 @@ class StagePlan(_Data):
     microbatch_s: float = Field(description="forward + backward of one microbatch, with its "
                                 "collectives and the point-to-point transfers at its cuts")
     send_s: float = Field(0.0, description="point-to-point time per microbatch at its cuts")
+    compute_s: float | None = Field(None, description="of microbatch_s, the compute: its "
+                                    "layers', longer by a split backward (zero-bubble "
+                                    "schedules), and a prologue rerun on later stages (None "
+                                    "in plans saved before it was kept)")
     step_s: float = Field(description="once per step: gradient sync over dp + optimizer")
     memory: MemoryBreakdown
 

@@ -126,6 +126,7 @@ def to_plan(graph, cluster: Cluster, optimizer: str, budget: float, result: Sear
                          optimizer_state_bytes=0.0, activations_bytes=0.0,
                          microbatches_in_flight=flight[k]) for k in range(S)]
     compute = [0.0] * pp
+    stage_compute = [0.0] * S
     update = [0.0] * pp
     for i, layer in enumerate(graph.layers):
         c, k = choice[i], stage[i]
@@ -142,6 +143,7 @@ def to_plan(graph, cluster: Cluster, optimizer: str, budget: float, result: Sear
             mem["optimizer_state_bytes"] += state * local
             mem["activations_bytes"] += float(opts.activation_bytes[c]) * flight[k]
         compute[r] += cost.compute_s
+        stage_compute[k] += cost.compute_s
         update[r] += cost.update_s
         if layer.is_input:
             inputs.append(InputPlan(name=layer.node, layout=strategy.gives.value,
@@ -163,8 +165,10 @@ def to_plan(graph, cluster: Cluster, optimizer: str, budget: float, result: Sear
             **_shard_fields(opts, opts.plain_index(c), m, sharded)))
     if shape.schedule in SPLIT_BACKWARD:  # its backward split in two (StageProblem.for_schedule)
         compute = [c * problem.split_backward for c in compute]
+        stage_compute = [c * problem.split_backward for c in stage_compute]
     for k in range(1, S):  # each later stage reruns what depends on positions alone
         compute[ranks_of[k]] += problem.replay_s
+        stage_compute[k] += problem.replay_s
     recomputed = [problem.units[u] for u in problem.recomputed_units(choice)]
     if recomputed:  # one block's activations, live again in its backward
         holding = {ranks_of[stage_of_unit[u]] for u in problem.recomputed_units(choice)}
@@ -182,6 +186,7 @@ def to_plan(graph, cluster: Cluster, optimizer: str, budget: float, result: Sear
             modules=_stage_modules(graph, stage, k, unit_names[starts[k]:starts[k + 1]]),
             ranks=sorted(q for g in groups["tp"][r * dp:(r + 1) * dp] for q in g),
             microbatch_s=times.microbatch_s[k], send_s=times.send_s[k],
+            compute_s=min(stage_compute[k], times.microbatch_s[k]),
             step_s=times.once_s[k], memory=MemoryBreakdown(**stage_memory[k])))
     # the step split: the busiest rank's microbatches, the bubble (its idle time in the
     # simulated schedule, planner.schedules), the per-step part of the slowest rank

@@ -334,3 +334,27 @@ def test_each_later_stage_pays_for_the_positions_and_mask_it_recomputes():
         sum(float(problem.layers[i].microbatch_s.min()) for i in replayed))
     assert problem.replay_s > 0
     assert build(cache, 1, 2, 1, rows).problem.replay_s == 0.0
+
+
+def test_the_timeline_draws_a_stages_replay_and_split_backward_as_its_compute():
+    """A later stage's compute is its layers' longer by the split backward (a zero-bubble
+    schedule) plus the prologue it reruns: the plan keeps it per stage, and the timeline
+    draws it as compute, not as communication."""
+    from planner.report.plot import timeline_from_plan
+
+    graph, cluster = _profiled("llama4", 2)
+    graph = replace(graph, split_backward=1.25)  # as profiler.whole_step measures it
+    shape = Shape(2, 1, 1, 4, "ZBVZeroBubble", 2)
+    plan = plan_3d(graph, cluster, "sgd", cluster.device.memory_bytes, time.perf_counter(),
+                   only=[shape])
+    replay = build(CostCache(graph, cluster, "sgd"), 2, 1, 1, shape.rows(graph.batch_size),
+                   ends_together=True).problem.replay_s
+    assert replay > 0
+    t = timeline_from_plan(plan)
+    m = plan.pipeline.microbatches
+    for st in plan.pipeline.stages:
+        layers = sum(l.compute_s for l in plan.layers if l.stage == st.index) / m
+        expected = min(1.25 * layers + (replay if st.index else 0.0), st.microbatch_s)
+        assert st.compute_s == pytest.approx(expected, rel=1e-9)
+        assert t.forward_s[st.index] + t.backward_s[st.index] == pytest.approx(st.compute_s)
+        assert Plan.from_json(plan.to_json()).pipeline.stages[st.index] == st

@@ -330,7 +330,10 @@ def timeline_from_plan(plan: Plan) -> PipelineTimeline:
 
 def _pipelined(plan: Plan) -> PipelineTimeline:
     """Per global stage, the planner's microbatch time split as planner.schedules.price
-    splits it (forward a third, backward two thirds), compute and communication alike."""
+    splits it (forward a third, backward two thirds), compute and communication alike. A
+    stage's compute is the plan's own (StagePlan.compute_s: with a zero-bubble schedule's
+    split backward and the prologue a later stage reruns); plans saved without it sum
+    their layers'."""
     pipe, m = plan.pipeline, plan.pipeline.microbatches
     S = len(pipe.stages)
     pp = S // pipe.chunks
@@ -341,7 +344,8 @@ def _pipelined(plan: Plan) -> PipelineTimeline:
     for l in plan.layers:
         compute[l.stage] += l.compute_s / m
         update[rank[l.stage]] += l.update_s
-    compute = [min(c, st.microbatch_s) for c, st in zip(compute, pipe.stages)]
+    compute = [min(c if st.compute_s is None else st.compute_s, st.microbatch_s)
+               for c, st in zip(compute, pipe.stages)]
     comm = [st.microbatch_s - c for st, c in zip(pipe.stages, compute)]
     once = [0.0] * pp
     labels = [""] * pp
