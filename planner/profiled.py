@@ -5,13 +5,13 @@ profile it on the cluster; and the error each raises when nothing fits.
 
 from __future__ import annotations
 
-import weakref
-
 import torch
 from torch import nn
+from torch.utils import _pytree as pytree
 
 from profiler import profile, trace
 from profiler.export_trace import export_trace
+from profiler.per_model import PerModel
 from profiler.repeat_blocks import trace_repeated
 from profiler.trace import TraceError
 from strategies.catalog import OPTIMIZER_STATE_FACTOR, leaf_types, unit_types
@@ -54,9 +54,7 @@ def profiled_graph(model: nn.Module, devices, example_inputs, example_kwargs=Non
     return at_precision(graph, cluster.training_precision), cluster
 
 
-# model -> {what it was traced with: its ModelGraph}; weak, so a model dropped by its
-# user drops its graphs
-_traced: "weakref.WeakKeyDictionary[nn.Module, dict]" = weakref.WeakKeyDictionary()
+_traced = PerModel()  # model -> {what it was traced with: its ModelGraph}
 
 
 def trace_model(model: nn.Module, example_inputs, example_kwargs=None, leaf_modules=(),
@@ -67,37 +65,26 @@ def trace_model(model: nn.Module, example_inputs, example_kwargs=None, leaf_modu
     plan of each kind), traced a Hugging Face model by torch.export each time, ~1 s."""
     if tracer not in ("auto", "fx", "export", "blocks"):
         raise ValueError(f"tracer: {tracer!r} is not one of 'auto', 'fx', 'export', 'blocks'")
-    key = _trace_key(model, example_inputs, example_kwargs, leaf_modules, tracer)
-    try:
-        known = _traced.setdefault(model, {})
-    except TypeError:  # not weakly referenceable: trace every time
-        known = {}
-    if key not in known:
-        known[key] = _trace(model, example_inputs, example_kwargs, leaf_modules, tracer)
-    return known[key]
+    return _traced.get(model, _trace_key(model, example_inputs, example_kwargs, leaf_modules,
+                                         tracer),
+                       lambda: _trace(model, example_inputs, example_kwargs, leaf_modules,
+                                      tracer))
 
 
 def _trace_key(model: nn.Module, example_inputs, example_kwargs, leaf_modules, tracer) -> tuple:
     """What a trace depends on: the model's modules (names, classes), its parameters' and
     buffers' names, shapes and dtypes, its mode, and the inputs' shapes and dtypes (not
     any values: tracing runs on fake tensors)."""
-    def shape_of(x):
-        if isinstance(x, torch.Tensor):
-            return ("tensor", tuple(x.shape), x.dtype, x.device.type)
-        if isinstance(x, (list, tuple)):
-            return (type(x).__name__, tuple(shape_of(v) for v in x))
-        if isinstance(x, dict):
-            return ("dict", tuple(sorted((k, shape_of(v)) for k, v in x.items())))
-        return ("value", repr(x))
-
+    leaves, structure = pytree.tree_flatten((example_inputs, dict(example_kwargs or {})))
+    inputs = (str(structure), tuple((tuple(x.shape), x.dtype, x.device.type)
+                                    if isinstance(x, torch.Tensor) else repr(x) for x in leaves))
     tensors = [*model.named_parameters(remove_duplicate=False),
                *model.named_buffers(remove_duplicate=False)]
     return (tracer, model.training,
             tuple((name, type(m)) for name, m in model.named_modules()),
             tuple((name, tuple(t.shape), t.dtype, t.device.type) for name, t in tensors),
             tuple(id(p) for _, p in tensors),  # a tie made or broken changes the graph
-            shape_of(example_inputs), shape_of(example_kwargs or {}),
-            tuple(leaf_modules))
+            inputs, tuple(leaf_modules))
 
 
 def _trace(model: nn.Module, example_inputs, example_kwargs, leaf_modules, tracer):

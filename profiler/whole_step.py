@@ -13,17 +13,18 @@ from __future__ import annotations
 
 import contextlib
 import statistics
-import weakref
 
 import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
+from profiler.per_model import PerModel
+
 # model -> {(batch, rows, threads, input shapes): seconds}: one measurement per model and
 # shape in a process, as the layer times are cached by shape. Measured again at every
 # planning, the step moved by up to 13% between two plannings of one model here (one slow
 # window: glue 1.13 against 1.0), and two plans of the same program were priced apart.
-_STEPS: "weakref.WeakKeyDictionary[nn.Module, dict]" = weakref.WeakKeyDictionary()
+_STEPS = PerModel()
 
 
 def _key(example_inputs, example_kwargs: dict, batch: int, rows: int) -> tuple:
@@ -33,22 +34,10 @@ def _key(example_inputs, example_kwargs: dict, batch: int, rows: int) -> tuple:
     return (batch, rows, torch.get_num_threads(), shapes)
 
 
-def _once(cache: weakref.WeakKeyDictionary, model: nn.Module, key: tuple, measure):
-    """measure(), kept in `cache` under (model, key); measured each time for a model that
-    cannot be weakly referenced."""
-    try:
-        known = cache.setdefault(model, {})
-    except TypeError:
-        return measure()
-    if key not in known:
-        known[key] = measure()
-    return known[key]
-
-
 def cached_whole_step_s(model: nn.Module, example_inputs, example_kwargs: dict, batch: int,
                         rows: int, timer) -> float | None:
     """whole_step_s, measured once per model, batch, rows and thread count in a process."""
-    return _once(_STEPS, model, _key(example_inputs, example_kwargs, batch, rows),
+    return _STEPS.get(model, _key(example_inputs, example_kwargs, batch, rows),
                  lambda: whole_step_s(model, example_inputs, example_kwargs, batch, rows,
                                       timer))
 
@@ -98,7 +87,7 @@ def _rows_of(model: nn.Module, example_inputs, example_kwargs: dict, batch: int,
 
 
 # model -> {(batch, rows, threads, input shapes): ratio}, as _STEPS
-_SPLITS: "weakref.WeakKeyDictionary[nn.Module, dict]" = weakref.WeakKeyDictionary()
+_SPLITS = PerModel()
 
 
 def split_backward_ratio(model: nn.Module, example_inputs, example_kwargs: dict, batch: int,
@@ -114,7 +103,7 @@ def split_backward_ratio(model: nn.Module, example_inputs, example_kwargs: dict,
     On this 2-core VM it read 1.04-1.31 over six models; two GPT-2 blocks, 1.36."""
     if any(p.is_meta for p in model.parameters()):
         return 1.0
-    return _once(_SPLITS, model, _key(example_inputs, example_kwargs, batch, rows),
+    return _SPLITS.get(model, _key(example_inputs, example_kwargs, batch, rows),
                  lambda: _measure_split(model, example_inputs, example_kwargs, batch, rows,
                                         clock, budget_s))
 
