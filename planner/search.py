@@ -59,6 +59,7 @@ from planner.stages import (
     min_memory_bytes, quick_plan, solve_stages,
 )
 from profiler.graph import Layer, ModelGraph
+from profiler.traffic import scaled_rows
 from strategies.catalog import CostContext, candidates
 from strategies.cluster import Cluster
 from strategies.collectives import send_recv_s
@@ -229,8 +230,11 @@ def _scaled(layer: Layer, batch: int, rows: int) -> Layer:
         return layer
     f = rows / batch
     output = replace(out, shape=(rows, *out.shape[1:]), nbytes=int(out.nbytes * f))
+    attrs = layer.attrs
+    if "traffic" in attrs:  # the batch's bytes scale, the weights' do not
+        attrs = {**attrs, "traffic": {p: scaled_rows(t, f) for p, t in attrs["traffic"].items()}}
     return replace(layer, output=output, fwd_flops=int(layer.fwd_flops * f),
-                   bwd_flops=int(layer.bwd_flops * f))
+                   bwd_flops=int(layer.bwd_flops * f), attrs=attrs)
 
 
 def tied_options(options: list) -> list:

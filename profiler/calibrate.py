@@ -611,21 +611,35 @@ class ComputeRates:
     copy_bytes_per_s: float
     memory_bytes: float
     half_flops: dict[str, float] = field(default_factory=dict)  # CUDA: bfloat16, float16
+    # CUDA only: what pricing by shape (strategies.gpu_compute) reads
+    multiprocessors: int = 0
+    attention_flops: float = 0.0  # causal flash attention, forward + backward, bfloat16
+    launch_s: float = 0.0  # one tiny kernel, back to back
+
+
+# On a GPU a 1024-cube GEMM runs at a fraction of the ceiling (on an H200, bf16: 126 of ~700
+# TFLOP/s; it is launch- and wave-bound), so the ceiling is measured where it is reached:
+# 8192-cube bf16 and fp16 (690 TFLOP/s on an H200 in 1.6 ms), a 4096-cube fp32 GEMM
+# (51 TFLOP/s in 2.7 ms). Pricing by shape (tiles, waves, the launch floor) takes it from
+# there down to small GEMMs.
+CUDA_HALF_N, CUDA_FLOAT_N = 8192, 4096
 
 
 def measure_compute(threads: int, device: str = "cpu") -> ComputeRates:
     """Achieved FLOP/s of matmul and conv2d, and copy bandwidth (256 MB, out of cache),
-    on `device` with `threads` intra-op threads, by torch.utils.benchmark medians."""
+    on `device` with `threads` intra-op threads, by torch.utils.benchmark medians; on a GPU
+    also the half-precision GEMM ceiling, flash attention's rate and the launch floor."""
     from torch.utils import benchmark
 
     dev = torch.device(device)
+    cuda = dev.type == "cuda"
 
     def median_s(stmt: str, env: dict, min_run_time: float = 0.3) -> float:
         timer = benchmark.Timer(stmt=stmt, globals=env, num_threads=threads)
         return timer.blocked_autorange(min_run_time=min_run_time).median
 
     with thread_count(threads), torch.no_grad():
-        n = 1024
+        n = CUDA_FLOAT_N if cuda else 1024
         a, b = torch.randn(n, n, device=dev), torch.randn(n, n, device=dev)
         matmul = 2 * n**3 / median_s("a @ b", {"a": a, "b": b})
         x = torch.randn(16, 64, 32, 32, device=dev)
@@ -636,13 +650,18 @@ def measure_compute(threads: int, device: str = "cpu") -> ComputeRates:
         src = torch.ones(256 * 2**20 // 4, device=dev)  # touched: untouched pages read as
         dst = torch.zeros_like(src)  # one shared zero page, which sits in cache
         bandwidth = 2 * src.numel() * 4 / median_s("dst.copy_(src)", {"dst": dst, "src": src})
-        half = {}
-        if dev.type == "cuda":  # tensor cores: the rate of each low-precision dtype
+        half, extra = {}, {}
+        if cuda:  # tensor cores: the ceiling of each low-precision dtype
+            h = torch.randn(CUDA_HALF_N, CUDA_HALF_N, device=dev)
             for dtype in (torch.bfloat16, torch.float16):
-                h, g = a.to(dtype), b.to(dtype)
-                half[str(dtype).removeprefix("torch.")] = 2 * n**3 / median_s(
-                    "h @ g", {"h": h, "g": g})
-    if dev.type == "cuda":
+                g = h.to(dtype)
+                half[str(dtype).removeprefix("torch.")] = 2 * CUDA_HALF_N**3 / median_s(
+                    "g @ g", {"g": g})
+            del h, g
+            extra = dict(multiprocessors=torch.cuda.get_device_properties(dev).multi_processor_count,
+                         attention_flops=_flash_attention_flops(dev, median_s),
+                         launch_s=median_s("t.add_(1)", {"t": torch.ones(1, device=dev)}))
+    if cuda:
         memory = float(torch.cuda.get_device_properties(dev).total_memory)
         name = torch.cuda.get_device_name(dev)
     else:
@@ -650,7 +669,23 @@ def measure_compute(threads: int, device: str = "cpu") -> ComputeRates:
         name = "cpu"
     return ComputeRates(name=name, kind=dev.type, threads=threads, matmul_flops=matmul,
                         conv2d_flops=conv, copy_bytes_per_s=bandwidth, memory_bytes=memory,
-                        half_flops=half)
+                        half_flops=half, **extra)
+
+
+def _flash_attention_flops(dev: torch.device, median_s) -> float:
+    """FLOP/s of causal scaled-dot-product attention, forward and backward, in bf16 at a
+    training shape (4 x 32 heads x 2048 x 128), counted as strategies.gpu_compute counts it:
+    half the score matrix, backward 2.5 x forward."""
+    b, heads, seq, dim = 4, 32, 2048, 128
+    q = torch.randn(b, heads, seq, dim, device=dev, dtype=torch.bfloat16, requires_grad=True)
+    grad = torch.ones_like(q)
+    stmt = ("torch.autograd.grad(F.scaled_dot_product_attention(q, q, q, is_causal=True), "
+            "q, grad)")
+    with torch.enable_grad():
+        seconds = median_s(stmt, {"q": q, "grad": grad, "F": torch.nn.functional,
+                                  "torch": torch})
+    forward = 2 * b * seq * seq * heads * dim  # half of 4·b·s²·h·d
+    return forward * 3.5 / seconds
 
 
 # --- collectives on `world` ranks --------------------------------------------------------------

@@ -26,7 +26,8 @@ from profiler.allocator import keep_freed_memory
 from profiler.export_timing import measure_export_times
 from profiler.whole_step import cached_whole_step_s, glue_factor, split_backward_ratio
 from profiler.machine import threads as thread_count
-from profiler.trace import to_meta, materialize, meta_params, run_node
+from profiler.trace import materialize, meta_params, run_node, to_meta, weights_device
+from profiler.traffic import OPAQUE, Recorder, Seen, accumulation, constant, op_name, replay
 
 # (what ran, at which shapes, with how many threads) -> seconds of forward + backward
 _TIMES: dict[tuple, float] = {}
@@ -45,8 +46,9 @@ def profile(graph: ModelGraph, measure: bool = False, measure_batch: int | None 
         if not measure or model is None or example_inputs is None:
             return graph
         flops = {layer.node: (layer.fwd_flops, layer.bwd_flops) for layer in graph.layers}
+        moved = {}
     else:
-        flops = count_flops(graph)
+        flops, moved = count_flops_and_traffic(graph)
     times: dict[str, float] = {}
     shards: dict[str, dict[str, float]] = {}
     split = 1.0
@@ -78,6 +80,8 @@ def profile(graph: ModelGraph, measure: bool = False, measure_batch: int | None 
                                                  graph.batch_size, batch, layer_clock())
     layers = tuple(
         replace(layer, fwd_flops=flops[layer.node][0], bwd_flops=flops[layer.node][1],
+                attrs={**layer.attrs, "traffic": moved[layer.node]}
+                if layer.node in moved else layer.attrs,
                 measured_s=times.get(layer.node),
                 measured_batch=batch if layer.node in times else None,
                 measured_shards=shards.get(layer.node, {}),
@@ -120,7 +124,9 @@ def _placeholder_value(layer: Layer | None, graph: ModelGraph, node: fx.Node, de
 
 
 def _node_flops(node, values, needs_grad, modules, gm, meta: bool):
-    """(forward FLOPs, backward FLOPs, output) of one node run on its own."""
+    """(forward FLOPs, backward FLOPs, output, what it ran) of one node run on its own;
+    what it ran (profiler.traffic.Recorder's ATen ops, the tensors handed to it in input
+    order, its parameters) prices its memory traffic under each precision."""
     local, leaves = _inputs_for(node, values, needs_grad)
     module = modules[node.target] if node.op == "call_module" else None
     if module is None:
@@ -129,20 +135,63 @@ def _node_flops(node, values, needs_grad, modules, gm, meta: bool):
         params = meta_params(module)
     else:
         params = dict(module.named_parameters())
-    with FlopCounterMode(display=False) as counter:
+    with FlopCounterMode(display=False) as counter, Recorder() as recorder:
         out = run_node(node, local, modules, gm, params if meta and module is not None else None)
     fwd = counter.get_total_flops()
+    handed = [local.get(n.name) for n in node.all_input_nodes]
+    ops = recorder.ops
+    if node.op == "call_function" and op_name(node.target) in OPAQUE:
+        # one fused kernel on a GPU; on meta tensors it ran as its math decomposition
+        ops = [(op_name(node.target), False, None, [out],
+                [t for t in handed if isinstance(t, torch.Tensor)])]
+    ran = (ops, handed, params, out)
     targets = _grad_targets(leaves, params)
     bwd = 0
     if isinstance(out, torch.Tensor) and out.requires_grad and targets:
         with FlopCounterMode(display=False) as counter:
             torch.autograd.grad(out, targets, torch.empty_like(out), allow_unused=True)
         bwd = counter.get_total_flops()
-    return fwd, bwd, out
+    return fwd, bwd, out, ran
+
+
+PRECISIONS = {"float32": None, "bfloat16": torch.bfloat16}
+
+
+def _traffic(node, ran, upstream: dict, batch: int) -> tuple[dict, dict]:
+    """({precision: traffic attr}, {precision: record of the output}) of one node, its ATen
+    ops replayed with what is known of its inputs (`upstream`: {precision: {node name:
+    Seen, or a list of them for a tuple}})."""
+    ops, handed, params, out = ran
+    attrs, records = {}, {}
+    for precision, low in PRECISIONS.items():
+        known: dict[int, Seen] = {}
+        for src, value in zip(node.all_input_nodes, handed):
+            record = upstream[precision].get(src.name)
+            if isinstance(value, torch.Tensor) and isinstance(record, Seen):
+                known[id(value)] = record
+            elif isinstance(value, (tuple, list)) and isinstance(record, list):
+                known.update({id(v): r for v, r in zip(value, record)
+                              if isinstance(v, torch.Tensor)})
+        for p in params.values():
+            known[id(p)] = Seen(p, p.dtype, p.requires_grad, False)
+        attrs[precision] = replay(ops, known, low, batch).as_attr()
+        if isinstance(out, torch.Tensor):
+            records[precision] = known.get(id(out)) or constant(out, batch)
+        elif isinstance(out, (tuple, list)):
+            records[precision] = [known.get(id(o)) or constant(o, batch)
+                                  for o in out if isinstance(o, torch.Tensor)]
+    attrs["float16"] = attrs["bfloat16"]  # the same element size
+    return attrs, records
 
 
 def count_flops(graph: ModelGraph) -> dict[str, tuple[int, int]]:
     """{fx node name: (forward FLOPs, backward FLOPs)} for every layer, on meta tensors."""
+    return count_flops_and_traffic(graph)[0]
+
+
+def count_flops_and_traffic(graph: ModelGraph) -> tuple[dict, dict]:
+    """({fx node name: (forward FLOPs, backward FLOPs)}, {fx node name: {precision: traffic
+    attr (profiler.traffic)}}) for every layer, on meta tensors."""
     gm = graph.module
     modules = dict(gm.named_modules())
     values: dict[str, object] = {}
@@ -152,36 +201,65 @@ def count_flops(graph: ModelGraph) -> dict[str, tuple[int, int]]:
     # (fwd, bwd, output, needs grad): a transformer's repeated blocks are counted once
     # (a 48-block GPT: 390 nodes run under the FLOP counter, 3.5 s, where 10 differ)
     counted: dict[tuple, tuple] = {}
+    batch = graph.batch_size
+    moved: dict[str, dict] = {}
+    records: dict[str, dict] = {p: {} for p in PRECISIONS}
     for node in gm.graph.nodes:
         if node.op == "output":
             continue
         layer = graph._by_node.get(node.name)
         if node.op == "placeholder":
-            values[node.name] = _placeholder_value(layer, graph, node, "meta", graph.batch_size)
+            values[node.name] = _placeholder_value(layer, graph, node, "meta", batch)
             needs_grad[node.name] = False
             if layer is not None:
                 result[node.name] = (0, 0)
+            if isinstance(values[node.name], torch.Tensor):
+                for p in PRECISIONS:
+                    records[p][node.name] = constant(values[node.name], batch)
             continue
-        key = (None if node.op == "get_attr"  # each its own tensor
-               else _node_key(node, modules, values, needs_grad))
+        if node.op == "get_attr":  # a bare parameter or buffer: counted as a meta tensor,
+            # as everything else here is (a GPU model's weight met by a meta input fails in
+            # backward: "expected device cuda:0 but got meta")
+            attr = run_node(node, values, modules, gm)
+            values[node.name] = to_meta(attr)
+            needs_grad[node.name] = isinstance(attr, torch.Tensor) and attr.requires_grad
+            if layer is not None:
+                result[node.name] = (0, 0)
+            if isinstance(attr, torch.Tensor):
+                for p in PRECISIONS:
+                    records[p][node.name] = Seen(values[node.name], attr.dtype,
+                                                 needs_grad[node.name], False)
+            continue
+        key = _node_key(node, modules, values, needs_grad)
         if key in counted:
-            fwd, bwd, value, grad = counted[key]
+            fwd, bwd, value, grad, ran = counted[key]
         else:
             try:
-                fwd, bwd, out = _node_flops(node, values, needs_grad, modules, gm, meta=True)
+                fwd, bwd, out, ran = _node_flops(node, values, needs_grad, modules, gm, meta=True)
             except Exception:  # data-dependent Python in a leaf module: count it on zeros
-                real = {n.name: materialize(values.get(n.name)) for n in node.all_input_nodes}
-                fwd, bwd, out = _node_flops(node, real, needs_grad, modules, gm, meta=False)
+                home = weights_device(modules[node.target] if node.op == "call_module" else None)
+                real = {n.name: materialize(values.get(n.name), home)
+                        for n in node.all_input_nodes}
+                fwd, bwd, out, ran = _node_flops(node, real, needs_grad, modules, gm,
+                                                 meta=False)
                 out = to_meta(out)
             grad = isinstance(out, torch.Tensor) and out.requires_grad
             value = out.detach() if isinstance(out, torch.Tensor) else out
             if key is not None:
-                counted[key] = (fwd, bwd, value, grad)
+                counted[key] = (fwd, bwd, value, grad, ran)
         needs_grad[node.name] = grad
         values[node.name] = value
+        attrs, outs = _traffic(node, ran, records, batch)
+        for p, record in outs.items():
+            records[p][node.name] = record
+            if isinstance(record, Seen):  # its gradient summed over the nodes reading it
+                extra = accumulation(record, len(node.users))
+                attrs[p] = tuple(a + b for a, b in zip(attrs[p], extra.as_attr()))
+        attrs["float16"] = attrs["bfloat16"]
         if layer is not None:
             result[node.name] = (fwd, bwd)
-    return result
+            moved[node.name] = attrs
+    return result, moved
 
 
 def median_time(fn, repeats: int = 5, budget_s: float = 0.3, clock=time.perf_counter) -> float:

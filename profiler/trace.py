@@ -221,15 +221,26 @@ def run_node(node: fx.Node, values: dict, modules: dict, gm: fx.GraphModule,
     return node.target(*args, **kwargs)
 
 
-def materialize(value):
-    """Meta tensors as zeros on the CPU, for code that must see real values."""
+def materialize(value, device="cpu"):
+    """Meta tensors as zeros on `device` (the CPU, or where the module that must see real
+    values keeps its weights)."""
     if isinstance(value, torch.Tensor) and value.is_meta:
-        return torch.zeros(value.shape, dtype=value.dtype)
+        return torch.zeros(value.shape, dtype=value.dtype, device=device)
     if isinstance(value, (list, tuple)):
-        return type(value)(materialize(v) for v in value)
+        return type(value)(materialize(v, device) for v in value)
     if isinstance(value, dict):
-        return {k: materialize(v) for k, v in value.items()}
+        return {k: materialize(v, device) for k, v in value.items()}
     return value
+
+
+def weights_device(module: nn.Module | None) -> torch.device:
+    """Where a module keeps its weights: a GPU model's module that must run on real values
+    runs there; the CPU for a module without any (or only meta ones)."""
+    if module is not None:
+        for tensor in (*module.parameters(), *module.buffers()):
+            if not tensor.is_meta:
+                return tensor.device
+    return torch.device("cpu")
 
 
 def _run_meta(node: fx.Node, values: dict, modules: dict, gm: fx.GraphModule):
@@ -242,7 +253,8 @@ def _run_meta(node: fx.Node, values: dict, modules: dict, gm: fx.GraphModule):
             except Exception:
                 if any(p.is_meta for p in modules[node.target].parameters()):
                     raise
-                real = {n.name: materialize(values[n.name]) for n in node.all_input_nodes}
+                home = weights_device(modules[node.target])
+                real = {n.name: materialize(values[n.name], home) for n in node.all_input_nodes}
                 with torch.no_grad():
                     return to_meta(run_node(node, real, modules, gm))
         return run_node(node, values, modules, gm)
@@ -287,6 +299,8 @@ def call_facts(node: fx.Node, in_shape) -> dict:
              "int_kwargs": {k: ints(v) for k, v in node.kwargs.items() if ints(v) is not None}}
     if in_shape is not None:
         facts["in_shape"] = tuple(in_shape)
+    if node.kwargs.get("is_causal") is True:  # flash attention skips half the scores
+        facts["is_causal"] = True
     if len(node.args) > 1 and not isinstance(node.args[1], (int, fx.Node)):
         index = node.args[1]
         first = index[0] if isinstance(index, tuple) and index else index

@@ -36,7 +36,8 @@ from strategies.collectives import (
     COEFFICIENTS, all_gather_s, all_reduce_s, collective_time_s,
 )
 from strategies.devices import (
-    CPU_LINK, CollectiveFit, DeviceSpec, GapCurve, LinkSpec, Regime, shared_cache_bytes,
+    CPU_LINK, ELEMENTWISE_FRACTION, UNALIGNED_FRACTION, CollectiveFit, DeviceSpec, GapCurve,
+    GPUShape, LinkSpec, Regime, shared_cache_bytes,
 )
 
 PROFILE_SCHEMA = "hyplan.cluster-profile/1"
@@ -289,18 +290,40 @@ def monotone(values: list[float]) -> list[float]:
 
 
 def device_spec(rates: ComputeRates) -> DeviceSpec:
-    """The DeviceSpec of a measured device: rates achieved, so efficiency 1; on a CPU the
-    half-precision rates are what its float32 matmul allows (no tensor cores)."""
-    cpu = rates.kind == "cpu"
+    """The DeviceSpec of a measured device: rates achieved, so efficiency 1. On a CPU the
+    half-precision rates are what its float32 matmul allows (no tensor cores); a GPU is
+    priced by shape (strategies.gpu_compute) at its measured ceilings: GEMM tiles and waves
+    over its own SMs at the large-GEMM rate, flash attention at its measured share of it,
+    memory-bound ops at the measured copy bandwidth, nothing below the measured launch."""
+    if rates.kind == "cpu":
+        return DeviceSpec(
+            name=rates.name, kind=rates.kind, efficiency=1.0,
+            peak_flops={"float32": rates.matmul_flops, "bfloat16": rates.matmul_flops / 2,
+                        "float16": rates.matmul_flops / 4},
+            op_flops={"matmul": rates.matmul_flops, "conv2d": rates.conv2d_flops},
+            memory_bytes=rates.memory_bytes,
+            memory_bandwidth_bytes_per_s=rates.copy_bytes_per_s,
+            cache_bytes=shared_cache_bytes(),
+            source=f"measured by hyplan calibrate ({rates.threads} threads, "
+                   f"torch.utils.benchmark)")
+    peak = {"float32": rates.matmul_flops, **rates.half_flops}
+    half = rates.half_flops.get("bfloat16", rates.matmul_flops)
+    shape = GPUShape(
+        sm_count=max(1, rates.multiprocessors), matmul_fraction=1.0,
+        attention_fraction=min(1.0, rates.attention_flops / half) if rates.attention_flops
+        else 0.35, memory_fraction=1.0, launch_s=rates.launch_s,
+        # a training step's eager elementwise kernels against the best copy, and a GEMM off
+        # the 16-byte alignment: what the catalog measured (strategies.devices)
+        elementwise_fraction=ELEMENTWISE_FRACTION, unaligned_fraction=UNALIGNED_FRACTION,
+        source=f"measured by hyplan calibrate: GEMM ceilings, flash attention "
+               f"{rates.attention_flops / 1e12:.0f} TFLOP/s, launch "
+               f"{rates.launch_s * 1e6:.1f} us; elementwise and unaligned GEMM shares "
+               f"as the catalog's")
     return DeviceSpec(
-        name=rates.name, kind=rates.kind, efficiency=1.0,
-        peak_flops={"float32": rates.matmul_flops, "bfloat16": rates.matmul_flops / 2,
-                    "float16": rates.matmul_flops / 4}
-        if cpu else {"float32": rates.matmul_flops, **rates.half_flops},
-        op_flops={"matmul": rates.matmul_flops, "conv2d": rates.conv2d_flops},
+        name=rates.name, kind=rates.kind, efficiency=1.0, peak_flops=peak,
         memory_bytes=rates.memory_bytes, memory_bandwidth_bytes_per_s=rates.copy_bytes_per_s,
-        cache_bytes=shared_cache_bytes() if cpu else 0.0,
-        source=f"measured by hyplan calibrate ({rates.threads} threads, torch.utils.benchmark)")
+        shape=shape, source=f"measured by hyplan calibrate (CUDA events, "
+                            f"torch.utils.benchmark; {shape.source})")
 
 
 # --- the whole calibration -------------------------------------------------------------------
@@ -329,9 +352,10 @@ def calibrate(processes=(2, 4), quick: bool = False, repeats: int | None = None,
     if quiet_wait_s > 0:
         wait_for_quiet(quiet_wait_s)
     device = device_spec(measure_compute(threads, "cuda" if cuda else "cpu"))
-    log(f"  matmul {device.op_flops['matmul'] / 1e9:.1f} GFLOP/s, conv2d "
-        f"{device.op_flops['conv2d'] / 1e9:.1f} GFLOP/s, copy "
-        f"{device.memory_bandwidth_bytes_per_s / 1e9:.1f} GB/s")
+    log("  " + ", ".join(f"{dtype} matmul {rate / 1e9:.1f} GFLOP/s"
+                         for dtype, rate in device.peak_flops.items())
+        + (f", conv2d {device.op_flops['conv2d'] / 1e9:.1f} GFLOP/s" if device.op_flops else "")
+        + f", copy {device.memory_bandwidth_bytes_per_s / 1e9:.1f} GB/s")
 
     links, layer_overhead, reshard_overhead, all_samples = {}, {}, {}, []
     compute_slowdown, memory_slowdown, step_overhead = {}, {}, {}

@@ -31,6 +31,15 @@ from strategies.precision import Precision
 from strategies.rowwise import featurewise_binary, keeps_rows
 
 OPTIMIZER_STATE_FACTOR = {"sgd": 0, "sgd_momentum": 1, "adam": 2, "adamw": 2}
+# Words (of the master weights' element size) one parameter's update reads and writes in
+# torch's own (single-tensor and foreach) implementations, which run one pass per op:
+# sgd: param += -lr * grad (3); sgd_momentum: buf *= m (2), buf += grad (3), param +=
+# buf (3); adam: exp_avg.lerp_ (3), exp_avg_sq.mul_ (2) .addcmul_ (3), sqrt (2), / bias
+# correction (2), + eps (2), param.addcdiv_ (4); adamw adds param *= 1 - lr * wd (2). A
+# fused Adam makes one pass (7 words); the default is not fused. Checked on an H100: a
+# 953 M-parameter AdamW step (foreach) took 27.4 ms of kernels, 86 bytes a parameter at
+# the measured copy bandwidth, against 80 counted here (benchmarks/results/gpu-h100.txt).
+OPTIMIZER_UPDATE_WORDS = {"sgd": 3, "sgd_momentum": 8, "adam": 18, "adamw": 20}
 
 
 @dataclass(frozen=True)
@@ -137,9 +146,9 @@ def memory_s(moved_bytes: float, ctx: CostContext) -> float:
 
 
 def update_s(param_bytes: float, ctx: CostContext) -> float:
-    """The optimizer's step is memory-bound: it reads weights, gradients and state and
-    writes weights and state back."""
-    return memory_s(param_bytes * (3 + 2 * ctx.state_factor), ctx)
+    """The optimizer's step is memory-bound: each of its ops reads and writes weights,
+    gradients or state (OPTIMIZER_UPDATE_WORDS)."""
+    return memory_s(param_bytes * OPTIMIZER_UPDATE_WORDS[ctx.optimizer], ctx)
 
 
 @dataclass(frozen=True)

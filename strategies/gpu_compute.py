@@ -5,7 +5,8 @@ ragged one far below, a LayerNorm at memory bandwidth and a tiny op at the launc
 Here each layer is priced by what it runs:
 
 - a Linear: three GEMMs, forward (M x N x K, M the rows, N the output and K the input
-  features) and the two of backward (input gradient M x K x N, weight gradient N x K x M).
+  features) and the two of backward (input gradient M x K x N, weight gradient N x K x M),
+  plus what autocast casts for them (its weight, a float32 input, their gradients back).
   Each GEMM is tiled into `tile_m x tile_n` output tiles that the SMs compute in waves:
 
       tiles = ceil(M / tm) * ceil(N / tn),   waves = ceil(tiles / SMs)
@@ -14,17 +15,22 @@ Here each layer is priced by what it runs:
 
   so a ragged last tile (tile quantization) and a last wave that leaves SMs idle (wave
   quantization) cost what they cost, and a large aligned GEMM runs at `matmul_fraction`
-  of peak (the best rate measured, MAMF);
+  of peak (the best rate measured, MAMF); a half-precision GEMM with a dim off 8 elements
+  at `unaligned_fraction` of that (cuBLAS's align1 kernels);
 - an attention block (a leaf with heads): its q, k, v and output projections as GEMMs,
   and scaled-dot-product attention by its FLOPs at FlashAttention's measured rate
   (causal: half the score matrix; backward 2.5x forward, FlashAttention-2's count), plus
   the memory traffic of the elementwise work around it (rotary embedding, reshapes);
-- everything else: a roofline, FLOPs at the matmul ceiling against bytes at memory
-  bandwidth (elementwise ops and norms are memory-bound), never below the launch floor
-  per kernel; views and reshapes launch nothing and cost nothing.
+- everything else streams memory: the bytes and kernels profiler.traffic counted for the
+  layer under the compute dtype (autocast's dtypes and casts, the backward, gradient
+  sums) at `elementwise_fraction` of the copy bandwidth, never below the launch floor per
+  kernel; views launch nothing and cost nothing. A graph without those counts falls back
+  to a roofline at the compute dtype's element size.
 
-Bytes are counted at the compute dtype's element size (activations run in it under mixed
-precision). Figures and their sources are in strategies.devices.
+Checked on a lent H100 (benchmarks/gpu_lent.py, benchmarks/results/gpu-h100.txt): a
+1.1 B Llama's and GPT-2's one-GPU bf16 training steps priced -6% and -9% of what hyplan's
+run measured, -1% and +5% of the same step written by hand. Figures and their sources
+are in strategies.devices.
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ from __future__ import annotations
 import math
 
 from profiler.graph import Layer
+from profiler.traffic import bytes_at
 from strategies.devices import DeviceSpec, GPUShape
 
 ELEMENT_BYTES = {"float32": 4, "tfloat32": 4, "bfloat16": 2, "float16": 2, "float8": 1}
@@ -42,6 +49,8 @@ VIEW_KINDS = {
     "narrow", "as_strided", "flatten", "unflatten", "size", "dropout", "identity",
     "Identity", "Dropout", "Flatten", "lift_fresh_copy",
 }
+SDPA_KINDS = {"scaled_dot_product_attention", "_scaled_dot_product_flash_attention",
+              "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention"}
 # FlashAttention-2 counts backward as 2.5x forward (five matmuls to forward's two)
 ATTENTION_BACKWARD = 2.5
 
@@ -73,9 +82,19 @@ def gemm_s(m: int, n: int, k: int, device: DeviceSpec, dtype: str) -> float:
     tiles = math.ceil(m / shape.tile_m) * math.ceil(n / shape.tile_n)
     waves = math.ceil(tiles / shape.sm_count)
     compute = waves * 2 * shape.tile_m * shape.tile_n * k / per_sm
+    if is_unaligned(m, n, k, dtype):  # no 16-byte-aligned tensor-core kernel fits it
+        compute /= shape.unaligned_fraction
     moved = (m * k + k * n + m * n) * element_bytes(dtype)
     memory = moved / (device.memory_bandwidth_bytes_per_s * shape.memory_fraction)
     return max(compute, memory, shape.launch_s)
+
+
+def is_unaligned(m: int, n: int, k: int, dtype: str) -> bool:
+    """A half-precision GEMM whose dims are not all multiples of 8 elements (16 bytes):
+    cuBLAS falls back to kernels that load one element at a time (GPT-2's 50,257-word
+    vocabulary; padding it to 50,304 is the usual fix)."""
+    size = element_bytes(dtype)
+    return size < 4 and any(d % (16 // size) for d in (m, n, k))
 
 
 def gemm_efficiency(m: int, n: int, k: int, device: DeviceSpec, dtype: str) -> float:
@@ -92,10 +111,30 @@ def linear_s(rows: int, out_features: int, in_features: int, device: DeviceSpec,
             + gemm_s(n, k, m, device, dtype))  # weight gradient: dW = dy^T x
 
 
-def memory_bound_s(moved_bytes: float, kernels: int, device: DeviceSpec) -> float:
+def memory_bound_s(moved_bytes: float, kernels: int, device: DeviceSpec,
+                   elementwise: bool = False) -> float:
+    """Streaming `moved_bytes` at the best copy's bandwidth (eager elementwise kernels: at
+    their measured share of it), never under the launch floor of `kernels` kernels."""
     shape = device.shape
     rate = device.memory_bandwidth_bytes_per_s * shape.memory_fraction
+    if elementwise:
+        rate *= shape.elementwise_fraction
     return max(moved_bytes / rate, kernels * shape.launch_s)
+
+
+def traffic_s(layer: Layer, fraction: float, device: DeviceSpec, dtype: str,
+              split: str = "batch") -> float | None:
+    """The layer's memory-bound kernels, forward and backward, as the trace counted them
+    under this compute dtype (profiler.traffic: autocast's dtypes, its casts, each kernel):
+    the batch's bytes scale with `fraction`, a weight's too where the split shards it;
+    None where the trace did not count them (torch.fx graphs)."""
+    moved = layer.attrs.get("traffic", {}).get(dtype)
+    if moved is None:
+        return None
+    nbytes, kernels = bytes_at(moved, fraction, 1.0 if split == "batch" else fraction)
+    if not kernels:
+        return 0.0
+    return memory_bound_s(nbytes, kernels, device, elementwise=True)
 
 
 def _numel(layer: Layer) -> int:
@@ -119,7 +158,8 @@ def _linear_dims(layer: Layer) -> tuple[int, int] | None:
     return None
 
 
-def attention_s(layer: Layer, fraction: float, device: DeviceSpec, dtype: str) -> float:
+def attention_s(layer: Layer, fraction: float, device: DeviceSpec, dtype: str,
+                split: str = "batch") -> float:
     """An attention block's projections, its flash attention and the elementwise work
     around them, forward + backward, on `fraction` of its batch (or of its heads)."""
     batch, seq, hidden = layer.output.shape
@@ -135,10 +175,12 @@ def attention_s(layer: Layer, fraction: float, device: DeviceSpec, dtype: str) -
     flash = causal_forward * (1 + ATTENTION_BACKWARD) / (
         _peak(device, dtype) * shape.attention_fraction)
     flash = max(flash, 2 * shape.launch_s)
-    # rotary embedding, transposes and casts: q, k, v and the output read and written
-    # about once each way in forward, twice in backward
-    qkvo = rows * (2 * q_heads + 2 * kv_heads) * head_dim * element_bytes(dtype)
-    glue = memory_bound_s(3 * 2 * qkvo, 12, device)
+    glue = traffic_s(layer, fraction, device, dtype, split)
+    if glue is None:
+        # rotary embedding, transposes and casts: q, k, v and the output read and written
+        # about once each way in forward, twice in backward
+        qkvo = rows * (2 * q_heads + 2 * kv_heads) * head_dim * element_bytes(dtype)
+        glue = memory_bound_s(3 * 2 * qkvo, 12, device)
     return projections + flash + glue
 
 
@@ -169,10 +211,21 @@ def layer_s(layer: Layer, fraction: float, split: str, device: DeviceSpec, dtype
             fin = max(1, round(fin * fraction))
         else:
             rows = max(1, round(rows * fraction))
-        return linear_s(rows, fout, fin, device, dtype)
+        # plus what autocast casts for it (its weight, a float32 input) and back
+        return linear_s(rows, fout, fin, device, dtype) + (
+            traffic_s(layer, fraction, device, dtype, split) or 0.0)
     q_heads, _ = _heads(layer)
     if q_heads and layer.param_count and len(layer.output.shape) == 3:
-        return attention_s(layer, fraction, device, dtype)
+        return attention_s(layer, fraction, device, dtype, split)
+    moved = traffic_s(layer, fraction, device, dtype, split)
+    flops = (layer.fwd_flops + layer.bwd_flops) * fraction
+    if layer.kind in SDPA_KINDS:  # flash attention by its FLOPs, casts around it streamed
+        if layer.attrs.get("is_causal"):  # counted whole; the kernel skips half the scores
+            flops /= 2
+        flash = flops / (_peak(device, dtype) * shape.attention_fraction)
+        return max(flash, 2 * shape.launch_s) + (moved or 0.0)
+    if moved is not None:  # a matmul's FLOPs (0 for elementwise ops) and its traffic
+        return flops / (_peak(device, dtype) * shape.matmul_fraction) + moved
     size = element_bytes(dtype)
     out = _numel(layer) * fraction
     if layer.kind == "Embedding":
@@ -182,6 +235,5 @@ def layer_s(layer: Layer, fraction: float, split: str, device: DeviceSpec, dtype
     # forward reads the inputs and writes the output; backward reads the output's
     # gradient and the inputs and writes the inputs' gradients
     moved = (3 * _input_numel(layer) * fraction + 2 * out) * size
-    flops = (layer.fwd_flops + layer.bwd_flops) * fraction
     compute = flops / (_peak(device, dtype) * shape.matmul_fraction)
     return max(compute, memory_bound_s(moved, 2, device))

@@ -67,8 +67,9 @@ def test_pipeline_baseline_is_the_best_pipeline_without_tensor_parallelism():
 
 def _hybrid_model():
     """Channel-split conv into a column/row-split FC block: on 4xV100 the optimum is a
-    hybrid 3.5% faster than the best standard plan (Megatron-style tensor parallel), in
-    fp32 (the tests pass precision="fp32"; V100's default, fp16-mixed, moves the gap)."""
+    hybrid 4.5% faster than the best standard plan (Megatron-style tensor parallel), in
+    fp32 with SGD (the tests pass precision="fp32" and optimizer="sgd"; V100's default,
+    fp16-mixed, and Adam's heavier update move the gap)."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Conv2d(3, 32, 3, padding=1), nn.ReLU(), nn.Flatten(),
                           nn.Linear(32 * 16 * 16, 4096), nn.ReLU(), nn.Linear(4096, 4096),
@@ -79,19 +80,20 @@ def _hybrid_model():
 def test_a_standard_plan_within_tolerance_of_the_optimum_is_kept_and_says_why():
     model, inputs = _hybrid_model()
     optimum = planner.optimize(model, "4xV100", inputs, measure=False, prefer_standard=0.0,
-                                precision="fp32")
+                                precision="fp32", optimizer="sgd")
     tensor_s = optimum.predicted.baseline_step_time_s["tensor"]
     assert optimum.predicted.step_time_s < tensor_s < optimum.predicted.step_time_s * 1.05
     assert optimum.standard_choice == ""
 
     kept = planner.optimize(model, "4xV100", inputs, measure=False, prefer_standard=0.05,
-                            precision="fp32")
+                            precision="fp32", optimizer="sgd")
     assert kept.predicted.step_time_s == pytest.approx(tensor_s, rel=1e-9)
     assert all(l.model_parallel or l.strategy != "data_parallel" for l in kept.layers)
-    assert "tensor parallel" in kept.standard_choice and "3.5%" in kept.standard_choice
+    assert "tensor parallel" in kept.standard_choice and "4.5%" in kept.standard_choice
     assert "Standard plan: kept the tensor parallel" in kept.explain()
-    # the default (3%) keeps this optimum: its 3.5% gain is beyond the tolerance
-    default = planner.optimize(model, "4xV100", inputs, measure=False, precision="fp32")
+    # the default (3%) keeps this optimum: its 4.5% gain is beyond the tolerance
+    default = planner.optimize(model, "4xV100", inputs, measure=False, precision="fp32",
+                               optimizer="sgd")
     assert default.predicted.step_time_s == optimum.predicted.step_time_s
 
 

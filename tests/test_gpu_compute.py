@@ -6,6 +6,9 @@ import math
 import random
 
 from profiler.graph import Layer, TensorMeta
+from profiler.calibrate import ComputeRates
+from strategies import calibrated
+from strategies.calibrated import device_spec
 from strategies.catalog import CostContext, compute_s
 from strategies.parse import parse_devices
 from strategies.devices import DEVICES
@@ -17,18 +20,33 @@ A100 = DEVICES["A100-80GB"]
 
 def test_gemm_efficiency_bounded_and_bigger_never_faster():
     """Property over 2,000 random GEMM shapes (seeded): efficiency in (0, ceiling]; growing
-    any dim never makes a GEMM faster; growing K never lowers its rate."""
+    any dim never makes a GEMM faster; growing K never lowers its rate. Half-precision dims
+    are drawn aligned (multiples of 8): growing an unaligned dim to an aligned one is
+    faster, as on the GPU (test_an_unaligned_half_precision_gemm_falls_off_the_ceiling)."""
     rng = random.Random(0)
     for _ in range(2000):
-        m, n, k = (rng.randint(1, 40_000) for _ in range(3))
         device, dtype = rng.choice([H100, A100]), rng.choice(["bfloat16", "float32"])
+        step = 8 if dtype == "bfloat16" else 1
+        m, n, k = (step * rng.randint(1, 40_000 // step) for _ in range(3))
         eff = gemm_efficiency(m, n, k, device, dtype)
         assert 0 < eff <= device.shape.matmul_fraction + 1e-12, (m, n, k)
-        grow = rng.randint(1, 5000)
+        grow = step * rng.randint(1, 5000 // step)
         for bigger in ((m + grow, n, k), (m, n + grow, k), (m, n, k + grow)):
             assert gemm_s(*bigger, device, dtype) >= gemm_s(m, n, k, device, dtype), (m, n, k)
         # more work per tile: the rate never drops
         assert gemm_efficiency(m, n, k + grow, device, dtype) >= eff - 1e-12, (m, n, k)
+
+
+def test_an_unaligned_half_precision_gemm_falls_off_the_ceiling():
+    """GPT-2's head (16384 x 50257 x 768): on an H100 its three bf16 GEMMs ran CUTLASS's
+    align1 kernels at 123 TFLOP/s, not ~700; the vocabulary padded to 50304 (a multiple of
+    8) runs aligned. fp32 has no such cliff in the model."""
+    unaligned = gemm_s(16384, 50257, 768, H100, "bfloat16")
+    padded = gemm_s(16384, 50304, 768, H100, "bfloat16")
+    assert unaligned > 5 * padded
+    assert math.isclose(2 * 16384 * 50257 * 768 / unaligned / 1e12, 123, rel_tol=0.06)
+    assert gemm_s(16384, 50257, 768, H100, "float32") < 1.01 * gemm_s(16384, 50304, 768,
+                                                                        H100, "float32")
 
 
 def test_tile_and_wave_quantization_by_hand():
@@ -79,3 +97,41 @@ def test_views_cost_nothing_and_elementwise_ops_stream_memory():
     # read input + write output forward, read both + write the gradient backward: 5 passes
     expected = 5 * n * 4 / (cluster.device.memory_bandwidth_bytes_per_s * 0.9)
     assert math.isclose(compute_s(relu, 1.0, ctx), expected)
+
+
+H200_RATES = ComputeRates(name="NVIDIA H200", kind="cuda", threads=16, matmul_flops=51e12,
+                          conv2d_flops=20e12, copy_bytes_per_s=4.2e12, memory_bytes=140e9,
+                          half_flops={"bfloat16": 690e12, "float16": 700e12},
+                          multiprocessors=132, attention_flops=345e12, launch_s=6.5e-6)
+
+
+def test_a_calibrated_gpu_is_priced_by_shape_at_its_measured_ceilings():
+    """A GPU's calibrated profile (the rates an H200 measured, 2026-11-26) prices by shape:
+    a large aligned bf16 GEMM at the measured 8192-cube rate, flash attention at its
+    measured share of it, nothing under the measured launch; not the 1024-cube rate that
+    once priced a 1.1 B Llama's step 3x too slow."""
+    spec = device_spec(H200_RATES)
+    assert spec.shape is not None and not spec.op_flops
+    assert spec.shape.sm_count == 132 and math.isclose(spec.shape.attention_fraction, 0.5)
+    m = n = k = 132 * 128  # one full wave of 128 x 256 tiles, twice over in n
+    assert math.isclose(gemm_s(m, 2 * n, k, spec, "bfloat16"), 2 * m * 2 * n * k / 690e12,
+                        rel_tol=1e-9)
+    assert gemm_s(8, 8, 8, spec, "bfloat16") == 6.5e-6
+
+
+def test_a_gpus_first_use_calibration_makes_a_profile_that_plans(monkeypatch):
+    """The whole quick calibration of one GPU (its compute measurements replaced by the
+    H200's rates, as this machine has no GPU) gives a profile that plans a model: the path
+    a user's first `optimize(model, 1, ...)` on a GPU machine takes."""
+    import torch
+
+    import planner
+
+    monkeypatch.setattr(calibrated, "measure_compute", lambda threads, kind: H200_RATES)
+    profile = calibrated.calibrate(processes=(1,), quick=True, log=lambda *_: None)
+    cluster = profile.cluster(1, 1)
+    assert cluster.device.shape.sm_count == 132
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8))
+    plan = planner.optimize(model, cluster, (torch.randn(32, 64),), precision="bf16-mixed",
+                            measure=False)
+    assert 0 < plan.predicted.step_time_s < 1e-3
