@@ -204,6 +204,7 @@ def count_flops_and_traffic(graph: ModelGraph) -> tuple[dict, dict]:
     batch = graph.batch_size
     moved: dict[str, dict] = {}
     records: dict[str, dict] = {p: {} for p in PRECISIONS}
+    read: set[str] = set()  # nodes whose output some node has read already
     for node in gm.graph.nodes:
         if node.op == "output":
             continue
@@ -252,9 +253,13 @@ def count_flops_and_traffic(graph: ModelGraph) -> tuple[dict, dict]:
         attrs, outs = _traffic(node, ran, records, batch)
         for p, record in outs.items():
             records[p][node.name] = record
-            if isinstance(record, Seen):  # its gradient summed over the nodes reading it
-                extra = accumulation(record, len(node.users))
-                attrs[p] = tuple(a + b for a, b in zip(attrs[p], extra.as_attr()))
+            for src in dict.fromkeys(node.all_input_nodes):  # a second reader of a tensor
+                # adds its gradient to the first's (paid here, as profiler.traffic does)
+                upstream = records[p].get(src.name)
+                if src.name in read and isinstance(upstream, Seen):
+                    extra = accumulation(upstream, 2)
+                    attrs[p] = tuple(a + b for a, b in zip(attrs[p], extra.as_attr()))
+        read.update(src.name for src in node.all_input_nodes)
         attrs["float16"] = attrs["bfloat16"]
         if layer is not None:
             result[node.name] = (fwd, bwd)

@@ -275,17 +275,26 @@ def traffic(program: torch.export.ExportedProgram, precision: str,
             op_name(node), bool(getattr(node.target, "is_view", False)),
             cast_target(node.args, node.kwargs), value, inputs, low, batch)
         out[node.name] = moved
-    for node in program.graph_module.graph.nodes:  # gradients summed where a tensor fans out
-        record = seen.get(node.name)
-        if record is not None:
-            extra = accumulation(record, sum(1 for u in node.users if u.op == "call_function"))
-            out[node.name] = out.get(node.name, Traffic()) + extra
+    # gradients summed where a tensor fans out: each reader after the first adds its own
+    # (paid by the reader, so a block's price does not depend on what follows the block)
+    first: dict[str, str] = {}
+    for node in program.graph_module.graph.nodes:
+        if node.op != "call_function" or node.name not in out:
+            continue
+        for src in dict.fromkeys(node.all_input_nodes):
+            record = seen.get(src.name)
+            if record is None:
+                continue
+            if src.name in first:
+                out[node.name] = out[node.name] + accumulation(record, 2)
+            else:
+                first[src.name] = node.name
     return out
 
 
 def accumulation(record: Seen, readers: int) -> Traffic:
-    """Backward sums the gradients of a tensor read by several ops: one add per extra
-    reader, reading two gradients and writing one."""
+    """Backward sums the gradients of a tensor read by several ops: one add per reader
+    after the first, reading two gradients and writing one."""
     if not record.grad or readers < 2:
         return Traffic()
     moved = (readers - 1) * 3 * record.nbytes

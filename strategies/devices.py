@@ -196,13 +196,13 @@ MEMORY_FRACTION = 0.9
 # H100" (Shah et al. 2024, FlashAttention-3, arXiv 2407.08608, abstract).
 # Measured on a lent H100 SXM (benchmarks/gpu_lent.py, 2026-11-26, torch 2.11, CUDA 13;
 # benchmarks/results/gpu-h100.txt): the eager memory-bound kernels of a bf16-mixed training
-# step stream at 0.70 of the best copy's bandwidth (copy 3.01 TB/s): a 1.1 B Llama's took
-# 91.0 ms for the 192 GB profiler.traffic counts, GPT-2 small's 70 ms (79.0 less its loss)
-# for 148 GB, both 2.1 TB/s (one kernel alone reaches 0.76-0.97: mixed dtypes, broadcasts
-# and strided copies are slower). A bf16 GEMM with a dim of 50257 (GPT-2's vocabulary;
-# not a multiple of 8) fell back to CUTLASS's align1 kernels: 3.8 TFLOP in 30.7 ms,
-# 123 TFLOP/s, 0.156 of the aligned 790.
-ELEMENTWISE_FRACTION = 0.70
+# step stream at ~0.68 of the best copy's bandwidth (copy 3.01 TB/s): a 1.1 B Llama's took
+# 91.0 ms for the 179 GB profiler.traffic counts (1.97 TB/s, 0.65), GPT-2 small's 70 ms
+# (79.0 less its loss) for 149 GB (2.12 TB/s, 0.70); one kernel alone reaches 0.76-0.97
+# (mixed dtypes, broadcasts and strided copies are the slow ones). A bf16 GEMM with a dim
+# of 50257 (GPT-2's vocabulary; not a multiple of 8) fell back to CUTLASS's align1
+# kernels: 3.8 TFLOP in 30.7 ms, 123 TFLOP/s, 0.156 of the aligned 790.
+ELEMENTWISE_FRACTION = 0.68
 UNALIGNED_FRACTION = 0.156
 A100_SHAPE = GPUShape(
     sm_count=108, matmul_fraction=267.9 / 312, attention_fraction=0.6,
@@ -215,7 +215,7 @@ H100_SHAPE = GPUShape(
     memory_fraction=MEMORY_FRACTION, launch_s=LAUNCH_S,
     elementwise_fraction=ELEMENTWISE_FRACTION, unaligned_fraction=UNALIGNED_FRACTION,
     source="132 SMs (H100 SXM5 datasheet); MAMF 792.1/989 (Bekman); FA2 0.35 (Shah 2024); "
-           "elementwise 0.70 of copy, unaligned GEMMs 0.156 (measured, gpu_lent.py)")
+           "elementwise 0.68 of copy, unaligned GEMMs 0.156 (measured, gpu_lent.py)")
 H200_SHAPE = H100_SHAPE.model_copy(update={
     "matmul_fraction": 821.0 / 989,
     "source": "132 SMs (H200 datasheet); MAMF 821.0/989 of GH200, same die and HBM3e "

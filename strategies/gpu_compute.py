@@ -28,8 +28,8 @@ Here each layer is priced by what it runs:
   to a roofline at the compute dtype's element size.
 
 Checked on a lent H100 (benchmarks/gpu_lent.py, benchmarks/results/gpu-h100.txt): a
-1.1 B Llama's and GPT-2's one-GPU bf16 training steps priced -6% and -9% of what hyplan's
-run measured, -1% and +5% of the same step written by hand. Figures and their sources
+1.1 B Llama's and GPT-2's one-GPU bf16 training steps priced -8% and -6% of what hyplan's
+run measured, -3% and +8% of the same step written by hand. Figures and their sources
 are in strategies.devices.
 """
 
@@ -198,8 +198,10 @@ def _input_numel(layer: Layer) -> int:
 def layer_s(layer: Layer, fraction: float, split: str, device: DeviceSpec, dtype: str) -> float:
     """Forward + backward seconds of `fraction` of `layer`'s work, split by "batch" rows or
     by "out" / "in" features, on a GPU priced by shape."""
-    if layer.is_input or layer.kind in VIEW_KINDS:
+    if layer.is_input:
         return 0.0
+    if layer.kind in VIEW_KINDS:  # no kernel of its own; a second view of a tensor sums
+        return traffic_s(layer, fraction, device, dtype, split) or 0.0  # their gradients
     shape = device.shape
     dims = _linear_dims(layer)
     if dims is not None and layer.output.shape:

@@ -84,17 +84,21 @@ class _FanOut(nn.Module):
 
 def test_a_tensor_read_twice_pays_one_gradient_sum_and_fx_counts_like_export():
     """fx (count_flops_and_traffic, each node's ATen ops replayed) and torch.export price a
-    model alike; the relu's output, read by two Linears, adds one sum of two gradients
-    (read two, write one) to its backward."""
+    model alike; the relu's output, read by two Linears, costs one sum of two gradients
+    (read two, write one), paid by its second reader, so that a block's price does not
+    depend on what reads its output after it (profiler.repeat_blocks copies blocks)."""
     x = torch.randn(BATCH * SEQ, WIDTH, requires_grad=False)
     model = _FanOut()
     _, fx_moved = count_flops_and_traffic(trace(model, (x,)))
     program = export(model, (x,), {})
     per_node = traffic(program, "float32", BATCH * SEQ)
-    relu = next(n for n in program.graph_module.graph.nodes if op_name(n) == "relu")
+    nodes = list(program.graph_module.graph.nodes)
+    relu = next(n for n in nodes if op_name(n) == "relu")
+    second = [n for n in nodes if op_name(n) == "linear"][2]  # b, the relu's second reader
     nbytes = x.numel() * 4
-    # forward: read c's output, write y; backward: read dy and the input, write its
-    # gradient; plus one sum of y's two gradients (read two, write one)
-    assert per_node[relu.name].as_attr() == (2 * nbytes, 0, 3 * nbytes + 3 * nbytes, 0, 1, 2)
+    # forward: read c's output, write y; backward: read dy and the input, write its gradient
+    assert per_node[relu.name].as_attr() == (2 * nbytes, 0, 3 * nbytes, 0, 1, 1)
+    assert per_node[second.name].as_attr() == (0, 0, 3 * nbytes, 0, 0, 1)
     assert fx_moved["relu"]["float32"] == per_node[relu.name].as_attr()
+    assert fx_moved["b"]["float32"] == per_node[second.name].as_attr()
     assert accumulation(Seen(x, torch.float32, True, True), 1) == Traffic()
