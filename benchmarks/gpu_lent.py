@@ -131,7 +131,8 @@ def first_use() -> None:
     say(f"first use {first:.1f} s, cached {cached * 1e3:.1f} ms; profile device {spec.name!r} "
         f"({spec.kind}), source: {spec.source}")
     rows = [("fp32 matmul TFLOP/s", spec.peak_flops.get("float32"), cat.peak_flops.get("float32")),
-            ("bf16 matmul TFLOP/s", spec.peak_flops.get("bfloat16"), cat.peak_flops.get("bfloat16")),
+            ("bf16 matmul TFLOP/s", spec.peak_flops.get("bfloat16"),
+             cat.peak_flops.get("bfloat16")),
             ("copy GB/s (read+write)", spec.memory_bandwidth_bytes_per_s,
              cat.memory_bandwidth_bytes_per_s)]
     for label, measured, datasheet in rows:
@@ -209,8 +210,8 @@ def kernels(small: bool) -> None:
     t_tiny = seconds_per_call(lambda: tiny.add_(1))
     say(f"launch floor (1-element add, back to back): measured {t_tiny * 1e6:.2f} us, "
         f"priced {spec.shape.launch_s * 1e6:.2f} us")
-    RESULTS["kernels"] = {"gemms": rows, "elementwise": elementwise, "copy": {"bytes": moved, "measured_s": t,
-                                                  "predicted_s": p},
+    RESULTS["kernels"] = {"gemms": rows, "elementwise": elementwise,
+                          "copy": {"bytes": moved, "measured_s": t, "predicted_s": p},
                           "launch": {"measured_s": t_tiny, "priced_s": spec.shape.launch_s}}
 
 
@@ -226,7 +227,8 @@ class Attention(nn.Module):
     def forward(self, x):
         b, s, h = x.shape
         q = x.view(b, s, self.heads, h // self.heads).transpose(1, 2)
-        return F.scaled_dot_product_attention(q, q, q, is_causal=True).transpose(1, 2).reshape(b, s, h)
+        out = F.scaled_dot_product_attention(q, q, q, is_causal=True)
+        return out.transpose(1, 2).reshape(b, s, h)
 
 
 class RMSNorm(nn.Module):
@@ -343,7 +345,8 @@ def hf_models(small: bool):
                                                embd_pdrop=0.0, resid_pdrop=0.0))
         return model, torch.randint(0, cfg.get("vocab_size", 50257), (batch, seq), device=dev)
 
-    label_llama = "Llama 2-layer toy" if small else "Llama 1.1 B (16 x 2048, vocab 32000), batch 4 x 2048"
+    label_llama = ("Llama 2-layer toy" if small
+                   else "Llama 1.1 B (16 x 2048, vocab 32000), batch 4 x 2048")
     label_gpt2 = "GPT-2 toy" if small else "GPT-2 small (124 M), batch 16 x 1024"
     return [(label_llama, llama), (label_gpt2, gpt2)], NextTokenLoss()
 
@@ -559,7 +562,6 @@ def training_steps(small: bool) -> None:
             say("  largest kernels (ms per step, launches per step):")
             for name, seconds, count, term in kernels[:14]:
                 say(f"    {seconds * 1e3:8.2f} {count:5d}  [{term}] {name}")
-            top = sorted(plan.layers, key=lambda l: -l.compute_s)
             by_kind: dict[str, list] = {}
             for layer in plan.layers:
                 entry = by_kind.setdefault(layer.kind, [0, 0.0])
@@ -581,7 +583,6 @@ def training_steps(small: bool) -> None:
             if OUT is not None:
                 slug = "llama" if "Llama" in label else "gpt2"
                 (OUT / f"plan-{slug}.json").write_text(plan.to_json())
-            del top
         rows.append(row)
         del model, parallel, opt
         if dev.type == "cuda":
@@ -603,7 +604,8 @@ def main() -> None:
     if dev.type == "cuda":
         p = torch.cuda.get_device_properties(0)
         say(f"# {torch.cuda.get_device_name(0)}: {p.multi_processor_count} SMs, "
-            f"{p.total_memory / 2**30:.0f} GiB, L2 {getattr(p, 'L2_cache_size', 0) / 2**20:.0f} MiB; "
+            f"{p.total_memory / 2**30:.0f} GiB, "
+            f"L2 {getattr(p, 'L2_cache_size', 0) / 2**20:.0f} MiB; "
             f"torch {torch.__version__}, CUDA {torch.version.cuda}; catalog entry "
             f"{catalog_name()}; {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
     else:

@@ -658,7 +658,8 @@ def measure_compute(threads: int, device: str = "cpu") -> ComputeRates:
                 half[str(dtype).removeprefix("torch.")] = 2 * CUDA_HALF_N**3 / median_s(
                     "g @ g", {"g": g})
             del h, g
-            extra = dict(multiprocessors=torch.cuda.get_device_properties(dev).multi_processor_count,
+            sms = torch.cuda.get_device_properties(dev).multi_processor_count
+            extra = dict(multiprocessors=sms,
                          attention_flops=_flash_attention_flops(dev, median_s),
                          launch_s=median_s("t.add_(1)", {"t": torch.ones(1, device=dev)}))
     if cuda:

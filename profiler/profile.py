@@ -180,7 +180,6 @@ def _traffic(node, ran, upstream: dict, batch: int) -> tuple[dict, dict]:
         elif isinstance(out, (tuple, list)):
             records[precision] = [known.get(id(o)) or constant(o, batch)
                                   for o in out if isinstance(o, torch.Tensor)]
-    attrs["float16"] = attrs["bfloat16"]  # the same element size
     return attrs, records
 
 
@@ -260,7 +259,7 @@ def count_flops_and_traffic(graph: ModelGraph) -> tuple[dict, dict]:
                     extra = accumulation(upstream, 2)
                     attrs[p] = tuple(a + b for a, b in zip(attrs[p], extra.as_attr()))
         read.update(src.name for src in node.all_input_nodes)
-        attrs["float16"] = attrs["bfloat16"]
+        attrs["float16"] = attrs["bfloat16"]  # the same element size
         if layer is not None:
             result[node.name] = (fwd, bwd)
             moved[node.name] = attrs
