@@ -314,7 +314,7 @@ def layers(small: bool) -> None:
 # --- part 4 -------------------------------------------------------------------------------
 
 def hf_models(small: bool):
-    """(label, build() -> (model, ids, loss_fn)): a Llama of ~1.1 B parameters and GPT-2
+    """(label, build() -> (model, ids, loss_fn)): a Llama of 953 M parameters and GPT-2
     small, random weights from transformers configs, on this device."""
     from examples.hf_llama import NextTokenLoss
 
@@ -346,7 +346,7 @@ def hf_models(small: bool):
         return model, torch.randint(0, cfg.get("vocab_size", 50257), (batch, seq), device=dev)
 
     label_llama = ("Llama 2-layer toy" if small
-                   else "Llama 1.1 B (16 x 2048, vocab 32000), batch 4 x 2048")
+                   else "Llama 953 M (16 x 2048, vocab 32000), batch 4 x 2048")
     label_gpt2 = "GPT-2 toy" if small else "GPT-2 small (124 M), batch 16 x 1024"
     return [(label_llama, llama), (label_gpt2, gpt2)], NextTokenLoss()
 

@@ -213,8 +213,7 @@ def data_parallel_over(module: nn.Module, synced: set[str]) -> nn.Module:
     from torch.nn.parallel import DistributedDataParallel
 
     if not synced or dist.get_world_size() == 1:
-        # one rank sums nothing: DDP's bucket copies and world-size division cost a 1.1 B
-        # Llama's bf16 step on one H100 ~12 ms of 195 (benchmarks/results/gpu-h100.txt)
+        # one rank sums nothing: DDP would only add its hooks and bucket copies
         return module
     # every name a parameter goes by: DDP checks each module's own name for it, so a tied
     # weight left whole (replicated) must be ignored under its alias too (lm_head.weight

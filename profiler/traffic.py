@@ -7,7 +7,7 @@ the casts autocast inserts. What those move depends on the dtype each tensor has
 autocast*, not the float32 the model was traced in: a Linear's output is bf16, a residual
 stream that began as a float32 embedding stays float32, an RMSNorm that upcasts runs in
 float32, and every float32 weight or activation a GEMM reads is first cast to bf16. On an
-H100, a 1.1 B Llama's bf16-mixed step spent 91 of 194 ms in such kernels, which a count at
+H100, a 953 M-parameter Llama's bf16-mixed step spent 91 of 194 ms in such kernels, which a count at
 the compute dtype's element size (two kernels a layer) priced at 12 ms.
 
 `step` simulates autocast's dtype rules for one ATen op (torch.amp's op lists: ops that run

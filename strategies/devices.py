@@ -196,7 +196,7 @@ MEMORY_FRACTION = 0.9
 # H100" (Shah et al. 2024, FlashAttention-3, arXiv 2407.08608, abstract).
 # Measured on a lent H100 SXM (benchmarks/gpu_lent.py, 2026-11-26, torch 2.11, CUDA 13;
 # benchmarks/results/gpu-h100.txt): the eager memory-bound kernels of a bf16-mixed training
-# step stream at ~0.68 of the best copy's bandwidth (copy 3.01 TB/s): a 1.1 B Llama's took
+# step stream at ~0.68 of the best copy's bandwidth (copy 3.01 TB/s): a 953 M Llama's took
 # 91.0 ms for the 179 GB profiler.traffic counts (1.97 TB/s, 0.65), GPT-2 small's 70 ms
 # (79.0 less its loss) for 149 GB (2.12 TB/s, 0.70); one kernel alone reaches 0.76-0.97
 # (mixed dtypes, broadcasts and strided copies are the slow ones). A bf16 GEMM with a dim

@@ -28,7 +28,7 @@ Here each layer is priced by what it runs:
   to a roofline at the compute dtype's element size.
 
 Checked on a lent H100 (benchmarks/gpu_lent.py, benchmarks/results/gpu-h100.txt): a
-1.1 B Llama's and GPT-2's one-GPU bf16 training steps priced -8% and -6% of what hyplan's
+953 M Llama's and GPT-2's one-GPU bf16 training steps priced -8% and -6% of what hyplan's
 run measured, -3% and +8% of the same step written by hand. Figures and their sources
 are in strategies.devices.
 """

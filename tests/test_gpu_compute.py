@@ -109,7 +109,7 @@ def test_a_calibrated_gpu_is_priced_by_shape_at_its_measured_ceilings():
     """A GPU's calibrated profile (the rates an H200 measured, 2026-11-26) prices by shape:
     a large aligned bf16 GEMM at the measured 8192-cube rate, flash attention at its
     measured share of it, nothing under the measured launch; not the 1024-cube rate that
-    once priced a 1.1 B Llama's step 3x too slow."""
+    once priced a 953 M Llama's step 3x too slow."""
     spec = device_spec(H200_RATES)
     assert spec.shape is not None and not spec.op_flops
     assert spec.shape.sm_count == 132 and math.isclose(spec.shape.attention_fraction, 0.5)
