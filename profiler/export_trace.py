@@ -27,7 +27,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from profiler.blocks import decoder_blocks
 from profiler.graph import Layer, ModelGraph, TensorMeta, canonical_names, count_once
 from profiler.trace import TraceError, _module_attrs, call_facts, fingerprint_modules
-from profiler.traffic import layer_traffic, traffic
+from profiler.traffic import COUNTED, layer_traffic, traffic, with_float16
 
 
 def _is_torch_leaf(module: nn.Module) -> bool:
@@ -160,7 +160,7 @@ def graph_of_program(model: nn.Module, program: torch.export.ExportedProgram, ar
     user_inputs = set(program.graph_signature.user_inputs)
     group, members, order = group_ops(program, model, unit_types)
     # what each op's memory-bound kernels move under each precision (GPU pricing reads it)
-    moved = {p: traffic(program, p, batch) for p in ("float32", "bfloat16")}
+    moved = {p: traffic(program, p, batch) for p in COUNTED}
 
     def value(n: fx.Node):
         return n.meta.get("val")
@@ -190,8 +190,8 @@ def graph_of_program(model: nn.Module, program: torch.export.ExportedProgram, ar
         srcs = [src for n in nodes for src in n.all_input_nodes
                 if src.name not in inside and not (src.op == "placeholder" and src.name not in user_inputs)]
         layer = _export_layer(key, nodes, out, srcs, modules, batch)
-        per_precision = {p: layer_traffic(m, nodes).as_attr() for p, m in moved.items()}
-        per_precision["float16"] = per_precision["bfloat16"]  # same element size
+        per_precision = with_float16({p: layer_traffic(m, nodes).as_attr()
+                                      for p, m in moved.items()})
         layer = replace(layer, attrs={**layer.attrs, "traffic": per_precision})
         layers.append(replace(layer, params=_params_read(key, nodes, modules, read, names)))
 

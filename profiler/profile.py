@@ -27,7 +27,10 @@ from profiler.export_timing import measure_export_times
 from profiler.whole_step import cached_whole_step_s, glue_factor, split_backward_ratio
 from profiler.machine import threads as thread_count
 from profiler.trace import materialize, meta_params, run_node, to_meta, weights_device
-from profiler.traffic import OPAQUE, Recorder, Seen, accumulation, constant, op_name, replay
+from profiler.traffic import (
+    COUNTED, LOW_DTYPES, OPAQUE, Recorder, Seen, accumulation, constant, op_name, replay,
+    with_float16,
+)
 
 # (what ran, at which shapes, with how many threads) -> seconds of forward + backward
 _TIMES: dict[tuple, float] = {}
@@ -154,16 +157,13 @@ def _node_flops(node, values, needs_grad, modules, gm, meta: bool):
     return fwd, bwd, out, ran
 
 
-PRECISIONS = {"float32": None, "bfloat16": torch.bfloat16}
-
-
 def _traffic(node, ran, upstream: dict, batch: int) -> tuple[dict, dict]:
     """({precision: traffic attr}, {precision: record of the output}) of one node, its ATen
     ops replayed with what is known of its inputs (`upstream`: {precision: {node name:
     Seen, or a list of them for a tuple}})."""
     ops, handed, params, out = ran
     attrs, records = {}, {}
-    for precision, low in PRECISIONS.items():
+    for precision in COUNTED:
         known: dict[int, Seen] = {}
         for src, value in zip(node.all_input_nodes, handed):
             record = upstream[precision].get(src.name)
@@ -174,7 +174,7 @@ def _traffic(node, ran, upstream: dict, batch: int) -> tuple[dict, dict]:
                               if isinstance(v, torch.Tensor)})
         for p in params.values():
             known[id(p)] = Seen(p, p.dtype, p.requires_grad, False)
-        attrs[precision] = replay(ops, known, low, batch).as_attr()
+        attrs[precision] = replay(ops, known, LOW_DTYPES.get(precision), batch).as_attr()
         if isinstance(out, torch.Tensor):
             records[precision] = known.get(id(out)) or constant(out, batch)
         elif isinstance(out, (tuple, list)):
@@ -202,7 +202,7 @@ def count_flops_and_traffic(graph: ModelGraph) -> tuple[dict, dict]:
     counted: dict[tuple, tuple] = {}
     batch = graph.batch_size
     moved: dict[str, dict] = {}
-    records: dict[str, dict] = {p: {} for p in PRECISIONS}
+    records: dict[str, dict] = {p: {} for p in COUNTED}
     read: set[str] = set()  # nodes whose output some node has read already
     for node in gm.graph.nodes:
         if node.op == "output":
@@ -214,7 +214,7 @@ def count_flops_and_traffic(graph: ModelGraph) -> tuple[dict, dict]:
             if layer is not None:
                 result[node.name] = (0, 0)
             if isinstance(values[node.name], torch.Tensor):
-                for p in PRECISIONS:
+                for p in COUNTED:
                     records[p][node.name] = constant(values[node.name], batch)
             continue
         if node.op == "get_attr":  # a bare parameter or buffer: counted as a meta tensor,
@@ -226,7 +226,7 @@ def count_flops_and_traffic(graph: ModelGraph) -> tuple[dict, dict]:
             if layer is not None:
                 result[node.name] = (0, 0)
             if isinstance(attr, torch.Tensor):
-                for p in PRECISIONS:
+                for p in COUNTED:
                     records[p][node.name] = Seen(values[node.name], attr.dtype,
                                                  needs_grad[node.name], False)
             continue
@@ -259,10 +259,9 @@ def count_flops_and_traffic(graph: ModelGraph) -> tuple[dict, dict]:
                     extra = accumulation(upstream, 2)
                     attrs[p] = tuple(a + b for a, b in zip(attrs[p], extra.as_attr()))
         read.update(src.name for src in node.all_input_nodes)
-        attrs["float16"] = attrs["bfloat16"]  # the same element size
         if layer is not None:
             result[node.name] = (fwd, bwd)
-            moved[node.name] = attrs
+            moved[node.name] = with_float16(attrs)
     return result, moved
 
 

@@ -7,8 +7,8 @@ the casts autocast inserts. What those move depends on the dtype each tensor has
 autocast*, not the float32 the model was traced in: a Linear's output is bf16, a residual
 stream that began as a float32 embedding stays float32, an RMSNorm that upcasts runs in
 float32, and every float32 weight or activation a GEMM reads is first cast to bf16. On an
-H100, a 953 M-parameter Llama's bf16-mixed step spent 91 of 194 ms in such kernels, which a count at
-the compute dtype's element size (two kernels a layer) priced at 12 ms.
+H100, a 953 M-parameter Llama's bf16-mixed step spent 91 of 194 ms in such kernels, which
+a count at the compute dtype's element size (two kernels a layer) priced at 12 ms.
 
 `step` simulates autocast's dtype rules for one ATen op (torch.amp's op lists: ops that run
 in the low-precision dtype, ops that run in float32, the rest promote; an explicit
@@ -32,7 +32,8 @@ from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 # autocast's lower-precision ops (CUDA and CPU lists, torch.amp docs "Autocast Op
-# Reference"): they run in bf16/fp16 and their floating inputs are cast to it
+# Reference"): they run in bf16/fp16 and their floating inputs are cast to it; their own
+# kernels (GEMMs, convolutions, attention) are priced by FLOPs elsewhere
 LOW_PRECISION = {
     "mm", "addmm", "bmm", "baddbmm", "addbmm", "matmul", "linear", "mv", "addmv", "addr",
     "einsum", "conv1d", "conv2d", "conv3d", "convolution", "_convolution", "conv_tbc",
@@ -41,8 +42,6 @@ LOW_PRECISION = {
     "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
     "_scaled_dot_product_cudnn_attention",
 }
-# ops whose own kernels are priced by FLOPs elsewhere (GEMMs, convolutions, attention)
-PRICED_BY_FLOPS = LOW_PRECISION
 # fused on a GPU, but decomposed into their math on meta tensors (what a Recorder sees)
 OPAQUE = {"scaled_dot_product_attention"}
 # autocast's float32 ops (CUDA list): inputs cast up to float32, output float32
@@ -62,10 +61,21 @@ PASS_THROUGH = {"add", "sub", "clone", "contiguous", "reshape", "flatten", "cat"
 REDUCTIONS = {"mean", "sum", "amax", "amin", "max", "min", "var", "std", "var_mean",
               "logsumexp", "norm", "all", "any"}
 CASTS = {"to", "_to_copy", "type_as"}
+# ops that copy only when their input is not laid out contiguously (a transposed head
+# layout before the output projection), else return a view
+COPY_IF_STRIDED = {"contiguous", "reshape", "flatten"}
 # a kernel-free op (shape bookkeeping) that torch does not mark as a view
 NO_KERNEL = {"_assert_tensor_metadata", "sym_size", "sym_numel", "sym_stride", "getitem",
              "_assert_scalar", "lift_fresh_copy", "detach", "zeros_like", "empty_like"}
 LOW_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
+# the precisions a trace counts; float16 moves what bfloat16 does (the same element size)
+COUNTED = ("float32", "bfloat16")
+
+
+def with_float16(per_precision: dict) -> dict:
+    """A layer's traffic attr: {precision: Traffic.as_attr()} of the counted precisions,
+    float16 read as bfloat16."""
+    return {**per_precision, "float16": per_precision["bfloat16"]}
 
 
 @dataclass(frozen=True)
@@ -184,14 +194,9 @@ def _split(pairs) -> tuple[float, float]:
     return rows, sum(b for _, b in pairs) - rows
 
 
-# ops that copy only when their input is not laid out contiguously (a transposed head
-# layout before the output projection), else return a view
-COPY_IF_STRIDED = {"contiguous", "reshape", "flatten"}
-
-
 def _moved(name: str, out: Seen, inputs: list[Seen], low) -> Traffic:
-    if name in PRICED_BY_FLOPS or (low is not None and name in FLOAT32):
-        target = low if name in PRICED_BY_FLOPS else torch.float32
+    if name in LOW_PRECISION or (low is not None and name in FLOAT32):
+        target = low if name in LOW_PRECISION else torch.float32
         forward, backward = [], []
         kernels = back = 0
         for i in inputs:  # autocast casts each floating input not yet in its dtype
@@ -203,7 +208,7 @@ def _moved(name: str, out: Seen, inputs: list[Seen], low) -> Traffic:
                     backward.append((i.batched, moved))
                     back += 1
         casts = Traffic(*_split(forward), *_split(backward), kernels, back)
-        if name in PRICED_BY_FLOPS:
+        if name in LOW_PRECISION:
             return casts
         # a float32-list op (a norm, a softmax) streams in float32 after its casts
         up = [Seen(i.value, torch.float32, i.grad, i.batched)

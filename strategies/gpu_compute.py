@@ -127,7 +127,7 @@ def traffic_s(layer: Layer, fraction: float, device: DeviceSpec, dtype: str,
     """The layer's memory-bound kernels, forward and backward, as the trace counted them
     under this compute dtype (profiler.traffic: autocast's dtypes, its casts, each kernel):
     the batch's bytes scale with `fraction`, a weight's too where the split shards it;
-    None where the trace did not count them (torch.fx graphs)."""
+    None for a layer no trace counted (one built by hand)."""
     moved = layer.attrs.get("traffic", {}).get(dtype)
     if moved is None:
         return None
