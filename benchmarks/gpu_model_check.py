@@ -8,7 +8,9 @@ costs (strategies.catalog / gpu_compute / collectives, the same functions every 
 reads) for that mesh and those strategies, then predicted against published tokens/s per
 GPU (torchtitan) or TFLOP/s per GPU (Megatron-LM, their own FLOP formula). The terms are
 printed so the error can be read term by term: GEMMs (Linear layers), attention blocks,
-memory-bound ops, collectives, the optimizer update and the pipeline bubble.
+memory-bound ops, collectives (on GPUs only what runs past the compute beside it:
+strategies.overlap), the optimizer update, torchtitan's selective recompute and the
+pipeline bubble.
 
 Runs (sources in each entry):
 - titan8:   torchtitan, Llama 3.1 8B, FSDP over 8 H100 (500 W, 96 GB HBM2e), bf16,
@@ -108,7 +110,32 @@ def price_fsdp(run: Run):
         terms["collectives (FSDP all-gather x2, reduce-scatter)"] += cost.communication_s
         terms["optimizer update"] += cost.update_s
     terms["layout changes (edges)"] = solution.objective_s - sum(terms.values())
-    return solution.objective_s, terms, shape, traced_s
+    terms[RECOMPUTE] = selective_ac_s(choices.layers, solution.choice)
+    return solution.objective_s + terms[RECOMPUTE], terms, shape, traced_s
+
+
+RECOMPUTE = "selective AC: forward of every other mm, elementwise"
+
+
+def selective_ac_s(rows, choice) -> float:
+    """What torchtitan's op-level selective activation checkpointing recomputes in each
+    transformer block's backward, by hyplan's own prices: it saves the outputs of matmuls
+    (every other one: the rest are recomputed) and of flash attention, and recomputes every
+    other op (torchtitan/distributed/activation_checkpoint.py, `_op_sac_save_list` and
+    "recompute every second mm"). A layer's forward is its FLOP share of forward +
+    backward. hyplan has no such lever (its recompute is per layer or block, all of it)."""
+    total = 0.0
+    for i, row in enumerate(rows):
+        layer = row.layer
+        if ".layers." not in layer.name or layer.is_input:
+            continue
+        kind = term(layer)
+        if kind == ATTENTION:
+            continue
+        flops = layer.fwd_flops + layer.bwd_flops
+        forward = row.costs[choice[i]].compute_s * (layer.fwd_flops / flops if flops else 1 / 3)
+        total += forward / 2 if kind == GEMM else forward
+    return total
 
 
 def megatron_flops_per_step(batch: int, seq: int, layers: int, hidden: int, vocab: int) -> float:

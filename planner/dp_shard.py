@@ -11,9 +11,11 @@ Its price, as executor.pipeline runs it: FSDP2 with reshard_after_forward=True g
 weights before each microbatch's forward and again before its backward, and a backward
 reduce-scatters the gradient at once (inside a pipeline schedule or the microbatch loop,
 no `no_sync` is in force), so per microbatch: 2 all-gathers + 1 reduce-scatter + the
-flat-buffer copies (calibrated per byte); per step only the optimizer on the shard. The
-all-reduce over dp is gone. The gathered weights of one layer live only while it runs: the
-transient is one layer's, not in the per-layer sum (as strategies.memory).
+flat-buffer copies (strategies.memory.fsdp_copies_s); per step only the optimizer on the
+shard. The all-reduce over dp is gone. On a GPU the gathers and the scatter run beside
+compute (strategies.overlap): a microbatch waits only for what they take beyond it. The
+gathered weights of one layer live only while it runs: the transient is one layer's, not
+in the per-layer sum (as strategies.memory).
 
 Offered where fully_shard can run it: a module (call_module) with weights, not sharing a
 parameter, dp > 1, and not for strategies whose gradients are summed over dp x tp (data or
@@ -41,6 +43,8 @@ from profiler.graph import Layer
 from strategies.catalog import CostContext, update_s, weights_memory
 from strategies.collectives import all_reduce_s, fsdp_layer_s
 from strategies.devices import LinkSpec
+from strategies.memory import fsdp_copies_s
+from strategies.overlap import FORWARD_SHARE, exposed_s
 
 SUFFIX = "+fsdp"
 HSDP_SUFFIX = "+hsdp"
@@ -95,45 +99,57 @@ def _own_module(layer: Layer) -> bool:
 
 
 def price(param_local_bytes: float, base_microbatch_s: float, dp: int, link: LinkSpec,
-          ctx: CostContext) -> ShardedPrice:
+          ctx: CostContext, compute_s: float = 0.0, share: float = FORWARD_SHARE
+          ) -> ShardedPrice:
     """The sharded variant of an option whose tp shard holds `param_local_bytes` of
-    weights and costs `base_microbatch_s` per microbatch, over a dp group on `link`."""
+    weights and costs `base_microbatch_s` per microbatch, `compute_s` of it compute
+    (`share` forward: what runs beside the gathers and the scatter on a GPU,
+    strategies.overlap), over a dp group on `link`."""
     precision = ctx.precision
     gather, scatter = fsdp_layer_s(precision.gather_bytes(param_local_bytes),
                                    precision.reduce_bytes(param_local_bytes), dp, link)
-    copies = ctx.cluster.fsdp_overhead_s_per_byte * param_local_bytes
+    copies = fsdp_copies_s(param_local_bytes, dp, link, ctx)
     shard = param_local_bytes / dp
-    return ShardedPrice(microbatch_s=base_microbatch_s + gather + scatter + copies,
+    waited = exposed_s(gather / 2, gather / 2 + scatter, compute_s, share,
+                       ctx.cluster.overlap_cover)
+    return ShardedPrice(microbatch_s=base_microbatch_s + waited + copies,
                         step_s=update_s(shard, ctx),
                         weight_bytes=weights_memory(shard, ctx, sharded=True),
                         local_param_bytes=shard, gather_s=gather, scatter_s=scatter)
 
 
 def price_hsdp(param_local_bytes: float, base_microbatch_s: float, dp: int, tp: int,
-               ctx: CostContext) -> ShardedPrice:
+               ctx: CostContext, compute_s: float = 0.0, share: float = FORWARD_SHARE
+               ) -> ShardedPrice:
     """The HSDP variant of an option (module docstring): per microbatch the gathers and the
     scatter over the shard group on the intra-node link, per step the optimizer on the
-    shard and one all-reduce of the gradient shard over the replicas on the inter-node link."""
+    shard and one all-reduce of the gradient shard over the replicas on the inter-node link
+    (on a GPU each beside the layer's compute as `price` says; the all-reduce beside one
+    microbatch's backward, the last)."""
     cluster, precision = ctx.cluster, ctx.precision
     replicas, shard_ranks = hsdp_split(dp, tp, cluster.devices_per_node)
     inside, across = cluster.intra_node, cluster.inter_node
     gather, scatter = fsdp_layer_s(precision.gather_bytes(param_local_bytes),
                                    precision.reduce_bytes(param_local_bytes), shard_ranks, inside)
-    copies = cluster.fsdp_overhead_s_per_byte * param_local_bytes
+    copies = fsdp_copies_s(param_local_bytes, shard_ranks, inside, ctx)
     shard = param_local_bytes / shard_ranks
     sync = all_reduce_s(precision.reduce_bytes(shard), replicas, across)
-    return ShardedPrice(microbatch_s=base_microbatch_s + gather + scatter + copies,
-                        step_s=update_s(shard, ctx) + sync,
+    cover = cluster.overlap_cover
+    waited = exposed_s(gather / 2, gather / 2 + scatter, compute_s, share, cover)
+    return ShardedPrice(microbatch_s=base_microbatch_s + waited + copies,
+                        step_s=update_s(shard, ctx) + exposed_s(0.0, sync, compute_s, share,
+                                                                cover),
                         weight_bytes=weights_memory(shard, ctx, sharded=True),
                         local_param_bytes=shard, gather_s=gather, scatter_s=scatter)
 
 
 def price_variant(suffix: str, param_local_bytes: float, base_microbatch_s: float, dp: int,
-                  tp: int, link: LinkSpec, ctx: CostContext) -> ShardedPrice:
+                  tp: int, link: LinkSpec, ctx: CostContext, compute_s: float = 0.0,
+                  share: float = FORWARD_SHARE) -> ShardedPrice:
     """`price` for "+fsdp" (over a dp group on `link`), `price_hsdp` for "+hsdp"."""
     if suffix == HSDP_SUFFIX:
-        return price_hsdp(param_local_bytes, base_microbatch_s, dp, tp, ctx)
-    return price(param_local_bytes, base_microbatch_s, dp, link, ctx)
+        return price_hsdp(param_local_bytes, base_microbatch_s, dp, tp, ctx, compute_s, share)
+    return price(param_local_bytes, base_microbatch_s, dp, link, ctx, compute_s, share)
 
 
 def split(option: str) -> tuple[str, str]:

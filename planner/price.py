@@ -11,11 +11,13 @@ here once:
   link only inside one node;
 - the gradient sync (`price`): DDP's bucket fit (strategies.collectives) over the replicas
   that hold the same weights: dp x tp for layers that split rows (or tokens) over their tp
-  group, dp for the rest, with DDP's copies into and out of its buckets, once per step;
+  group, dp for the rest, with DDP's copies into and out of its buckets, once per step; on
+  a GPU only what it takes beyond the backward beside it (strategies.overlap);
 - the reshard overhead and the batch-free rule on edges (`edge_cost`), and for torch.export
   graphs the layout changes the module executor can make;
 - the fixed cost of a distributed step (`step_overhead_s`), outside every choice;
-- the rhythm blocking collectives are priced at (`in_rhythm`), where the link measured one.
+- the rhythm blocking collectives are priced at (`in_rhythm`), where the link measured one,
+  and on GPUs the compute that runs beside FSDP's and DDP's collectives (strategies.overlap).
 
     microbatch_s  the catalog's time on one microbatch over the tp group, less its
                   gradient sync                                   (charged m times a step)
@@ -43,6 +45,7 @@ from strategies.devices import LinkSpec
 from strategies.edges import edge_matrix
 from strategies.layouts import Layout
 from strategies.memory import split_name
+from strategies.overlap import exposed_s, forward_share
 
 # a layout change the module executor cannot make: an infinite cost, which the solver
 # turns into a bound on its edge variable (planner.ilp: a finite penalty would set the
@@ -75,27 +78,40 @@ def tp_context(cluster: Cluster, tp: int, rows: int, optimizer: str) -> CostCont
 
 def in_rhythm(cluster: Cluster, graph: ModelGraph, tp: int, rows: int,
               optimizer: str) -> Cluster:
-    """`cluster` whose links (those with a measured gap curve) price blocking collectives
-    at the rhythm a model-parallel plan of `graph` on tp groups of `tp` ranks, `rows` rows,
-    issues them (strategies.collectives.rhythm_latency_s). In such a plan each layer with
-    weights synchronises its group about once a step (a column layer's input-gradient
-    all-reduce, a row, head or vocabulary layer's output reduction), so the ranks compute
-    about one such layer's share, with the parameter-free ops around it, between two:
-    the layers' compute at 1/tp over the number with weights. Known from the graph, not
-    from a solution: every option of every shape is priced at it, and the plan the solver
-    returns is optimal for the prices it reports. A plan that issues no blocking
-    collective (DDP, FSDP) pays nothing for it."""
+    """`cluster` at the rhythm a plan of `graph` on tp groups of `tp` ranks, `rows` rows,
+    computes and communicates in: every option of every shape is priced at it, known from
+    the graph, not from a solution, so the plan the solver returns is optimal for the
+    prices it reports.
+
+    - Blocking collectives, on links with a measured gap curve, at the gap they are
+      issued at (strategies.collectives.rhythm_latency_s). In a model-parallel plan each
+      layer with weights synchronises its group about once a step (a column layer's
+      input-gradient all-reduce, a row, head or vocabulary layer's output reduction), so
+      the ranks compute about one such layer's share, with the parameter-free ops around
+      it, between two: the layers' compute at 1/tp over the number with weights. A plan
+      that issues no blocking collective (DDP, FSDP) pays nothing for it.
+    - On GPUs, the compute that runs beside a layer's FSDP and DDP collectives
+      (`Cluster.overlap_cover`, strategies.overlap): all compute over the compute of the
+      layers with weights, the parameter-free ops between them included."""
     links = {name: getattr(cluster, name) for name in ("intra_node", "inter_node")}
-    if tp <= 1 or all(link.gap_curve is None for link in links.values()):
+    gaps = tp > 1 and any(link.gap_curve is not None for link in links.values())
+    overlaps = cluster.device.kind == "cuda"
+    if not (gaps or overlaps):
         return cluster
     ctx = tp_context(cluster, tp, graph.batch_size, optimizer)
     layers = [layer for layer in graph.layers if not layer.is_input]
-    weighted = sum(1 for layer in layers if layer.param_bytes > 0)
-    compute = sum(compute_s(layer, 1 / tp, ctx) for layer in layers)
-    gap_s = compute / max(1, weighted) * rows / graph.batch_size
-    return cluster.model_copy(update={
-        name: link.model_copy(update={"blocking_gap_s": gap_s})
-        for name, link in links.items() if link.gap_curve is not None})
+    times = [compute_s(layer, 1 / tp, ctx) for layer in layers]
+    compute = sum(times)
+    update: dict = {}
+    if overlaps:
+        weighted_s = sum(t for t, layer in zip(times, layers) if layer.param_bytes > 0)
+        update["overlap_cover"] = max(1.0, compute / weighted_s) if weighted_s > 0 else None
+    if gaps:
+        weighted = sum(1 for layer in layers if layer.param_bytes > 0)
+        gap_s = compute / max(1, weighted) * rows / graph.batch_size
+        update.update({name: link.model_copy(update={"blocking_gap_s": gap_s})
+                       for name, link in links.items() if link.gap_curve is not None})
+    return cluster.model_copy(update=update)
 
 
 @dataclass(frozen=True)
@@ -138,8 +154,10 @@ def price(layer: Layer, strategy: Strategy, ctx: CostContext, dp: int = 1,
     own_sync = cost.notes.get("gradient_all_reduce_s", 0.0) + cost.notes.get("bucket_copies_s", 0.0)
     microbatch = cost.compute_s + cost.communication_s - own_sync
     link = group_link(ctx.cluster, dp * tp)  # a dp group spans dp·tp consecutive ranks
+    share = forward_share(layer.fwd_flops, layer.bwd_flops)
     if sharded:
-        priced = dp_shard.price_variant(sharded, local, microbatch, dp, tp, link, ctx)
+        priced = dp_shard.price_variant(sharded, local, microbatch, dp, tp, link, ctx,
+                                        cost.compute_s, share)
         return Price(cost, priced.microbatch_s, priced.step_s, priced.weight_bytes,
                      activations, priced.local_param_bytes, 0.0)
     if base in dp_shard.SUMMED_OVER_TP:  # rows (tokens) split over tp too: dp x tp copies
@@ -148,7 +166,10 @@ def price(layer: Layer, strategy: Strategy, ctx: CostContext, dp: int = 1,
         replicas, held = dp, local
     sync = 0.0
     if replicas > 1 and held > 0:
-        sync = bucketed_all_reduce_s(ctx.precision.reduce_bytes(held), replicas, link)
+        # on a GPU beside the last microbatch's backward (strategies.overlap)
+        sync = exposed_s(0.0, bucketed_all_reduce_s(ctx.precision.reduce_bytes(held),
+                                                    replicas, link),
+                         cost.compute_s, share, ctx.cluster.overlap_cover)
         # DDP copies gradients into its flat buckets and back out: two passes over memory
         sync += memory_s(2 * 2 * held, ctx)
     return Price(cost, microbatch, cost.update_s + sync, weights, activations, local, sync)

@@ -38,12 +38,21 @@ def _label(strategy) -> str:
 
 def _traffic(choices: Choices, choice: list[int], node: int, option: int) -> str:
     row = choices.layers[node]
-    strategy, cost = row.strategies[option], row.costs[option]
-    moved = _edge_time(choices.problem, choice, node, option) + cost.communication_s
-    if strategy.name == "data_parallel" and row.layer.param_bytes:
-        text = f"all-reduce of its {_mb(row.layer.param_bytes)} of gradients {_ms(cost.communication_s)}"
-        reshard = moved - cost.communication_s
+    strategy, cost, priced = row.strategies[option], row.costs[option], row.prices[option]
+    if strategy.name in ("data_parallel", "fsdp") and row.layer.param_bytes:
+        if strategy.name == "data_parallel":  # the sync as priced: on a GPU beside backward
+            waited, serial = priced.sync_s, cost.communication_s
+            text = f"all-reduce of its {_mb(row.layer.param_bytes)} of gradients {_ms(waited)}"
+        else:
+            waited = cost.communication_s
+            serial = waited + cost.notes.get("beside_compute_s", 0.0)
+            text = (f"all-gathers and reduce-scatter of its {_mb(row.layer.param_bytes)} of "
+                    f"weights {_ms(waited)}")
+        if serial - waited >= 1e-6:
+            text += f" ({_ms(serial - waited)} more beside compute)"
+        reshard = _edge_time(choices.problem, choice, node, option)
         return text + (f", layout changes {_ms(reshard)}" if reshard >= 1e-6 else "")
+    moved = _edge_time(choices.problem, choice, node, option) + cost.communication_s
     return f"activation traffic {_ms(moved)}"
 
 
@@ -61,8 +70,9 @@ def reasons(choices: Choices, choice: list[int]) -> list[str]:
             out.append("each rank passes its rows" if chosen.name == "data_parallel"
                        else "each rank passes the whole batch (the first layers are model-parallel)")
             continue
-        base = row.costs[c].time_s + _edge_time(problem, choice, i, c)
-        deltas = [(row.costs[j].time_s + _edge_time(problem, choice, i, j) - base, j)
+        # the prices the solver read (planner.price), not the catalog's own costs
+        base = row.prices[c].time_s + _edge_time(problem, choice, i, c)
+        deltas = [(row.prices[j].time_s + _edge_time(problem, choice, i, j) - base, j)
                   for j in range(len(row.strategies)) if j != c]
         other_kind = [d for d in deltas if row.strategies[d[1]].model_parallel != chosen.model_parallel
                       and row.strategies[d[1]].name != "replicate"]

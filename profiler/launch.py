@@ -1,7 +1,8 @@
 """Start N local ranks (spawned processes on one process group) and collect their results.
 
 What `hyplan calibrate`, the benchmarks and the multi-process tests use to run real
-collectives on this machine: a free port, CUDA hidden for gloo (gloo and FSDP misbehave when it is visible),
+collectives on this machine: processes forked from a server that imported torch once, a
+free port, CUDA hidden for gloo (gloo and FSDP misbehave when it is visible),
 `threads` intra-op threads per rank, and the failing rank's traceback raised.
 """
 
@@ -47,10 +48,30 @@ def _entry(fn, rank, world_size, port, backend, threads, results, args):
             dist.destroy_process_group()
 
 
+# What every rank imports, loaded once into the fork server (`_context`): a rank forked
+# from it starts in ~0.1 s, where a spawned one imported torch itself (2 ranks 3.9 s, 4
+# ranks 8.2 s for an empty function on this 2-core machine; ~100 such launches in the tests)
+PRELOAD = ("torch", "torch.distributed", "torch.distributed.tensor",
+           "torch.distributed.tensor.parallel", "torch.distributed.fsdp",
+           "torch.distributed.pipelining", "torch.distributed.checkpoint",
+           "torch.nn.parallel", "profiler", "strategies", "planner", "executor",
+           "transformers")  # an optional extra: a module that fails to import is skipped
+
+
+def _context():
+    """The start method ranks are made by: a fork server that imported PRELOAD (nothing
+    else: no threads, no CUDA context, so the forks are clean), started with this
+    process's first launch and kept for the next ones."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(list(PRELOAD))
+    return ctx
+
+
 def run_ranks(fn, world_size: int, *args, backend: str = "gloo", threads: int = 1,
               timeout_s: float = 300.0) -> list:
-    """[fn(rank, world_size, *args) for each rank], each in its own spawned process."""
-    ctx = mp.get_context("spawn")
+    """[fn(rank, world_size, *args) for each rank], each in its own process, forked
+    from a server that has already imported torch (`_context`)."""
+    ctx = _context()
     results = ctx.Queue()
     port = free_port()
     procs = [ctx.Process(target=_entry,

@@ -45,6 +45,10 @@ class Cluster(BaseModel):
     # computes on its own (GPUs), and compute_slowdown is all there is to it
     cores: int = Field(0, ge=0)
     threads_per_device: int = Field(1, ge=1)
+    # GPUs: the compute beside a layer's FSDP gathers and scatters and DDP bucket
+    # all-reduces, per second of the layer's own compute (strategies.overlap; set from the
+    # graph by planner.price.in_rhythm). None: they run in the step's path (CPU, gloo)
+    overlap_cover: float | None = Field(None, ge=1.0)
     source: str = ""
 
     @model_validator(mode="after")

@@ -9,9 +9,10 @@ binds and they are the cheapest way to fit:
   ranks (1/P each). The price: the weights are all-gathered before forward and again
   before backward (FSDP2 reshards after forward), and the gradients are reduce-scattered
   instead of all-reduced: 3(P-1)/P of the weights' bytes sent per rank against DDP's
-  2(P-1)/P, 1.5x. The gathered weights of one layer (and its unsharded gradient before the
-  reduce-scatter) live only while it runs; that transient is not in the per-layer sum (it
-  is one layer's weights, not the model's).
+  2(P-1)/P, 1.5x. On a GPU they run beside compute (strategies.overlap). The gathered
+  weights of one layer (and its unsharded gradient before the reduce-scatter) live only
+  while it runs; that transient is not in the per-layer sum (it is one layer's weights,
+  not the model's).
 - `Recompute(inner)`: the layer runs `inner` under `torch.utils.checkpoint`: it keeps only
   its input for backward instead of its own activations, and runs its forward once more
   in backward. Memory: `inner`'s activation bytes are replaced by its input's bytes;
@@ -28,10 +29,11 @@ from typing import ClassVar
 
 from profiler.graph import Layer
 from strategies.catalog import (
-    Cost, CostContext, DataParallel, Strategy, compute_s, update_s, weights_memory,
+    Cost, CostContext, DataParallel, Strategy, compute_s, memory_s, update_s, weights_memory,
 )
 from strategies.collectives import all_reduce_s, collective_bytes, fsdp_layer_s
 from strategies.layouts import Layout
+from strategies.overlap import exposed_s, forward_share
 
 RECOMPUTE_SUFFIX = "+recompute"
 
@@ -52,19 +54,40 @@ class ShardedDataParallel(DataParallel):
         # weights gathered in the param dtype, gradients reduced in the reduce dtype
         gathers, scatter = fsdp_layer_s(precision.gather_bytes(p), precision.reduce_bytes(p),
                                         ctx.ranks, ctx.link)
-        copies = ctx.cluster.fsdp_overhead_s_per_byte * p  # flat-buffer copies (old profiles)
+        copies = fsdp_copies_s(p, ctx.ranks, ctx.link, ctx)
         sent = (2 * collective_bytes("all_gather", precision.gather_bytes(p), ctx.ranks)
                 + collective_bytes("reduce_scatter", precision.reduce_bytes(p), ctx.ranks))
         local = p / ctx.ranks
         memory = weights_memory(local, ctx, sharded=True) + layer.output.nbytes / ctx.ranks
-        return Cost(compute_s(layer, 1 / ctx.ranks, ctx), gathers + scatter + copies,
-                    memory, update_s(local, ctx),
+        compute = compute_s(layer, 1 / ctx.ranks, ctx)
+        # on a GPU a step waits only for what they take beyond the compute beside them
+        share, cover = forward_share(layer.fwd_flops, layer.bwd_flops), ctx.cluster.overlap_cover
+        waited = exposed_s(gathers / 2, gathers / 2 + scatter, compute, share, cover)
+        reduce = exposed_s(0.0, all_reduce_s(precision.reduce_bytes(p), ctx.ranks, ctx.link),
+                           compute, share, cover)
+        return Cost(compute, waited + copies, memory, update_s(local, ctx),
                     {"param_all_gather_s": gathers, "gradient_reduce_scatter_s": scatter,
+                     "beside_compute_s": gathers + scatter - waited,
                      "buffer_copies_s": copies, "communication_bytes": sent,
                      "saved_bytes": weights_memory(p, ctx)
                      - weights_memory(local, ctx, sharded=True),
-                     "lever_s": gathers + scatter + copies
-                     - all_reduce_s(precision.reduce_bytes(p), ctx.ranks, ctx.link)})
+                     "lever_s": waited + copies - reduce})
+
+
+def fsdp_copies_s(param_bytes: float, ranks: int, link, ctx: CostContext) -> float:
+    """FSDP2's copies around one layer's collectives for one microbatch: the gathered
+    weights copied out of the all-gather's flat buffer (in forward and again in backward)
+    and the gradients copied into the reduce-scatter's, a read and a write each. An older
+    calibration's per-byte figure stands for them; a link where `hyplan calibrate` timed
+    whole FSDP layers ("fsdp_layer") holds them in its fit."""
+    if ranks <= 1 or param_bytes <= 0:
+        return 0.0
+    if ctx.cluster.fsdp_overhead_s_per_byte:
+        return ctx.cluster.fsdp_overhead_s_per_byte * param_bytes
+    if "fsdp_layer" in link.collectives:
+        return 0.0
+    p = ctx.precision
+    return memory_s(2 * (2 * p.gather_bytes(param_bytes) + p.reduce_bytes(param_bytes)), ctx)
 
 
 def _weights_part(inner: Strategy, layer: Layer, ctx: CostContext) -> float:

@@ -21,6 +21,8 @@ from planner.search import CostCache, Shape, build, group_link
 from profiler import profile, trace
 from strategies.catalog import CostContext, update_s, weights_memory
 from strategies.collectives import all_gather_s, all_reduce_s, reduce_scatter_s
+from strategies.memory import fsdp_copies_s
+from strategies.overlap import exposed_s, forward_share
 from strategies.parse import parse_devices
 from test_pipeline_equivalence import LR, ROWS, STEPS, _full, _train_single
 
@@ -47,24 +49,31 @@ def test_hsdp_price_lies_between_fsdp_and_data_parallel():
     over the 4 ranks of a node and all-reduces over the 2 nodes."""
     graph = profile(trace(models.mlp(), (torch.randn(16, 16),)), measure=False)
     cluster = parse_devices("2x4xA100-80GB")
-    built = build(CostCache(graph, cluster, "adam"), 1, 8, 1, 2)
+    cache = CostCache(graph, cluster, "adam")
+    built = build(cache, 1, 8, 1, 2)
     i = next(i for i, l in enumerate(built.problem.layers) if l.name == "2")
     layer = built.problem.layers[i]
     ddp, fsdp, hsdp = (layer.strategies.index(n) for n in
                        ("data_parallel", "data_parallel+fsdp", "data_parallel+hsdp"))
-    param = next(l for l in graph.layers if l.name == "2").param_bytes
+    source = next(l for l in graph.layers if l.name == "2")
+    param = source.param_bytes
+    # on GPUs what runs past the compute beside it (strategies.overlap): the layer's own
+    # compute (data parallel's microbatch) at the graph's cover
+    cover = cache.rhythm(1, 2).overlap_cover
+    compute, share = layer.microbatch_s[ddp], forward_share(source.fwd_flops, source.bwd_flops)
     ctx = CostContext(cluster=cluster, ranks=1, batch=2, optimizer="adam")
     p = ctx.precision
     inside, across = cluster.intra_node, cluster.inter_node
     assert group_link(cluster, 8) == across and group_link(cluster, 4) == inside
     # per microbatch: two gathers and a scatter over the 4 ranks of a node
-    extra = (2 * all_gather_s(p.gather_bytes(param), 4, inside)
-             + reduce_scatter_s(p.reduce_bytes(param), 4, inside)
-             + cluster.fsdp_overhead_s_per_byte * param)
+    gather = all_gather_s(p.gather_bytes(param), 4, inside)
+    extra = (exposed_s(gather, gather + reduce_scatter_s(p.reduce_bytes(param), 4, inside),
+                       compute, share, cover)
+             + fsdp_copies_s(param, 4, inside, ctx))
     assert layer.microbatch_s[hsdp] - layer.microbatch_s[ddp] == pytest.approx(extra)
     # per step: the optimizer on a quarter, one all-reduce of the quarter over the 2 nodes
-    assert layer.step_s[hsdp] == pytest.approx(
-        update_s(param / 4, ctx) + all_reduce_s(p.reduce_bytes(param / 4), 2, across))
+    assert layer.step_s[hsdp] == pytest.approx(update_s(param / 4, ctx) + exposed_s(
+        0.0, all_reduce_s(p.reduce_bytes(param / 4), 2, across), compute, share, cover))
     assert built.local_param_bytes[i][hsdp] == pytest.approx(param / 4)
     assert layer.weight_bytes[hsdp] == pytest.approx(weights_memory(param / 4, ctx, sharded=True))
     # between the two: memory and per-step sync; per microbatch cheaper than fsdp's

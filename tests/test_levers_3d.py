@@ -13,6 +13,8 @@ from planner.plan3d import optimize_3d
 from planner.search import CostCache, Shape, build, group_link
 from profiler import profile, trace
 from strategies.catalog import CostContext, weights_memory
+from strategies.memory import fsdp_copies_s
+from strategies.overlap import exposed_s, forward_share
 from strategies.parse import parse_devices
 from strategies.collectives import all_gather_s, collective_bytes, reduce_scatter_s
 from test_pipeline_equivalence import _check
@@ -21,7 +23,9 @@ from test_pipeline_equivalence import _check
 def _built(dp, tp, rows=8):
     graph = profile(trace(models.mlp(), (torch.randn(16, 16),)), measure=False)
     cluster = parse_devices(f"{dp * tp}xA100-80GB")
-    return build(CostCache(graph, cluster, "adam"), 1, dp, tp, rows), cluster, graph
+    cache = CostCache(graph, cluster, "adam")
+    # the cluster as the search priced it: on GPUs with the graph's overlap cover
+    return build(cache, 1, dp, tp, rows), cache.rhythm(tp, rows), graph
 
 
 def test_sharded_option_keeps_one_dp_th_of_the_weights_and_reduce_scatters():
@@ -30,7 +34,8 @@ def test_sharded_option_keeps_one_dp_th_of_the_weights_and_reduce_scatters():
     layer = built.problem.layers[i]  # Linear(32, 32)
     base = layer.strategies.index("data_parallel")
     sharded = layer.strategies.index("data_parallel+fsdp")
-    param = next(l for l in graph.layers if l.name == "2").param_bytes
+    source = next(l for l in graph.layers if l.name == "2")
+    param = source.param_bytes
     link = group_link(cluster, 4)
     ctx = CostContext(cluster=cluster, ranks=1, batch=8, optimizer="adam")
     # weights, gradients and optimizer state: 1/dp
@@ -41,10 +46,17 @@ def test_sharded_option_keeps_one_dp_th_of_the_weights_and_reduce_scatters():
         weights_memory(param / 4, ctx, sharded=True))
     assert layer.weight_bytes[sharded] <= layer.weight_bytes[base] / 4
     # per microbatch: + 2 all-gathers + a reduce-scatter of the weights over dp
-    # (gathered in the compute dtype, reduced in the gradient dtype: strategies.precision)
-    extra = (2 * all_gather_s(ctx.precision.gather_bytes(param), 4, link)
-             + reduce_scatter_s(ctx.precision.reduce_bytes(param), 4, link)
-             + cluster.fsdp_overhead_s_per_byte * param)
+    # (gathered in the compute dtype, reduced in the gradient dtype: strategies.precision),
+    # on a GPU what they take past the layer's compute beside them (strategies.overlap)
+    gather = all_gather_s(ctx.precision.gather_bytes(param), 4, link)
+    scatter = reduce_scatter_s(ctx.precision.reduce_bytes(param), 4, link)
+    assert cluster.overlap_cover is not None
+    extra = (exposed_s(gather, gather + scatter, layer.microbatch_s[base],
+                       forward_share(source.fwd_flops, source.bwd_flops),
+                       cluster.overlap_cover)
+             + fsdp_copies_s(param, 4, link, ctx))
+    assert fsdp_copies_s(param, 4, link, ctx) < extra <= 2 * gather + scatter + fsdp_copies_s(
+        param, 4, link, ctx)
     assert layer.microbatch_s[sharded] - layer.microbatch_s[base] == pytest.approx(extra)
     # per step: no all-reduce left; a reduce-scatter sends half an all-reduce's bytes
     assert layer.step_s[sharded] < layer.step_s[base]
