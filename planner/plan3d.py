@@ -25,7 +25,7 @@ from planner.price import group_link, step_overhead_s
 from planner.search import SearchResult, Shape, build, rank_groups, search
 from planner.schedules import LABELS, SPLIT_BACKWARD
 from planner.stages import evaluate, in_flight, stage_ranks
-from strategies.catalog import OPTIMIZER_STATE_FACTOR
+from strategies.catalog import OPTIMIZER_STATE_FACTOR, CostContext, update_s
 from strategies.cluster import Cluster
 
 
@@ -111,6 +111,7 @@ def to_plan(graph, cluster: Cluster, optimizer: str, budget: float, result: Sear
     state = OPTIMIZER_STATE_FACTOR[optimizer]
     precision = cluster.training_precision
     groups = rank_groups(pp, dp, tp)
+    rows = shape.rows(graph.batch_size)
 
     edge_in = [0.0] * len(problem.layers)
     for e in problem.edges:
@@ -142,21 +143,25 @@ def to_plan(graph, cluster: Cluster, optimizer: str, budget: float, result: Sear
             mem["gradients_bytes"] += local
             mem["optimizer_state_bytes"] += state * local
             mem["activations_bytes"] += float(opts.activation_bytes[c]) * flight[k]
+        # the optimizer steps this device's weights: a sharded option's shard only
+        upd = (update_s(local, CostContext(cluster=cluster, ranks=tp, batch=rows,
+                                           optimizer=optimizer))
+               if sharded else cost.update_s)
         compute[r] += cost.compute_s
         stage_compute[k] += cost.compute_s
-        update[r] += cost.update_s
+        update[r] += upd
         if layer.is_input:
             inputs.append(InputPlan(name=layer.node, layout=strategy.gives.value,
                                     shape=list(layer.output.shape)))
             continue
         per_mb_comm = float(opts.microbatch_s[c]) - cost.compute_s
-        sync = float(opts.step_s[c]) - cost.update_s
+        sync = float(opts.step_s[c]) - upd
         layers.append(LayerPlan(
             name=layer.name, node=layer.node, kind=layer.kind,
             output_shape=list(layer.output.shape), strategy=strategy.name,
             input_layout=strategy.takes.value, output_layout=strategy.gives.value,
             model_parallel=strategy.model_parallel, compute_s=cost.compute_s * m,
-            communication_s=per_mb_comm * m + sync, update_s=cost.update_s,
+            communication_s=per_mb_comm * m + sync, update_s=upd,
             reshard_in_s=edge_in[i] * m,
             memory_bytes=float(opts.weight_bytes[c]) + float(opts.activation_bytes[c]) * flight[k],
             param_bytes=layer.param_bytes, params=list(layer.params), stage=k,

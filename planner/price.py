@@ -76,8 +76,16 @@ def tp_context(cluster: Cluster, tp: int, rows: int, optimizer: str) -> CostCont
     return CostContext(cluster=cluster, ranks=tp, batch=rows, optimizer=optimizer)
 
 
+def layer_compute_s(cluster: Cluster, graph: ModelGraph, tp: int, optimizer: str
+                    ) -> list[float]:
+    """Each layer's compute (inputs left out) at 1/tp of the whole batch: what `in_rhythm`
+    reads, the same for every microbatch size (the 3-D search keeps it per tp)."""
+    ctx = tp_context(cluster, tp, graph.batch_size, optimizer)
+    return [compute_s(layer, 1 / tp, ctx) for layer in graph.layers if not layer.is_input]
+
+
 def in_rhythm(cluster: Cluster, graph: ModelGraph, tp: int, rows: int,
-              optimizer: str) -> Cluster:
+              optimizer: str, times: list[float] | None = None) -> Cluster:
     """`cluster` at the rhythm a plan of `graph` on tp groups of `tp` ranks, `rows` rows,
     computes and communicates in: every option of every shape is priced at it, known from
     the graph, not from a solution, so the plan the solver returns is optimal for the
@@ -92,15 +100,17 @@ def in_rhythm(cluster: Cluster, graph: ModelGraph, tp: int, rows: int,
       that issues no blocking collective (DDP, FSDP) pays nothing for it.
     - On GPUs, the compute that runs beside a layer's FSDP and DDP collectives
       (`Cluster.overlap_cover`, strategies.overlap): all compute over the compute of the
-      layers with weights, the parameter-free ops between them included."""
+      layers with weights, the parameter-free ops between them included.
+
+    `times`: `layer_compute_s` of these arguments, where the caller keeps it."""
     links = {name: getattr(cluster, name) for name in ("intra_node", "inter_node")}
     gaps = tp > 1 and any(link.gap_curve is not None for link in links.values())
     overlaps = cluster.device.kind == "cuda"
     if not (gaps or overlaps):
         return cluster
-    ctx = tp_context(cluster, tp, graph.batch_size, optimizer)
     layers = [layer for layer in graph.layers if not layer.is_input]
-    times = [compute_s(layer, 1 / tp, ctx) for layer in layers]
+    if times is None:
+        times = layer_compute_s(cluster, graph, tp, optimizer)
     compute = sum(times)
     update: dict = {}
     if overlaps:

@@ -47,8 +47,8 @@ from planner.block_cuts import (
 from planner import block_recompute, dp_shard
 from planner.choices import OUTPUT, module_executor_options
 from planner.price import (
-    EdgeKind, Price, edge_cost, edge_kind, group_link, in_rhythm, output_kind, price,
-    tp_context, with_tied_copy,
+    EdgeKind, Price, edge_cost, edge_kind, group_link, in_rhythm, layer_compute_s, output_kind,
+    price, tp_context, with_tied_copy,
 )
 from planner.problem import Edge
 from planner.progress import Progress, listened, report
@@ -266,6 +266,7 @@ class CostCache:
         self._layer: dict = {}
         self._edge: dict = {}
         self._rhythm: dict = {}  # (tp, rows): the cluster at that rhythm (in_rhythm)
+        self._compute: dict = {}  # tp: the layers' compute in_rhythm reads
         self._signatures: dict = {}  # per node: _signature(layer), a repr of its attrs
         # build()'s per-layer options and per-edge costs, keyed by the entries they price
         # (which this cache keeps alive, so their ids stay theirs)
@@ -312,8 +313,12 @@ class CostCache:
         """planner.price.in_rhythm of this cache's cluster, once per tp and rows."""
         hit = self._rhythm.get((tp, rows))
         if hit is None:
+            times = self._compute.get(tp)
+            if times is None:  # the same for every rows: once per tp
+                times = self._compute[tp] = layer_compute_s(self.cluster, self.graph, tp,
+                                                            self.optimizer)
             hit = self._rhythm[(tp, rows)] = in_rhythm(self.cluster, self.graph, tp, rows,
-                                                       self.optimizer)
+                                                       self.optimizer, times)
         return hit
 
     def edge(self, kind: EdgeKind):

@@ -13,10 +13,11 @@ import torch
 
 import models
 from planner.choices import layer_choices
+from planner.plan3d import to_plan
 from planner.price import group_link, in_rhythm, price
-from planner.search import CostCache, build
+from planner.search import CostCache, Shape, build, search
 from profiler import profile, trace
-from strategies.catalog import CostContext, compute_s, candidates
+from strategies.catalog import CostContext, candidates, compute_s, update_s
 from strategies.collectives import bucketed_all_reduce_s, fsdp_layer_s
 from strategies.memory import fsdp_copies_s
 from strategies.overlap import exposed_s, forward_share
@@ -157,3 +158,23 @@ def test_1d_and_3d_price_overlap_alike(devices):
             assert cost.communication_s < gathers + scatter + cost.notes["buffer_copies_s"]
             checked += 1
     assert checked
+
+
+def test_a_sharded_plans_terms_add_up_with_the_shards_own_optimizer_step():
+    """The plan's step split (planner.plan3d.to_plan): a layer sharded over dp steps the
+    optimizer on its shard only, so its update is the shard's and the rest of its per-step
+    price is its sync; the step's communication is then what is left, never negative."""
+    graph = _mlp_graph(64)
+    cluster = parse_devices("8xA100-80GB")
+    pin = {"0": "data_parallel+fsdp", "2": "data_parallel+fsdp", "4": "data_parallel+fsdp"}
+    result = search(graph, cluster, "adam", None, only=[Shape(1, 8, 1, 1, "1F1B")], pin=pin)
+    plan = to_plan(graph, cluster, "adam", float("inf"), result, 0.0)
+    ctx = CostContext(cluster=cluster, ranks=1, batch=8, optimizer="adam")
+    for name in pin:
+        layer = plan.layer(name)
+        assert layer.dp_shard
+        assert layer.update_s == pytest.approx(update_s(layer.param_bytes / 8, ctx), rel=1e-9)
+        assert layer.communication_s >= 0
+    p = plan.predicted
+    assert p.communication_s >= 0
+    assert p.other_s == pytest.approx(sum(l.update_s for l in plan.layers), rel=1e-9)
