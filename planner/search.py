@@ -405,7 +405,8 @@ def build(cache: CostCache, pp: int, dp: int, tp: int, rows: int,
     # processes sharing a machine's cores: a stage waiting for its input holds no core, so
     # of pp stages, m microbatches, pp·m/(m+pp-1) compute at once on average
     m = max(1, graph.batch_size // (dp * rows))
-    computing = cluster.devices_per_node * m / (m + pp - 1) if pp > 1 else None
+    computing = (cluster.devices_per_node * m / (m + pp - 1) if pp > 1 and cluster.cores
+                 else None)  # devices of their own (GPUs): one price whatever the pipeline
     options: list[LayerOptions] = []
     strategies, costs, scaled_layers, local = [], [], [], []
     sharded_all = []
