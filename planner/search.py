@@ -54,6 +54,7 @@ from planner.problem import Edge
 from planner.progress import Progress, listened, report
 from planner.schedules import SCHEDULES, V_SHAPED, chunks_allowed, refusal
 from planner.stage_loads import busiest_rank_bound
+from planner.stage_paths import path_bound
 from planner.stages import (
     LayerOptions, StageProblem, StageSolution, TimeLimit, estimate, lower_bound,
     min_memory_bytes, quick_plan, solve_stages,
@@ -514,11 +515,14 @@ def tp_whole_rows(shape: Shape, batch: int, cluster: Cluster) -> bool:
 class _LoadBounds:
     """The busiest rank's work bound (planner.stage_loads) of chunked candidates, shared:
     it reads the stages' placement only, not the schedule's order, so one dynamic program
-    serves the looped schedules of a problem, pp and m, and one the V-shaped."""
+    serves the looped schedules of a problem, pp and m, and one the V-shaped; where that
+    leaves a candidate open and its cuts are few, every cut priced through the schedule
+    (planner.stage_paths)."""
 
     def __init__(self, problem_of):
         self.problem_of = problem_of
         self.found: dict[tuple, tuple[float, float]] = {}  # placement -> (from, bound)
+        self.paths: dict[tuple, float | None] = {}  # shape -> stage_paths.path_bound
 
     def raise_bound(self, c: Candidate, best_s: float, within: float) -> None:
         """c.bound_s raised by the bound, computed to `within` of the best (0: only
@@ -532,6 +536,11 @@ class _LoadBounds:
                                         c.bound_s, best_s * (1 - 1e-9), within=within)
             self.found[key] = (c.bound_s, raised)
         c.bound_s = max(c.bound_s, raised or 0.0)
+        if c.bound_s < best_s * (1 - 1e-9):  # few stages: every cut, the bubble included
+            key = (id(b), s.pp, s.microbatches, s.chunks, s.schedule)
+            if key not in self.paths:
+                self.paths[key] = path_bound(b, s.pp, s.microbatches, s.schedule, s.chunks)
+            c.bound_s = max(c.bound_s, self.paths[key] or 0.0)
 
 
 def _ruled_out(c: Candidate, best_s: float | None) -> bool:

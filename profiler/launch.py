@@ -50,12 +50,13 @@ def _entry(fn, rank, world_size, port, backend, threads, results, args):
 
 # What every rank imports, loaded once into the fork server (`_context`): a rank forked
 # from it starts in ~0.1 s, where a spawned one imported torch itself (2 ranks 3.9 s, 4
-# ranks 8.2 s for an empty function on this 2-core machine; ~100 such launches in the tests)
+# ranks 8.2 s for an empty function on this 2-core machine; ~100 such launches in the tests).
+# torch and hyplan only: a library with native thread pools of its own (transformers'
+# tokenizers, safetensors) is left for each rank to import after the fork
 PRELOAD = ("torch", "torch.distributed", "torch.distributed.tensor",
            "torch.distributed.tensor.parallel", "torch.distributed.fsdp",
            "torch.distributed.pipelining", "torch.distributed.checkpoint",
-           "torch.nn.parallel", "profiler", "strategies", "planner", "executor",
-           "transformers")  # an optional extra: a module that fails to import is skipped
+           "torch.nn.parallel", "profiler", "strategies", "planner", "executor")
 
 
 def _context():
