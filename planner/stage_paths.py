@@ -120,9 +120,8 @@ def path_bound(problem, pp: int, microbatches: int, schedule: str, chunks: int
     problem = problem.for_schedule(schedule)
     tables = problem.tables
     work = np.concatenate([[0.0], np.cumsum(tables.layer_least_s + tables.edge_least_s)])
-    once = np.concatenate([[0.0], np.cumsum(
-        np.where(np.isfinite(tables.step_s), tables.step_s, math.inf).min(axis=1)
-        @ tables.counts)])
+    # per unit: Σ its layers' least per-step time (padding is +inf, never the least)
+    once = np.concatenate([[0.0], np.cumsum(tables.step_s.min(axis=1) @ tables.counts)])
     cut_s = np.asarray(problem.cut_s, float)
     ranks = np.asarray(schedules.placement(schedule, pp, chunks) if pp > 1 else (0,) * S)
     best = math.inf

@@ -1,9 +1,9 @@
-"""Start N local ranks (spawned processes on one process group) and collect their results.
+"""Start N local ranks (processes on one process group) and collect their results.
 
 What `hyplan calibrate`, the benchmarks and the multi-process tests use to run real
 collectives on this machine: processes forked from a server that imported torch once, a
-free port, CUDA hidden for gloo (gloo and FSDP misbehave when it is visible),
-`threads` intra-op threads per rank, and the failing rank's traceback raised.
+free port, CUDA hidden for gloo (gloo and FSDP misbehave when it is visible), `threads`
+intra-op threads per rank, and the failing rank's traceback raised.
 """
 
 from __future__ import annotations
