@@ -59,20 +59,23 @@ PRELOAD = ("torch", "torch.distributed", "torch.distributed.tensor",
            "torch.nn.parallel", "profiler", "strategies", "planner", "executor")
 
 
-def _context():
-    """The start method ranks are made by: a fork server that imported PRELOAD (nothing
+def _context(preload: tuple[str, ...]):
+    """The start method ranks are made by: a fork server that imported `preload` (nothing
     else: no threads, no CUDA context, so the forks are clean), started with this
-    process's first launch and kept for the next ones."""
+    process's first launch and kept for the next ones (a later `preload` is not read)."""
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(list(PRELOAD))
+    ctx.set_forkserver_preload(list(preload))
     return ctx
 
 
 def run_ranks(fn, world_size: int, *args, backend: str = "gloo", threads: int = 1,
-              timeout_s: float = 300.0) -> list:
+              timeout_s: float = 300.0, preload: tuple[str, ...] = PRELOAD) -> list:
     """[fn(rank, world_size, *args) for each rank], each in its own process, forked
-    from a server that has already imported torch (`_context`)."""
-    ctx = _context()
+    from a server that has already imported torch (`_context`). `preload`: what that
+    server imports if this call starts it; a process that launches once (`hyplan
+    calibrate`) names only what its ranks need, a server's imports being one process's
+    work where spawned ranks imported side by side."""
+    ctx = _context(preload)
     results = ctx.Queue()
     port = free_port()
     procs = [ctx.Process(target=_entry,
