@@ -135,16 +135,35 @@ def wait_for_quiet(max_wait_s: float, cores: float = 0.15, window_s: float = 0.5
         return None
 
 
+def _stat(pid) -> list[str]:
+    """The fields of /proc/PID/stat after the command name (state first)."""
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()
+
+
 def _own_ticks() -> int:
-    with open("/proc/self/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return sum(int(x) for x in fields[11:15])  # utime stime cutime cstime
+    """CPU ticks of this process, its waited-for children, and its live children with
+    theirs: the fork server `run_ranks` starts lives on, and the ranks it forks are its
+    children, reaped by it, not by this process."""
+    me = os.getpid()
+    ticks = sum(int(x) for x in _stat("self")[11:15])  # utime stime cutime cstime
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            fields = _stat(entry)
+        except OSError:  # gone meanwhile
+            continue
+        if int(fields[1]) == me:  # its parent
+            ticks += sum(int(x) for x in fields[11:15])
+    return ticks
 
 
 class OtherLoad:
     """Context manager: `.cores` is the CPU (in cores, averaged over the block) used by
-    processes outside this one and its waited-for children; None where /proc is missing.
-    Printed beside a timing, it tells a clean figure from one taken on a busy machine."""
+    processes outside this one and its children (`_own_ticks`); None where /proc is
+    missing. Printed beside a timing, it tells a clean figure from one taken on a busy
+    machine."""
 
     cores: float | None = None
 

@@ -1,0 +1,25 @@
+"""The ranks hyplan starts (profiler.launch): forked from a fork server that lives on, so
+their CPU time reaches this process only through that server; `OtherLoad`, which tells a
+calibration made on a busy machine, must still count them as this process's own."""
+
+import time
+
+from profiler.launch import OtherLoad, run_ranks
+
+
+def _spin(rank, world, seconds):
+    began = time.perf_counter()
+    while time.perf_counter() - began < seconds:
+        pass
+    return rank
+
+
+def test_other_load_does_not_count_the_ranks_it_started():
+    run_ranks(_spin, 2, 0.0)  # the fork server is up before the block, as in a suite
+    with OtherLoad() as load:
+        assert run_ranks(_spin, 2, 1.0) == [0, 1]
+    # two ranks spun a core each for a second: none of it is another process's load
+    assert load.cores is not None and load.cores < 0.5, load.cores
+    with OtherLoad() as load:
+        assert run_ranks(_spin, 2, 1.0, preload=("torch",)) == [0, 1]  # preload unread
+    assert load.cores < 0.5, load.cores
