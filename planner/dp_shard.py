@@ -44,7 +44,7 @@ from strategies.catalog import CostContext, update_s, weights_memory
 from strategies.collectives import all_reduce_s, fsdp_layer_s
 from strategies.devices import LinkSpec
 from strategies.memory import fsdp_copies_s
-from strategies.overlap import FORWARD_SHARE, exposed_s
+from strategies.overlap import exposed_s, fsdp_exposed_s
 
 SUFFIX = "+fsdp"
 HSDP_SUFFIX = "+hsdp"
@@ -99,8 +99,7 @@ def _own_module(layer: Layer) -> bool:
 
 
 def price(param_local_bytes: float, base_microbatch_s: float, dp: int, link: LinkSpec,
-          ctx: CostContext, compute_s: float = 0.0, share: float = FORWARD_SHARE
-          ) -> ShardedPrice:
+          ctx: CostContext, compute_s: float, share: float) -> ShardedPrice:
     """The sharded variant of an option whose tp shard holds `param_local_bytes` of
     weights and costs `base_microbatch_s` per microbatch, `compute_s` of it compute
     (`share` forward: what runs beside the gathers and the scatter on a GPU,
@@ -110,8 +109,7 @@ def price(param_local_bytes: float, base_microbatch_s: float, dp: int, link: Lin
                                    precision.reduce_bytes(param_local_bytes), dp, link)
     copies = fsdp_copies_s(param_local_bytes, dp, link, ctx)
     shard = param_local_bytes / dp
-    waited = exposed_s(gather / 2, gather / 2 + scatter, compute_s, share,
-                       ctx.cluster.overlap_cover)
+    waited = fsdp_exposed_s(gather, scatter, compute_s, share, ctx.cluster.overlap_cover)
     return ShardedPrice(microbatch_s=base_microbatch_s + waited + copies,
                         step_s=update_s(shard, ctx),
                         weight_bytes=weights_memory(shard, ctx, sharded=True),
@@ -119,8 +117,7 @@ def price(param_local_bytes: float, base_microbatch_s: float, dp: int, link: Lin
 
 
 def price_hsdp(param_local_bytes: float, base_microbatch_s: float, dp: int, tp: int,
-               ctx: CostContext, compute_s: float = 0.0, share: float = FORWARD_SHARE
-               ) -> ShardedPrice:
+               ctx: CostContext, compute_s: float, share: float) -> ShardedPrice:
     """The HSDP variant of an option (module docstring): per microbatch the gathers and the
     scatter over the shard group on the intra-node link, per step the optimizer on the
     shard and one all-reduce of the gradient shard over the replicas on the inter-node link
@@ -135,7 +132,7 @@ def price_hsdp(param_local_bytes: float, base_microbatch_s: float, dp: int, tp: 
     shard = param_local_bytes / shard_ranks
     sync = all_reduce_s(precision.reduce_bytes(shard), replicas, across)
     cover = cluster.overlap_cover
-    waited = exposed_s(gather / 2, gather / 2 + scatter, compute_s, share, cover)
+    waited = fsdp_exposed_s(gather, scatter, compute_s, share, cover)
     return ShardedPrice(microbatch_s=base_microbatch_s + waited + copies,
                         step_s=update_s(shard, ctx) + exposed_s(0.0, sync, compute_s, share,
                                                                 cover),
@@ -144,8 +141,8 @@ def price_hsdp(param_local_bytes: float, base_microbatch_s: float, dp: int, tp: 
 
 
 def price_variant(suffix: str, param_local_bytes: float, base_microbatch_s: float, dp: int,
-                  tp: int, link: LinkSpec, ctx: CostContext, compute_s: float = 0.0,
-                  share: float = FORWARD_SHARE) -> ShardedPrice:
+                  tp: int, link: LinkSpec, ctx: CostContext, compute_s: float,
+                  share: float) -> ShardedPrice:
     """`price` for "+fsdp" (over a dp group on `link`), `price_hsdp` for "+hsdp"."""
     if suffix == HSDP_SUFFIX:
         return price_hsdp(param_local_bytes, base_microbatch_s, dp, tp, ctx, compute_s, share)

@@ -33,7 +33,7 @@ from strategies.catalog import (
 )
 from strategies.collectives import all_reduce_s, collective_bytes, fsdp_layer_s
 from strategies.layouts import Layout
-from strategies.overlap import exposed_s, forward_share
+from strategies.overlap import exposed_s, forward_share, fsdp_exposed_s
 
 RECOMPUTE_SUFFIX = "+recompute"
 
@@ -62,7 +62,7 @@ class ShardedDataParallel(DataParallel):
         compute = compute_s(layer, 1 / ctx.ranks, ctx)
         # on a GPU a step waits only for what they take beyond the compute beside them
         share, cover = forward_share(layer.fwd_flops, layer.bwd_flops), ctx.cluster.overlap_cover
-        waited = exposed_s(gathers / 2, gathers / 2 + scatter, compute, share, cover)
+        waited = fsdp_exposed_s(gathers, scatter, compute, share, cover)
         reduce = exposed_s(0.0, all_reduce_s(precision.reduce_bytes(p), ctx.ranks, ctx.link),
                            compute, share, cover)
         return Cost(compute, waited + copies, memory, update_s(local, ctx),

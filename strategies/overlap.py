@@ -53,3 +53,11 @@ def exposed_s(forward_s: float, backward_s: float, compute_s: float, share: floa
     beside_forward = cover * share * compute_s
     beside_backward = cover * (1 - share) * compute_s
     return max(0.0, forward_s - beside_forward) + max(0.0, backward_s - beside_backward)
+
+
+def fsdp_exposed_s(gathers_s: float, scatter_s: float, compute_s: float, share: float,
+                   cover: float | None) -> float:
+    """`exposed_s` of one FSDP layer's collectives in a microbatch: of its two all-gathers
+    (`gathers_s` together) one runs beside its forward, the other and the reduce-scatter
+    beside its backward."""
+    return exposed_s(gathers_s / 2, gathers_s / 2 + scatter_s, compute_s, share, cover)
