@@ -91,10 +91,14 @@ def packing_bound(problem, pp: int, microbatches: int, schedule: str, chunks: in
 
 
 def _unit_work(tables, m: int) -> np.ndarray:
-    """Per unit: Σ over its layers of min over options (m·t + s), each layer's two parts
-    priced with one option, and m times its least edges: what it adds to its rank's step."""
+    """Per unit, at least what it adds to its rank's step: Σ over its layers of min over
+    options (m·t + s), each layer's two parts priced with one option, and m times its least
+    edges."""
     work = (m * tables.microbatch_s + tables.step_s).min(axis=1) @ tables.counts
-    return work + m * tables.edge_least_s
+    # or the per-step least apart and the microbatch part with its edges taken together
+    # (planner.unit_least): both are bounds, the larger kept
+    joint = m * tables.unit_least_s + tables.step_s.min(axis=1) @ tables.counts
+    return np.maximum(work + m * tables.edge_least_s, joint)
 
 
 def _feasibility(problem, pp: int, m: int, schedule: str, chunks: int):
@@ -105,7 +109,7 @@ def _feasibility(problem, pp: int, m: int, schedule: str, chunks: int):
     U = len(problem.units)
     if pp * chunks > U:
         return lambda tau: False
-    forward = tables.layer_least_s + tables.edge_least_s
+    forward = tables.unit_least_s
     A = np.concatenate([[0.0], np.cumsum(forward)])
     cut = np.concatenate([np.asarray(problem.cut_s, float), [0.0]])
     cut[0] = 0.0  # no transfer before the first unit or after the last

@@ -119,7 +119,7 @@ def path_bound(problem, pp: int, microbatches: int, schedule: str, chunks: int
         return None
     problem = problem.for_schedule(schedule)
     tables = problem.tables
-    work = np.concatenate([[0.0], np.cumsum(tables.layer_least_s + tables.edge_least_s)])
+    work = np.concatenate([[0.0], np.cumsum(tables.unit_least_s)])
     # per unit: Σ its layers' least per-step time (padding is +inf, never the least)
     once = np.concatenate([[0.0], np.cumsum(tables.step_s.min(axis=1) @ tables.counts)])
     cut_s = np.asarray(problem.cut_s, float)

@@ -75,7 +75,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 from ortools.linear_solver import pywraplp
 
-from planner import ilp, schedules, stage_dp, stage_intervals, stage_loads
+from planner import ilp, schedules, stage_dp, stage_intervals, stage_loads, unit_least
 from planner.numerics import mip_solver
 from planner.problem import Edge, Infeasible, Node, Option, Problem
 from planner.schedules import SCHEDULES
@@ -187,6 +187,9 @@ class _Tables:
     counts: np.ndarray  # (distinct, units): how many of each distinct layer a unit holds
     layer_least_s: np.ndarray  # per unit: Σ its layers' least microbatch time
     edge_least_s: np.ndarray  # per unit: Σ the least entry of each edge into it
+    # per unit: its layers' and its edges' least taken together (planner.unit_least), at
+    # least layer_least_s + edge_least_s: what the bounds charge a unit per microbatch
+    unit_least_s: np.ndarray
     step_least_s: float  # Σ over layers of the least per-step time
 
     @staticmethod
@@ -210,7 +213,8 @@ class _Tables:
         counts = np.zeros((len(rows), U))
         np.add.at(counts, (inverse.ravel(), unit), 1.0)
         mb, step, w, a = np.split(rows, 4, axis=1)
-        return _Tables(mb, step, w, a, counts, layer_least, edge_least, step_least)
+        joint = np.maximum(unit_least.unit_least_s(problem), layer_least + edge_least)
+        return _Tables(mb, step, w, a, counts, layer_least, edge_least, joint, step_least)
 
     def least_memory_by_unit(self, f: int) -> np.ndarray:
         """Per unit: Σ over its layers of the least weights + f·activations."""
@@ -844,7 +848,7 @@ def lower_bound(problem: StageProblem, pp: int, microbatches: int, schedule: str
     shape, too slow to run for every candidate)."""
     U = len(problem.units)
     tables = problem.tables
-    a = tables.layer_least_s + tables.edge_least_s
+    a = tables.unit_least_s
     once = tables.step_least_s / pp
     m = microbatches
     if pp * chunks > U:
@@ -1011,7 +1015,7 @@ def estimate(problem: StageProblem, pp: int, microbatches: int, schedule: str,
     if chunks == 1:
         return lower_bound(problem, pp, microbatches, schedule, chunks)
     tables = problem.tables
-    total = float(tables.layer_least_s.sum() + tables.edge_least_s.sum())
+    total = float(tables.unit_least_s.sum())
     total += _least_sends_s(problem, schedule, pp, chunks)
     once = tables.step_least_s / pp
     kappa = _uniform_bubble(schedule, pp, chunks, microbatches)
