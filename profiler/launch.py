@@ -8,6 +8,7 @@ intra-op threads per rank, and the failing rank's traceback raised.
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import pickle
 import queue
@@ -28,7 +29,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(fn, rank, world_size, port, backend, threads, results, args):
+def _entry(fn, rank, world_size, port, backend, threads, results, args, environ):
+    faulthandler.enable()  # a rank that dies in native code prints its Python stack
+    # the caller's environment as it is now: a forked rank starts with the fork server's,
+    # from whenever this process's first launch started it
+    os.environ.clear()
+    os.environ.update(environ)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
     if backend == "gloo":
@@ -59,27 +65,35 @@ PRELOAD = ("torch", "torch.distributed", "torch.distributed.tensor",
            "torch.nn.parallel", "profiler", "strategies", "planner", "executor")
 
 
-def _context(preload: tuple[str, ...]):
+def _context(preload: tuple[str, ...], fresh: bool = False):
     """The start method ranks are made by: a fork server that imported `preload` (nothing
     else: no threads, no CUDA context, so the forks are clean), started with this
-    process's first launch and kept for the next ones (a later `preload` is not read)."""
+    process's first launch and kept for the next ones (a later `preload` is not read);
+    `fresh`: a new interpreter per rank (spawn)."""
+    if fresh:
+        return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(list(preload))
     return ctx
 
 
 def run_ranks(fn, world_size: int, *args, backend: str = "gloo", threads: int = 1,
-              timeout_s: float = 300.0, preload: tuple[str, ...] = PRELOAD) -> list:
+              timeout_s: float = 300.0, preload: tuple[str, ...] = PRELOAD,
+              fresh: bool = False) -> list:
     """[fn(rank, world_size, *args) for each rank], each in its own process, forked
-    from a server that has already imported torch (`_context`). `preload`: what that
-    server imports if this call starts it; a process that launches once (`hyplan
-    calibrate`) names only what its ranks need, a server's imports being one process's
-    work where spawned ranks imported side by side."""
-    ctx = _context(preload)
+    from a server that has already imported torch (`_context`), in this process's
+    environment. `preload`: what that server imports if this call starts it; a process
+    that launches once (`hyplan calibrate`) names only what its ranks need, a server's
+    imports being one process's work where spawned ranks imported side by side. `fresh`:
+    spawn each rank (a new interpreter, ~2 s a rank here) instead, for ranks that live
+    long and load much (tests/test_zoo.py runs ~25 Hugging Face models in one launch:
+    forked, a rank died of SIGSEGV in 2 of 6 suites, and spawned in none)."""
+    ctx = _context(preload, fresh)
     results = ctx.Queue()
     port = free_port()
     procs = [ctx.Process(target=_entry,
-                         args=(fn, r, world_size, port, backend, threads, results, args))
+                         args=(fn, r, world_size, port, backend, threads, results, args,
+                               dict(os.environ)))
              for r in range(world_size)]
     for p in procs:
         p.start()

@@ -19,7 +19,23 @@ def test_other_load_does_not_count_the_ranks_it_started():
     with OtherLoad() as load:
         assert run_ranks(_spin, 2, 1.0) == [0, 1]
     # two ranks spun a core each for a second: none of it is another process's load
-    assert load.cores is not None and load.cores < 0.5, load.cores
+    # (counted as other load, it read ~2 cores; below 1 leaves room for a busy machine)
+    assert load.cores is not None and load.cores < 1.0, load.cores
     with OtherLoad() as load:
         assert run_ranks(_spin, 2, 1.0, preload=("torch",)) == [0, 1]  # preload unread
-    assert load.cores < 0.5, load.cores
+    assert load.cores < 1.0, load.cores
+
+
+def _environment(rank, world, name):
+    import os
+
+    return os.environ.get(name)
+
+
+def test_ranks_see_the_environment_of_their_launch(monkeypatch):
+    """A forked rank starts from the fork server's environment, which is whatever this
+    process had when its first launch started the server: the launch passes its own."""
+    run_ranks(_spin, 2, 0.0)  # the server is up, without the variable
+    monkeypatch.setenv("HYPLAN_TEST_LAUNCH_VARIABLE", "set after the server started")
+    assert run_ranks(_environment, 2, "HYPLAN_TEST_LAUNCH_VARIABLE") == [
+        "set after the server started"] * 2

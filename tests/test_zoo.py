@@ -5,7 +5,8 @@ for a model is refused up front with a one-line reason, and the refusals are lis
 so a new refusal (or a lost one) fails the test.
 
 All plans are made first, in this process; then one launch of 2 ranks runs them all
-(starting processes is the slow part on this machine).
+(starting processes is the slow part on this machine), each rank a fresh interpreter
+(`run_ranks(fresh=True)`: forked ones, running two dozen models each, twice died of SIGSEGV).
 """
 
 from __future__ import annotations
@@ -81,7 +82,7 @@ def zoo_runs():
             except ValueError as error:
                 refusals[(name, kind)] = str(error)
     jobs = [(name, kind, plan.to_json()) for (name, kind), plan in plans.items()]
-    results = run_ranks(run_plans, 2, jobs)
+    results = run_ranks(run_plans, 2, jobs, fresh=True)
     return plans, refusals, results
 
 
@@ -119,7 +120,7 @@ def test_four_ranks_train_like_one_process():
     made = {name: ZOO[name].make() for name, _ in FOUR_RANKS}
     jobs = [(name, kind, make_plan(name, kind, "4xcpu", made[name]).to_json())
             for name, kind in FOUR_RANKS]
-    assert_runs_match(jobs, run_ranks(run_plans, 4, jobs))
+    assert_runs_match(jobs, run_ranks(run_plans, 4, jobs, fresh=True))
 
 
 def test_random_plans_from_the_planners_options_train_like_one_process():
@@ -133,7 +134,7 @@ def test_random_plans_from_the_planners_options_train_like_one_process():
         entry = ZOO[name]
         plans = random_plans(entry.make(), "2xcpu", entry.batch(0)[:entry.inputs], 3, seed=1)
         jobs += [(name, str(i), plan.to_json()) for i, plan in enumerate(plans)]
-    assert_runs_match(jobs, run_ranks(run_plans, 2, jobs))
+    assert_runs_match(jobs, run_ranks(run_plans, 2, jobs, fresh=True))
 
 
 @pytest.mark.parametrize("where", [None, "cpu", "meta"])
