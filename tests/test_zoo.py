@@ -82,8 +82,26 @@ def zoo_runs():
             except ValueError as error:
                 refusals[(name, kind)] = str(error)
     jobs = [(name, kind, plan.to_json()) for (name, kind), plan in plans.items()]
-    results = run_ranks(run_plans, 2, jobs, fresh=True)
+    results = run_ranks(run_plans, 2, jobs + _random_jobs(), fresh=True)
     return plans, refusals, results
+
+
+def _random_jobs() -> list:
+    """A few random feasible plans (tests/random_plans.py: the real integer program under a
+    random objective) of models with tied and bare parameters, run in the same launch as
+    the kinds (a launch of fresh ranks costs ~10 s here); benchmarks/random_plans.py draws
+    hundreds."""
+    from random_plans import random_plans
+
+    jobs = []
+    for name in RANDOM_MODELS:
+        entry = ZOO[name]
+        plans = random_plans(entry.make(), "2xcpu", entry.batch(0)[:entry.inputs], 3, seed=1)
+        jobs += [(name, f"random {i}", plan.to_json()) for i, plan in enumerate(plans)]
+    return jobs
+
+
+RANDOM_MODELS = ("gpt2", "vit", "albert")
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -123,18 +141,12 @@ def test_four_ranks_train_like_one_process():
     assert_runs_match(jobs, run_ranks(run_plans, 4, jobs, fresh=True))
 
 
-def test_random_plans_from_the_planners_options_train_like_one_process():
-    """A few random feasible plans (tests/random_plans.py: the real integer program under a
-    random objective) of models with tied and bare parameters; benchmarks/random_plans.py
-    draws hundreds."""
-    from random_plans import random_plans
-
-    jobs = []
-    for name in ("gpt2", "vit", "albert"):
-        entry = ZOO[name]
-        plans = random_plans(entry.make(), "2xcpu", entry.batch(0)[:entry.inputs], 3, seed=1)
-        jobs += [(name, str(i), plan.to_json()) for i, plan in enumerate(plans)]
-    assert_runs_match(jobs, run_ranks(run_plans, 2, jobs, fresh=True))
+def test_random_plans_from_the_planners_options_train_like_one_process(zoo_runs):
+    """The random plans of `_random_jobs`, run in the zoo's launch."""
+    _, _, results = zoo_runs
+    jobs = [key for key in results[0] if key[1].startswith("random")]
+    assert {name for name, _ in jobs} == set(RANDOM_MODELS)
+    assert_runs_match([(name, label, None) for name, label in jobs], results)
 
 
 @pytest.mark.parametrize("where", [None, "cpu", "meta"])
