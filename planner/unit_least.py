@@ -22,6 +22,8 @@ Repeated units (a transformer's blocks) are solved once.
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import math
 
 import numpy as np
@@ -93,29 +95,60 @@ def _separable_or_joint(unary, pairs) -> float:
 def min_sum(unary: list[np.ndarray], pairs: list[tuple[int, int, np.ndarray]],
             limit: int = ELIMINATION_LIMIT) -> float | None:
     """min over x of Σ_i unary[i][x_i] + Σ_(s, d, c) c[x_s, x_d], exactly, by variable
-    elimination (each step eliminates the variable whose joined table is smallest); None
-    where some step's table would pass `limit` entries."""
+    elimination (each step eliminates the variable whose joined table is smallest, kept in
+    a heap: a unit of 800 layers in a chain took 23 s when every step looked at every
+    variable); None where some step's table would pass `limit` entries."""
     domains = [len(a) for a in unary]
-    factors: list[tuple[tuple[int, ...], np.ndarray]] = [((i,), a) for i, a in enumerate(unary)]
-    factors += [((s, d), c) for s, d, c in pairs]
-    alive = set(range(len(unary)))
-    while alive:
-        scopes = {v: set().union(*(set(s) for s, _ in factors if v in s)) for v in alive}
-        size, v = min((math.prod(domains[w] for w in scopes[v]), v) for v in alive)
-        if size > limit:
+    factors: dict[int, tuple[tuple[int, ...], np.ndarray]] = {}
+    of: list[set[int]] = [set() for _ in unary]  # variable -> its factors
+    near: list[set[int]] = [set() for _ in unary]  # variable -> those it shares one with
+    ids = itertools.count()
+
+    def add(scope: tuple[int, ...], table: np.ndarray) -> None:
+        k = next(ids)
+        factors[k] = (scope, table)
+        for v in scope:
+            of[v].add(k)
+            near[v].update(w for w in scope if w != v)
+
+    for i, a in enumerate(unary):
+        add((i,), a)
+    for s, d, c in pairs:
+        add((s, d), c)
+
+    def size(v: int) -> int:
+        return domains[v] * math.prod(domains[w] for w in near[v])
+
+    heap = [(size(v), v) for v in range(len(unary))]
+    heapq.heapify(heap)
+    gone: set[int] = set()
+    total = 0.0
+    while heap:
+        entries, v = heapq.heappop(heap)
+        if v in gone or entries != size(v):  # eliminated, or a stale entry
+            continue
+        if entries > limit:
             return None
-        scope = sorted(scopes[v])
+        scope = sorted(near[v] | {v})
         table = np.zeros([domains[w] for w in scope])
-        rest = []
-        for s, f in factors:
-            if v in s:
-                table = table + _aligned(s, f, scope, domains)
-            else:
-                rest.append((s, f))
-        rest.append((tuple(w for w in scope if w != v), table.min(axis=scope.index(v))))
-        factors = rest
-        alive.remove(v)
-    return float(sum(float(f) for _, f in factors))
+        for k in of[v]:
+            s, f = factors.pop(k)
+            table = table + _aligned(s, f, scope, domains)
+            for w in s:
+                if w != v:
+                    of[w].discard(k)
+        gone.add(v)
+        rest = tuple(w for w in scope if w != v)
+        for w in rest:
+            near[w].discard(v)
+        reduced = table.min(axis=scope.index(v))
+        if rest:
+            add(rest, reduced)
+            for w in rest:
+                heapq.heappush(heap, (size(w), w))
+        else:
+            total += float(reduced)
+    return total
 
 
 def _aligned(scope_of_f: tuple[int, ...], f: np.ndarray, scope: list[int],

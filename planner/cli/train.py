@@ -164,8 +164,7 @@ def _torchrun(arguments: list[str], env: dict[str, str]) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import main as torchrun
 
-    os.environ.clear()
-    os.environ.update(env)
+    os.environ.update(env)  # `env` is this process's environment with the launch's additions
     try:
         torchrun(arguments)
     except ChildFailedError:  # torchrun printed which rank failed and how
