@@ -152,7 +152,7 @@ class Drift:
                  f"model's figures"]
         lines.append(f"  {'term':<24}{'predicted':>11}{'measured':>11}{'drift':>10}")
         for term, predicted, measured in self.terms():
-            drift = f"{measured - predicted:+.1f} ms"
+            drift = f"{(measured - predicted) * 1e3:+.1f} ms"
             lines.append(f"  {term:<24}{predicted * 1e3:>8.1f} ms{measured * 1e3:>8.1f} ms"
                          f"{drift:>10}")
         return "\n".join(lines)

@@ -4,6 +4,7 @@ re-planned plan's predicted gain; `hyplan train --replan` also writes that plan.
 
 import json
 
+import pytest
 from torch import nn
 
 import executor
@@ -59,6 +60,13 @@ def test_a_wrong_prediction_is_reported_by_term_with_the_replanned_gain():
                      "gradient sync and rest"]
     for term in terms:
         assert term in text
+    # each term's line: predicted, measured, and the drift between them, all in ms (the
+    # drift was printed in seconds, "+0.0 ms", under a "ms" label)
+    for line in text.splitlines():
+        if line.strip().startswith(tuple(terms)):
+            predicted, measured, drift = (float(part.split()[-1])
+                                          for part in line.split("ms")[:3])
+            assert drift == pytest.approx(measured - predicted, abs=0.15), line
     assert "hyplan: re-planned on the measured figures" in text
 
 
