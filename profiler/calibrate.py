@@ -524,12 +524,6 @@ def core_share(world: int) -> float:
 # prediction with it. A call costs its ~9 ms burst: 120 rounds of 15 are ~16 s.
 SMALL_BYTES, SMALL_REPEATS = 1 << 20, 120
 
-# what the ranks import (profiler.launch.run_ranks' fork server, where this starts it)
-RANKS_IMPORT = ("torch", "torch.distributed", "torch.distributed.tensor",
-                "torch.distributed.tensor.parallel", "torch.distributed.fsdp",
-                "torch.nn.parallel", "profiler.calibrate")
-
-
 def repeats_for(nbytes: int, repeats: int) -> int:
     """Fewer calls of the largest messages: a 128 MB gloo all-gather takes 0.2-0.6 s here,
     and its spread is small against its size."""
@@ -701,8 +695,7 @@ def measure_collectives(world: int, sizes, repeats: int, quiet_wait_s: float, qu
     """(one Sample per collective and size, each rank's raw measurements) from `world`
     spawned ranks: the figures `strategies.calibrated` fits links and overheads to."""
     per_rank = run_ranks(_rank_measure, world, sizes, repeats, quiet_wait_s, quick,
-                         backend=backend, threads=1 if backend == "gloo" else threads,
-                         preload=RANKS_IMPORT)
+                         backend=backend, threads=1 if backend == "gloo" else threads)
     samples = []
     for i, (name, nbytes, _) in enumerate(per_rank[0]["spans"]):
         t = _call_seconds([r["spans"][i][2] for r in per_rank])

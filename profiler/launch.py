@@ -1,9 +1,10 @@
 """Start N local ranks (processes on one process group) and collect their results.
 
 What `hyplan calibrate`, the benchmarks and the multi-process tests use to run real
-collectives on this machine: processes forked from a server that imported torch once, a
-free port, CUDA hidden for gloo (gloo and FSDP misbehave when it is visible), `threads`
-intra-op threads per rank, and the failing rank's traceback raised.
+collectives on this machine: a new interpreter per rank, as torchrun starts them (or, for
+tests that check results rather than time, ranks forked from a server that imported torch
+once), a free port, CUDA hidden for gloo (gloo and FSDP misbehave when it is visible),
+`threads` intra-op threads per rank, and the failing rank's traceback raised.
 """
 
 from __future__ import annotations
@@ -54,41 +55,42 @@ def _entry(fn, rank, world_size, port, backend, threads, results, args, environ)
             dist.destroy_process_group()
 
 
-# What every rank imports, loaded once into the fork server (`_context`): a rank forked
-# from it starts in ~0.1 s, where a spawned one imported torch itself (2 ranks 3.9 s, 4
-# ranks 8.2 s for an empty function on this 2-core machine; ~100 such launches in the tests).
-# torch and hyplan only: a library with native thread pools of its own (transformers'
-# tokenizers, safetensors) is left for each rank to import after the fork
+# What every forked rank imports, loaded once into the fork server (`_context`): a rank
+# forked from it starts in ~0.1 s, where a spawned one imports torch itself (2 ranks 3.9 s,
+# 4 ranks 8.2 s for an empty function on this 2-core machine; ~100 such launches in the
+# tests). torch and hyplan only: a library with native thread pools of its own
+# (transformers' tokenizers, safetensors) is left for each rank to import after the fork
 PRELOAD = ("torch", "torch.distributed", "torch.distributed.tensor",
            "torch.distributed.tensor.parallel", "torch.distributed.fsdp",
            "torch.distributed.pipelining", "torch.distributed.checkpoint",
            "torch.nn.parallel", "profiler", "strategies", "planner", "executor")
 
 
-def _context(preload: tuple[str, ...], fresh: bool = False):
-    """The start method ranks are made by: a fork server that imported `preload` (nothing
-    else: no threads, no CUDA context, so the forks are clean), started with this
-    process's first launch and kept for the next ones (a later `preload` is not read);
-    `fresh`: a new interpreter per rank (spawn)."""
-    if fresh:
+def _context(forked: bool):
+    """The start method ranks are made by: spawn (a new interpreter), or a fork server
+    that imported PRELOAD (nothing else: no threads, no CUDA context, so the forks are
+    clean), started with this process's first forked launch and kept for the next."""
+    if not forked:
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(list(preload))
+    ctx.set_forkserver_preload(list(PRELOAD))
     return ctx
 
 
 def run_ranks(fn, world_size: int, *args, backend: str = "gloo", threads: int = 1,
-              timeout_s: float = 300.0, preload: tuple[str, ...] = PRELOAD,
-              fresh: bool = False) -> list:
-    """[fn(rank, world_size, *args) for each rank], each in its own process, forked
-    from a server that has already imported torch (`_context`), in this process's
-    environment. `preload`: what that server imports if this call starts it; a process
-    that launches once (`hyplan calibrate`) names only what its ranks need, a server's
-    imports being one process's work where spawned ranks imported side by side. `fresh`:
-    spawn each rank (a new interpreter, ~2 s a rank here) instead, for ranks that live
-    long and load much (tests/test_zoo.py runs ~25 Hugging Face models in one launch:
-    forked, a rank died of SIGSEGV in 2 of 6 suites, and spawned in none)."""
-    ctx = _context(preload, fresh)
+              timeout_s: float = 300.0, forked: bool = False) -> list:
+    """[fn(rank, world_size, *args) for each rank], each in its own process, in this
+    process's environment: a new interpreter per rank, as torchrun starts them, so what
+    the ranks time is what a run gets.
+
+    `forked`: fork the ranks from a server that has already imported torch (`_context`),
+    for callers that check results, not time (the tests: a launch in ~0.1 s instead of
+    ~4 s). Forked ranks ran compute-heavy steps 8-12% slower than spawned ones here (2
+    processes: the MLP's DDP step 312-342 ms forked, 290-311 ms spawned; fc_cnn's tensor
+    plan 232-243 against 205-211 ms), and the calibration and the fidelity benchmark had
+    measured on them for a stop. Ranks that run two dozen Hugging Face models each
+    (tests/test_zoo.py) are spawned too: forked, one died of SIGSEGV in 2 of 6 suites."""
+    ctx = _context(forked)
     results = ctx.Queue()
     port = free_port()
     procs = [ctx.Process(target=_entry,

@@ -6,7 +6,7 @@ so a new refusal (or a lost one) fails the test.
 
 All plans are made first, in this process; then one launch of 2 ranks runs them all
 (starting processes is the slow part on this machine), each rank a fresh interpreter
-(`run_ranks(fresh=True)`: forked ones, running two dozen models each, twice died of SIGSEGV).
+(`run_ranks(forked=False)`: forked ones, running two dozen models each, twice died of SIGSEGV).
 """
 
 from __future__ import annotations
@@ -82,7 +82,7 @@ def zoo_runs():
             except ValueError as error:
                 refusals[(name, kind)] = str(error)
     jobs = [(name, kind, plan.to_json()) for (name, kind), plan in plans.items()]
-    results = run_ranks(run_plans, 2, jobs + _random_jobs(), fresh=True)
+    results = run_ranks(run_plans, 2, jobs + _random_jobs(), forked=False)
     return plans, refusals, results
 
 
@@ -138,7 +138,7 @@ def test_four_ranks_train_like_one_process():
     made = {name: ZOO[name].make() for name, _ in FOUR_RANKS}
     jobs = [(name, kind, make_plan(name, kind, "4xcpu", made[name]).to_json())
             for name, kind in FOUR_RANKS]
-    assert_runs_match(jobs, run_ranks(run_plans, 4, jobs, fresh=True))
+    assert_runs_match(jobs, run_ranks(run_plans, 4, jobs, forked=False))
 
 
 def test_random_plans_from_the_planners_options_train_like_one_process(zoo_runs):
