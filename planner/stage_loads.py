@@ -97,7 +97,7 @@ def _unit_work(tables, m: int) -> np.ndarray:
     work = (m * tables.microbatch_s + tables.step_s).min(axis=1) @ tables.counts
     # or the per-step least apart and the microbatch part with its edges taken together
     # (planner.unit_least): both are bounds, the larger kept
-    joint = m * tables.unit_least_s + tables.step_s.min(axis=1) @ tables.counts
+    joint = m * tables.unit_least_s + tables.unit_step_least_s
     return np.maximum(work + m * tables.edge_least_s, joint)
 
 

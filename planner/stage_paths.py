@@ -120,8 +120,7 @@ def path_bound(problem, pp: int, microbatches: int, schedule: str, chunks: int
     problem = problem.for_schedule(schedule)
     tables = problem.tables
     work = np.concatenate([[0.0], np.cumsum(tables.unit_least_s)])
-    # per unit: Σ its layers' least per-step time (padding is +inf, never the least)
-    once = np.concatenate([[0.0], np.cumsum(tables.step_s.min(axis=1) @ tables.counts)])
+    once = np.concatenate([[0.0], np.cumsum(tables.unit_step_least_s)])
     cut_s = np.asarray(problem.cut_s, float)
     ranks = np.asarray(schedules.placement(schedule, pp, chunks) if pp > 1 else (0,) * S)
     best = math.inf

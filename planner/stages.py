@@ -190,6 +190,7 @@ class _Tables:
     # per unit: its layers' and its edges' least taken together (planner.unit_least), at
     # least layer_least_s + edge_least_s: what the bounds charge a unit per microbatch
     unit_least_s: np.ndarray
+    unit_step_least_s: np.ndarray  # per unit: Σ its layers' least per-step time
     step_least_s: float  # Σ over layers of the least per-step time
 
     @staticmethod
@@ -204,6 +205,8 @@ class _Tables:
             w[i, :n], a[i, :n] = l.weight_bytes, l.activation_bytes
         unit = np.array([l.unit for l in problem.layers])
         layer_least = np.bincount(unit, weights=mb.min(axis=1), minlength=U)
+        # padding is +inf, never the least
+        step_by_unit = np.bincount(unit, weights=step.min(axis=1), minlength=U)
         edge_least = np.zeros(U)
         for e in problem.edges:
             edge_least[problem.layers[e.dst].unit] += float(np.asarray(e.cost_s).min())
@@ -214,7 +217,8 @@ class _Tables:
         np.add.at(counts, (inverse.ravel(), unit), 1.0)
         mb, step, w, a = np.split(rows, 4, axis=1)
         joint = np.maximum(unit_least.unit_least_s(problem), layer_least + edge_least)
-        return _Tables(mb, step, w, a, counts, layer_least, edge_least, joint, step_least)
+        return _Tables(mb, step, w, a, counts, layer_least, edge_least, joint, step_by_unit,
+                       step_least)
 
     def least_memory_by_unit(self, f: int) -> np.ndarray:
         """Per unit: Σ over its layers of the least weights + f·activations."""

@@ -38,9 +38,7 @@ def unit_least_s(problem) -> np.ndarray:
     `layer_least_s + edge_least_s` of its tables, and a lower bound on the unit's part of
     any stage's per-microbatch time."""
     U = len(problem.units)
-    layers_of: list[list[int]] = [[] for _ in range(U)]
-    for i, layer in enumerate(problem.layers):
-        layers_of[layer.unit].append(i)
+    layers_of = problem.unit_layers()
     inner: list[list] = [[] for _ in range(U)]
     outer: list[list] = [[] for _ in range(U)]
     for e in problem.edges:

@@ -524,6 +524,7 @@ def core_share(world: int) -> float:
 # prediction with it. A call costs its ~9 ms burst: 120 rounds of 15 are ~16 s.
 SMALL_BYTES, SMALL_REPEATS = 1 << 20, 120
 
+
 def repeats_for(nbytes: int, repeats: int) -> int:
     """Fewer calls of the largest messages: a 128 MB gloo all-gather takes 0.2-0.6 s here,
     and its spread is small against its size."""
