@@ -24,7 +24,11 @@ as layer timing does.
 
 Beside each figure: the CPU (in cores) that processes other than the ranks used during the
 round, from /proc/stat less the ranks' own CPU time; each case reports its round with the
-most such load. With P processes on a 2-core machine anything else running skews the
+most such load; and "host", how much slower this machine ran a fixed op (`_probe_s`: a
+Linear's forward and backward, one process alone, by CPU time) during the runs than while
+the model's layers were timed for its plans. This VM's speed drifts by tens of percent
+over minutes, and a plan priced in one spell and run in another carries that drift into
+its error: the column says how much of an error is the machine's. With P processes on a 2-core machine anything else running skews the
 timing; rerun on an idle machine for final figures.
 
     python benchmarks/fidelity.py [--procs 2 4] [--runs 3] [--steps 8] [--cache-dir DIR | --profile FILE]
@@ -52,6 +56,7 @@ import executor  # noqa: E402
 import planner  # noqa: E402
 from planner.baseline import baseline  # noqa: E402
 from profiler.launch import run_ranks, wait_for_quiet  # noqa: E402
+from profiler.machine import threads as thread_count  # noqa: E402
 
 WARMUP, LR = 4, 0.01
 
@@ -227,6 +232,28 @@ class Case:
         return times, max(0, busy - sum(owns)) / os.sysconf("SC_CLK_TCK") / elapsed
 
 
+def _probe_s() -> float:
+    """CPU seconds of a fixed op in this process (median of 9): a 1024-wide Linear's
+    forward and backward on 64 rows, the speed of this machine now (one thread)."""
+    from profiler.profile import median_time
+
+    torch.manual_seed(0)
+    linear = nn.Linear(1024, 1024)
+    x = torch.randn(64, 1024)
+    with thread_count(1):
+        return median_time(lambda: linear(x.detach().requires_grad_(True)).sum().backward(),
+                           9, budget_s=0.0, clock=time.process_time)
+
+
+def _probe_alone() -> float:
+    """`_probe_s` on rank 0 with the other ranks idle in a barrier (as a layer is timed
+    for a plan: one process on the machine)."""
+    dist.barrier()
+    seconds = _probe_s() if dist.get_rank() == 0 else 0.0
+    dist.barrier()
+    return seconds
+
+
 def _wait_for_quiet(max_wait_s: float) -> None:
     """Rank 0 waits for other load to pause (profiler.launch.wait_for_quiet); all go."""
     if dist.get_rank() == 0 and max_wait_s > 0:
@@ -235,16 +262,20 @@ def _wait_for_quiet(max_wait_s: float) -> None:
 
 
 def _rank(rank: int, world: int, cases: list[tuple[str, str, str]], steps: int,
-          rounds: int, max_wait_s: float) -> list[list[tuple[list[float], float]]]:
-    """[case][round] -> (step times, other CPU). Rounds go over all cases in turn, so a
-    burst of load elsewhere on the machine hits different cases in different rounds."""
+          rounds: int, max_wait_s: float) -> dict:
+    """{"cases": [case][round] -> (step times, other CPU), "probe": [`_probe_alone`
+    before each round and after the last]}. Rounds go over all cases in turn, so a burst
+    of load elsewhere on the machine hits different cases in different rounds."""
     built = [Case(model_key, plan_json) for _, model_key, plan_json in cases]
     out: list[list] = [[] for _ in built]
+    probes = []
     for _ in range(rounds):
+        probes.append(_probe_alone())
         for i, case in enumerate(built):
             _wait_for_quiet(max_wait_s)
             out[i].append(case.timed(steps))
-    return out
+    probes.append(_probe_alone())
+    return {"cases": out, "probe": probes}
 
 
 # --- the parent ------------------------------------------------------------------------------
@@ -300,17 +331,26 @@ def main() -> None:
         parse_devices(f"{world}x{args.profile}" if args.profile else f"{world}xcpu")
         print(f"{world} processes: priced with {cluster.source}; first use {first:.1f} s, "
               f"then {time.perf_counter() - began:.3f} s")
-        cases, runs, run_of = [], [], {}
+        cases, runs, run_of, planned_probe = [], [], {}, {}
         for model_key in args.models:
             wait_for_quiet(args.wait)  # layers are timed while planning
-            for kind, plan in plans_for(model_key, cluster).items():
+            before = _probe_s()
+            plans = plans_for(model_key, cluster)
+            planned_probe[model_key] = (before + _probe_s()) / 2
+            for kind, plan in plans.items():
                 program = (model_key, _program(plan))
                 if program not in run_of:  # the same plan twice is one program: run once
                     run_of[program] = len(runs)
                     runs.append((kind, model_key, plan.to_json()))
                 cases.append((kind, model_key, plan, run_of[program]))
-        results = run_ranks(_rank, world, runs, args.steps, args.rounds, args.wait,
-                            timeout_s=3600)
+        ranks = run_ranks(_rank, world, runs, args.steps, args.rounds, args.wait,
+                          timeout_s=3600)
+        results = [r["cases"] for r in ranks]
+        run_probe = statistics.median(ranks[0]["probe"])
+        print(f"{world} processes: the probe ran {run_probe * 1e3:.2f} ms in the runs "
+              f"(before each: " + ", ".join(f"{p * 1e3:.2f}" for p in ranks[0]["probe"])
+              + " ms), " + ", ".join(f"{m} {p * 1e3:.2f}" for m, p in planned_probe.items())
+              + " ms while planning")
         for kind, model_key, plan, i in cases:
             # every timed step of every round, pooled: a rank's median over them, the
             # slowest rank's figure (a step ends when the last rank is done)
@@ -322,7 +362,8 @@ def main() -> None:
             other = max(r[i][k][1] for r in results for k in range(args.rounds))
             rows.append(dict(world=world, model=model_key, kind=kind, measured=measured,
                              predicted=plan.predicted.step_time_s, other=other, spread=spread,
-                             strategies=_summary(plan), run=i))
+                             strategies=_summary(plan), run=i,
+                             host=run_probe / planned_probe[model_key]))
     _report(rows, args, time.perf_counter() - started)
 
 
@@ -350,18 +391,21 @@ def _cores(other: float | None) -> str:
 
 def _report(rows: list[dict], args, seconds: float) -> None:
     print(f"\n{'P':>2} {'model':<10} {'plan':<7} {'weights':<12}{'predicted':>11}"
-          f"{'measured':>11}{'spread':>8}{'error':>8}{'other CPU':>11}")
+          f"{'measured':>11}{'spread':>8}{'error':>8}{'host':>7}{'other CPU':>11}")
     for r in rows:
         r["error"] = (r["predicted"] - r["measured"]) / r["measured"]
         print(f"{r['world']:>2} {r['model']:<10} {r['kind']:<7} {r['strategies']:<12}"
               f"{r['predicted'] * 1e3:>8.1f} ms{r['measured'] * 1e3:>8.1f} ms"
               f"{r['spread'] * 100:>7.0f}%"
-              f"{r['error'] * 100:>+7.0f}%" + _cores(r["other"]))
+              f"{r['error'] * 100:>+7.0f}%{r['host']:>6.2f}x" + _cores(r["other"]))
     for world in args.worlds:
         errors = [abs(r["error"]) for r in rows if r["world"] == world]
         worst = max((r for r in rows if r["world"] == world), key=lambda r: abs(r["error"]))
+        hosts = [r["host"] for r in rows if r["world"] == world]
         print(f"\n{world} processes: median |error| {statistics.median(errors) * 100:.0f}%, "
-              f"worst {abs(worst['error']) * 100:.0f}% ({worst['model']} {worst['kind']})")
+              f"worst {abs(worst['error']) * 100:.0f}% ({worst['model']} {worst['kind']}); "
+              f"the machine ran {min(hosts):.2f}-{max(hosts):.2f}x as slow in the runs as "
+              f"while planning (host)")
         for model in args.models:
             by = {r["kind"]: r for r in rows if r["world"] == world and r["model"] == model}
             best_kind = min(BASELINE_KINDS, key=lambda k: by[k]["measured"])

@@ -44,6 +44,11 @@ def _modules(model: nn.Module) -> dict[str, nn.Module]:
     return dict(inner.named_modules())
 
 
+# the least share of the predicted step a term (compute, communication) needs for its
+# measured/predicted ratio to rescale the cost model
+MIN_TERM_SHARE = 0.02
+
+
 @dataclass
 class Drift:
     """Measured against predicted for the first steps of a run (seconds per step)."""
@@ -80,13 +85,18 @@ class Drift:
         predicted_compute = sum(l.compute_s + (l.communication_s if l.model_parallel else 0.0)
                                 for l in timed)
         untimed_compute = sum(l.compute_s for l in self.plan.layers if l.name not in self.layer_s)
-        compute = (sum(self.layer_s.values()) / predicted_compute) if predicted_compute else 1.0
+        # a term predicted at a sliver of the step is not rescaled: its measured share holds
+        # hook overheads and noise of the same size (a plan whose timed layers were priced
+        # at microseconds read "compute ran 666x")
+        floor_s = MIN_TERM_SHARE * self.predicted_s
+        compute = (sum(self.layer_s.values()) / predicted_compute
+                   if predicted_compute > floor_s else 1.0)
         predicted_comm = (sum(l.reshard_in_s for l in self.plan.layers)
                           + sum(l.communication_s for l in self.plan.layers
                                 if not l.model_parallel))
         measured_comm = (self.reshard_s + self.rest_s - self.plan.predicted.other_s
                          - untimed_compute * compute)
-        comm = measured_comm / predicted_comm if predicted_comm > 1e-6 else 1.0
+        comm = measured_comm / predicted_comm if predicted_comm > max(floor_s, 1e-6) else 1.0
         return max(compute, 0.05), max(comm, 0.05)
 
     def refit(self, cluster: Cluster | None = None) -> Cluster:

@@ -41,8 +41,16 @@ from profiler.profile import layer_clock, median_time
 SIZES = (1 << 10, 16 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 32 << 20, 64 << 20,
          128 << 20)
 # Quick: one latency-bound size (16 KB) fewer than the full set's two (1 and 16 KB): its
-# calls pay for more rounds of the others (SMALL_REPEATS), which steadies the small fit
-QUICK_SIZES = (1 << 10, 256 << 10, 1 << 20, 8 << 20, 32 << 20, 64 << 20, 128 << 20)
+# calls pay for more rounds of the others (SMALL_REPEATS), which steadies the small fit;
+# and no 1 MB (a third of the small messages' ~20 s), which the line through 256 KB and 8 MB
+# prices
+QUICK_SIZES = (1 << 10, 256 << 10, 8 << 20, 32 << 20, 64 << 20, 128 << 20)
+# How long every rank computes before a collective timed as a step meets it
+# (`_in_step_spans`). Past ~4 ms the cost no longer grows: a 16 KB all-reduce cost 2.53 ms
+# after 5.3 ms and after 10 ms of compute (the gap curve of 2026-11-26's quick calibration).
+# Every timed call pays one, so it sets most of the calibration's minute: at 8 ms, sized by
+# the fastest matmul (10 ms real), ~2,500 of them took 25 s.
+BURST_S = 6e-3
 # a second regime must at least halve the one line's squared relative error to be kept
 MEASURED = ("all_reduce", "bucket_all_reduce", "all_gather", "reduce_scatter", "all_to_all",
             "send_recv")
@@ -94,11 +102,13 @@ def _timer(device: torch.device):
     return seconds
 
 
-def _compute_burst(device, seconds: float = 8e-3):
-    """A closure that keeps this rank computing for about `seconds` (matmuls)."""
+def _compute_burst(device, seconds: float = BURST_S):
+    """A closure that keeps this rank computing for about `seconds` (matmuls). Sized by
+    the median of 15 matmuls, not the fastest of 5: by the fastest, bursts ran 25% past
+    their figure (an 8 ms burst took 10 ms), and the calibration with them."""
     a = torch.randn(256, 256, device=device)
     timer = _timer(device)
-    one = min(timer(lambda: a @ a) for _ in range(5))
+    one = statistics.median(timer(lambda: a @ a) for _ in range(15))
     count = max(1, round(seconds / max(one, 1e-6)))
 
     def burst():
@@ -109,10 +119,10 @@ def _compute_burst(device, seconds: float = 8e-3):
 
 def _in_step_spans(fn, device, repeats: int) -> list[tuple[float, float]]:
     """(start, end) of each of `repeats` calls of `fn` as a training step meets it: every
-    rank computes for a moment (an ~8 ms burst, about a layer's time here) and then calls
+    rank computes for a moment (a BURST_S burst, about a layer's time here) and then calls
     it; `_call_seconds` combines the ranks' spans of one call. How long the ranks computed
     matters: a 1 MB all-reduce took 1.6 ms after 0.5 ms bursts, 2.3 ms after 2 ms, 3.5-4.8
-    ms after 8-25 ms.
+    ms after 8-25 ms (the gap curve, GAPS_S, prices shorter gaps).
 
     Why not back-to-back calls after a barrier: there the ranks arrive together and their
     communication threads are awake. In a step one rank arrives first and sleeps in the
@@ -243,7 +253,7 @@ def _trimmed_mean(times: list[float]) -> float:
 def _collective_call(name: str, nbytes: int, rank: int, world: int, device):
     """A closure running collective `name` on a tensor of `nbytes` (global) bytes."""
     elements = max(world, nbytes // 4 // world * world)
-    full = torch.randn(elements, device=device)
+    full = torch.ones(elements, device=device)  # not randn: 0.2 s per 128 MB, per rank
     part = torch.empty(elements // world, device=device)
     if name in ("all_reduce", "bucket_all_reduce"):
         return lambda: dist.all_reduce(full)
@@ -415,7 +425,11 @@ def _step_overhead(device, repeats: int = 21) -> dict[str, float]:
 # FSDP2 steps of `layers` Linears `width` wide: sizes on both sides of the shared cache
 # (past it gloo streams from memory), smaller ones where the per-layer fixed cost shows
 FSDP_LAYERS = ((128, 8), (1024, 2), (2048, 2), (3072, 2), (3584, 2), (4096, 2))
-FSDP_LAYERS_QUICK = ((128, 8), (1024, 2), (3072, 2), (4096, 2))  # two on each side
+# Quick: two on each side, one layer past the cache (each layer is its own FSDP2 root, so a
+# lone one costs what one of a stack does; two 4096-wide ones took 13 of the quick
+# calibration's seconds), and 4 small layers (each new root's first step costs ~0.2 s on 4
+# processes)
+FSDP_LAYERS_QUICK = ((128, 4), (1024, 2), (3072, 1), (4096, 1))
 # Past 1024 wide the first steps of a new width are warm-up: in three quick calibrations
 # (2026-11-24's host, FSDP2's default, see below) the per-layer cost of 67 MB layers ran
 # 436 318 120 163 212 228, 385 280 255 196 286 134 and 265 362 200 131 251 202 ms, round
@@ -531,7 +545,7 @@ def repeats_for(nbytes: int, repeats: int) -> int:
     if nbytes >= 64 << 20:
         return max(3, repeats // 5)
     if nbytes >= 16 << 20:
-        return max(5, repeats // 2)
+        return max(3 if repeats < 10 else 5, repeats // 2)
     return repeats
 
 
@@ -540,8 +554,19 @@ def _rank_measure(rank: int, world: int, sizes, repeats: int, quiet_wait_s: floa
     device = torch.device("cuda", rank) if dist.get_backend() == "nccl" else torch.device("cpu")
     # more processes than cores: each call takes ~2-5x longer (time-sharing), fewer rounds
     shared = 2 if device.type == "cpu" and world > (os.cpu_count() or 1) else 1
-    together = _contention(rank, device, quiet_wait_s, trials=3 if quick else 5,
+    phases: dict[str, float] = {}  # seconds each measurement took, for the log
+    clock = time.perf_counter()
+
+    def lap(name: str) -> None:
+        nonlocal clock
+        now = time.perf_counter()
+        phases[name] = now - clock
+        clock = now
+
+    together = _contention(rank, device, quiet_wait_s,
+                           trials=(3 if shared == 1 else 2) if quick else 5,
                            repeats=5 if quick else 9)
+    lap("contention")
     names = [name for name in MEASURED
              if not (name == "send_recv" and world != 2)  # one pair is enough: 2 ranks
              # DTensor runs it as an all-gather on gloo: calibrate() copies those
@@ -556,6 +581,7 @@ def _rank_measure(rank: int, world: int, sizes, repeats: int, quiet_wait_s: floa
         if "not supported" not in str(error).lower() and "unsupported" not in str(error).lower():
             raise
         taken = {}
+    lap("small collectives")
     spans = []
     for name in names:
         for nbytes in sizes:
@@ -570,30 +596,40 @@ def _rank_measure(rank: int, world: int, sizes, repeats: int, quiet_wait_s: floa
             try:
                 timing = _together_spans if name == "bucket_all_reduce" else _in_step_spans
                 calls = timing(_collective_call(name, nbytes, rank, world, device), device,
-                               repeats_for(nbytes, repeats))
+                               repeats_for(nbytes, repeats // shared))
             except RuntimeError as error:  # e.g. a collective the backend lacks
                 if "not supported" in str(error).lower() or "unsupported" in str(error).lower():
                     break
                 raise
             spans.append((name, nbytes, calls))
+    lap("large collectives")
     # gloo's wake-up after compute; not where processes outnumber cores (a waiting rank
     # hands its core to a computing one), nor on GPUs (NCCL's kernels queue behind compute)
     gap = (_gap_spans(_collective_call("all_reduce", GAP_BYTES, rank, world, device), device)
            if device.type == "cpu" and shared == 1 else None)
-    # tiny ops: many repeats are cheap, and the difference of two medians needs them
-    return {"spans": spans, "gap": gap,
-            # each a difference of two means whose calls hold a bimodal collective (see
-            # SMALL_REPEATS): 21-31 rounds moved them by 1-1.5 ms between calibrations
-            "dtensor": _dtensor_overheads(rank, world, device, 90 // shared),
-            "contention": together, "step": _step_overhead(device, 60 // shared),
-            # more processes than cores: 4 rounds, none dropped, as before FSDP_BIG_ROUNDS
-            # (6 took the 4-process quick calibration from 57 s to 63 s, past its minute)
-            "fsdp": _fsdp_layers(device, 9 if quick else 15,
-                                  FSDP_LAYERS_QUICK if quick else FSDP_LAYERS,
-                                  big_rounds=FSDP_BIG_ROUNDS if shared == 1 else 4,
-                                  big_warmup=FSDP_BIG_WARMUP if shared == 1 else 0),
-            "tp": _tp_pairs(device, (7 if quick else 11) // shared,
-                            TP_WIDTHS_QUICK if quick else TP_WIDTHS, 80 // shared)}
+    lap("gap curve")
+    # each a difference of two means whose calls hold a bimodal collective (see
+    # SMALL_REPEATS): 21-31 rounds moved them by 1-1.5 ms between calibrations
+    # the quick calibration of more processes than cores: a third of the rounds of these
+    # (their figures there are several ms, against 1-1.5 ms of noise), where every call
+    # time-shares a core: 4 processes had taken 70 s
+    fewer = 3 if quick and shared > 1 else shared
+    dtensor = _dtensor_overheads(rank, world, device, 90 // fewer)
+    lap("dtensor")
+    step = _step_overhead(device, 60 // fewer)
+    lap("ddp step")
+    # more processes than cores: 3 rounds, none dropped, as before FSDP_BIG_ROUNDS
+    # (6 took the 4-process quick calibration from 57 s to 63 s, past its minute)
+    fsdp = _fsdp_layers(device, (9 if fewer == 1 else 6) if quick else 15,
+                        FSDP_LAYERS_QUICK if quick else FSDP_LAYERS,
+                        big_rounds=FSDP_BIG_ROUNDS if shared == 1 else 3,
+                        big_warmup=FSDP_BIG_WARMUP if shared == 1 else 0)
+    lap("fsdp layers")
+    tp = _tp_pairs(device, (7 if quick else 11) // shared,
+                   TP_WIDTHS_QUICK if quick else TP_WIDTHS, 80 // fewer)
+    lap("tp pairs")
+    return {"spans": spans, "gap": gap, "dtensor": dtensor, "contention": together,
+            "step": step, "fsdp": fsdp, "tp": tp, "phases": phases}
 
 
 # --- compute ---------------------------------------------------------------------------------

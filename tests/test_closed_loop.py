@@ -12,7 +12,7 @@ import models
 import planner
 from distributed import run_ranks
 from executor.data import synthetic_dataset
-from test_train_cli import MODEL, _finish, _hyplan_train, _plan
+from test_train_cli import MODEL, _plan, train_here  # noqa: F401 - a fixture
 
 ROWS = 16
 
@@ -70,12 +70,11 @@ def test_a_wrong_prediction_is_reported_by_term_with_the_replanned_gain():
     assert "hyplan: re-planned on the measured figures" in text
 
 
-def test_hyplan_train_reports_drift_and_writes_the_replanned_plan(tmp_path):
+def test_hyplan_train_reports_drift_and_writes_the_replanned_plan(tmp_path, train_here):
     path = _plan(tmp_path, "2xcpu")
     plan = planner.Plan.load(path)
     _wrong(plan, 0.01).save(path)
-    out = _finish(_hyplan_train(path, MODEL, "--steps", "4", "--nproc-per-node", "2",
-                                "--replan"))
+    out = train_here(path, MODEL, "--steps", "4", "--nproc-per-node", "2", "--replan")
     assert "layers (compute)" in out and "re-planned on the measured figures" in out, out
     written = tmp_path / "plan-2xcpu.replanned.json"
     assert f"re-planned plan written to {written}" in out

@@ -70,3 +70,18 @@ def test_refit_recovers_the_factors_and_replans_when_the_link_is_slower():
     assert not on_time.strays(0.25)
     assert executor.check_step_time(plan, plan.predicted.step_time_s * 1.1) is None
     assert "re-plan" in executor.check_step_time(plan, plan.predicted.step_time_s * 2)
+
+
+def test_a_term_priced_at_a_sliver_of_the_step_is_not_rescaled():
+    """Measured layers 666x a compute predicted at 1% of the step (the rest of the step
+    unpriced): noise of the hooks, not a speed; the refit keeps the model's figures."""
+    x, _ = batch("mlp", 8192, 0)
+    plan = planner.optimize(build("mlp"), "2xK20", example_inputs=(x,), optimizer="sgd")
+    drift = _drift(plan, compute=666.0, comm=1.0)
+    assert drift.factors()[0] > 600  # a real share: rescaled
+    compute_s = sum(l.compute_s + (l.communication_s if l.model_parallel else 0)
+                    for l in plan.layers)
+    longer = plan.predicted.model_copy(update={"step_time_s": compute_s * 100})
+    drift.plan = plan.model_copy(update={"predicted": longer})
+    assert drift.factors()[0] == 1.0
+    assert "compute ran 1.00x" in drift.message()

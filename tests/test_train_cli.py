@@ -38,6 +38,34 @@ def _hyplan_train(*args, fault: str | None = None) -> subprocess.Popen:
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
+@pytest.fixture
+def train_here(capfd, monkeypatch):
+    """train_here(*args, fault=None) -> output: `hyplan train ARGS` run by this process
+    (`planner.cli.main`: torchrun's agent in-process, its workers new interpreters), its
+    output and its workers' read from the file descriptors; the environment the command
+    sets for its workers restored after. A `python -m planner.cli` child cost each launch
+    3-4 s of interpreter start on this machine."""
+    from planner.cli import main
+
+    def run(*args, fault: str | None = None) -> str:
+        monkeypatch.chdir(ROOT)  # workers import the model file and hyplan from here
+        monkeypatch.setenv("OMP_NUM_THREADS", "1")
+        if fault:
+            monkeypatch.setenv("HYPLAN_FAULT", fault)
+        else:
+            monkeypatch.delenv("HYPLAN_FAULT", raising=False)
+        before = dict(os.environ)
+        try:
+            code = main(["train", *args])
+        finally:
+            os.environ.clear()
+            os.environ.update(before)
+        out, err = capfd.readouterr()
+        assert code == 0, (out + err)[-3000:]
+        return out + err
+    return run
+
+
 def _finish(proc: subprocess.Popen) -> str:
     try:
         out, _ = proc.communicate(timeout=300)  # a safety net: a hung job fails, not blocks
@@ -60,14 +88,13 @@ def _assert_final_equals_uninterrupted(directory):
                                    msg=lambda m: f"{key}: {m}")
 
 
-def test_killed_rank_restarts_and_ends_as_uninterrupted(tmp_path):
+def test_killed_rank_restarts_and_ends_as_uninterrupted(tmp_path, train_here):
     """Rank 1 killed in step 5's backward (checkpoint 4 is complete): torchrun restarts
     both ranks, which resume from it and finish."""
     ckpt = tmp_path / "ckpt"
-    out = _finish(_hyplan_train(_plan(tmp_path, "2xcpu"), MODEL, "--steps", str(STEPS),
-                                "--checkpoint-dir", str(ckpt), "--checkpoint-every", "2",
-                                "--nproc-per-node", "2", "--max-restarts", "1",
-                                fault="1:4:step"))
+    out = train_here(_plan(tmp_path, "2xcpu"), MODEL, "--steps", str(STEPS),
+                     "--checkpoint-dir", str(ckpt), "--checkpoint-every", "2",
+                     "--nproc-per-node", "2", "--max-restarts", "1", fault="1:4:step")
     # the rank really was SIGKILLed (torchrun's own log names whichever failure it saw
     # first: the killed rank's -9 or its peer's error in the collective)
     assert "HYPLAN_FAULT: SIGKILL rank 1 at step 4 (step)" in out, out
@@ -75,7 +102,7 @@ def test_killed_rank_restarts_and_ends_as_uninterrupted(tmp_path):
     _assert_final_equals_uninterrupted(ckpt)
 
 
-def test_pipelined_plan_killed_mid_checkpoint_ends_as_uninterrupted(tmp_path):
+def test_pipelined_plan_killed_mid_checkpoint_ends_as_uninterrupted(tmp_path, train_here):
     """A plan of two pipeline stages (1F1B, 4 microbatches), each rank saving its stage's
     part: rank 0 killed after checkpoint 4's shards were written but before it was marked
     complete, so 2 is the last complete one; both ranks restart from it, each loading its
@@ -90,10 +117,9 @@ def test_pipelined_plan_killed_mid_checkpoint_ends_as_uninterrupted(tmp_path):
     assert plan.is_mesh_3d and len(plan.pipeline.stages) == 2
     plan.save(tmp_path / "plan.json")
     ckpt = tmp_path / "ckpt"
-    out = _finish(_hyplan_train(str(tmp_path / "plan.json"), MODEL, "--steps", str(STEPS),
-                                "--checkpoint-dir", str(ckpt), "--checkpoint-every", "2",
-                                "--nproc-per-node", "2", "--max-restarts", "1",
-                                fault="0:3:checkpoint"))
+    out = train_here(str(tmp_path / "plan.json"), MODEL, "--steps", str(STEPS),
+                     "--checkpoint-dir", str(ckpt), "--checkpoint-every", "2",
+                     "--nproc-per-node", "2", "--max-restarts", "1", fault="0:3:checkpoint")
     assert "HYPLAN_FAULT: SIGKILL rank 0 at step 3 (checkpoint)" in out, out
     assert f"resumed from {checkpoint.step_dir(ckpt, 2)} (step 2)" in out, out
     assert not list(ckpt.glob(".partial-*"))
@@ -137,7 +163,7 @@ def _hf_llama_reference(steps: int, optimizer: str, batch: int = 8, lr: float = 
     return {k: v.detach() for k, v in model.named_parameters()}
 
 
-def test_hf_llama_model_file_trains_as_one_process(tmp_path):
+def test_hf_llama_model_file_trains_as_one_process(tmp_path, train_here):
     """examples/hf_llama.py (transformers' Llama, traced by torch.export with
     use_cache=False) under a hybrid plan for 2 CPU processes (attention replicated, as
     hyplan chooses when it times this model here; the rest data parallel): finite losses,
@@ -154,8 +180,8 @@ def test_hf_llama_model_file_trains_as_one_process(tmp_path):
     assert {l.name: l.strategy for l in plan.layers if l.name in attention} == attention
     plan.save(tmp_path / "plan.json")
     ckpt = tmp_path / "ckpt"
-    out = _finish(_hyplan_train(str(tmp_path / "plan.json"), HF_LLAMA, "--steps", "3",
-                                "--checkpoint-dir", str(ckpt), "--nproc-per-node", "2"))
+    out = train_here(str(tmp_path / "plan.json"), HF_LLAMA, "--steps", "3",
+                     "--checkpoint-dir", str(ckpt), "--nproc-per-node", "2")
     losses = [float(line.split()[3]) for line in out.splitlines() if line.startswith("step ")]
     assert len(losses) == 3 and all(math.isfinite(x) for x in losses), out[-2000:]
     assert abs(losses[0] - math.log(256)) < 0.5  # random ids over the 256-token vocabulary
