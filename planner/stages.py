@@ -70,6 +70,7 @@ import functools
 import itertools
 import math
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -335,7 +336,13 @@ def brute_force(problem: StageProblem, pp: int, microbatches: int, schedule: str
     """(StageTimes, starts, choice) of the assignment with the least objective (what the
     integer program minimises) by enumeration, or None when nothing fits; for tests on
     small instances."""
-    best = None
+    return brute_force_budgets(problem, pp, microbatches, schedule, [budget_bytes], chunks)[0]
+
+
+def brute_force_budgets(problem: StageProblem, pp: int, microbatches: int, schedule: str,
+                        budgets: Sequence[float | None], chunks: int = 1) -> list:
+    """`brute_force` under each of `budgets` (None: no budget), in one enumeration."""
+    best: list = [None] * len(budgets)
     U = len(problem.units)
     linked = sorted(problem.linked_units())
 
@@ -351,10 +358,12 @@ def brute_force(problem: StageProblem, pp: int, microbatches: int, schedule: str
         starts = (0, *cuts)
         for choice in choices():
             t = evaluate(problem, starts, choice, microbatches, schedule, chunks)
-            if budget_bytes is not None and max(t.memory_bytes) > budget_bytes * (1 + 1e-9):
-                continue
-            if best is None or t.objective_s < best[0].objective_s - 1e-15:
-                best = (t, starts, choice)
+            peak = max(t.memory_bytes)
+            for i, budget in enumerate(budgets):
+                if budget is not None and peak > budget * (1 + 1e-9):
+                    continue
+                if best[i] is None or t.objective_s < best[i][0].objective_s - 1e-15:
+                    best[i] = (t, starts, choice)
     return best
 
 

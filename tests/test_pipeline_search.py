@@ -17,8 +17,8 @@ from planner.schedules import SINGLE
 from planner.search import CostCache, build, rank_groups, search, shapes
 from planner.stage_loads import busiest_rank_bound, packing_bound
 from planner.stages import (
-    LayerOptions, StageProblem, brute_force, evaluate, in_flight, lower_bound, quick_plan,
-    solve_stages,
+    LayerOptions, StageProblem, brute_force, brute_force_budgets, evaluate, in_flight,
+    lower_bound, quick_plan, solve_stages,
 )
 from profiler import profile, trace
 from strategies.parse import parse_devices
@@ -72,9 +72,9 @@ def test_stage_mip_equals_brute_force_random(seed):
     for pp in range(1, len(p.units) + 1):
         for m, schedule in [(1, "1F1B"), (3, "1F1B"), (2, "GPipe")]:
             loose = brute_force(p, pp, m, schedule, None)
-            budgets = [None, 0.8 * max(loose[0].memory_bytes), 0.6 * max(loose[0].memory_bytes)]
-            for budget in budgets:
-                expected = brute_force(p, pp, m, schedule, budget)
+            tight = [0.8 * max(loose[0].memory_bytes), 0.6 * max(loose[0].memory_bytes)]
+            found = [loose, *brute_force_budgets(p, pp, m, schedule, tight)]
+            for budget, expected in zip([None, *tight], found):
                 got = solve_stages(p, pp, m, schedule, budget)
                 if expected is None:
                     assert got is None
@@ -283,7 +283,7 @@ def test_stage_mip_with_chunks_equals_brute_force_random(seed, schedule):
     pp, v, m = 2, 2, 4
     loose = brute_force(p, pp, m, schedule, None, v)
     for budget in (None, 0.8 * max(loose[0].memory_bytes)):
-        expected = brute_force(p, pp, m, schedule, budget, v)
+        expected = loose if budget is None else brute_force(p, pp, m, schedule, budget, v)
         got = solve_stages(p, pp, m, schedule, budget, chunks=v)
         if expected is None:
             assert got is None
@@ -300,20 +300,22 @@ def _mlp_graph(batch):
     return profile(trace(model, (torch.randn(batch, 16),)), measure=False)
 
 
-def _brute_force_all(graph, cluster, budget, offered=None):
-    """The best (times, shape) over every shape, cut and option; `offered` collects the
-    options' names."""
+def _brute_force_all(graph, cluster, budgets, offered=None):
+    """The best (times, shape) under each of `budgets` over every shape, cut and option,
+    in one enumeration; `offered` collects the options' names."""
     cache = CostCache(graph, cluster, "adam")
-    best = None
+    best = [None] * len(budgets)
     for s in shapes(cluster.num_devices, graph.batch_size, schedules=SINGLE):
         b = build(cache, s.pp, s.dp, s.tp, s.rows(graph.batch_size))
         if offered is not None:
             offered.update(n for layer in b.problem.layers for n in layer.strategies)
         if s.pp * s.chunks > len(b.problem.units):
             continue
-        found = brute_force(b.problem, s.pp, s.microbatches, s.schedule, budget, s.chunks)
-        if found and (best is None or found[0].step_s < best[0].step_s):
-            best = (found[0], s)
+        found = brute_force_budgets(b.problem, s.pp, s.microbatches, s.schedule, budgets,
+                                    s.chunks)
+        for i, f in enumerate(found):
+            if f and (best[i] is None or f[0].step_s < best[i][0].step_s):
+                best[i] = (f[0], s)
     return best
 
 
@@ -325,8 +327,8 @@ def test_search_equals_brute_force_over_shapes_cuts_and_strategies(devices):
     # a budget that binds: just under the unconstrained best plan's peak memory
     tight = 0.9 * max(free.best.solution.times.memory_bytes)
     offered = set()
-    for budget in (None, tight):
-        expected = _brute_force_all(graph, cluster, budget, offered)
+    budgets = (None, tight)
+    for budget, expected in zip(budgets, _brute_force_all(graph, cluster, budgets, offered)):
         got = search(graph, cluster, "adam", budget, relative_gap=1e-9, schedules=SINGLE)
         assert got.best.solution.times.step_s == pytest.approx(expected[0].step_s, rel=1e-7)
         assert got.solved + got.pruned == len(got.candidates)

@@ -8,7 +8,8 @@ import pytest
 from planner import stage_dp, stage_intervals
 from planner.problem import Edge
 from planner.stages import (
-    LayerOptions, StageProblem, brute_force, evaluate, in_flight, solve_stages,
+    LayerOptions, StageProblem, brute_force, brute_force_budgets, evaluate, in_flight,
+    solve_stages,
 )
 from test_pipeline_search import _random_problem
 
@@ -56,8 +57,9 @@ def _check_against_brute_force(solve, p, pp: int, m: int, schedule: str, priced=
     `priced`, the plan it returns is priced by evaluate() at its objective and fits."""
     loose = brute_force(p, pp, m, schedule, None)
     flights = [in_flight(schedule, pp, m, k) for k in range(pp)]
-    for budget in [None, 0.9 * max(loose[0].memory_bytes), 0.6 * max(loose[0].memory_bytes)]:
-        expected = brute_force(p, pp, m, schedule, budget)
+    tight = [0.9 * max(loose[0].memory_bytes), 0.6 * max(loose[0].memory_bytes)]
+    found = [loose, *brute_force_budgets(p, pp, m, schedule, tight)]
+    for budget, expected in zip([None, *tight], found):
         got = solve(p, pp, m, flights, budget)
         if expected is None:
             assert got is None
@@ -82,7 +84,8 @@ def test_dp_equals_stage_mip_on_repeated_blocks(seed):
             loose = solve_stages(p, pp, m, schedule, None, method="mip")
             for budget in [None, 0.8 * max(loose.times.memory_bytes),
                            0.5 * max(loose.times.memory_bytes)]:
-                mip = solve_stages(p, pp, m, schedule, budget, method="mip")
+                mip = (loose if budget is None
+                       else solve_stages(p, pp, m, schedule, budget, method="mip"))
                 flights = [in_flight(schedule, pp, m, k) for k in range(pp)]
                 dp = stage_dp.solve(p, pp, m, flights, budget)  # no deadline: no fallback
                 if mip is None:
@@ -125,7 +128,7 @@ def test_intervals_equal_stage_mip_on_deeper_blocks():
     p = _repeated_problem(rng, blocks=8)
     loose = solve_stages(p, 4, 6, "1F1B", None, method="mip")
     for budget in [None, 0.7 * max(loose.times.memory_bytes)]:
-        mip = solve_stages(p, 4, 6, "1F1B", budget, method="mip")
+        mip = loose if budget is None else solve_stages(p, 4, 6, "1F1B", budget, method="mip")
         flights = [in_flight("1F1B", 4, 6, k) for k in range(4)]
         got = stage_intervals.solve(p, 4, 6, flights, budget)
         if mip is None:
