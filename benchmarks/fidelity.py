@@ -28,8 +28,9 @@ most such load; and "host", how much slower this machine ran a fixed op (`_probe
 Linear's forward and backward, one process alone, by CPU time) during the runs than while
 the model's layers were timed for its plans. This VM's speed drifts by tens of percent
 over minutes, and a plan priced in one spell and run in another carries that drift into
-its error: the column says how much of an error is the machine's. With P processes on a 2-core machine anything else running skews the
-timing; rerun on an idle machine for final figures.
+its error: the column says how much of an error is the machine's. With P processes on a
+2-core machine anything else running skews the timing; rerun on an idle machine for final
+figures.
 
     python benchmarks/fidelity.py [--procs 2 4] [--runs 3] [--steps 8] [--cache-dir DIR | --profile FILE]
 """
@@ -348,7 +349,7 @@ def main() -> None:
         results = [r["cases"] for r in ranks]
         run_probe = statistics.median(ranks[0]["probe"])
         print(f"{world} processes: the probe ran {run_probe * 1e3:.2f} ms in the runs "
-              f"(before each: " + ", ".join(f"{p * 1e3:.2f}" for p in ranks[0]["probe"])
+              f"(before each run and after the last: " + ", ".join(f"{p * 1e3:.2f}" for p in ranks[0]["probe"])
               + " ms), " + ", ".join(f"{m} {p * 1e3:.2f}" for m, p in planned_probe.items())
               + " ms while planning")
         for kind, model_key, plan, i in cases:

@@ -596,7 +596,7 @@ def _rank_measure(rank: int, world: int, sizes, repeats: int, quiet_wait_s: floa
             try:
                 timing = _together_spans if name == "bucket_all_reduce" else _in_step_spans
                 calls = timing(_collective_call(name, nbytes, rank, world, device), device,
-                               repeats_for(nbytes, repeats // shared))
+                               repeats_for(nbytes, repeats // shared if quick else repeats))
             except RuntimeError as error:  # e.g. a collective the backend lacks
                 if "not supported" in str(error).lower() or "unsupported" in str(error).lower():
                     break
@@ -608,11 +608,11 @@ def _rank_measure(rank: int, world: int, sizes, repeats: int, quiet_wait_s: floa
     gap = (_gap_spans(_collective_call("all_reduce", GAP_BYTES, rank, world, device), device)
            if device.type == "cpu" and shared == 1 else None)
     lap("gap curve")
-    # each a difference of two means whose calls hold a bimodal collective (see
-    # SMALL_REPEATS): 21-31 rounds moved them by 1-1.5 ms between calibrations
-    # the quick calibration of more processes than cores: a third of the rounds of these
-    # (their figures there are several ms, against 1-1.5 ms of noise), where every call
-    # time-shares a core: 4 processes had taken 70 s
+    # DTensor's and the DDP step's figures are each a difference of two means whose calls
+    # hold a bimodal collective (see SMALL_REPEATS): 21-31 rounds moved them by 1-1.5 ms
+    # between calibrations. Where more processes than cores time-share them, the quick
+    # calibration takes a third of the rounds: those figures are several ms there (DTensor
+    # 11-12 ms on 4 processes), and 4 processes had taken 70 s
     fewer = 3 if quick and shared > 1 else shared
     dtensor = _dtensor_overheads(rank, world, device, 90 // fewer)
     lap("dtensor")

@@ -352,11 +352,11 @@ def calibrate(processes=(2, 4), quick: bool = False, repeats: int | None = None,
     if quiet_wait_s > 0:
         wait_for_quiet(quiet_wait_s)
     device = device_spec(measure_compute(threads, "cuda" if cuda else "cpu"))
-    log(f"  took {time.perf_counter() - started:.1f} s")
     log("  " + ", ".join(f"{dtype} matmul {rate / 1e9:.1f} GFLOP/s"
                          for dtype, rate in device.peak_flops.items())
         + (f", conv2d {device.op_flops['conv2d'] / 1e9:.1f} GFLOP/s" if device.op_flops else "")
-        + f", copy {device.memory_bandwidth_bytes_per_s / 1e9:.1f} GB/s")
+        + f", copy {device.memory_bandwidth_bytes_per_s / 1e9:.1f} GB/s"
+        + f" ({time.perf_counter() - started:.1f} s)")
 
     links, layer_overhead, reshard_overhead, all_samples = {}, {}, {}, []
     compute_slowdown, memory_slowdown, step_overhead = {}, {}, {}
@@ -366,8 +366,8 @@ def calibrate(processes=(2, 4), quick: bool = False, repeats: int | None = None,
         samples, per_rank = measure_collectives(world, sizes, repeats, quiet_wait_s, quick,
                                                 backend, threads)
         samples += fsdp_layer_samples(per_rank, world)
-        log("  took " + ", ".join(f"{name} {seconds:.1f} s"
-                                  for name, seconds in per_rank[0]["phases"].items()))
+        log("  measured in " + ", ".join(f"{name} {seconds:.1f} s"
+                                         for name, seconds in per_rank[0]["phases"].items()))
         # on CPU the regimes change where the processes' data spills the shared cache
         link = fit_link(samples, f"{backend} ({world} processes)",
                         f"fitted by hyplan calibrate on {platform.node()}",

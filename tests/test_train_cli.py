@@ -4,6 +4,7 @@ with the parameters of an uninterrupted single-process run of the same steps."""
 
 import math
 import os
+import signal
 import subprocess
 import sys
 
@@ -55,9 +56,17 @@ def train_here(capfd, monkeypatch):
         else:
             monkeypatch.delenv("HYPLAN_FAULT", raising=False)
         before = dict(os.environ)
+
+        def hung(signum, frame):  # a safety net: a hung job fails, not blocks
+            raise TimeoutError("hyplan train ran past 300 s")
+
+        handler = signal.signal(signal.SIGALRM, hung)
+        signal.alarm(300)
         try:
             code = main(["train", *args])
         finally:
+            signal.alarm(0)
+            signal.signal(signal.SIGALRM, handler)
             os.environ.clear()
             os.environ.update(before)
         out, err = capfd.readouterr()
