@@ -15,8 +15,9 @@ unless --cache-dir or --profile is given; its seconds are reported), all run by 
 loss, 4 warm-up steps, then --steps timed steps. Plans that are the same plan (hyplan's
 choice is often one of the baselines) are one program: they are run once and share the
 figure, so that a difference between them is never noise.
---runs runs go over all cases in turn, so
-a slow spell hits different cases in different runs; a case's figure is the slowest
+Each model is planned and then run in a launch of its own, as a user's job holds one
+model; --runs runs go over its cases in turn, so a slow spell hits different cases in
+different runs; a case's figure is the slowest
 rank's median over all its timed steps of all runs (single steps of one plan vary by
 -30%..+60% here: gloo wake-ups, the scheduler, the other rank), and "spread" is the range of
 its per-run medians over that figure (the run-to-run spread). The ranks keep freed memory (profiler.allocator)
@@ -332,40 +333,47 @@ def main() -> None:
         parse_devices(f"{world}x{args.profile}" if args.profile else f"{world}xcpu")
         print(f"{world} processes: priced with {cluster.source}; first use {first:.1f} s, "
               f"then {time.perf_counter() - began:.3f} s")
-        cases, runs, run_of, planned_probe = [], [], {}, {}
         for model_key in args.models:
-            wait_for_quiet(args.wait)  # layers are timed while planning
-            before = _probe_s()
-            plans = plans_for(model_key, cluster)
-            planned_probe[model_key] = (before + _probe_s()) / 2
-            for kind, plan in plans.items():
-                program = (model_key, _program(plan))
-                if program not in run_of:  # the same plan twice is one program: run once
-                    run_of[program] = len(runs)
-                    runs.append((kind, model_key, plan.to_json()))
-                cases.append((kind, model_key, plan, run_of[program]))
-        ranks = run_ranks(_rank, world, runs, args.steps, args.rounds, args.wait,
-                          timeout_s=3600)
-        results = [r["cases"] for r in ranks]
-        run_probe = statistics.median(ranks[0]["probe"])
-        print(f"{world} processes: the probe ran {run_probe * 1e3:.2f} ms in the runs "
-              f"(before each run and after the last: " + ", ".join(f"{p * 1e3:.2f}" for p in ranks[0]["probe"])
-              + " ms), " + ", ".join(f"{m} {p * 1e3:.2f}" for m, p in planned_probe.items())
-              + " ms while planning")
-        for kind, model_key, plan, i in cases:
-            # every timed step of every round, pooled: a rank's median over them, the
-            # slowest rank's figure (a step ends when the last rank is done)
-            measured = max(statistics.median([t for rnd in r[i] for t in rnd[0]])
-                           for r in results)
-            per_round = [max(statistics.median(r[i][k][0]) for r in results)
-                         for k in range(args.rounds)]
-            spread = (max(per_round) - min(per_round)) / measured
-            other = max(r[i][k][1] for r in results for k in range(args.rounds))
-            rows.append(dict(world=world, model=model_key, kind=kind, measured=measured,
-                             predicted=plan.predicted.step_time_s, other=other, spread=spread,
-                             strategies=_summary(plan), run=i,
-                             host=run_probe / planned_probe[model_key]))
+            rows += _plan_and_run(model_key, cluster, world, args)
     _report(rows, args, time.perf_counter() - started)
+
+
+def _plan_and_run(model_key: str, cluster, world: int, args) -> list[dict]:
+    """One model, as a user has it: its plans made (layers timed on this machine), then
+    run right after in a launch of their own, every plan in turn for --runs rounds (one
+    launch per model, not one for all six: a job holds one model, and the machine's
+    speed has less time to drift between a model's planning and its runs)."""
+    wait_for_quiet(args.wait)  # layers are timed while planning
+    before = _probe_s()
+    plans = plans_for(model_key, cluster)
+    planned = (before + _probe_s()) / 2
+    cases, runs, run_of = [], [], {}
+    for kind, plan in plans.items():
+        program = _program(plan)
+        if program not in run_of:  # the same plan twice is one program: run once
+            run_of[program] = len(runs)
+            runs.append((kind, model_key, plan.to_json()))
+        cases.append((kind, plan, run_of[program]))
+    ranks = run_ranks(_rank, world, runs, args.steps, args.rounds, args.wait, timeout_s=3600)
+    results = [r["cases"] for r in ranks]
+    probe = statistics.median(ranks[0]["probe"])
+    print(f"{world} processes, {model_key}: the probe ran {planned * 1e3:.2f} ms while "
+          f"planning, {probe * 1e3:.2f} ms in the runs (before each and after the last: "
+          + ", ".join(f"{p * 1e3:.2f}" for p in ranks[0]["probe"]) + " ms)")
+    rows = []
+    for kind, plan, i in cases:
+        # every timed step of every round, pooled: a rank's median over them, the slowest
+        # rank's figure (a step ends when the last rank is done)
+        measured = max(statistics.median([t for rnd in r[i] for t in rnd[0]])
+                       for r in results)
+        per_round = [max(statistics.median(r[i][k][0]) for r in results)
+                     for k in range(args.rounds)]
+        rows.append(dict(world=world, model=model_key, kind=kind, measured=measured,
+                         predicted=plan.predicted.step_time_s,
+                         other=max(r[i][k][1] for r in results for k in range(args.rounds)),
+                         spread=(max(per_round) - min(per_round)) / measured,
+                         strategies=_summary(plan), run=i, host=probe / planned))
+    return rows
 
 
 def _program(plan: planner.Plan) -> tuple:
