@@ -31,6 +31,9 @@ _IN_PLACE_OPERATORS = {operator.iadd, operator.isub, operator.imul, operator.itr
                        operator.ifloordiv, operator.imod, operator.ipow, operator.iand,
                        operator.ior, operator.ixor, operator.ilshift, operator.irshift,
                        operator.setitem}
+_IN_PLACE_DUNDERS = {f"__i{op}__" for op in ("add", "sub", "mul", "truediv", "floordiv", "mod",
+                                               "pow", "and", "or", "xor", "lshift", "rshift",
+                                               "matmul")} | {"__setitem__"}
 
 
 def _name(node: fx.Node) -> str:
@@ -47,8 +50,11 @@ def _writes_in_place(node: fx.Node, gm: fx.GraphModule) -> bool:
     if node.op == "call_function" and node.target in _IN_PLACE_OPERATORS:
         return True
     name = _name(node)
-    return node.op in ("call_function", "call_method") and name.endswith("_") \
-        and not name.endswith("__")
+    if node.op not in ("call_function", "call_method"):
+        return False
+    if name in _IN_PLACE_DUNDERS:  # x.__iadd__(y), x.__setitem__(i, y)
+        return True
+    return name.endswith("_") and not name.endswith("__")
 
 
 def written_in_place(node: fx.Node, gm: fx.GraphModule) -> bool:

@@ -50,6 +50,13 @@ def test_in_place_writes_through_views_are_found():
     relu = nn.Sequential(nn.Linear(4, 4), nn.ReLU(inplace=True))
     gm = torch.fx.symbolic_trace(relu)
     assert written_in_place(next(n for n in gm.graph.nodes if n.target == "0"), gm)
+    # methods by name: in place ones end in "_" or are the in-place operators' dunders
+    for method, in_place in (("add_", True), ("__iadd__", True), ("__setitem__", True),
+                             ("add", False), ("__add__", False), ("__init__", False)):
+        graph = torch.fx.Graph()
+        x = graph.placeholder("x")
+        graph.call_method(method, (x, x))
+        assert written_in_place(x, None) == in_place, method
 
 
 def test_a_class_is_silenced_only_when_every_instance_is_safe():
