@@ -19,7 +19,7 @@ from executor.levers import apply_levers
 from executor.styles import (MeanOverRanks, Reshard, broadcast_replicated,
                              data_parallel_over, params_of, placement, summed_params,
                              tensor_parallel_style)
-from executor.view_outputs import silence_safe_view_warnings
+from executor.view_outputs import silence_safe_view_warnings, view_safety
 from planner.handback import output_layout
 from planner.plan import LayerPlan, Plan
 from strategies.layouts import Layout
@@ -129,7 +129,7 @@ def _apply_levers(gm: fx.GraphModule, layers: dict[str, LayerPlan], mesh, plan: 
                for n in gm.graph.nodes if n.op == "call_module" and n.name in layers
                and (layers[n.name].recompute or layers[n.name].strategy == "fsdp")]
     if targets:
-        silence_safe_view_warnings(gm, [path for path, strategy, _ in targets
-                                        if strategy == "fsdp"])
+        silence_safe_view_warnings(view_safety(gm, [path for path, strategy, _ in targets
+                                                    if strategy == "fsdp"]))
         apply_levers(gm, targets, mesh, plan.training_precision)
 

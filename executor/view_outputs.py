@@ -19,7 +19,6 @@ import warnings
 from collections.abc import Iterable
 
 import torch.fx as fx
-from torch import nn
 
 # ops whose result may alias their input: an in-place write through them reaches the view
 _ALIASING = {"view", "view_as", "reshape", "reshape_as", "transpose", "permute", "t",
@@ -77,18 +76,24 @@ def view_warning(cls: str) -> str:
     return rf"FSDP2-wrapped module \(FSDP{re.escape(cls)}\) returned a view tensor"
 
 
-def silence_safe_view_warnings(gm: fx.GraphModule, paths: Iterable[str]) -> set[str]:
-    """Silence FSDP2's view warning for the class of each module at `paths` (about to be
-    fully_sharded) whose every instance among them has no in-place consumer in `gm`'s
-    graph; returns the classes silenced."""
+def view_safety(gm: fx.GraphModule, paths: Iterable[str],
+                safety: dict[str, bool] | None = None) -> dict[str, bool]:
+    """{module class: whether no op writes in place into the output of any of its
+    instances at `paths` (modules of `gm` about to be fully_sharded)}, joined with
+    `safety` (another graph's verdicts: a pipeline's chunks on one rank)."""
     paths = set(paths)
-    safe: dict[str, bool] = {}
+    safety = dict(safety or {})
     for node in gm.graph.nodes:
         if node.op == "call_module" and str(node.target) in paths:
-            module: nn.Module = gm.get_submodule(str(node.target))
-            cls = type(module).__name__
-            safe[cls] = safe.get(cls, True) and not written_in_place(node, gm)
-    silenced = {cls for cls, ok in safe.items() if ok}
+            cls = type(gm.get_submodule(str(node.target))).__name__
+            safety[cls] = safety.get(cls, True) and not written_in_place(node, gm)
+    return safety
+
+
+def silence_safe_view_warnings(safety: dict[str, bool]) -> set[str]:
+    """Silence FSDP2's view warning for every class `view_safety` found safe; returns
+    them. Before fully_shard renames the classes, after every graph's verdict is in."""
+    silenced = {cls for cls, ok in safety.items() if ok}
     for cls in silenced:
         warnings.filterwarnings("ignore", message=view_warning(cls), category=UserWarning)
     return silenced

@@ -192,7 +192,6 @@ class _Tables:
     # least layer_least_s + edge_least_s: what the bounds charge a unit per microbatch
     unit_least_s: np.ndarray
     unit_step_least_s: np.ndarray  # per unit: Σ its layers' least per-step time
-    step_least_s: float  # Σ over layers of the least per-step time
 
     @staticmethod
     def of(problem: "StageProblem") -> "_Tables":
@@ -211,15 +210,18 @@ class _Tables:
         edge_least = np.zeros(U)
         for e in problem.edges:
             edge_least[problem.layers[e.dst].unit] += float(np.asarray(e.cost_s).min())
-        step_least = float(step.min(axis=1).sum())
         rows, inverse = np.unique(np.concatenate([mb, step, w, a], 1), axis=0,
                                   return_inverse=True)
         counts = np.zeros((len(rows), U))
         np.add.at(counts, (inverse.ravel(), unit), 1.0)
         mb, step, w, a = np.split(rows, 4, axis=1)
         joint = np.maximum(unit_least.unit_least_s(problem), layer_least + edge_least)
-        return _Tables(mb, step, w, a, counts, layer_least, edge_least, joint, step_by_unit,
-                       step_least)
+        return _Tables(mb, step, w, a, counts, layer_least, edge_least, joint, step_by_unit)
+
+    @property
+    def step_least_s(self) -> float:
+        """Σ over layers of the least per-step time."""
+        return float(self.unit_step_least_s.sum())
 
     def least_memory_by_unit(self, f: int) -> np.ndarray:
         """Per unit: Σ over its layers of the least weights + f·activations."""
