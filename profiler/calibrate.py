@@ -366,12 +366,12 @@ def _tp_pairs(device, repeats: int = 7, widths=TP_WIDTHS,
     return out
 
 
-def contention_ops(device: torch.device, repeats: int = 15, clock=time.perf_counter
-                   ) -> dict[str, float]:
-    """Median seconds by `clock` of a compute-bound op (a 2048-wide Linear, forward and
-    backward, on 64 rows) and a memory-bound one (a 256 MB copy), each ~30 ms so that
-    time slices average out. Run alone and on every rank at once, their ratio is what
-    sharing the machine costs: cores, caches and memory bandwidth."""
+def contention_ops(device: torch.device) -> dict:
+    """A compute-bound op (a 2048-wide Linear, forward and backward, on 64 rows) and a
+    memory-bound one (a 256 MB copy), each ~30 ms so that time slices average out. Run
+    alone and on every rank at once, their ratio is what sharing the machine costs:
+    cores, caches and memory bandwidth. Made once per rank (`time_contention_ops` runs
+    them): the 512 MB of the copy took ~0.3 s to allocate and touch on every call."""
     torch.manual_seed(0)
     linear = torch.nn.Linear(2048, 2048).to(device)
     x = torch.randn(64, 2048, device=device)
@@ -381,8 +381,13 @@ def contention_ops(device: torch.device, repeats: int = 15, clock=time.perf_coun
     def step():
         linear(x.detach().requires_grad_(True)).sum().backward()
 
-    return {"compute": median_time(step, repeats, budget_s=0.0, clock=clock),
-            "memory": median_time(lambda: dst.copy_(src), repeats, budget_s=0.0, clock=clock)}
+    return {"compute": step, "memory": lambda: dst.copy_(src)}
+
+
+def time_contention_ops(ops: dict, repeats: int = 15, clock=time.perf_counter
+                        ) -> dict[str, float]:
+    """Median seconds by `clock` of each of `contention_ops`."""
+    return {key: median_time(op, repeats, budget_s=0.0, clock=clock) for key, op in ops.items()}
 
 
 def _linears(width: int, layers: int, device):
@@ -506,13 +511,14 @@ def _contention(rank: int, device, quiet_wait_s: float, trials: int = 5,
     cores they time-share by design: that share is the rule's, not a measurement's."""
     clock = layer_clock() if device.type == "cpu" else time.perf_counter
     ratios: dict[str, list[float]] = {"compute": [], "memory": []}
+    ops = contention_ops(device)
     for _ in range(trials):
         if quiet_wait_s > 0 and rank == 0:
             wait_for_quiet(quiet_wait_s)
         dist.barrier()
-        alone = contention_ops(device, repeats, clock) if rank == 0 else None
+        alone = time_contention_ops(ops, repeats, clock) if rank == 0 else None
         dist.barrier()
-        together = contention_ops(device, repeats, clock)
+        together = time_contention_ops(ops, repeats, clock)
         dist.barrier()
         if rank == 0:
             for key in ratios:

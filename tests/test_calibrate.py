@@ -218,6 +218,7 @@ def _contention_rank(rank, world):
     return _contention(rank, torch.device("cpu"), 0.0, trials=3, repeats=5)
 
 
+@pytest.mark.serial
 def test_the_slowdown_of_all_ranks_at_once_does_not_count_a_process_outside_them():
     # a busy process outside the ranks takes a core from the ranks computing together and
     # none from rank 0 alone: by wall time that read as a 2x compute slowdown on 2 cores

@@ -50,6 +50,7 @@ def test_timed_ops_are_each_layers_forward_and_backward(monkeypatch):
         assert layer.measured_s == 3 * layer.fwd_flops / 2, layer.name
 
 
+@pytest.mark.serial
 def test_llama_layers_measured_in_flop_order():
     # wide enough that each matmul's FLOPs, not the per-call overhead, set its time: at
     # width 128 the MLP (2x the head's FLOPs) and the head both took ~0.6 ms on a slow host

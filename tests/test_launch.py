@@ -17,6 +17,7 @@ def _spin(rank, world, seconds):
     return rank
 
 
+@pytest.mark.serial
 @pytest.mark.parametrize("forked", [True, False], ids=["forked", "spawned"])
 def test_other_load_does_not_count_the_ranks_it_started(forked):
     if forked:

@@ -24,15 +24,20 @@ from profiler import profile, trace
 from strategies.parse import parse_devices
 
 
-def _random_problem(rng, units=4, layers=5) -> StageProblem:
+def _random_problem(rng, units=4, layers=5, max_choices: int | None = None) -> StageProblem:
+    """1-3 options per layer; `max_choices`: at most that many choices of every layer's
+    option in all (later layers get fewer), for tests that enumerate them all."""
     unit_of = sorted(rng.integers(0, units, size=layers).tolist())
     unit_of = [min(u, i) for i, u in enumerate(unit_of)]
     # every unit non-empty and in order
     unit_of = np.searchsorted(np.unique(unit_of), unit_of).tolist()
     n_units = max(unit_of) + 1
-    opts = []
+    opts, choices = [], 1
     for i in range(layers):
         k = int(rng.integers(1, 4))
+        if max_choices is not None:
+            k = max(1, min(k, max_choices // choices))
+            choices *= k
         opts.append(LayerOptions(f"l{i}", unit_of[i], tuple(f"s{j}" for j in range(k)),
                                  rng.uniform(0.1, 1.0, k), rng.uniform(0.0, 0.3, k),
                                  rng.uniform(1e8, 1e9, k), rng.uniform(1e7, 4e8, k)))
@@ -174,7 +179,7 @@ def test_busiest_rank_bound_below_every_simulated_step(seed):
     bound it starts from; on four equal units and two ranks it is exact where sharing is
     not: a rank holds two whole units."""
     rng = np.random.default_rng(500 + seed)
-    p = _random_problem(rng, units=7, layers=8)
+    p = _random_problem(rng, units=7, layers=8, max_choices=250)
     for schedule in ("Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"):
         for pp in (2, 3):
             if 2 * pp > len(p.units):

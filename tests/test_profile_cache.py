@@ -66,6 +66,7 @@ def test_hyplan_calibrate_refreshes_the_cached_profile(fresh_cache, capsys):
     assert str(profile_path(1)) in capsys.readouterr().out
 
 
+@pytest.mark.serial
 def test_first_use_of_two_processes_measures_collectives_past_the_cache(fresh_cache):
     # the real quick calibration, once: under a minute on an idle 2-core machine
     began = time.perf_counter()

@@ -43,7 +43,7 @@ def _steps(problem, pp, m, schedule):
 @pytest.mark.parametrize("seed", range(4))
 def test_below_every_simulated_step_and_exact_with_one_option_per_layer(seed):
     rng = np.random.default_rng(900 + seed)
-    problem = _random_problem(rng, units=6, layers=7)
+    problem = _random_problem(rng, units=6, layers=7, max_choices=250)
     problem = replace(problem, replay_s=0.05 * seed, split_backward=1.0 + 0.1 * seed)
     single = replace(problem, layers=tuple(
         LayerOptions(l.name, l.unit, l.strategies[:1], l.microbatch_s[:1], l.step_s[:1],
