@@ -3,7 +3,7 @@
 What `hyplan calibrate`, the benchmarks and the multi-process tests use to run real
 collectives on this machine: a new interpreter per rank, as torchrun starts them (or, for
 tests that check results rather than time, ranks forked from a server that imported torch
-once), a free port, CUDA hidden for gloo (gloo and FSDP misbehave when it is visible),
+once), a rendezvous store the caller holds on a port the OS picked, CUDA hidden for gloo (gloo and FSDP misbehave when it is visible),
 `threads` intra-op threads per rank, and the failing rank's traceback raised.
 """
 
@@ -46,7 +46,9 @@ def _entry(fn, rank, world_size, port, backend, threads, results, args, environ)
     if backend == "gloo":
         keep_freed_memory()  # as layer timing does (profiler.allocator)
     try:
-        dist.init_process_group(backend, rank=rank, world_size=world_size)
+        # a client of the store the caller holds open (`run_ranks`), on its port
+        store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False)
+        dist.init_process_group(backend, rank=rank, world_size=world_size, store=store)
         results.put((rank, True, pickle.dumps(fn(rank, world_size, *args))))
     except BaseException:
         results.put((rank, False, traceback.format_exc()))
@@ -92,7 +94,11 @@ def run_ranks(fn, world_size: int, *args, backend: str = "gloo", threads: int = 
     (tests/test_zoo.py) are spawned too: forked, one died of SIGSEGV in 2 of 6 suites."""
     ctx = _context(forked)
     results = ctx.Queue()
-    port = free_port()
+    # the rendezvous store, held by this process on a port the OS picked and kept bound
+    # until the ranks are done: a port found free and handed on (free_port) could be taken
+    # meanwhile by another launch (two test workers start ranks at once)
+    store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False)
+    port = store.port
     procs = [ctx.Process(target=_entry,
                          args=(fn, r, world_size, port, backend, threads, results, args,
                                dict(os.environ)))
@@ -123,6 +129,7 @@ def run_ranks(fn, world_size: int, *args, backend: str = "gloo", threads: int = 
             p.join(timeout=10)
             if p.is_alive():
                 p.kill()
+        del store
     return [out[r] for r in range(world_size)]
 
 
