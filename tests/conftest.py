@@ -1,14 +1,13 @@
-import contextlib
-import fcntl
 import os
 import sys
-import tempfile
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from serial_lock import lock_base, turn  # noqa: E402
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -30,14 +29,7 @@ def hyplan_cache_dir(tmp_path_factory):
         os.environ["HYPLAN_CACHE_DIR"] = before
 
 
-# --- tests that time this machine run alone ---------------------------------------------------
-# The suite runs on 2 pytest-xdist workers (README; most tests start processes, import
-# libraries or solve, and leave a core idle part of the time). A test marked `serial`
-# measures this machine (a calibration, the load of other processes, layers timed against
-# each other): while it runs the other worker runs nothing. A readers-writer lock over
-# the workers: every test holds a shared lock for its whole run (setup to teardown); a
-# serial one holds it exclusively, and first takes a gate that keeps new tests from
-# starting meanwhile (flock gives no turn to a waiting writer otherwise).
+# --- tests that time this machine run alone (tests/serial_lock.py) ---------------------------
 
 
 def pytest_configure(config):
@@ -45,35 +37,10 @@ def pytest_configure(config):
                                        "test of the suite does (2 xdist workers)")
 
 
-@contextlib.contextmanager
-def _flock(path: Path, mode: int):
-    with open(path, "a") as f:
-        fcntl.flock(f, mode)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
-
-
-@contextlib.contextmanager
-def _turn(serial: bool, run_id: str):
-    base = Path(tempfile.gettempdir()) / f"hyplan-tests-{run_id}"
-    gate, held = base.with_suffix(".gate"), base.with_suffix(".lock")
-    if serial:
-        with _flock(gate, fcntl.LOCK_EX), _flock(held, fcntl.LOCK_EX):
-            yield
-    else:
-        with _flock(gate, fcntl.LOCK_SH):
-            pass  # not while a serial test waits for its turn or runs
-        with _flock(held, fcntl.LOCK_SH):
-            yield
-
-
-@pytest.hookimpl(hookwrapper=True)
+@pytest.hookimpl(wrapper=True)
 def pytest_runtest_protocol(item, nextitem):
     run_id = os.environ.get("PYTEST_XDIST_TESTRUNUID")
     if run_id is None:  # one process: nothing runs beside a test
-        yield
-        return
-    with _turn(item.get_closest_marker("serial") is not None, run_id):
-        yield
+        return (yield)
+    with turn(item.get_closest_marker("serial") is not None, lock_base(run_id)):
+        return (yield)
