@@ -182,6 +182,42 @@ def _own_ticks() -> int:
     return ticks
 
 
+class RanksOtherLoad:
+    """Context manager entered and left by every rank of the default process group at
+    once: `.cores` is the CPU (in cores, averaged over the block) used by processes other
+    than the ranks, the machine's busy ticks less all the ranks' own; the same figure on
+    every rank (the largest any rank saw), so that they agree on what to do about it. None
+    without /proc."""
+
+    cores: float | None = None
+
+    def __enter__(self):
+        try:
+            self._start = (_busy_ticks(), _self_ticks(), time.perf_counter())
+        except OSError:
+            self._start = None
+        return self
+
+    def __exit__(self, *exc):
+        if exc[0] is not None or self._start is None:  # no /proc: on no rank
+            return False
+        busy, own, began = self._start
+        seconds = time.perf_counter() - began
+        mine = torch.tensor([_busy_ticks() - busy, _self_ticks() - own], dtype=torch.float64)
+        ranks = mine.clone()
+        dist.all_reduce(ranks)  # every rank's own ticks, summed
+        cores = torch.tensor([max(0.0, float(mine[0] - ranks[1]))
+                              / os.sysconf("SC_CLK_TCK") / seconds], dtype=torch.float64)
+        dist.all_reduce(cores, op=dist.ReduceOp.MAX)
+        self.cores = cores.item()
+        return False
+
+
+def _self_ticks() -> int:
+    """CPU ticks of this process (all its threads), user and system."""
+    return sum(int(x) for x in _stat("self")[11:13])
+
+
 class OtherLoad:
     """Context manager: `.cores` is the CPU (in cores, averaged over the block) used by
     processes outside this one and its children (`_own_ticks`); None where /proc is

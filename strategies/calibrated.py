@@ -401,8 +401,11 @@ def calibrate(processes=(2, 4), quick: bool = False, repeats: int | None = None,
             table[world] = max(1.0, per_rank[0]["contention"][key])
         step_overhead[world] = _fixed_step(per_rank, world, link)
         log(f"  a distributed step's fixed cost: {step_overhead[world] * 1e3:.2f} ms")
+        redone = per_rank[0]["contention"].get("redone", 0)
         log(f"  all {world} at once: compute {compute_slowdown[world]:.2f}x, memory "
-            f"{memory_slowdown[world]:.2f}x slower than one process alone")
+            f"{memory_slowdown[world]:.2f}x slower than one process alone"
+            + (f" ({redone} trials run again: other processes worked meanwhile)"
+               if redone else ""))
         log(f"  DTensor: {layer_overhead[world] * 1e3:.2f} ms per parallel layer, "
             f"{reshard_overhead[world] * 1e3:.2f} ms per redistribute (fwd + bwd)")
         if "tp_layer" in link.collectives:

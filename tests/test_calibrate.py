@@ -215,7 +215,7 @@ def _contention_rank(rank, world):
 
     from profiler.calibrate import _contention
 
-    return _contention(rank, torch.device("cpu"), 0.0, trials=3, repeats=5)
+    return _contention(rank, torch.device("cpu"), 0.0, trials=2, repeats=5)
 
 
 @pytest.mark.serial
@@ -240,6 +240,31 @@ def test_the_slowdown_of_all_ranks_at_once_does_not_count_a_process_outside_them
         spinner.wait()
     assert 1.0 <= slowdown["compute"] < 1.35 * core_share(2)
     assert slowdown["memory"] >= 1.0
+    assert slowdown["redone"] == 2  # every trial seen disturbed: run again, twice at most
+
+
+def _contention_after_a_burst(rank: int, world: int) -> dict:
+    import subprocess
+    import sys
+
+    import torch
+
+    from profiler.calibrate import _contention
+
+    if rank == 0:  # another process's work for ~1.2 s, from the first trial on
+        subprocess.Popen([sys.executable, "-c", "import time\nt = time.perf_counter()\n"
+                          "while time.perf_counter() - t < 1.2: pass"])
+    return _contention(rank, torch.device("cpu"), 0.0, trials=2, repeats=5)
+
+
+@pytest.mark.serial
+def test_a_contention_trial_another_process_worked_in_is_run_again():
+    # at first use, a burst of other work during the contention trials read 1.70x for
+    # 2 processes on 2 cores (1.0x quiet) and priced such plans 30-68% over
+    from distributed import run_ranks
+
+    got = run_ranks(_contention_after_a_burst, 2)[0]
+    assert 1 <= got["redone"] <= 2, got  # the burst's trials, then quiet ones
 
 
 # a 16 KB gloo all-reduce after 0.25-8 ms of compute on the 2-core VM (seconds)
