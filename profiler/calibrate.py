@@ -587,9 +587,12 @@ def _rank_measure(rank: int, world: int, sizes, repeats: int, quiet_wait_s: floa
         phases[name] = now - clock
         clock = now
 
+    # where ranks time-share cores: 4 shorter trials, not 2 (whose median is their mean:
+    # one thrashed trial put 4 processes' compute slowdown at 3.07-3.18x, against 2.0-2.5x
+    # in nine other quick measurements, and priced such plans up to +90%)
     together = _contention(rank, device, quiet_wait_s,
-                           trials=(3 if shared == 1 else 2) if quick else 5,
-                           repeats=5 if quick else 9)
+                           trials=(3 if shared == 1 else 4) if quick else 5,
+                           repeats=(5 if shared == 1 else 3) if quick else 9)
     lap("contention")
     names = [name for name in MEASURED
              if not (name == "send_recv" and world != 2)  # one pair is enough: 2 ranks

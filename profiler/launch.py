@@ -3,8 +3,9 @@
 What `hyplan calibrate`, the benchmarks and the multi-process tests use to run real
 collectives on this machine: a new interpreter per rank, as torchrun starts them (or, for
 tests that check results rather than time, ranks forked from a server that imported torch
-once), a rendezvous store the caller holds on a port the OS picked, CUDA hidden for gloo (gloo and FSDP misbehave when it is visible),
-`threads` intra-op threads per rank, and the failing rank's traceback raised.
+once), a rendezvous store the caller holds on a port the OS picked, CUDA hidden for gloo
+(gloo and FSDP misbehave when it is visible), `threads` intra-op threads per rank, and the
+failing rank's traceback raised.
 """
 
 from __future__ import annotations
@@ -202,14 +203,12 @@ class RanksOtherLoad:
         if exc[0] is not None or self._start is None:  # no /proc: on no rank
             return False
         busy, own, began = self._start
-        seconds = time.perf_counter() - began
-        mine = torch.tensor([_busy_ticks() - busy, _self_ticks() - own], dtype=torch.float64)
-        ranks = mine.clone()
-        dist.all_reduce(ranks)  # every rank's own ticks, summed
-        cores = torch.tensor([max(0.0, float(mine[0] - ranks[1]))
-                              / os.sysconf("SC_CLK_TCK") / seconds], dtype=torch.float64)
-        dist.all_reduce(cores, op=dist.ReduceOp.MAX)
-        self.cores = cores.item()
+        mine = (_busy_ticks() - busy, _self_ticks() - own, time.perf_counter() - began)
+        seen = [None] * dist.get_world_size()
+        dist.all_gather_object(seen, mine)  # any backend (nccl's too), the same list on all
+        ranks_own = sum(s[1] for s in seen)
+        self.cores = max(max(0, b - ranks_own) / os.sysconf("SC_CLK_TCK") / t
+                         for b, _, t in seen)
         return False
 
 
