@@ -251,10 +251,15 @@ def _contention_after_a_burst(rank: int, world: int) -> dict:
 
     from profiler.calibrate import _contention
 
+    burst = None
     if rank == 0:  # another process's work for ~1.2 s, from the first trial on
-        subprocess.Popen([sys.executable, "-c", "import time\nt = time.perf_counter()\n"
-                          "while time.perf_counter() - t < 1.2: pass"])
-    return _contention(rank, torch.device("cpu"), 0.0, trials=2, repeats=5)
+        burst = subprocess.Popen([sys.executable, "-c", "import time\nt = time.perf_counter()\n"
+                                  "while time.perf_counter() - t < 1.2: pass"])
+    try:
+        return _contention(rank, torch.device("cpu"), 0.0, trials=2, repeats=5)
+    finally:
+        if burst is not None:
+            burst.wait()
 
 
 @pytest.mark.serial
