@@ -57,7 +57,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import executor  # noqa: E402
 import planner  # noqa: E402
 from planner.baseline import baseline  # noqa: E402
-from profiler.launch import run_ranks, wait_for_quiet  # noqa: E402
+from profiler.launch import RanksOtherLoad, run_ranks, wait_for_quiet  # noqa: E402
 from profiler.machine import threads as thread_count  # noqa: E402
 
 WARMUP, LR = 4, 0.01
@@ -167,18 +167,6 @@ BASELINE_KINDS = ("ddp", "tensor", "fsdp")  # hyplan's plan is compared with the
 
 # --- inside each rank ----------------------------------------------------------------------
 
-def _ticks_busy() -> int:
-    with open("/proc/stat") as f:
-        v = [int(x) for x in f.readline().split()[1:9]]
-    return sum(v) - v[3] - v[4]
-
-
-def _ticks_own() -> int:
-    with open("/proc/self/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return int(fields[11]) + int(fields[12])
-
-
 class _NothingToUpdate:
     """The optimizer of a rank that holds no parameters (torch's refuse an empty list)."""
 
@@ -221,17 +209,13 @@ class Case:
         for _ in range(WARMUP):
             self.step()
         dist.barrier()
-        busy, own, start = _ticks_busy(), _ticks_own(), time.perf_counter()
         times = []
-        for _ in range(steps):
-            t0 = time.perf_counter()
-            self.step()
-            times.append(time.perf_counter() - t0)
-        elapsed = time.perf_counter() - start
-        busy, own = _ticks_busy() - busy, _ticks_own() - own
-        owns = [None] * dist.get_world_size()
-        dist.all_gather_object(owns, own)  # outside the timed steps
-        return times, max(0, busy - sum(owns)) / os.sysconf("SC_CLK_TCK") / elapsed
+        with RanksOtherLoad() as other:  # the ranks' gather on leaving: after the steps
+            for _ in range(steps):
+                t0 = time.perf_counter()
+                self.step()
+                times.append(time.perf_counter() - t0)
+        return times, other.cores
 
 
 def _probe_s() -> float:

@@ -183,38 +183,13 @@ def _own_ticks() -> int:
     return ticks
 
 
-class RanksOtherLoad:
-    """Context manager entered and left by every rank of the default process group at
-    once: `.cores` is the CPU (in cores, averaged over the block) used by processes other
-    than the ranks, the machine's busy ticks less all the ranks' own; the same figure on
-    every rank (the largest any rank saw), so that they agree on what to do about it. None
-    without /proc."""
-
-    cores: float | None = None
-
-    def __enter__(self):
-        try:
-            self._start = (_busy_ticks(), _self_ticks(), time.perf_counter())
-        except OSError:
-            self._start = None
-        return self
-
-    def __exit__(self, *exc):
-        if exc[0] is not None or self._start is None:  # no /proc: on no rank
-            return False
-        busy, own, began = self._start
-        mine = (_busy_ticks() - busy, _self_ticks() - own, time.perf_counter() - began)
-        seen = [None] * dist.get_world_size()
-        dist.all_gather_object(seen, mine)  # any backend (nccl's too), the same list on all
-        ranks_own = sum(s[1] for s in seen)
-        self.cores = max(max(0, b - ranks_own) / os.sysconf("SC_CLK_TCK") / t
-                         for b, _, t in seen)
-        return False
-
-
 def _self_ticks() -> int:
     """CPU ticks of this process (all its threads), user and system."""
     return sum(int(x) for x in _stat("self")[11:13])
+
+
+def _cores(ticks: int, seconds: float) -> float:
+    return max(0, ticks) / os.sysconf("SC_CLK_TCK") / seconds
 
 
 class OtherLoad:
@@ -224,17 +199,40 @@ class OtherLoad:
     machine."""
 
     cores: float | None = None
+    _own = staticmethod(_own_ticks)  # the ticks that are not other processes'
 
     def __enter__(self):
         try:
-            self._start = (_busy_ticks(), _own_ticks(), time.perf_counter())
+            self._start = (_busy_ticks(), self._own(), time.perf_counter())
         except OSError:
             self._start = None
         return self
 
+    def _span(self) -> tuple[int, int, float]:
+        """(the machine's busy ticks, own ticks, seconds) since the block began."""
+        busy, own, began = self._start
+        return _busy_ticks() - busy, self._own() - own, time.perf_counter() - began
+
     def __exit__(self, *exc):
         if self._start is not None:
-            busy, own, t = self._start
-            ticks = (_busy_ticks() - busy) - (_own_ticks() - own)
-            self.cores = max(0, ticks) / os.sysconf("SC_CLK_TCK") / (time.perf_counter() - t)
+            busy, own, seconds = self._span()
+            self.cores = _cores(busy - own, seconds)
+        return False
+
+
+class RanksOtherLoad(OtherLoad):
+    """OtherLoad entered and left by every rank of the default process group at once: the
+    CPU used by processes other than the ranks, the machine's busy ticks less all the
+    ranks' own; the same figure on every rank (the largest any rank saw), so that they
+    agree on what to do about it."""
+
+    _own = staticmethod(_self_ticks)  # each rank's own; the others' are gathered
+
+    def __exit__(self, *exc):
+        if exc[0] is not None or self._start is None:  # no /proc: on no rank
+            return False
+        seen = [None] * dist.get_world_size()
+        dist.all_gather_object(seen, self._span())  # any backend; the same list on all
+        ranks_own = sum(own for _, own, _ in seen)
+        self.cores = max(_cores(busy - ranks_own, seconds) for busy, _, seconds in seen)
         return False
