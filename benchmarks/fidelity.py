@@ -29,11 +29,15 @@ most such load; and "host", how much slower this machine ran a fixed op (`_probe
 Linear's forward and backward, one process alone, by CPU time) during the runs than while
 the model's layers were timed for its plans. This VM's speed drifts by tens of percent
 over minutes, and a plan priced in one spell and run in another carries that drift into
-its error: the column says how much of an error is the machine's. With P processes on a
+its error: the column says how much of an error is the machine's. "replan": how far a
+second planning of the model (minutes later, every layer timed afresh) moved the same
+plan's prediction: one planning prices a plan at the speed of its few seconds of layer
+timing, and this is that share of an error, case by case. With P processes on a
 2-core machine anything else running skews the timing; rerun on an idle machine for final
 figures.
 
-    python benchmarks/fidelity.py [--procs 2 4] [--runs 3] [--steps 8] [--cache-dir DIR | --profile FILE]
+    python benchmarks/fidelity.py [--procs 2 4] [--runs 3] [--steps 8] [--no-replan]
+                                  [--cache-dir DIR | --profile FILE]
 """
 
 from __future__ import annotations
@@ -298,6 +302,10 @@ def main() -> None:
     parser.add_argument("--wait", type=float, default=10.0,
                         help="seconds to wait, before each case, for other load to pause")
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    parser.add_argument("--replan", action=argparse.BooleanOptionalAction, default=True,
+                        help="plan each model a second time, its layers timed afresh, and "
+                        "report how far that moved each plan's prediction (the machine's "
+                        "share of an error: one planning is one window of its speed)")
     args = parser.parse_args()
 
     import tempfile
@@ -331,6 +339,7 @@ def _plan_and_run(model_key: str, cluster, world: int, args) -> list[dict]:
     before = _probe_s()
     plans = plans_for(model_key, cluster)
     planned = (before + _probe_s()) / 2
+    again = _plan_again(model_key, cluster, args.wait) if args.replan else {}
     cases, runs, run_of = [], [], {}
     for kind, plan in plans.items():
         program = _program(plan)
@@ -352,12 +361,26 @@ def _plan_and_run(model_key: str, cluster, world: int, args) -> list[dict]:
                        for r in results)
         per_round = [max(statistics.median(r[i][k][0]) for r in results)
                      for k in range(args.rounds)]
+        second = again.get(kind)
+        replan = (second.predicted.step_time_s / plan.predicted.step_time_s - 1
+                  if second is not None and _program(second) == _program(plan) else None)
         rows.append(dict(world=world, model=model_key, kind=kind, measured=measured,
-                         predicted=plan.predicted.step_time_s,
+                         predicted=plan.predicted.step_time_s, replan=replan,
                          other=max(r[i][k][1] for r in results for k in range(args.rounds)),
                          spread=(max(per_round) - min(per_round)) / measured,
                          strategies=_summary(plan), run=i, host=probe / planned))
     return rows
+
+
+def _plan_again(model_key: str, cluster, max_wait_s: float) -> dict[str, planner.Plan]:
+    """The model's plans made once more, as a second user's process would: a fresh model,
+    every layer timed again (the timing caches emptied), minutes after the first."""
+    import importlib
+
+    for module in ("profiler.profile", "profiler.export_timing"):
+        importlib.import_module(module)._TIMES.clear()
+    wait_for_quiet(max_wait_s)
+    return plans_for(model_key, cluster)
 
 
 def _program(plan: planner.Plan) -> tuple:
@@ -384,11 +407,12 @@ def _cores(other: float | None) -> str:
 
 def _report(rows: list[dict], args, seconds: float) -> None:
     print(f"\n{'P':>2} {'model':<10} {'plan':<7} {'weights':<12}{'predicted':>11}"
-          f"{'measured':>11}{'spread':>8}{'error':>8}{'host':>7}{'other CPU':>11}")
+          f"{'replan':>8}{'measured':>11}{'spread':>8}{'error':>8}{'host':>7}{'other CPU':>11}")
     for r in rows:
         r["error"] = (r["predicted"] - r["measured"]) / r["measured"]
+        replan = "" if r.get("replan") is None else f"{r['replan'] * 100:+.0f}%"
         print(f"{r['world']:>2} {r['model']:<10} {r['kind']:<7} {r['strategies']:<12}"
-              f"{r['predicted'] * 1e3:>8.1f} ms{r['measured'] * 1e3:>8.1f} ms"
+              f"{r['predicted'] * 1e3:>8.1f} ms{replan:>8}{r['measured'] * 1e3:>8.1f} ms"
               f"{r['spread'] * 100:>7.0f}%"
               f"{r['error'] * 100:>+7.0f}%{r['host']:>6.2f}x" + _cores(r["other"]))
     for world in args.worlds:
@@ -399,6 +423,12 @@ def _report(rows: list[dict], args, seconds: float) -> None:
               f"worst {abs(worst['error']) * 100:.0f}% ({worst['model']} {worst['kind']}); "
               f"the machine ran {min(hosts):.2f}-{max(hosts):.2f}x as slow in the runs as "
               f"while planning (host)")
+        moved = [abs(r["replan"]) for r in rows
+                 if r["world"] == world and r.get("replan") is not None]
+        if moved:
+            print(f"  planned again, the same plans' predictions moved by median "
+                  f"{statistics.median(moved) * 100:.0f}%, up to {max(moved) * 100:.0f}% "
+                  f"({len(moved)} plans; a plan the second planning changed is left out)")
         for model in args.models:
             by = {r["kind"]: r for r in rows if r["world"] == world and r["model"] == model}
             best_kind = min(BASELINE_KINDS, key=lambda k: by[k]["measured"])
