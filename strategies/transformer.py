@@ -30,7 +30,8 @@ from torch import nn
 
 from profiler.graph import Layer
 from strategies.catalog import (
-    ColumnParallel, Cost, RowParallel, Strategy, compute_s, register, update_s, weights_memory,
+    ColumnParallel, Cost, RowParallel, Strategy, compute_s, dtensor_overhead_s, register,
+    update_s, weights_memory,
 )
 from strategies.collectives import all_gather_s, all_reduce_s, collective_bytes, reduce_scatter_s
 from strategies.layouts import Layout, sequence_splits
@@ -107,7 +108,10 @@ class HeadParallel(Strategy):
         local = layer.param_bytes / ctx.ranks
         # q, k, v and the attention output of this rank's heads are kept for backward
         memory = weights_memory(local, ctx) + kept + 4 * layer.output.nbytes / ctx.ranks
-        return Cost(compute_s(layer, 1 / ctx.ranks, ctx), comm, memory, update_s(local, ctx),
+        # the executor's style runs DTensor as a row-parallel layer does (its input made
+        # whole from a DTensor, its output reduced as one), and its weights are DTensors
+        compute = compute_s(layer, 1 / ctx.ranks, ctx) + dtensor_overhead_s(ctx, layer.param_bytes)
+        return Cost(compute, comm, memory, update_s(local, ctx),
                     {"output_reduction_s": comm, "output_bytes": layer.output.nbytes,
                      "communication_bytes": sent})
 
@@ -132,7 +136,9 @@ class VocabParallel(Strategy):
     def cost(self, layer, ctx):
         comm, kept, sent = _output_reduction(layer, self.gives, ctx)
         local = layer.param_bytes / ctx.ranks
-        return Cost(compute_s(layer, 1 / ctx.ranks, ctx), comm,
+        # torch's RowwiseParallel on the embedding: a row-parallel layer's DTensor cost
+        compute = compute_s(layer, 1 / ctx.ranks, ctx) + dtensor_overhead_s(ctx, layer.param_bytes)
+        return Cost(compute, comm,
                     weights_memory(local, ctx) + kept, update_s(local, ctx),
                     {"output_reduction_s": comm, "output_bytes": layer.output.nbytes,
                      "communication_bytes": sent})
