@@ -563,11 +563,12 @@ def core_share(world: int) -> float:
 SMALL_BYTES, SMALL_REPEATS = 1 << 20, 120
 
 
-def repeats_for(nbytes: int, repeats: int) -> int:
+def repeats_for(nbytes: int, repeats: int, least: int = 3) -> int:
     """Fewer calls of the largest messages: a 128 MB gloo all-gather takes 0.2-0.6 s here,
-    and its spread is small against its size."""
+    and its spread is small against its size (`least`: the fewest of those, 2 in the quick
+    calibration of more processes than cores, where they take 2-4x as long)."""
     if nbytes >= 64 << 20:
-        return max(3, repeats // 5)
+        return max(least, repeats // 5)
     if nbytes >= 16 << 20:
         return max(3 if repeats < 10 else 5, repeats // 2)
     return repeats
@@ -576,8 +577,14 @@ def repeats_for(nbytes: int, repeats: int) -> int:
 def _rank_measure(rank: int, world: int, sizes, repeats: int, quiet_wait_s: float = 0.0,
                   quick: bool = False) -> dict:
     device = torch.device("cuda", rank) if dist.get_backend() == "nccl" else torch.device("cpu")
-    # more processes than cores: each call takes ~2-5x longer (time-sharing), fewer rounds
+    # more processes than cores: each call takes ~2-5x longer (time-sharing), fewer rounds;
+    # fewer still in the quick calibration, whose figures there are several ms each
+    # (DTensor 8-12 ms on 4 processes) where a round's bimodal collective moves ~2 ms:
+    # with a third of the rounds of DTensor and the tensor-parallel pairs and half of the
+    # small collectives' 4 processes took 60-66 s (first use 63-69 s); with a quarter, and
+    # a third, see the README's limits
     shared = 2 if device.type == "cpu" and world > (os.cpu_count() or 1) else 1
+    fewer = 4 if quick and shared > 1 else shared
     phases: dict[str, float] = {}  # seconds each measurement took, for the log
     clock = time.perf_counter()
 
@@ -603,7 +610,7 @@ def _rank_measure(rank: int, world: int, sizes, repeats: int, quiet_wait_s: floa
         taken = _interleaved_spans(
             {(name, nbytes): (_collective_call(name, nbytes, rank, world, device),
                               name == "bucket_all_reduce") for name, nbytes in small},
-            device, max(repeats, SMALL_REPEATS // shared))
+            device, max(repeats, SMALL_REPEATS // (3 if fewer > shared else shared)))
     except RuntimeError as error:  # e.g. a collective the backend lacks
         if "not supported" not in str(error).lower() and "unsupported" not in str(error).lower():
             raise
@@ -623,7 +630,8 @@ def _rank_measure(rank: int, world: int, sizes, repeats: int, quiet_wait_s: floa
             try:
                 timing = _together_spans if name == "bucket_all_reduce" else _in_step_spans
                 calls = timing(_collective_call(name, nbytes, rank, world, device), device,
-                               repeats_for(nbytes, repeats // shared if quick else repeats))
+                               repeats_for(nbytes, repeats // shared if quick else repeats,
+                                           least=2 if fewer > shared else 3))
             except RuntimeError as error:  # e.g. a collective the backend lacks
                 if "not supported" in str(error).lower() or "unsupported" in str(error).lower():
                     break
@@ -638,9 +646,7 @@ def _rank_measure(rank: int, world: int, sizes, repeats: int, quiet_wait_s: floa
     # DTensor's and the DDP step's figures are each a difference of two means whose calls
     # hold a bimodal collective (see SMALL_REPEATS): 21-31 rounds moved them by 1-1.5 ms
     # between calibrations. Where more processes than cores time-share them, the quick
-    # calibration takes a third of the rounds: those figures are several ms there (DTensor
-    # 11-12 ms on 4 processes), and 4 processes had taken 70 s
-    fewer = 3 if quick and shared > 1 else shared
+    # calibration takes a quarter of the rounds (`fewer`)
     dtensor = _dtensor_overheads(rank, world, device, 90 // fewer)
     lap("dtensor")
     step = _step_overhead(device, 60 // fewer)
