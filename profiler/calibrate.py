@@ -577,14 +577,17 @@ def repeats_for(nbytes: int, repeats: int, least: int = 3) -> int:
 def _rank_measure(rank: int, world: int, sizes, repeats: int, quiet_wait_s: float = 0.0,
                   quick: bool = False) -> dict:
     device = torch.device("cuda", rank) if dist.get_backend() == "nccl" else torch.device("cpu")
-    # more processes than cores: each call takes ~2-5x longer (time-sharing), fewer rounds;
-    # fewer still in the quick calibration, whose figures there are several ms each
-    # (DTensor 8-12 ms on 4 processes) where a round's bimodal collective moves ~2 ms:
-    # with a third of the rounds of DTensor and the tensor-parallel pairs and half of the
-    # small collectives' 4 processes took 60-66 s (first use 63-69 s); with a quarter, and
-    # a third, see the README's limits
+    # more processes than cores: each call takes ~2-5x longer (time-sharing), fewer rounds
     shared = 2 if device.type == "cpu" and world > (os.cpu_count() or 1) else 1
-    fewer = 4 if quick and shared > 1 else shared
+    # and fewer still in the quick calibration (`sparse`), whose figures there are several
+    # ms each (DTensor 8-12 ms on 4 processes) beside a round's ~2 ms of bimodal collective:
+    # a quarter of the rounds of DTensor, the DDP step and the small tensor-parallel pairs
+    # (`fewer`), a third of the small collectives' and 2 calls of the largest ones. With a
+    # third, a half and 3, 4 processes took 60-66 s on 2 cores (first use 63-69 s); with
+    # these 53-55 s (first use 55.5-58.6 s), and the 4-process fidelity benchmark read
+    # median 9%, worst 49% against 12% and 65% the hour before
+    sparse = quick and shared > 1
+    fewer = 4 if sparse else shared
     phases: dict[str, float] = {}  # seconds each measurement took, for the log
     clock = time.perf_counter()
 
@@ -610,7 +613,7 @@ def _rank_measure(rank: int, world: int, sizes, repeats: int, quiet_wait_s: floa
         taken = _interleaved_spans(
             {(name, nbytes): (_collective_call(name, nbytes, rank, world, device),
                               name == "bucket_all_reduce") for name, nbytes in small},
-            device, max(repeats, SMALL_REPEATS // (3 if fewer > shared else shared)))
+            device, max(repeats, SMALL_REPEATS // (3 if sparse else shared)))
     except RuntimeError as error:  # e.g. a collective the backend lacks
         if "not supported" not in str(error).lower() and "unsupported" not in str(error).lower():
             raise
@@ -631,7 +634,7 @@ def _rank_measure(rank: int, world: int, sizes, repeats: int, quiet_wait_s: floa
                 timing = _together_spans if name == "bucket_all_reduce" else _in_step_spans
                 calls = timing(_collective_call(name, nbytes, rank, world, device), device,
                                repeats_for(nbytes, repeats // shared if quick else repeats,
-                                           least=2 if fewer > shared else 3))
+                                           least=2 if sparse else 3))
             except RuntimeError as error:  # e.g. a collective the backend lacks
                 if "not supported" in str(error).lower() or "unsupported" in str(error).lower():
                     break
