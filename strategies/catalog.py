@@ -109,7 +109,7 @@ def compute_s(layer: Layer, fraction: float, ctx: CostContext, split: str = "bat
     return max(flops / rate, moved / device.memory_bandwidth_bytes_per_s) * slowdown
 
 
-def dtensor_overhead_s(ctx: CostContext, weight_bytes: float = 0.0) -> float:
+def dtensor_overhead_s(ctx: CostContext, weight_bytes: float) -> float:
     """What running a layer of `weight_bytes` (its whole weight) through DTensor's parallel
     styles costs beyond its math and collectives: where `hyplan calibrate` timed
     tensor-parallel pairs on this link, their fit ("tp_layer", a fixed part and a part per
@@ -119,6 +119,13 @@ def dtensor_overhead_s(ctx: CostContext, weight_bytes: float = 0.0) -> float:
     if "tp_layer" in ctx.link.collectives:
         return collective_time_s("tp_layer", weight_bytes, ctx.ranks, ctx.link)
     return ctx.cluster.dtensor_layer_overhead_s
+
+
+def split_compute_s(layer: Layer, ctx: CostContext, split: str = "batch") -> float:
+    """A layer split over the ranks by a DTensor parallel style, as the executor runs every
+    model-parallel strategy: its 1/ranks share of the work (`split` as in compute_s) and
+    DTensor's per-layer cost for its weights (`dtensor_overhead_s`)."""
+    return compute_s(layer, 1 / ctx.ranks, ctx, split) + dtensor_overhead_s(ctx, layer.param_bytes)
 
 
 def weights_memory(param_bytes: float, ctx: CostContext, sharded: bool = False) -> float:
@@ -241,9 +248,7 @@ class ColumnParallel(Strategy):
     def cost(self, layer, ctx):
         local = layer.param_bytes / ctx.ranks
         memory = weights_memory(local, ctx) + layer.output.nbytes / ctx.ranks
-        compute = (compute_s(layer, 1 / ctx.ranks, ctx, "out")
-                   + dtensor_overhead_s(ctx, layer.param_bytes))
-        return Cost(compute, 0.0, memory, update_s(local, ctx))
+        return Cost(split_compute_s(layer, ctx, "out"), 0.0, memory, update_s(local, ctx))
 
 
 @dataclass(frozen=True)
@@ -284,9 +289,7 @@ class RowParallel(Strategy):
             kept = n
         local = layer.param_bytes / ctx.ranks
         memory = weights_memory(local, ctx) + kept
-        compute = (compute_s(layer, 1 / ctx.ranks, ctx, "in")
-                   + dtensor_overhead_s(ctx, layer.param_bytes))
-        return Cost(compute, comm, memory, update_s(local, ctx),
+        return Cost(split_compute_s(layer, ctx, "in"), comm, memory, update_s(local, ctx),
                     {"output_reduction_s": comm, "output_bytes": n, "communication_bytes": sent})
 
 

@@ -30,8 +30,8 @@ from torch import nn
 
 from profiler.graph import Layer
 from strategies.catalog import (
-    ColumnParallel, Cost, RowParallel, Strategy, compute_s, dtensor_overhead_s, register,
-    update_s, weights_memory,
+    ColumnParallel, Cost, RowParallel, Strategy, register, split_compute_s, update_s,
+    weights_memory,
 )
 from strategies.collectives import all_gather_s, all_reduce_s, collective_bytes, reduce_scatter_s
 from strategies.layouts import Layout, sequence_splits
@@ -110,8 +110,7 @@ class HeadParallel(Strategy):
         memory = weights_memory(local, ctx) + kept + 4 * layer.output.nbytes / ctx.ranks
         # the executor's style runs DTensor as a row-parallel layer does (its input made
         # whole from a DTensor, its output reduced as one), and its weights are DTensors
-        compute = compute_s(layer, 1 / ctx.ranks, ctx) + dtensor_overhead_s(ctx, layer.param_bytes)
-        return Cost(compute, comm, memory, update_s(local, ctx),
+        return Cost(split_compute_s(layer, ctx), comm, memory, update_s(local, ctx),
                     {"output_reduction_s": comm, "output_bytes": layer.output.nbytes,
                      "communication_bytes": sent})
 
@@ -137,8 +136,7 @@ class VocabParallel(Strategy):
         comm, kept, sent = _output_reduction(layer, self.gives, ctx)
         local = layer.param_bytes / ctx.ranks
         # torch's RowwiseParallel on the embedding: a row-parallel layer's DTensor cost
-        compute = compute_s(layer, 1 / ctx.ranks, ctx) + dtensor_overhead_s(ctx, layer.param_bytes)
-        return Cost(compute, comm,
+        return Cost(split_compute_s(layer, ctx), comm,
                     weights_memory(local, ctx) + kept, update_s(local, ctx),
                     {"output_reduction_s": comm, "output_bytes": layer.output.nbytes,
                      "communication_bytes": sent})

@@ -236,13 +236,10 @@ def test_attention_and_embedding_split_on_dtensor_pay_a_parallel_layers_dtensor_
     linear = layer("Linear", nn.Linear, in_features=512, out_features=512)
     attention = layer("Attention", nn.Module, num_heads=8)
     embedding = layer("Embedding", nn.Embedding, num_embeddings=512, embedding_dim=512)
+    plain = CostContext(cluster=_cpu_cluster(), ranks=2, batch=8)  # no fit, no overhead
     for cluster in (_cpu_cluster(fitted), _cpu_cluster().model_copy(
             update={"dtensor_layer_overhead_s": 0.5e-3})):
         ctx = CostContext(cluster=cluster, ranks=2, batch=8)
-        bare = ctx.cluster.model_copy(update={"dtensor_layer_overhead_s": 0.0,
-                                              "intra_node": _cpu_cluster().intra_node,
-                                              "inter_node": _cpu_cluster().intra_node})
-        plain = CostContext(cluster=bare, ranks=2, batch=8)
         paid = {type(s).__name__: s.cost(l, ctx).compute_s - s.cost(l, plain).compute_s
                 for s, l in ((RowParallel(), linear), (HeadParallel(), attention),
                              (VocabParallel(), embedding))}
