@@ -21,6 +21,8 @@ links and devices are `strategies.calibrated`, above this package):
 
 from __future__ import annotations
 
+import collections
+import math
 import os
 import statistics
 import time
@@ -102,19 +104,50 @@ def _timer(device: torch.device):
     return seconds
 
 
-def _compute_burst(device, seconds: float = BURST_S):
-    """A closure that keeps this rank computing for about `seconds` (matmuls). Sized by
-    the median of 15 matmuls, not the fastest of 5: by the fastest, bursts ran 25% past
-    their figure (an 8 ms burst took 10 ms), and the calibration with them."""
+def _matmul_seconds(device) -> float:
+    """One 256-wide matmul's seconds here: the median of 15 after 5 untimed ones (a
+    rank's first calls run slower)."""
     a = torch.randn(256, 256, device=device)
     timer = _timer(device)
-    one = statistics.median(timer(lambda: a @ a) for _ in range(15))
-    count = max(1, round(seconds / max(one, 1e-6)))
+    for _ in range(5):
+        a @ a
+    return statistics.median(timer(lambda: a @ a) for _ in range(15))
+
+
+def _compute_burst(device, seconds: float = BURST_S):
+    """A closure that keeps this rank computing for about `seconds` (256-wide matmuls).
+    Sized by the median of 15 matmuls (`_matmul_seconds`), not the fastest of 5: by the
+    fastest, bursts ran 25% past their figure (an 8 ms burst took 10 ms), and the
+    calibration with them. A count, not a deadline: ranks given the same work end it
+    apart, as in a step (bursts run to a shared deadline end together, and a 16 KB
+    all-reduce after 4-8 ms of them cost 2.9 ms, not 1.9)."""
+    a = torch.randn(256, 256, device=device)
+    count = max(1, round(seconds / max(_matmul_seconds(device), 1e-6)))
 
     def burst():
         for _ in range(count):
             a @ a
     return burst
+
+
+def _gap_bursts(device, gaps_s) -> dict:
+    """{gap: a closure computing for at least `gap` seconds} (256-wide matmuls, the count
+    rounded up), each burst sized by the median matmul time of the last 7 bursts. Sized
+    once, as `_compute_burst` is, the gap curve's walls ran 0.66-0.78x or 1.6-2.5x the
+    gaps asked for through whole calibrations: this VM's speed moves by up to 1.5x for
+    seconds at a time, and a count taken in one spell ran in another."""
+    a = torch.randn(256, 256, device=device)
+    recent = collections.deque([_matmul_seconds(device)], maxlen=7)
+
+    def burst_of(gap: float):
+        def burst():
+            count = max(1, math.ceil(gap / max(statistics.median(recent), 1e-6)))
+            began = time.perf_counter()
+            for _ in range(count):
+                a @ a
+            recent.append((time.perf_counter() - began) / count)
+        return burst
+    return {gap: burst_of(gap) for gap in gaps_s}
 
 
 def _in_step_spans(fn, device, repeats: int) -> list[tuple[float, float]]:
@@ -195,7 +228,7 @@ def _gap_spans(fn, device, gaps_s=GAPS_S, rounds: int = GAP_ROUNDS) -> dict:
     compute on every rank (see GAPS_S). The wall gap, what the ranks really computed
     between two calls, is the curve's abscissa."""
     span = _span_timer(device)
-    bursts = {gap: _compute_burst(device, gap) for gap in gaps_s}
+    bursts = _gap_bursts(device, gaps_s)
     fn()  # warm up: connections, buffers
     dist.barrier()
     spans: dict = {gap: [] for gap in gaps_s}
