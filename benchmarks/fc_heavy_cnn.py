@@ -15,12 +15,16 @@ each on 2 spawned gloo processes with 1 thread each and CUDA hidden:
 
 Same loop for both: SGD (lr 0.01, foreach=False), cross-entropy; 3 warm-up steps, a
 barrier, then each of `--steps` steps is timed with time.perf_counter. A run's step time
-is the max over ranks of each rank's median. The table puts the measured step time beside
-the cost model's prediction (`plan.predicted.step_time_s` for the plan,
-`plan.predicted.data_parallel_step_time_s` for DDP). The last line says how much CPU other
+is the max over ranks of each rank's median. The two runs alternate, `--rounds` times
+each (DDP, hyplan, DDP, hyplan, ...), and each plan's step time is the median of its
+runs': this VM's speed moves by 10-20% over tens of seconds, and one run of each, a
+minute apart, put the measured ratio at 0.41x and 0.47x in two runs of one plan. The
+table puts the measured step time beside the cost model's prediction
+(`plan.predicted.step_time_s` for the plan, `plan.predicted.data_parallel_step_time_s`
+for DDP) and the spread of the rounds' ratios. The last line says how much CPU other
 processes took meanwhile: with 2 ranks on 2 cores, anything else running skews the timings.
 
-    python benchmarks/fc_heavy_cnn.py [--steps 20] [--batch 32]
+    python benchmarks/fc_heavy_cnn.py [--steps 20] [--batch 32] [--rounds 3]
 """
 
 from __future__ import annotations
@@ -102,6 +106,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=20, help="timed steps per run")
     parser.add_argument("--batch", type=int, default=32, help="global batch")
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="runs of each plan, alternating (the median is reported)")
     args = parser.parse_args()
     world = 2
 
@@ -111,27 +117,34 @@ def main() -> None:
     print("strategies: " + ", ".join(f"{l.name}={l.strategy}" for l in plan.layers))
     print()
 
-    with OtherLoad() as load_ddp:
-        ddp = step_time(run_ranks(run_ddp, world, args.batch, args.steps))
-    with OtherLoad() as load_ours:
-        ours = step_time(run_ranks(run_hyplan, world, plan.to_json(), args.batch, args.steps))
+    ddp_runs, our_runs = [], []
+    with OtherLoad() as load:
+        for _ in range(args.rounds):
+            ddp_runs.append(step_time(run_ranks(run_ddp, world, args.batch, args.steps)))
+            our_runs.append(step_time(run_ranks(run_hyplan, world, plan.to_json(), args.batch,
+                                                args.steps)))
+    ddp, ours = statistics.median(ddp_runs), statistics.median(our_runs)
 
     rows = [("DDP (data parallel)", ddp, plan.predicted.data_parallel_step_time_s),
             ("hyplan plan", ours, plan.predicted.step_time_s)]
     print(f"FC-heavy CNN, global batch {args.batch}, {world} gloo ranks x 1 thread, "
-          f"median of {args.steps} steps (max over ranks)")
-    print(f"{'plan':<22}{'measured':>12}{'predicted':>12}{'meas/pred':>11}")
-    for name, measured, predicted in rows:
+          f"median of {args.steps} steps (max over ranks), median of {args.rounds} "
+          f"alternating runs of each")
+    print(f"{'plan':<22}{'measured':>12}{'predicted':>12}{'meas/pred':>11}   runs")
+    for (name, measured, predicted), runs in zip(rows, (ddp_runs, our_runs)):
         print(f"{name:<22}{measured * 1e3:>9.1f} ms{predicted * 1e3:>9.1f} ms"
-              f"{measured / predicted:>10.2f}x")
-    print(f"hyplan / DDP step time: measured {ours / ddp:.2f}x, predicted "
-          f"{plan.predicted.step_time_s / plan.predicted.data_parallel_step_time_s:.2f}x "
+              f"{measured / predicted:>10.2f}x   "
+              + " ".join(f"{r * 1e3:.1f}" for r in runs))
+    measured_ratio = ours / ddp
+    predicted_ratio = plan.predicted.step_time_s / plan.predicted.data_parallel_step_time_s
+    rounds = sorted(o / d for o, d in zip(our_runs, ddp_runs))
+    print(f"hyplan / DDP step time: measured {measured_ratio:.2f}x (rounds {rounds[0]:.2f}-"
+          f"{rounds[-1]:.2f}x), predicted {predicted_ratio:.2f}x, off by "
+          f"{predicted_ratio / measured_ratio - 1:+.0%} "
           f"(hand-written hybrid on this machine: {HAND_WRITTEN_RATIO:.2f}x)")
-    busy = [l.cores for l in (load_ddp, load_ours) if l.cores is not None]
-    if busy:
-        print(f"other processes on this machine used {load_ddp.cores:.2f} cores during the DDP "
-              f"run, {load_ours.cores:.2f} during the hyplan run"
-              + (" (timings disturbed: re-run on an idle machine)" if max(busy) > 0.1 else ""))
+    if load.cores is not None:
+        print(f"other processes on this machine used {load.cores:.2f} cores meanwhile"
+              + (" (timings disturbed: re-run on an idle machine)" if load.cores > 0.1 else ""))
 
 
 if __name__ == "__main__":

@@ -598,8 +598,11 @@ SMALL_BYTES, SMALL_REPEATS = 1 << 20, 120
 
 def repeats_for(nbytes: int, repeats: int, least: int = 3) -> int:
     """Fewer calls of the largest messages: a 128 MB gloo all-gather takes 0.2-0.6 s here,
-    and its spread is small against its size (`least`: the fewest of those, 2 in the quick
-    calibration of more processes than cores, where they take 2-4x as long)."""
+    and its spread is small against its size (`least`: the fewest of those; 5, as the full
+    calibration takes, where ranks have a core each: with 3, one quick calibration's 64 MB
+    bucket all-reduce read 48.5 ms against 51.7-63.2 in three others that afternoon, and
+    priced the FC-heavy CNN's DDP step 13% short; 2 where more processes than cores take
+    2-4x as long)."""
     if nbytes >= 64 << 20:
         return max(least, repeats // 5)
     if nbytes >= 16 << 20:
@@ -667,7 +670,7 @@ def _rank_measure(rank: int, world: int, sizes, repeats: int, quiet_wait_s: floa
                 timing = _together_spans if name == "bucket_all_reduce" else _in_step_spans
                 calls = timing(_collective_call(name, nbytes, rank, world, device), device,
                                repeats_for(nbytes, repeats // shared if quick else repeats,
-                                           least=2 if sparse else 3))
+                                           least=2 if sparse else 5))
             except RuntimeError as error:  # e.g. a collective the backend lacks
                 if "not supported" in str(error).lower() or "unsupported" in str(error).lower():
                     break

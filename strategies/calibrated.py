@@ -26,7 +26,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from profiler.calibrate import (
-    GAP_BYTES, MEASURED, QUICK_SIZES, SIZES, ComputeRates, Sample, gap_seconds,
+    BURST_S, GAP_BYTES, MEASURED, QUICK_SIZES, SIZES, ComputeRates, Sample, gap_seconds,
     measure_collectives, measure_compute,
 )
 from profiler.launch import wait_for_quiet
@@ -274,7 +274,8 @@ def gap_curve(per_rank: list[dict]) -> GapCurve:
     shorter gap above a longer one."""
     seconds = gap_seconds(per_rank)
     gaps = sorted(seconds)
-    return GapCurve(gaps_s=tuple(gaps), seconds=tuple(monotone([seconds[g] for g in gaps])))
+    return GapCurve(gaps_s=tuple(gaps), seconds=tuple(monotone([seconds[g] for g in gaps])),
+                    fits_gap_s=BURST_S)
 
 
 def monotone(values: list[float]) -> list[float]:

@@ -21,8 +21,8 @@ ms, not after the ~8 ms the fits were timed behind (gpt_tiny's and the small Hug
 models' tensor plans priced +32-38%: the measured steps imply ~0.7-0.9 ms per message
 against the fits' 1.2). Where the link has a measured `GapCurve` and the planner set the
 plans' rhythm (`LinkSpec.blocking_gap_s`, planner.price.in_rhythm), a blocking collective
-(`BLOCKING`) pays the curve's latency per message at that gap where it is below the fit's;
-its bandwidth term stays.
+(`BLOCKING`) pays its own fit's latency scaled by the curve at that gap over the curve at
+the gap the fits were timed behind, where that is below 1; its bandwidth term stays.
 
 Every formula is `a(P)·α + b(P)·n/β`; `COEFFICIENTS` holds (a, b), which is also what
 `strategies.calibrated` fits measured timings against. α and β come from the link, per
@@ -65,19 +65,29 @@ def collective_time_s(name: str, n: float, ranks: int, link: LinkSpec) -> float:
         return 0.0
     alpha, beta = link.alpha_beta(name, n)
     if name in BLOCKING:
-        alpha = min(alpha, rhythm_latency_s(link, ranks, alpha))
+        alpha = rhythm_latency_s(link, alpha)
     a, b = COEFFICIENTS[name](ranks)
     return a * alpha + b * n / beta
 
 
-def rhythm_latency_s(link: LinkSpec, ranks: int, default_s: float) -> float:
+def rhythm_latency_s(link: LinkSpec, default_s: float) -> float:
     """The latency per message of a blocking collective issued `link.blocking_gap_s` of
-    compute after the previous one: the gap curve's all-reduce there over its 2(P-1)
-    messages (its 16 KB move, ~10 µs here, counted as latency); `default_s` where the link
-    has no curve or no rhythm was set."""
-    if link.gap_curve is None or link.blocking_gap_s is None:
+    compute after the previous one: `default_s`, its fit's (timed behind
+    `GapCurve.fits_gap_s` of compute), times the gap curve's all-reduce at that gap over
+    the curve at the fits' gap, at most 1 (a longer gap than the fits' did not cost more
+    in measurements: a 16 KB all-reduce read 2.2-3.0 ms after 15-30 ms, 2.8-5.3 after 6).
+    Not the curve's all-reduce over its 2(P-1) messages in place of the fit, as before:
+    that priced a 512 KB reduce-scatter and all-gather on 2 processes 1.5 and 1.8 ms after
+    15 ms of compute, where they measured 2-4 ms each (their fits, 3.0 and 2.8 ms), and
+    the FC-heavy CNN's hybrid plan ran 8-11% over its prediction. `default_s` where the
+    link has no curve or no rhythm was set."""
+    curve = link.gap_curve
+    if curve is None or link.blocking_gap_s is None:
         return default_s
-    return link.gap_curve.seconds_at(link.blocking_gap_s) / COEFFICIENTS["all_reduce"](ranks)[0]
+    at_fits = curve.seconds_at(curve.fits_gap_s)
+    if at_fits <= 0:
+        return default_s
+    return default_s * min(1.0, curve.seconds_at(link.blocking_gap_s) / at_fits)
 
 
 # DistributedDataParallel's first bucket (later ones hold up to bucket_cap_mb, 25 MB)

@@ -125,6 +125,9 @@ class GapCurve(BaseModel):
 
     gaps_s: tuple[float, ...]
     seconds: tuple[float, ...]
+    # the compute the link's fitted collectives were timed behind (profiler.calibrate's
+    # BURST_S): the curve prices a gap relative to it (strategies.collectives)
+    fits_gap_s: float = 6e-3
 
     def seconds_at(self, gap_s: float) -> float:
         """The curve's all-reduce after `gap_s` of compute: interpolated between the

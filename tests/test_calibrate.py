@@ -337,18 +337,25 @@ def _check_monotone(values):
     assert distance(out) <= distance([sum(values) / len(values)] * len(values)) + 1e-6
 
 
-def test_blocking_collectives_pay_the_curves_latency_at_the_plans_rhythm():
-    # at a 0.5 ms rhythm an all-reduce's 2(P-1) messages cost the curve's 1.0 ms between
-    # them instead of the fit's 1.8 ms each; its bandwidth term stays. Past the fit's
-    # latency the curve does not raise it; the FSDP and DDP fits and send/recv (not
-    # blocking a layer's chain) never move; a link without a rhythm prices the fit
+def test_blocking_collectives_pay_their_fits_latency_scaled_by_the_curve_at_the_rhythm():
+    # the fits were timed behind 6 ms of compute, where the curve reads 3.30 ms; at a 0.5 ms
+    # rhythm it reads 1.0 ms, so every blocking collective's latency is its own fit's times
+    # 1.0/3.30 (a reduce-scatter and an all-reduce keep their fits' relation); its bandwidth
+    # term stays. Past the fits' gap the curve does not raise it; the FSDP and DDP fits and
+    # send/recv (not blocking a layer's chain) never move; a link without a rhythm prices
+    # the fit
     base = LinkSpec(name="gloo", bandwidth_bytes_per_s=1e9, latency_s=1.8e-3, gap_curve=CURVE)
     paced = base.model_copy(update={"blocking_gap_s": 0.5e-3})
+    at_fits = CURVE.seconds_at(CURVE.fits_gap_s)
+    assert CURVE.fits_gap_s == 6e-3 and at_fits == pytest.approx((2.38 + 4 / 6 * 1.38) * 1e-3)
     n = 64 << 20
     for p in (2, 4):
-        a, b = COEFFICIENTS["all_reduce"](p)
-        assert collective_time_s("all_reduce", n, p, paced) == pytest.approx(1.0e-3 + b * n / 1e9)
-        assert collective_time_s("all_reduce", n, p, base) == pytest.approx(a * 1.8e-3 + b * n / 1e9)
+        for name in BLOCKING:
+            a, b = COEFFICIENTS[name](p)
+            assert collective_time_s(name, n, p, paced) == pytest.approx(
+                a * 1.8e-3 * 1.0e-3 / at_fits + b * n / 1e9)
+            assert collective_time_s(name, n, p, base) == pytest.approx(
+                a * 1.8e-3 + b * n / 1e9)
     slow = base.model_copy(update={"blocking_gap_s": 30e-3, "latency_s": 0.1e-3})
     assert collective_time_s("all_gather", n, 2, slow) == pytest.approx(
         collective_time_s("all_gather", n, 2, slow.model_copy(update={"gap_curve": None})))
@@ -356,6 +363,26 @@ def test_blocking_collectives_pay_the_curves_latency_at_the_plans_rhythm():
         assert collective_time_s(name, n, 2, paced) == collective_time_s(name, n, 2, base)
     assert CURVE.seconds_at(1.25e-3) == pytest.approx((1.0 + 2.38) / 2 * 1e-3)
     assert CURVE.seconds_at(0.0) == CURVE.seconds[0] and CURVE.seconds_at(1.0) == CURVE.seconds[-1]
+
+
+def test_a_blocking_collective_at_a_rhythm_is_never_above_its_fit_and_grows_with_the_gap():
+    # random non-decreasing curves, fits and gaps: the priced latency is at most the fit's,
+    # equal to it from the fits' gap on, and non-decreasing in the gap
+    rng = random.Random(1)
+    for _ in range(200):
+        gaps = sorted(rng.uniform(1e-4, 2e-2) for _ in range(rng.randint(2, 7)))
+        curve = GapCurve(gaps_s=tuple(gaps), fits_gap_s=rng.uniform(1e-3, 1e-2),
+                         seconds=tuple(sorted(rng.uniform(1e-4, 5e-3) for _ in gaps)))
+        fit = rng.uniform(1e-5, 3e-3)
+        link = LinkSpec(name="gloo", bandwidth_bytes_per_s=1e9, latency_s=fit, gap_curve=curve)
+        rhythm = sorted(rng.uniform(0, 3e-2) for _ in range(5))
+        prices = [collective_time_s("reduce_scatter", 4096, 2, link.model_copy(
+            update={"blocking_gap_s": g})) - 4096 / 2 / 1e9 for g in rhythm]
+        assert all(p <= fit * (1 + 1e-9) for p in prices)
+        assert all(a <= b * (1 + 1e-9) for a, b in zip(prices, prices[1:]))
+        for g, price in zip(rhythm, prices):
+            if g >= curve.fits_gap_s:
+                assert price == pytest.approx(fit)
 
 
 def test_the_gap_curve_is_kept_with_the_link_and_read_back(tmp_path):

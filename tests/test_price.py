@@ -135,9 +135,10 @@ def test_llamas_mlp_under_tp_runs_on_feature_shards_without_a_gather():
 def test_blocking_collectives_are_priced_at_the_rhythm_of_the_models_layers():
     # planner.price.in_rhythm: with a measured gap curve, the links of a tp group carry the
     # compute between two blocking collectives (the layers' compute at 1/tp over those with
-    # weights, for the rows priced); every 1-D option that issues them pays the curve's
-    # latency there, DDP's options (bucketed gradient sync) do not move; no curve or
-    # tp 1: no change. (This link has no fits: FSDP falls back to all-gathers, blocking.)
+    # weights, for the rows priced); every 1-D option that issues them pays its latency
+    # scaled by the curve there, DDP's options (bucketed gradient sync) do not move; no
+    # curve or tp 1: no change. (This link has no fits: FSDP falls back to all-gathers,
+    # blocking.)
     from planner.price import in_rhythm
     from strategies.catalog import compute_s
     from strategies.devices import GapCurve
@@ -145,7 +146,8 @@ def test_blocking_collectives_are_priced_at_the_rhythm_of_the_models_layers():
     graph, flat = _profiled("gpt", "2xcpu")
     flat = flat.model_copy(update={"intra_node": flat.intra_node.model_copy(
         update={"latency_s": 5e-3, "collectives": {}})})
-    curve = GapCurve(gaps_s=(1e-5, 1.0), seconds=(0.1e-3, 0.2e-3))
+    # a fifth of the fits' latency right after a layer, the fits' own at their 6 ms
+    curve = GapCurve(gaps_s=(1e-5, 6e-3), seconds=(0.2e-3, 1e-3))
     curved = flat.model_copy(update={"intra_node": flat.intra_node.model_copy(
         update={"gap_curve": curve})})
     assert in_rhythm(curved, graph, 1, graph.batch_size, "adam") is curved
