@@ -43,6 +43,10 @@ from strategies.devices import (
 PROFILE_SCHEMA = "hyplan.cluster-profile/1"
 # a second regime must at least halve the one line's squared relative error to be kept
 SPLIT_GAIN = 0.5
+# ... unless the one line already fits every size to this relative error (rounding):
+# with numpy 2.4.6, a split of exact data on one line "halved" its error (7e-31 to 3e-31)
+# and was kept
+EXACT_RELATIVE_ERROR = 1e-9
 
 
 class ClusterProfile(BaseModel):
@@ -245,6 +249,8 @@ def fit_collective(samples: list[Sample], split_bytes: float | None = None,
             return fit_alpha_beta(samples)
         return _two_lines(samples, split_bytes)
     one = fit_alpha_beta(samples)
+    if _squared_error(one, samples) <= len(samples) * EXACT_RELATIVE_ERROR**2:
+        return one  # one line to rounding: a split could only "halve" rounding noise
     best, best_error = one, _squared_error(one, samples) * SPLIT_GAIN
     for i in range(min_sizes + 1, len(sizes) - min_sizes + 1):
         fit = _two_lines(samples, sizes[i - 1])
@@ -263,8 +269,6 @@ def fit_link(samples: list[Sample], name: str, source: str,
     base = fits.get("all_reduce") or next(iter(fits.values()))
     return LinkSpec(name=name, bandwidth_bytes_per_s=base.bandwidth_bytes_per_s,
                     latency_s=base.latency_s, source=source, collectives=fits)
-
-
 
 
 def gap_curve(per_rank: list[dict]) -> GapCurve:
