@@ -105,8 +105,8 @@ def _timer(device: torch.device):
 
 
 def _matmul_seconds(device) -> float:
-    """One 256-wide matmul's seconds here: the median of 15 after 5 untimed ones (a
-    rank's first calls run slower)."""
+    """One 256-wide matmul's seconds here: the median of 15 after 5 untimed ones (warm
+    caches, as in the bursts it sizes)."""
     a = torch.randn(256, 256, device=device)
     timer = _timer(device)
     for _ in range(5):
@@ -133,9 +133,10 @@ def _compute_burst(device, seconds: float = BURST_S):
 def _gap_bursts(device, gaps_s) -> dict:
     """{gap: a closure computing for at least `gap` seconds} (256-wide matmuls, the count
     rounded up), each burst sized by the median matmul time of the last 7 bursts. Sized
-    once, as `_compute_burst` is, the gap curve's walls ran 0.66-0.78x or 1.6-2.5x the
-    gaps asked for through whole calibrations: this VM's speed moves by up to 1.5x for
-    seconds at a time, and a count taken in one spell ran in another."""
+    once, as `_compute_burst` is, a gap curve's walls ran 0.66-0.78x or 1.6-2.5x the gaps
+    asked for through its whole 0.7 s (and a CI run's first-use test failed on them): this
+    VM's speed moves by up to 1.5x for seconds at a time, and a count taken in one spell
+    ran in another."""
     a = torch.randn(256, 256, device=device)
     recent = collections.deque([_matmul_seconds(device)], maxlen=7)
 
@@ -599,10 +600,10 @@ SMALL_BYTES, SMALL_REPEATS = 1 << 20, 120
 def repeats_for(nbytes: int, repeats: int, least: int = 3) -> int:
     """Fewer calls of the largest messages: a 128 MB gloo all-gather takes 0.2-0.6 s here,
     and its spread is small against its size (`least`: the fewest of those; 5, as the full
-    calibration takes, where ranks have a core each: with 3, one quick calibration's 64 MB
-    bucket all-reduce read 48.5 ms against 51.7-63.2 in three others that afternoon, and
-    priced the FC-heavy CNN's DDP step 13% short; 2 where more processes than cores take
-    2-4x as long)."""
+    calibration takes, where ranks have a core each, for ~1 s more; 2 where more processes
+    than cores take 2-4x as long). More calls narrow only the spread within the few
+    seconds they take: a 67 MB bucket all-reduce priced 43-54 ms in four quick
+    calibrations with 5 and 44-57 ms in four with 3 (2026-11-26, 17:52-18:35)."""
     if nbytes >= 64 << 20:
         return max(least, repeats // 5)
     if nbytes >= 16 << 20:
