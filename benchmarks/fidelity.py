@@ -62,6 +62,7 @@ import executor  # noqa: E402
 import planner  # noqa: E402
 from planner.baseline import baseline  # noqa: E402
 from profiler.launch import RanksOtherLoad, run_ranks, wait_for_quiet  # noqa: E402
+from profiler.profile import forget_layer_times  # noqa: E402
 from profiler.machine import threads as thread_count  # noqa: E402
 
 WARMUP, LR = 4, 0.01
@@ -375,10 +376,7 @@ def _plan_and_run(model_key: str, cluster, world: int, args) -> list[dict]:
 def _plan_again(model_key: str, cluster, max_wait_s: float) -> dict[str, planner.Plan]:
     """The model's plans made once more, as a second user's process would: a fresh model,
     every layer timed again (the timing caches emptied), minutes after the first."""
-    import importlib
-
-    for module in ("profiler.profile", "profiler.export_timing"):
-        importlib.import_module(module)._TIMES.clear()
+    forget_layer_times()
     wait_for_quiet(max_wait_s)
     return plans_for(model_key, cluster)
 

@@ -23,6 +23,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from profiler.graph import Layer, ModelGraph
 from profiler.allocator import keep_freed_memory
+from profiler import export_timing
 from profiler.export_timing import measure_export_times
 from profiler.whole_step import cached_whole_step_s, glue_factor, split_backward_ratio
 from profiler.machine import threads as thread_count
@@ -34,6 +35,15 @@ from profiler.traffic import (
 
 # (what ran, at which shapes, with how many threads) -> seconds of forward + backward
 _TIMES: dict[tuple, float] = {}
+
+
+def forget_layer_times() -> None:
+    """Empty this process's caches of measured layer times (this module's, and the
+    torch.export path's in profiler.export_timing): the next planning times every layer
+    again, as a new process would. The layer times of a shape are otherwise measured once
+    per process (benchmarks/fidelity.py replans with them emptied)."""
+    _TIMES.clear()
+    export_timing._TIMES.clear()
 
 
 def profile(graph: ModelGraph, measure: bool = False, measure_batch: int | None = None,

@@ -23,12 +23,12 @@ def test_timed_backward_includes_the_input_gradient(monkeypatch):
         return float(counter.get_total_flops())
 
     monkeypatch.setattr(layer_timing, "median_time", flops_of)
-    layer_timing._TIMES.clear()
+    layer_timing.forget_layer_times()
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 48))
     graph = trace_model(model, (torch.randn(8, 32),), tracer="fx")
     times = layer_timing.measure_times(graph, 8)
-    layer_timing._TIMES.clear()
+    layer_timing.forget_layer_times()
     forward = 2 * 8 * 64 * 48
     assert times["_2"] == 3 * forward  # forward, weight gradient, input gradient
     assert times["_0"] == 2 * 2 * 8 * 32 * 64  # the first layer: no input gradient
