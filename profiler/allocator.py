@@ -9,9 +9,20 @@ memory kept, the FC-heavy CNN's hybrid 154 ms and 90 ms. A GPU's caching allocat
 its blocks the same way, and PyTorch's CPU performance guide recommends jemalloc or
 tcmalloc for the same reason; `mallopt` does it without preloading another allocator.
 
-Layer timing (profiler.profile), the ranks hyplan starts (profiler.launch) and every CPU run
-(executor.parallelize) call `keep_freed_memory()`, so what the cost model was measured under
-is what a run gets.
+Threads are the other half. glibc gives each thread that allocates its own arena, whose
+heaps are mmap()ed 64 MB at a time and given back as they empty, and gloo's worker threads
+allocate a collective's scratch there: with the main heap kept and the arenas not, a
+67 MB FSDP2 layer on 2 gloo processes still faulted ~32k pages (128 MB) a step and cost
+245-350 ms, a 64 MB all-gather 17k pages a call and 79-87 ms; with one arena for every
+thread, no faults after the first steps, 205-290 ms, and 32-39 ms once warm (2026-11-26,
+this 2-core VM). Where pages are faulted anew each step, what a step costs moves with the host's page
+fault speed, and calibrations an hour apart priced that FSDP layer 237-504 ms.
+
+Layer timing (profiler.profile), the ranks hyplan starts (profiler.launch), `hyplan train`
+before its process group starts gloo's threads, and every CPU run (executor.parallelize)
+call `keep_freed_memory()`, so what the cost model was measured under is what a run gets;
+a calibrated profile records the policy it was measured under (`POLICY`) and one measured
+under another is measured again (strategies.profile_cache).
 """
 
 from __future__ import annotations
@@ -20,18 +31,24 @@ import ctypes
 import ctypes.util
 from functools import lru_cache
 
-M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4
+M_TRIM_THRESHOLD, M_MMAP_MAX, M_ARENA_MAX = -1, -4, -8
+# what a calibrated profile's figures were measured under: "heap" kept the main heap only
+# (profiles without a policy); "one-heap" also serves every thread from it
+POLICY = "one-heap"
 
 
 @lru_cache(maxsize=1)
 def keep_freed_memory() -> bool:
-    """Serve every block from the heap (no per-block mmap) and never trim the heap's top:
-    freed memory stays mapped and is reused. True where it took effect (glibc), False on
-    other C libraries, where it does nothing."""
+    """Serve every block from the one main heap (no per-block mmap, no per-thread arena)
+    and never trim its top: freed memory stays mapped and is reused. True where it took
+    effect (glibc), False on other C libraries, where it does nothing. Call it before
+    threads start allocating (before `init_process_group` starts gloo's): a thread keeps
+    the arena it already has."""
     name = ctypes.util.find_library("c")
     try:
         libc = ctypes.CDLL(name or "libc.so.6")
         mallopt = libc.mallopt
     except (OSError, AttributeError):
         return False
-    return bool(mallopt(M_MMAP_MAX, 0)) and bool(mallopt(M_TRIM_THRESHOLD, 2**31 - 1))
+    return (bool(mallopt(M_MMAP_MAX, 0)) and bool(mallopt(M_TRIM_THRESHOLD, 2**31 - 1))
+            and bool(mallopt(M_ARENA_MAX, 1)))

@@ -24,6 +24,7 @@ from __future__ import annotations
 import collections
 import math
 import os
+import resource
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -151,6 +152,36 @@ def _gap_bursts(device, gaps_s) -> dict:
     return {gap: burst_of(gap) for gap in gaps_s}
 
 
+# A warm-up call that faults in fewer new pages than this (1 MB) on every rank finds the
+# memory it needs already mapped (`warm_up`)
+WARM_PAGES = 256
+WARM_CALLS = 6
+
+
+def _minor_faults() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
+def warm_up(fn, device, most: int = WARM_CALLS) -> int:
+    """Call `fn` (a collective, or a step holding some) on every rank until a call faults
+    in no new memory on any of them, at most `most` times; returns the calls made. With
+    freed memory kept (profiler.allocator), glibc reuses big freed blocks only once its
+    heap has room for them in one piece: a 64-128 MB gloo all-gather faulted in all its
+    pages for the first 2-5 calls and cost 1.5-2.5x what it did after (59-150 ms, then
+    35-71 ms on 2 processes; 222-237, then 108-113 ms for 128 MB on 4), and a 67 MB FSDP2
+    layer for its first 2-4 steps. A run times its steps warm, after that; one call had
+    priced a 128 MB all-gather 4x over on 4 processes."""
+    flag = torch.zeros(1, device=device)
+    for calls in range(1, most + 1):
+        before = _minor_faults()
+        fn()
+        flag.fill_(float(_minor_faults() - before))
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)  # the ranks stop together
+        if flag.item() < WARM_PAGES:
+            break
+    return calls
+
+
 def _in_step_spans(fn, device, repeats: int) -> list[tuple[float, float]]:
     """(start, end) of each of `repeats` calls of `fn` as a training step meets it: every
     rank computes for a moment (a BURST_S burst, about a layer's time here) and then calls
@@ -166,7 +197,7 @@ def _in_step_spans(fn, device, repeats: int) -> list[tuple[float, float]]:
     by the mean, not the median: such latencies are bimodal, and a step is a sum of many."""
     span = _span_timer(device)
     burst = _compute_burst(device)
-    fn()  # warm up: connections, buffers
+    warm_up(fn, device)  # connections, buffers, the heap's room for them
     dist.barrier()
     spans = []
     for _ in range(repeats):
@@ -179,7 +210,7 @@ def _together_spans(fn, device, repeats: int) -> list[tuple[float, float]]:
     """(start, end) of each call of `fn` when every rank calls it at the same moment (a
     barrier first), as DDP's bucket all-reduces are issued."""
     span = _span_timer(device)
-    fn()
+    warm_up(fn, device)
     spans = []
     for _ in range(repeats):
         dist.barrier()
@@ -472,19 +503,20 @@ FSDP_LAYERS_QUICK = ((128, 4), (1024, 2), (3072, 1), (4096, 1))
 # Past 1024 wide the first steps of a new width are warm-up: in three quick calibrations
 # (2026-11-24's host, FSDP2's default, see below) the per-layer cost of 67 MB layers ran
 # 436 318 120 163 212 228, 385 280 255 196 286 134 and 265 362 200 131 251 202 ms, round
-# by round (the first two high each time; new 64 MB buffers, FSDP2's first gathers),
-# where fc_cnn's FSDP plan, timed after 4 warm-up steps, runs its two at ~200 ms each
-# (its step 486-495 ms). The mean of the 4 rounds the quick calibration took, its first
-# among them, priced them 236-348 ms (fc_cnn fsdp +15..+39%, mlp fsdp +18..+24%); their
-# median, 141-151 ms (-21..-30%); the mean of 6 still 197-293. Dropping the first
-# FSDP_BIG_WARMUP rounds, the mean of the rest: 181, 218, 196 ms, for ~2 s more
-# calibration (2 more rounds). Each layer here is its own FSDP2 root resharded after
-# forward and gathered again in backward, as executor.levers wraps a plan's fsdp layers:
-# at FSDP2's default (a root keeps its weights gathered until backward) a 67 MB layer
-# cost 245-271 ms a step on 2026-11-25's host against 374-414 ms resharded, and every
-# FSDP plan of benchmarks/fidelity.py (2 processes, two runs) measured 17-38% above its
-# price; on 2026-11-24's host the plans had measured near the default's figure.
-FSDP_BIG_ROUNDS, FSDP_BIG_WARMUP = 6, 2
+# by round (new 64 MB buffers faulted in, FSDP2's first gathers), where fc_cnn's FSDP
+# plan, timed after 4 warm-up steps, runs its two at ~200 ms each. Two rounds dropped
+# (until 2026-11-26) were not always enough: once freed memory is kept, glibc reuses a
+# big block only when its heap has room for it in one piece, and a 67 MB layer's steps
+# faulted in new pages for their first 4-5 calls on 2 processes (every one of 6 on 4).
+# So each step is first called until it faults in no new memory (`warm_up`), then
+# FSDP_BIG_ROUNDS rounds are timed (on 2 processes after it: 165-204 ms a round, where
+# 4 processes with 3 rounds and nothing dropped had priced the layer 980 ms against
+# ~330 warm). Each layer here is its own FSDP2 root resharded after forward and gathered
+# again in backward, as executor.levers wraps a plan's fsdp layers: at FSDP2's default (a
+# root keeps its weights gathered until backward) a 67 MB layer cost 245-271 ms a step
+# on 2026-11-25's host against 374-414 ms resharded, and every FSDP plan of
+# benchmarks/fidelity.py (2 processes, two runs) measured 17-38% above its price.
+FSDP_BIG_ROUNDS = 4
 
 
 def fsdp_stack(stack, mesh):
@@ -501,8 +533,8 @@ def fsdp_stack(stack, mesh):
     return stack
 
 
-def _fsdp_layers(device, repeats: int = 9, sizes=FSDP_LAYERS, big_rounds: int = FSDP_BIG_ROUNDS,
-                 big_warmup: int = FSDP_BIG_WARMUP) -> dict[int, tuple[int, float, float, float]]:
+def _fsdp_layers(device, repeats: int = 9, sizes=FSDP_LAYERS, big_rounds: int = FSDP_BIG_ROUNDS
+                 ) -> dict[int, tuple[int, float, float, float]]:
     """{width: (layers, bytes of one layer's weights, plain step s, FSDP2 step s)}: a step
     of `layers` Linears run plainly and under FSDP2 `fully_shard` per layer, timed in turn.
     Their difference per layer is what FSDP2 costs a layer end to end (two all-gathers, a
@@ -518,11 +550,12 @@ def _fsdp_layers(device, repeats: int = 9, sizes=FSDP_LAYERS, big_rounds: int = 
     for width, layers in sizes:
         plain, step_of = _linears(width, layers, device)
         sharded = fsdp_stack(_linears(width, layers, device)[0], mesh)
-        # 0.1-0.6 s a step past 1024: fewer rounds, the first ones warm-up (FSDP_BIG_ROUNDS)
-        big = width > 1024
-        rounds = max(big_rounds, repeats // 2) if big else repeats
-        t = _interleaved_times({"plain": step_of(plain), "fsdp": step_of(sharded)}, device,
-                               rounds, warmup=big_warmup if big else 0)
+        steps = {"plain": step_of(plain), "fsdp": step_of(sharded)}
+        for step in steps.values():
+            warm_up(step, device)
+        # 0.1-0.6 s a step past 1024: fewer rounds (FSDP_BIG_ROUNDS)
+        rounds = max(big_rounds, repeats // 2) if width > 1024 else repeats
+        t = _interleaved_times(steps, device, rounds)
         out[width] = (layers, float(width * (width + 1) * 4), t["plain"], t["fsdp"])
         del plain, sharded
     return out
@@ -691,12 +724,10 @@ def _rank_measure(rank: int, world: int, sizes, repeats: int, quiet_wait_s: floa
     lap("dtensor")
     step = _step_overhead(device, 60 // fewer)
     lap("ddp step")
-    # more processes than cores: 3 rounds, none dropped, as before FSDP_BIG_ROUNDS
-    # (6 took the 4-process quick calibration from 57 s to 63 s, past its minute)
+    # more processes than cores: 3 rounds (each 0.5-1 s of a 67 MB layer on 4 processes)
     fsdp = _fsdp_layers(device, (9 if fewer == 1 else 6) if quick else 15,
                         FSDP_LAYERS_QUICK if quick else FSDP_LAYERS,
-                        big_rounds=FSDP_BIG_ROUNDS if shared == 1 else 3,
-                        big_warmup=FSDP_BIG_WARMUP if shared == 1 else 0)
+                        big_rounds=FSDP_BIG_ROUNDS if shared == 1 else 3)
     lap("fsdp layers")
     tp = _tp_pairs(device, (7 if quick else 11) // shared,
                    TP_WIDTHS_QUICK if quick else TP_WIDTHS, 80 // fewer)

@@ -29,6 +29,7 @@ from profiler.calibrate import (
     BURST_S, GAP_BYTES, MEASURED, QUICK_SIZES, SIZES, ComputeRates, Sample, gap_seconds,
     measure_collectives, measure_compute,
 )
+from profiler.allocator import POLICY as MEMORY_POLICY
 from profiler.launch import wait_for_quiet
 from profiler.machine import cpu_model
 from strategies.cluster import Cluster, cpu_threads_per_device, time_sharing_slowdown
@@ -64,6 +65,9 @@ class ClusterProfile(BaseModel):
     threads_per_process: int
     cpu_model: str = ""
     quick: bool = False  # made by the quick calibration (first use of a local device)
+    # the CPU memory policy the ranks ran under (profiler.allocator.POLICY); "" before it
+    # was recorded. A local profile made under another is measured again (profile_cache)
+    memory_policy: str = ""
     seconds: float = 0.0  # how long measuring took
     device: DeviceSpec
     links: dict[int, LinkSpec] = Field(description="fitted link per process count")
@@ -425,6 +429,7 @@ def calibrate(processes=(2, 4), quick: bool = False, repeats: int | None = None,
         created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         host=platform.node(), torch_version=torch.__version__, backend=backend, cores=cores,
         threads_per_process=threads, cpu_model=cpu_model(), quick=quick,
+        memory_policy=MEMORY_POLICY if backend == "gloo" else "",
         seconds=round(time.perf_counter() - started, 1), device=device, links=links,
         dtensor_layer_overhead_s=layer_overhead, dtensor_reshard_overhead_s=reshard_overhead,
         compute_slowdown=compute_slowdown, memory_slowdown=memory_slowdown,

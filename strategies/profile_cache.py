@@ -27,6 +27,7 @@ import sys
 from contextlib import contextmanager
 from pathlib import Path
 
+from profiler.allocator import POLICY as MEMORY_POLICY
 from profiler.launch import OtherLoad
 from profiler.machine import cpu_model
 from strategies.calibrated import ClusterProfile, calibrate, load_profile
@@ -89,12 +90,17 @@ def _locked(path: Path):
 
 def cached_profile(processes: int, kind: str = "cpu") -> ClusterProfile | None:
     """The cached profile for `processes` local processes, or None if there is none (or
-    it cannot be read: an older hyplan's, a torn file)."""
+    it cannot be read: an older hyplan's, a torn file; or its CPU ranks ran under another
+    memory policy than runs now get, `profiler.allocator.POLICY`: an FSDP2 layer or a
+    large all-gather costs up to 2x more where freed pages are faulted in anew)."""
     path = profile_path(min(processes, max_calibrated_processes()), kind)
     try:
-        return load_profile(path) if path.exists() else None
+        profile = load_profile(path) if path.exists() else None
     except ValueError:
         return None
+    if profile is not None and kind == "cpu" and profile.memory_policy != MEMORY_POLICY:
+        return None
+    return profile
 
 
 def local_profile(processes: int, kind: str = "cpu", log=_stderr) -> ClusterProfile:

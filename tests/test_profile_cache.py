@@ -12,7 +12,9 @@ import models
 import planner
 from planner.cli import main
 from profiler.calibrate import GAPS_S
+from profiler.allocator import POLICY as MEMORY_POLICY
 from profiler.machine import cpu_model
+from strategies.calibrated import load_profile
 from strategies.profile_cache import cache_dir, machine_key, profile_path
 from strategies import parse_devices
 
@@ -54,6 +56,20 @@ def test_first_use_calibrates_once_then_reads_the_cache(fresh_cache, capsys):
     plan = planner.optimize(models.build("mlp"), "1xcpu", example_inputs=(x,), optimizer="sgd")
     text = plan.explain()
     assert "Priced with: quick calibration of" in text and first.source.split("made ")[1] in text
+
+
+def test_a_profile_measured_under_another_memory_policy_is_measured_again(fresh_cache, capsys):
+    # an older hyplan's ranks kept only the main heap: their FSDP2 and all-gather figures
+    # held page faults a run no longer pays (profiler.allocator)
+    parse_devices("1xcpu")
+    path = profile_path(1)
+    profile = load_profile(path)
+    assert profile.memory_policy == MEMORY_POLICY
+    profile.model_copy(update={"memory_policy": ""}).save(path)
+    capsys.readouterr()
+    parse_devices("1xcpu")
+    assert "calibrating this machine" in capsys.readouterr().err
+    assert load_profile(path).memory_policy == MEMORY_POLICY
 
 
 def test_hyplan_calibrate_refreshes_the_cached_profile(fresh_cache, capsys):

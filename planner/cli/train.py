@@ -238,6 +238,7 @@ def worker(argv: Sequence[str] | None = None) -> int:
     from executor import train
     from executor.data import synthetic_dataset
     from planner.cli.model_args import forward_kwargs, load_factory
+    from profiler.allocator import keep_freed_memory
 
     p = argparse.ArgumentParser(prog="planner.cli.worker")
     p.add_argument("plan")
@@ -262,6 +263,7 @@ def worker(argv: Sequence[str] | None = None) -> int:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     else:
         torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", 1)))
+        keep_freed_memory()  # before gloo's threads start: one heap for all (profiler.allocator)
     dist.init_process_group("nccl" if cuda else "gloo")
     try:
         model, inputs, loss_fn = build_for_training(factory, plan.global_batch, args.seed)
