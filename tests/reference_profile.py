@@ -8,6 +8,7 @@ calibration."""
 
 import os
 
+from profiler.allocator import POLICY as MEMORY_POLICY
 from strategies.calibrated import ClusterProfile
 from strategies.profile_cache import machine_key, max_calibrated_processes, profile_path
 from strategies.devices import CPU_LINK, DeviceSpec
@@ -31,6 +32,7 @@ def reference_profile(processes: int) -> ClusterProfile:
         created="2026-01-01T00:00:00+00:00", host="reference", torch_version="test",
         backend="gloo", cores=cores, threads_per_process=threads,
         cpu_model=f"reference ({machine_key(processes)})", quick=True, device=device,
+        memory_policy=MEMORY_POLICY,
         links={p: CPU_LINK for p in counts}, compute_slowdown=share, memory_slowdown=share)
 
 

@@ -35,8 +35,11 @@ def _faults_per_step(rank: int, world: int, steps: int) -> list[int]:
     return out
 
 
+@pytest.mark.serial  # under another test's load the ranks' threads interleave otherwise
 @pytest.mark.skipif(not keep_freed_memory(), reason="not glibc: mallopt does nothing")
 def test_a_warm_fsdp_step_faults_in_no_new_pages():
+    # warm, most steps fault in nothing and some one block (16k pages); with only the
+    # main heap kept every step faulted 32-65k, under glibc's defaults ~155k
     pages = WIDTH * WIDTH * 4 // 4096  # one copy of the layer's weights
-    for faults in run_ranks(_faults_per_step, 2, 8, forked=True):
-        assert min(faults[-4:]) < pages // 10, faults
+    for faults in run_ranks(_faults_per_step, 2, 10, forked=True):
+        assert min(faults[-5:]) < pages // 10, faults

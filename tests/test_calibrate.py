@@ -436,3 +436,19 @@ def test_the_calibrated_fsdp_layers_reshard_after_forward_as_the_executors_do():
 
     held = run_ranks(_fsdp_weights_after_forward, 2)[0]
     assert held["calibrated"] == held["planned"] == [True, True, True]
+
+
+def _tp_pair_widths(rank, world):
+    import torch
+
+    from profiler.calibrate import _tp_pairs
+
+    return sorted(_tp_pairs(torch.device("cpu"), repeats=1, widths=(128,), small_repeats=1))
+
+
+def test_tensor_parallel_pairs_calibrate_on_a_rank_count_that_does_not_divide_them():
+    # 128 features do not shard 3 ways: `hyplan calibrate --processes 3` stopped in
+    # DTensor's sharding propagation; the pair is timed at the nearest multiple below
+    from distributed import run_ranks
+
+    assert run_ranks(_tp_pair_widths, 3) == [[126]] * 3
