@@ -290,11 +290,19 @@ def gap_seconds(per_rank: list[dict]) -> dict[float, float]:
 
 def _interleaved_times(steps: dict, device, rounds: int, warmup: int = 0) -> dict[str, float]:
     """{key: seconds} of `steps` ({key: fn}) each as a training step meets it, timed in
-    turn (`_interleaved_spans`): the mean of the middle 80% of each one's calls after the
-    first `warmup` rounds."""
+    turn (`_interleaved_spans`) after the first `warmup` rounds, each round's calls on
+    the ranks combined as `_call_seconds` combines a collective's: from the last rank's
+    start to the last rank's end, the mean of the middle 80%; the same figure on every
+    rank. Not each rank's own duration: a step that holds a collective waits in it for
+    the ranks still in their burst before it, which is compute the cost model prices
+    apart. Where 4 processes time-share 2 cores, their bursts end milliseconds apart, and
+    by each rank's duration a 64 KB FSDP2 layer cost 25 ms, DTensor 7.7 ms a layer and a
+    DDP step 7.6 ms beyond its math (2 processes: 5, 2.8 and 1-2 ms), and the 4-process
+    FSDP and tensor plans of transformers were priced +49..+97% (2026-11-26)."""
     spans = _interleaved_spans({key: (fn, False) for key, fn in steps.items()}, device, rounds)
-    return {key: _trimmed_mean([end - start for start, end in calls[warmup:]])
-            for key, calls in spans.items()}
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, {key: calls[warmup:] for key, calls in spans.items()})
+    return {key: _call_seconds([rank[key] for rank in everyone]) for key in spans}
 
 
 def _call_seconds(spans_per_rank: list[list[tuple[float, float]]]) -> float:

@@ -445,9 +445,10 @@ def _reshard_overhead(per_rank: list[dict], world: int, link: LinkSpec) -> float
 
 
 def fsdp_layer_samples(per_rank: list[dict], world: int) -> list[Sample]:
-    """The "fsdp_layer" samples: per layer, an FSDP2 step less the plain one (the slowest
-    rank's), which strategies.collectives.fsdp_layer_s prices FSDP layers by; its fit
-    already holds the flat-buffer copies, so fsdp_overhead_s_per_byte stays 0."""
+    """The "fsdp_layer" samples: per layer, an FSDP2 step less the plain one (each timed
+    across the ranks, `profiler.calibrate._interleaved_times`), which
+    strategies.collectives.fsdp_layer_s prices FSDP layers by; its fit already holds the
+    flat-buffer copies, so fsdp_overhead_s_per_byte stays 0."""
     out = []
     for width, (layers, nbytes, _, _) in per_rank[0]["fsdp"].items():
         plain = max(r["fsdp"][width][2] for r in per_rank)
@@ -459,10 +460,11 @@ def fsdp_layer_samples(per_rank: list[dict], world: int) -> list[Sample]:
 
 def tp_layer_samples(per_rank: list[dict], world: int, link: LinkSpec) -> list[Sample]:
     """The "tp_layer" samples: per width, half of a tensor-parallel pair's step beyond the
-    plain one (the slowest rank's) and beyond the pair's two all-reduces (forward output,
-    backward input gradient, priced by the fitted `link` as the plan prices them), over
-    one layer's weight bytes. A pair whose collectives ran faster than the link prices
-    them (small ones issued close together) gives 0: the link's price stands."""
+    plain one (each timed across the ranks, `profiler.calibrate._interleaved_times`) and
+    beyond the pair's two all-reduces (forward output, backward input gradient, priced by
+    the fitted `link` as the plan prices them), over one layer's weight bytes. A pair
+    whose collectives ran faster than the link prices them (small ones issued close
+    together) gives 0: the link's price stands."""
     out = []
     for width, (weight_bytes, act_bytes, _, _) in per_rank[0].get("tp", {}).items():
         plain = max(r["tp"][width][2] for r in per_rank)
