@@ -278,6 +278,21 @@ def _gap_spans(fn, device, gaps_s=GAPS_S, rounds: int = GAP_ROUNDS) -> dict:
     return {"spans": spans, "walls": {gap: statistics.fmean(w) for gap, w in walls.items()}}
 
 
+def burst_wall_s(per_rank: list[dict], asked_s: float = BURST_S) -> float:
+    """The wall time a burst asked to compute `asked_s` took between two collectives (the
+    ranks' mean, interpolated between the gap curve's gaps): BURST_S where each rank has
+    a core, about twice it where 4 processes time-share 2."""
+    walls = {gap: statistics.fmean(r["gap"]["walls"][gap] for r in per_rank)
+             for gap in per_rank[0]["gap"]["walls"]}
+    gaps = sorted(walls)
+    below = [g for g in gaps if g <= asked_s] or gaps[:1]
+    above = [g for g in gaps if g >= asked_s] or gaps[-1:]
+    lo, hi = below[-1], above[0]
+    if hi == lo:
+        return walls[lo] * asked_s / lo
+    return walls[lo] + (walls[hi] - walls[lo]) * (asked_s - lo) / (hi - lo)
+
+
 def gap_seconds(per_rank: list[dict]) -> dict[float, float]:
     """{wall gap s (the ranks' mean): the small all-reduce's cost to a step after it},
     from every rank's `_gap_spans`, each gap's calls combined as `_call_seconds` does."""
@@ -720,10 +735,11 @@ def _rank_measure(rank: int, world: int, sizes, repeats: int, quiet_wait_s: floa
                 raise
             spans.append((name, nbytes, calls))
     lap("large collectives")
-    # gloo's wake-up after compute; not where processes outnumber cores (a waiting rank
-    # hands its core to a computing one), nor on GPUs (NCCL's kernels queue behind compute)
+    # gloo's wake-up after compute, where processes outnumber cores too (there the bursts
+    # time-share: the curve is read by the wall gap); not on GPUs (NCCL's kernels queue
+    # behind compute)
     gap = (_gap_spans(_collective_call("all_reduce", GAP_BYTES, rank, world, device), device)
-           if device.type == "cpu" and shared == 1 else None)
+           if device.type == "cpu" else None)
     lap("gap curve")
     # DTensor's and the DDP step's figures are each a difference of two means whose calls
     # hold a bimodal collective (see SMALL_REPEATS): 21-31 rounds moved them by 1-1.5 ms

@@ -26,8 +26,8 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from profiler.calibrate import (
-    BURST_S, GAP_BYTES, MEASURED, QUICK_SIZES, SIZES, ComputeRates, Sample, gap_seconds,
-    measure_collectives, measure_compute,
+    BURST_S, GAP_BYTES, MEASURED, QUICK_SIZES, SIZES, ComputeRates, Sample, burst_wall_s,
+    gap_seconds, measure_collectives, measure_compute,
 )
 from profiler.allocator import POLICY as MEMORY_POLICY
 from profiler.launch import wait_for_quiet
@@ -282,8 +282,9 @@ def gap_curve(per_rank: list[dict]) -> GapCurve:
     shorter gap above a longer one."""
     seconds = gap_seconds(per_rank)
     gaps = sorted(seconds)
+    # the fits were timed after BURST_S bursts: read the curve where those really ended
     return GapCurve(gaps_s=tuple(gaps), seconds=tuple(monotone([seconds[g] for g in gaps])),
-                    fits_gap_s=BURST_S)
+                    fits_gap_s=burst_wall_s(per_rank, BURST_S))
 
 
 def monotone(values: list[float]) -> list[float]:
@@ -381,7 +382,7 @@ def calibrate(processes=(2, 4), quick: bool = False, repeats: int | None = None,
         link = fit_link(samples, f"{backend} ({world} processes)",
                         f"fitted by hyplan calibrate on {platform.node()}",
                         split_bytes=device.cache_bytes or None)
-        if per_rank[0].get("gap") is not None:  # gloo, no more processes than cores
+        if per_rank[0].get("gap") is not None:  # gloo
             link = link.model_copy(update={"gap_curve": gap_curve(per_rank)})
         tp_samples = tp_layer_samples(per_rank, world, link)
         if tp_samples:  # fitted on its own (absolute seconds, weights' bytes): see there

@@ -478,3 +478,18 @@ def test_a_step_is_not_charged_the_wait_for_a_peer_still_computing_before_it():
 
     figures = run_ranks(_late_peer_step_seconds, 2)
     assert figures[0] == figures[1] and figures[0] < 0.015
+
+
+def test_the_fits_are_read_on_the_curve_where_their_bursts_really_ended():
+    # a 6 ms burst between the 4 and 8 ms gaps: their walls, interpolated; where 4
+    # processes time-share 2 cores the walls are longer than asked and so is the figure
+    from profiler.calibrate import BURST_S, burst_wall_s
+
+    def ranks(scale):
+        walls = {g: g * scale + 0.2e-3 for g in (1e-3, 4e-3, 8e-3)}
+        return [{"gap": {"walls": walls}}, {"gap": {"walls": {g: w + 0.2e-3
+                                                               for g, w in walls.items()}}}]
+
+    assert burst_wall_s(ranks(1.0), BURST_S) == pytest.approx(BURST_S + 0.3e-3)
+    assert burst_wall_s(ranks(1.8), BURST_S) == pytest.approx(1.8 * BURST_S + 0.3e-3)
+    assert burst_wall_s(ranks(1.0), 16e-3) == pytest.approx(16e-3 * 8.3 / 8)  # past the last
