@@ -15,8 +15,9 @@ allocate a collective's scratch there: with the main heap kept and the arenas no
 67 MB FSDP2 layer on 2 gloo processes still faulted ~32k pages (128 MB) a step and cost
 245-350 ms, a 64 MB all-gather 17k pages a call and 79-87 ms; with one arena for every
 thread, no faults after the first steps, 205-290 ms, and 32-39 ms once warm (2026-11-26,
-this 2-core VM). Where pages are faulted anew each step, what a step costs moves with the host's page
-fault speed, and calibrations an hour apart priced that FSDP layer 237-504 ms.
+this 2-core VM). Where a step faults pages in anew, how many depends on the process's
+history and what each costs on the host's mood: calibrations an hour apart priced that
+FSDP layer 237-504 ms.
 
 Layer timing (profiler.profile), the ranks hyplan starts (profiler.launch), `hyplan train`
 before its process group starts gloo's threads, and every CPU run (executor.parallelize)

@@ -167,10 +167,11 @@ def warm_up(fn, device, most: int = WARM_CALLS) -> int:
     in no new memory on any of them, at most `most` times; returns the calls made. With
     freed memory kept (profiler.allocator), glibc reuses big freed blocks only once its
     heap has room for them in one piece: a 64-128 MB gloo all-gather faulted in all its
-    pages for the first 2-5 calls and cost 1.5-2.5x what it did after (59-150 ms, then
-    35-71 ms on 2 processes; 222-237, then 108-113 ms for 128 MB on 4), and a 67 MB FSDP2
-    layer for its first 2-4 steps. A run times its steps warm, after that; one call had
-    priced a 128 MB all-gather 4x over on 4 processes."""
+    pages for the first 2-5 calls and cost 1.5-2.5x what it did after (on 2 processes
+    59-84 ms, then 35 for 64 MB, 128-150, then 49-71 for 128 MB; 201-237, then 108-113
+    for 128 MB on 4), and a 67 MB FSDP2
+    layer for its first 2-5 steps. A run's steps are warm by then; with one warm-up call
+    a 128 MB all-gather on 4 processes was priced 488-568 ms, warm 261 ms."""
     flag = torch.zeros(1, device=device)
     for calls in range(1, most + 1):
         before = _minor_faults()
@@ -280,8 +281,9 @@ def _gap_spans(fn, device, gaps_s=GAPS_S, rounds: int = GAP_ROUNDS) -> dict:
 
 def burst_wall_s(per_rank: list[dict], asked_s: float = BURST_S) -> float:
     """The wall time a burst asked to compute `asked_s` took between two collectives (the
-    ranks' mean, interpolated between the gap curve's gaps): BURST_S where each rank has
-    a core, about twice it where 4 processes time-share 2."""
+    ranks' mean, interpolated between the gap curve's gaps): about BURST_S where each
+    rank has a core (6.2 ms here), longer where processes time-share cores (7.6 ms on 4
+    processes, 2 cores)."""
     walls = {gap: statistics.fmean(r["gap"]["walls"][gap] for r in per_rank)
              for gap in per_rank[0]["gap"]["walls"]}
     gaps = sorted(walls)
@@ -303,20 +305,20 @@ def gap_seconds(per_rank: list[dict]) -> dict[float, float]:
     return out
 
 
-def _interleaved_times(steps: dict, device, rounds: int, warmup: int = 0) -> dict[str, float]:
+def _interleaved_times(steps: dict, device, rounds: int) -> dict[str, float]:
     """{key: seconds} of `steps` ({key: fn}) each as a training step meets it, timed in
-    turn (`_interleaved_spans`) after the first `warmup` rounds, each round's calls on
-    the ranks combined as `_call_seconds` combines a collective's: from the last rank's
-    start to the last rank's end, the mean of the middle 80%; the same figure on every
-    rank. Not each rank's own duration: a step that holds a collective waits in it for
+    turn (`_interleaved_spans`), each round's calls on the ranks combined as
+    `_call_seconds` combines a collective's: from the last rank's start to the last
+    rank's end, the mean of the middle 80%; the same figure on every rank. Not each
+    rank's own duration: a step that holds a collective waits in it for
     the ranks still in their burst before it, which is compute the cost model prices
-    apart. Where 4 processes time-share 2 cores, their bursts end milliseconds apart, and
-    by each rank's duration a 64 KB FSDP2 layer cost 25 ms, DTensor 7.7 ms a layer and a
-    DDP step 7.6 ms beyond its math (2 processes: 5, 2.8 and 1-2 ms), and the 4-process
-    FSDP and tensor plans of transformers were priced +49..+97% (2026-11-26)."""
+    apart. Where 4 processes time-share 2 cores their bursts end milliseconds apart, and
+    by each rank's duration DTensor's redistribute read 6.7 ms beyond its all-gather
+    where it reads 0.9 ms so, its parallel layer 6.6-7.7 ms against 4.7 (2 processes,
+    either way: ~1 and 1.4-2.4 ms; 2026-11-26)."""
     spans = _interleaved_spans({key: (fn, False) for key, fn in steps.items()}, device, rounds)
     everyone = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, {key: calls[warmup:] for key, calls in spans.items()})
+    dist.all_gather_object(everyone, spans)
     return {key: _call_seconds([rank[key] for rank in everyone]) for key in spans}
 
 
@@ -535,7 +537,7 @@ FSDP_LAYERS_QUICK = ((128, 4), (1024, 2), (3072, 1), (4096, 1))
 # So each step is first called until it faults in no new memory (`warm_up`), then
 # FSDP_BIG_ROUNDS rounds are timed (on 2 processes after it: 165-204 ms a round, where
 # 4 processes with 3 rounds and nothing dropped had priced the layer 980 ms against
-# ~330 warm). Each layer here is its own FSDP2 root resharded after forward and gathered
+# 360-444 warm). Each layer here is its own FSDP2 root resharded after forward and gathered
 # again in backward, as executor.levers wraps a plan's fsdp layers: at FSDP2's default (a
 # root keeps its weights gathered until backward) a 67 MB layer cost 245-271 ms a step
 # on 2026-11-25's host against 374-414 ms resharded, and every FSDP plan of
