@@ -473,7 +473,7 @@ def _late_peer_step_seconds(rank, world):
 
 def test_a_step_is_not_charged_the_wait_for_a_peer_still_computing_before_it():
     # the wait is compute (the peer's), which plans price apart: by each rank's own
-    # duration a 64 KB FSDP2 layer read 25 ms on 4 processes, DTensor 7.7 ms a layer
+    # duration DTensor's redistribute read 6.7 ms on 4 processes, across the ranks 0.9
     from distributed import run_ranks
 
     figures = run_ranks(_late_peer_step_seconds, 2)
