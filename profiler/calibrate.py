@@ -169,9 +169,9 @@ def warm_up(fn, device, most: int = WARM_CALLS) -> int:
     heap has room for them in one piece: a 64-128 MB gloo all-gather faulted in all its
     pages for the first 2-5 calls and cost 1.5-2.5x what it did after (on 2 processes
     59-84 ms, then 35 for 64 MB, 128-150, then 49-71 for 128 MB; 201-237, then 108-113
-    for 128 MB on 4), and a 67 MB FSDP2
-    layer for its first 2-5 steps. A run's steps are warm by then; with one warm-up call
-    a 128 MB all-gather on 4 processes was priced 488-568 ms, warm 261 ms."""
+    for 128 MB on 4), and a 67 MB FSDP2 layer for its first 2-5 steps. A run's steps are
+    warm by then; with one warm-up call a 128 MB all-gather on 4 processes was priced
+    488-568 ms, warm 261 ms. Every timing helper here warms its calls this way."""
     flag = torch.zeros(1, device=device)
     for calls in range(1, most + 1):
         before = _minor_faults()
@@ -231,7 +231,7 @@ def _interleaved_spans(calls: dict, device, rounds: int) -> dict:
     span = _span_timer(device)
     burst = _compute_burst(device)
     for fn, _ in calls.values():
-        fn()  # warm up: connections, buffers
+        warm_up(fn, device)  # connections, buffers, the heap's room for them
     dist.barrier()
     spans: dict = {key: [] for key in calls}
     for _ in range(rounds):
@@ -310,12 +310,12 @@ def _interleaved_times(steps: dict, device, rounds: int) -> dict[str, float]:
     turn (`_interleaved_spans`), each round's calls on the ranks combined as
     `_call_seconds` combines a collective's: from the last rank's start to the last
     rank's end, the mean of the middle 80%; the same figure on every rank. Not each
-    rank's own duration: a step that holds a collective waits in it for
-    the ranks still in their burst before it, which is compute the cost model prices
-    apart. Where 4 processes time-share 2 cores their bursts end milliseconds apart, and
-    by each rank's duration DTensor's redistribute read 6.7 ms beyond its all-gather
-    where it reads 0.9 ms so, its parallel layer 6.6-7.7 ms against 4.7 (2 processes,
-    either way: ~1 and 1.4-2.4 ms; 2026-11-26)."""
+    rank's own duration: a step that holds a collective waits in it for the ranks still
+    in their burst before it, which is compute the cost model prices apart. Where 4
+    processes time-share 2 cores their bursts end milliseconds apart, and by each rank's
+    duration DTensor's redistribute read 6.7 ms beyond its all-gather where it reads 0.9
+    ms so, its parallel layer 6.6-7.7 ms against 4.7 (2 processes, either way: ~1 and
+    1.4-2.4 ms; 2026-11-26)."""
     spans = _interleaved_spans({key: (fn, False) for key, fn in steps.items()}, device, rounds)
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, spans)
@@ -535,12 +535,12 @@ FSDP_LAYERS_QUICK = ((128, 4), (1024, 2), (3072, 1), (4096, 1))
 # big block only when its heap has room for it in one piece, and a 67 MB layer's steps
 # faulted in new pages for their first 4-5 calls on 2 processes (every one of 6 on 4).
 # So each step is first called until it faults in no new memory (`warm_up`), then
-# FSDP_BIG_ROUNDS rounds are timed (on 2 processes after it: 165-204 ms a round, where
-# 4 processes with 3 rounds and nothing dropped had priced the layer 980 ms against
-# 360-444 warm). Each layer here is its own FSDP2 root resharded after forward and gathered
-# again in backward, as executor.levers wraps a plan's fsdp layers: at FSDP2's default (a
-# root keeps its weights gathered until backward) a 67 MB layer cost 245-271 ms a step
-# on 2026-11-25's host against 374-414 ms resharded, and every FSDP plan of
+# FSDP_BIG_ROUNDS rounds are timed (on 2 processes after it: 165-204 ms a round, where 4
+# processes with 3 rounds and nothing dropped had priced the layer 980 ms against
+# 360-444 warm). Each layer here is its own FSDP2 root resharded after forward and
+# gathered again in backward, as executor.levers wraps a plan's fsdp layers: at FSDP2's
+# default (a root keeps its weights gathered until backward) a 67 MB layer cost 245-271
+# ms a step on 2026-11-25's host against 374-414 ms resharded, and every FSDP plan of
 # benchmarks/fidelity.py (2 processes, two runs) measured 17-38% above its price.
 FSDP_BIG_ROUNDS = 4
 
@@ -576,12 +576,10 @@ def _fsdp_layers(device, repeats: int = 9, sizes=FSDP_LAYERS, big_rounds: int = 
     for width, layers in sizes:
         plain, step_of = _linears(width, layers, device)
         sharded = fsdp_stack(_linears(width, layers, device)[0], mesh)
-        steps = {"plain": step_of(plain), "fsdp": step_of(sharded)}
-        for step in steps.values():
-            warm_up(step, device)
-        # 0.1-0.6 s a step past 1024: fewer rounds (FSDP_BIG_ROUNDS)
+        # 0.1-0.6 s a step past 1024: fewer rounds (FSDP_BIG_ROUNDS), timed warm
         rounds = max(big_rounds, repeats // 2) if width > 1024 else repeats
-        t = _interleaved_times(steps, device, rounds)
+        t = _interleaved_times({"plain": step_of(plain), "fsdp": step_of(sharded)}, device,
+                               rounds)
         out[width] = (layers, float(width * (width + 1) * 4), t["plain"], t["fsdp"])
         del plain, sharded
     return out
