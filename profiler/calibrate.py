@@ -375,26 +375,50 @@ def _collective_call(name: str, nbytes: int, rank: int, world: int, device):
 
 
 def _dtensor_overheads(rank: int, world: int, device, repeats: int) -> dict[str, float]:
-    """Forward + backward of one tiny DTensor redistribute (Shard(0) -> Replicate), against
-    a plain op: the seconds DTensor adds to a layout change beyond its collective (which
-    the caller subtracts with the fitted link). A layer's own cost is `_tp_pairs`'."""
+    """{"plain", "gather", "reshard": seconds of this thread's CPU} of a plain op, the
+    tiny all-gather a redistribute issues, and that redistribute (Shard(0) -> Replicate,
+    forward + backward), each after a compute burst in turn, medians over `repeats`
+    rounds: reshard less the other two is what DTensor adds to a layout change beyond
+    its collective (strategies.calibrated._reshard_overhead), its dispatch and autograd
+    bookkeeping, which run on this thread while the collective's own work and wait do not.
+
+    CPU time, not wall: the wall of a tiny collective on gloo swings 0.4-3.4 ms from
+    spell to spell, so the wall difference of the two read anywhere in 0-1 ms (by the
+    link's fit, 0), where the thread's CPU reads 1.1-1.4 ms of redistribute against
+    0.15-0.19 ms of all-gather in every spell (2 processes, 2026-11-26); every layout
+    change of a plan was priced ~1 ms short, the transformers' tensor plans 9-34%. A
+    layer's own cost is `_tp_pairs`'."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Replicate, Shard
 
     mesh = init_device_mesh(device.type, (world,))
     width, rows = 64, 8
     x = torch.randn(rows, width, device=device)
+    whole = torch.empty(rows * world, width, device=device)
 
     def plain():
         x.detach().requires_grad_(True).sum().backward()
+
+    def gather():
+        dist.all_gather_into_tensor(whole, x)
 
     def redistribute():
         d = DTensor.from_local(x.detach().requires_grad_(True), mesh, [Shard(0)],
                                run_check=False)
         d.redistribute(mesh, [Replicate()]).to_local().sum().backward()
 
-    return {**_interleaved_times({"plain": plain, "reshard": redistribute}, device, repeats),
-            "tiny_bytes": float(x.numel() * x.element_size() * world)}
+    steps = {"plain": plain, "gather": gather, "reshard": redistribute}
+    burst = _compute_burst(device)
+    for fn in steps.values():
+        warm_up(fn, device)
+    cpu: dict = {key: [] for key in steps}
+    for _ in range(repeats):
+        for key, fn in steps.items():
+            burst()
+            begin = time.thread_time()
+            fn()
+            cpu[key].append(time.thread_time() - begin)
+    return {key: statistics.median(times) for key, times in cpu.items()}
 
 
 # Tensor-parallel pairs of Linears `width` wide on TP_ROWS rows: small ones, where DTensor's

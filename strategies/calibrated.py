@@ -34,7 +34,7 @@ from profiler.launch import wait_for_quiet
 from profiler.machine import cpu_model
 from strategies.cluster import Cluster, cpu_threads_per_device, time_sharing_slowdown
 from strategies.collectives import (
-    COEFFICIENTS, all_gather_s, all_reduce_s, collective_time_s,
+    COEFFICIENTS, all_reduce_s, collective_time_s,
 )
 from strategies.devices import (
     CPU_LINK, ELEMENTWISE_FRACTION, UNALIGNED_FRACTION, CollectiveFit, DeviceSpec, GapCurve,
@@ -406,9 +406,9 @@ def calibrate(processes=(2, 4), quick: bool = False, repeats: int | None = None,
         # a layer's fixed part (the tp_layer fit's latency): what prices a layer where a
         # profile has no fit, and what StepMonitor's refit scales
         layer_overhead[world] = link.collectives["tp_layer"].latency_s if tp_samples else 0.0
-        reshard_overhead[world] = _reshard_overhead(per_rank, world, link)
         for key, table in (("compute", compute_slowdown), ("memory", memory_slowdown)):
             table[world] = max(1.0, per_rank[0]["contention"][key])
+        reshard_overhead[world] = _reshard_overhead(per_rank, world, compute_slowdown[world])
         step_overhead[world] = _fixed_step(per_rank, world, link)
         log(f"  a distributed step's fixed cost: {step_overhead[world] * 1e3:.2f} ms")
         redone = per_rank[0]["contention"].get("redone", 0)
@@ -438,11 +438,13 @@ def calibrate(processes=(2, 4), quick: bool = False, repeats: int | None = None,
         samples=all_samples)
 
 
-def _reshard_overhead(per_rank: list[dict], world: int, link: LinkSpec) -> float:
-    """DTensor's own seconds per redistribute: the measured one less the plain op and the
-    all-gather it issues (priced by the fitted link)."""
-    d = {k: max(r["dtensor"][k] for r in per_rank) for k in per_rank[0]["dtensor"]}
-    return max(0.0, d["reshard"] - d["plain"] - all_gather_s(d["tiny_bytes"], world, link))
+def _reshard_overhead(per_rank: list[dict], world: int, slowdown: float) -> float:
+    """DTensor's own seconds per redistribute: its CPU beyond the plain op and the
+    all-gather it issues (profiler.calibrate._dtensor_overheads), times `slowdown`, the
+    measured compute slowdown of all the processes computing at once (4 processes share 2
+    cores while they all redistribute)."""
+    d = {k: max(r["dtensor"][k] for r in per_rank) for k in ("plain", "gather", "reshard")}
+    return max(0.0, d["reshard"] - d["plain"] - d["gather"]) * slowdown
 
 
 def fsdp_layer_samples(per_rank: list[dict], world: int) -> list[Sample]:

@@ -493,3 +493,25 @@ def test_the_fits_are_read_on_the_curve_where_their_bursts_really_ended():
     assert burst_wall_s(ranks(1.0), BURST_S) == pytest.approx(BURST_S + 0.3e-3)
     assert burst_wall_s(ranks(1.8), BURST_S) == pytest.approx(1.8 * BURST_S + 0.3e-3)
     assert burst_wall_s(ranks(1.0), 16e-3) == pytest.approx(16e-3 * 8.3 / 8)  # past the last
+
+
+def _dtensor_cpu(rank, world):
+    import torch
+
+    from profiler.calibrate import _dtensor_overheads
+
+    return _dtensor_overheads(rank, world, torch.device("cpu"), repeats=8)
+
+
+def test_a_redistribute_is_charged_the_cpu_dtensor_spends_beyond_its_all_gather():
+    # by wall, less the all-gather's fit, the overhead read 0 where DTensor spends ~1 ms of
+    # the thread's CPU per redistribute (forward + backward) on this VM; its all-gather's
+    # own CPU is the enqueue alone (the wait and the copies run on gloo's threads)
+    from distributed import run_ranks
+    from strategies.calibrated import _reshard_overhead
+
+    per_rank = [{"dtensor": d} for d in run_ranks(_dtensor_cpu, 2)]
+    overhead = _reshard_overhead(per_rank, 2, slowdown=1.0)
+    assert overhead > 0.1e-3
+    assert all(d["dtensor"]["gather"] < d["dtensor"]["reshard"] for d in per_rank)
+    assert _reshard_overhead(per_rank, 2, slowdown=2.0) == pytest.approx(2 * overhead)
