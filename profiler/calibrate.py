@@ -14,9 +14,10 @@ links and devices are `strategies.calibrated`, above this package):
   arrives early sleeps and gives its core away: that wait is the peers' compute, not the
   collective's cost);
 - DTensor's costs: tensor-parallel pairs of Linears (ColwiseParallel, ReLU,
-  RowwiseParallel) at a few widths as the executor runs them, and a tiny DTensor
-  redistribute, against the plain ops (the collectives they issue are subtracted by
-  `strategies.calibrated` with the fitted link).
+  RowwiseParallel) at a few widths as the executor runs them, against the plain ops (the
+  all-reduces they issue are subtracted by `strategies.calibrated` with the fitted link);
+  and a tiny DTensor redistribute by the CPU its thread spends beyond the plain op's and
+  its all-gather's.
 """
 
 from __future__ import annotations

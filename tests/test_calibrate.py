@@ -511,7 +511,5 @@ def test_a_redistribute_is_charged_the_cpu_dtensor_spends_beyond_its_all_gather(
     from strategies.calibrated import _reshard_overhead
 
     per_rank = [{"dtensor": d} for d in run_ranks(_dtensor_cpu, 2)]
-    overhead = _reshard_overhead(per_rank, 2, slowdown=1.0)
-    assert overhead > 0.1e-3
+    assert _reshard_overhead(per_rank) > 0.1e-3
     assert all(d["dtensor"]["gather"] < d["dtensor"]["reshard"] for d in per_rank)
-    assert _reshard_overhead(per_rank, 2, slowdown=2.0) == pytest.approx(2 * overhead)
