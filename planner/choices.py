@@ -129,7 +129,7 @@ def layer_choices(graph: ModelGraph, cluster: Cluster, optimizer: str,
             src = index[name]
             kind = edge_kind(rows[src].layer, [s.gives for s in rows[src].strategies],
                              row.layer, row.strategies, graph.batch_size, ctx.ranks,
-                             graph.tracer, rows[src].carries_gradient)
+                             graph.tracer, rows[src].carries_gradient, graph.readers(name))
             edges.append(Edge(src, dst, edge_cost(kind, ctx.cluster)))
     sink = len(rows)
     for name in graph.outputs:

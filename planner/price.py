@@ -238,13 +238,16 @@ class EdgeKind:
     # "through_rows": a module's output of a torch.export graph, handed on split by rows
     route: str = "plain"
     into_module: bool = False  # the consumer is a module (it changes layouts in its hooks)
+    # "through_rows": the edges out of the producer, which share its one hand-over
+    readers: int = 1
 
 
 def edge_kind(producer: Layer, gives, consumer: Layer, strategies, rows: int, ranks: int,
-              tracer: str, backward: bool) -> EdgeKind:
+              tracer: str, backward: bool, readers: int = 1) -> EdgeKind:
     """The edge from `producer` (its options give `gives`) into `consumer` running one of
     `strategies`, `ranks` ranks sharing `rows` rows; `backward`: a gradient flows back
-    into the producer's output (profiler.graph.ModelGraph.carries_gradient)."""
+    into the producer's output (profiler.graph.ModelGraph.carries_gradient); `readers`:
+    the edges out of the producer (ModelGraph.readers)."""
     takes = tuple(batch_free_takes(producer, s.takes, rows) for s in strategies)
     route = "plain"
     if tracer == "export":
@@ -254,7 +257,8 @@ def edge_kind(producer: Layer, gives, consumer: Layer, strategies, rows: int, ra
             route = "export"
     return EdgeKind(tuple(gives), takes, tuple(s.model_parallel for s in strategies),
                     producer.output.nbytes, ranks, rows, backward, route,
-                    consumer.op == "call_module")
+                    consumer.op == "call_module",
+                    max(1, readers) if route == "through_rows" else 1)
 
 
 def output_kind(producer: Layer, gives, rows: int, ranks: int, backward: bool) -> EdgeKind:
@@ -305,7 +309,11 @@ def _through_rows(kind: EdgeKind, link: LinkSpec, overhead: float) -> np.ndarray
     if not kind.into_module and kind.ranks > 1:
         into = np.where(np.array([[t == held for t in kind.takes]]), into, UNREALIZABLE_S)
     if held == Layout.BATCH:  # the code sees rows split: a feature split shows it whole rows
-        return out + into
+        # the module hands its output on once, in a forward hook (executor.modules), and
+        # its readers' gradients are summed before that hook's backward: one change for
+        # all of them, a share on each edge (charged whole on each, Llama's norms, read by
+        # the attention or the MLP's two projections and a residual add, paid it 2-3x)
+        return out / kind.readers + into
     # rows whole: a reader that takes it feature-split (Llama's act_fn after gate_proj,
     # act(gate) * up, down_proj after it) gets each rank's feature shard straight from the
     # module, as torchtitan's ColwiseParallel hands its local output to RowwiseParallel: no

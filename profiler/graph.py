@@ -7,6 +7,8 @@ is the fx node's name, e.g. "flatten"), or a model input ("placeholder").
 
 from __future__ import annotations
 
+import collections
+
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -116,6 +118,15 @@ class ModelGraph:
     @property
     def param_bytes(self) -> int:
         return sum(layer.param_bytes for layer in self.layers)
+
+    def readers(self, node: str) -> int:
+        """How many inputs of layers read this layer's output (a layer reading it twice
+        counts twice: each is an edge of the plan)."""
+        counts = self.__dict__.get("_readers")
+        if counts is None:
+            counts = collections.Counter(n for layer in self.layers for n in layer.inputs)
+            object.__setattr__(self, "_readers", counts)
+        return counts[node]
 
     def carries_gradient(self, node: str) -> bool:
         """Does a gradient flow back into this layer's output? Only where a trainable

@@ -169,3 +169,35 @@ def test_blocking_collectives_are_priced_at_the_rhythm_of_the_models_layers():
             cheaper += b.time_s < a.time_s - 1e-6
     assert cheaper > 0
     assert any(s.name == "data_parallel" for row in before.layers for s in row.strategies)
+
+
+def test_a_modules_output_is_handed_on_once_however_many_layers_read_it():
+    # executor.modules changes a module's output to the rows its readers see in one forward
+    # hook, whose backward runs once on their summed gradients: k readers of a replicated
+    # output pay one change between them, not k (Llama's norms paid 2-3)
+    from planner.price import EdgeKind, edge_cost
+    from strategies.layouts import Layout
+
+    graph, cluster = _profiled("llama", "2xcpu")
+    one = layer_choices(graph, cluster, "adam", None, levers=False)
+    cluster = one.context.cluster  # at the plans' rhythm, as the edges were priced
+    rows = {r.layer.node: (i, r) for i, r in enumerate(one.layers)}
+    checked = 0
+    for node, (src, row) in rows.items():
+        layer = row.layer
+        gives = [i for i, s in enumerate(row.strategies) if s.gives == Layout.REPLICATE]
+        if (layer.op != "call_module" or graph.readers(node) < 2 or not gives
+                or not graph.carries_gradient(node)):
+            continue
+        edges = [e for e in one.problem.edges if e.src == src and e.dst < len(one.layers)]
+        takes = [next((j for j, s in enumerate(one.layers[e.dst].strategies)
+                       if s.takes == Layout.BATCH), None) for e in edges]
+        if len(edges) != graph.readers(node) or None in takes:
+            continue
+        total = sum(e.cost_s[gives[0], j] for e, j in zip(edges, takes))
+        alone = EdgeKind((Layout.REPLICATE,), (Layout.BATCH,), (False,), layer.output.nbytes,
+                         2, graph.batch_size, True, "through_rows", True, readers=1)
+        assert total == pytest.approx(edge_cost(alone, cluster)[0, 0]), layer.name
+        assert total > 0
+        checked += 1
+    assert checked >= 2
