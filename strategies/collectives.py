@@ -20,7 +20,8 @@ into the collective, and a chain of small model-parallel layers issues one every
 ms, not after the ~8 ms the fits were timed behind (gpt_tiny's and the small Hugging Face
 models' tensor plans priced +32-38%: the measured steps imply ~0.7-0.9 ms per message
 against the fits' 1.2). Where the link has a measured `GapCurve` and the planner set the
-plans' rhythm (`LinkSpec.blocking_gap_s`, planner.price.in_rhythm), a blocking collective
+plans' rhythm (`LinkSpec.blocking_gap_s`, planner.price.in_rhythm: only where processes
+outnumber cores, since with a core each the plans ran at their fits), a blocking collective
 (`BLOCKING`) pays its own fit's latency scaled by the curve at that gap over the curve at
 the gap the fits were timed behind, where that is below 1; its bandwidth term stays.
 

@@ -137,14 +137,15 @@ def test_blocking_collectives_are_priced_at_the_rhythm_of_the_models_layers():
     # compute between two blocking collectives (the layers' compute at 1/tp over those with
     # weights, for the rows priced); every 1-D option that issues them pays its latency
     # scaled by the curve there, DDP's options (bucketed gradient sync) do not move; no
-    # curve or tp 1: no change. (This link has no fits: FSDP falls back to all-gathers,
-    # blocking.)
+    # curve, tp 1 or a core per process: no change. (This link has no fits: FSDP falls
+    # back to all-gathers, blocking.)
     from planner.price import in_rhythm
     from strategies.catalog import compute_s
     from strategies.devices import GapCurve
 
     graph, flat = _profiled("gpt", "2xcpu")
-    flat = flat.model_copy(update={"intra_node": flat.intra_node.model_copy(
+    # 2 processes on 1 core: they time-share it
+    flat = flat.model_copy(update={"cores": 1, "intra_node": flat.intra_node.model_copy(
         update={"latency_s": 5e-3, "collectives": {}})})
     # a fifth of the fits' latency right after a layer, the fits' own at their 6 ms
     curve = GapCurve(gaps_s=(1e-5, 6e-3), seconds=(0.2e-3, 1e-3))
@@ -152,6 +153,8 @@ def test_blocking_collectives_are_priced_at_the_rhythm_of_the_models_layers():
         update={"gap_curve": curve})})
     assert in_rhythm(curved, graph, 1, graph.batch_size, "adam") is curved
     assert in_rhythm(flat, graph, 2, graph.batch_size, "adam") is flat
+    own_cores = curved.model_copy(update={"cores": 2})
+    assert in_rhythm(own_cores, graph, 2, graph.batch_size, "adam") is own_cores
     ctx = tp_context(curved, 2, graph.batch_size, "adam")
     layers = [layer for layer in graph.layers if not layer.is_input]
     gap = (sum(compute_s(layer, 0.5, ctx) for layer in layers)
