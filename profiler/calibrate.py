@@ -400,8 +400,10 @@ def _dtensor_overheads(rank: int, world: int, device, repeats: int) -> dict[str,
     def plain():
         x.detach().requires_grad_(True).sum().backward()
 
+    gather_into = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
     def gather():
-        dist.all_gather_into_tensor(whole, x)
+        gather_into(whole, x)
 
     def redistribute():
         d = DTensor.from_local(x.detach().requires_grad_(True), mesh, [Shard(0)],

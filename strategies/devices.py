@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import glob
 import os
+from pathlib import Path
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
@@ -334,7 +335,7 @@ def shared_cache_bytes() -> float:
     sizes = []
     for path in glob.glob("/sys/devices/system/cpu/cpu0/cache/index*/size"):
         try:
-            text = open(path).read().strip().upper()
+            text = Path(path).read_text().strip().upper()
         except OSError:
             continue
         unit = {"K": 2**10, "M": 2**20, "G": 2**30}.get(text[-1:], 1)

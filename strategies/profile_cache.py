@@ -134,8 +134,12 @@ def _calibrate_in_a_fresh_process(count: int, kind: str, path: Path) -> None:
     """Run the quick calibration in a new interpreter: its ranks are spawned processes,
     which import the parent's __main__, and a user's script that plans at top level
     (no `if __name__ == "__main__":`) must not run again in each of them."""
-    done = subprocess.run([sys.executable, "-m", "strategies.profile_cache", str(count), kind,
-                           str(path)], capture_output=True, text=True)
+    # `-c`, not `-m strategies.profile_cache`: the package's __init__ imports this module
+    # before runpy runs it as __main__ (a RuntimeWarning in the parent and in every rank,
+    # whose spawn re-imports a __main__ that has a file)
+    code = "import sys; from strategies.profile_cache import _main; _main(sys.argv[1:])"
+    done = subprocess.run([sys.executable, "-c", code, str(count), kind, str(path)],
+                          capture_output=True, text=True)
     if done.returncode != 0 or not path.exists():
         tail = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["no output"]
         raise RuntimeError(f"calibrating this machine failed ({tail[0]}); run `hyplan "
@@ -178,6 +182,3 @@ def _local_kind(processes: int) -> str:
     return "cuda" if torch.cuda.is_available() and torch.cuda.device_count() >= processes \
         else "cpu"
 
-
-if __name__ == "__main__":
-    _main(sys.argv[1:])
