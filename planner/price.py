@@ -229,10 +229,10 @@ def time_shared(cluster: Cluster) -> bool:
     """Do a node's processes share cores (more CPU processes than cores)? Only there do
     blocking collectives follow the gap curve's rhythm. With a core each (2 gloo
     processes on 2 cores), the curve's cheap collectives after short gaps did not show in
-    steps: priced by it, the 2-process tensor plans ran 7-26% over their prices, and
-    6-11% over (hf_gpt2's 17% under) priced at their fits, on one calibration, replanned
-    (2026-11-26). Where processes outnumber cores, the curve took the 4-process
-    median error from 29% to 14%."""
+    steps: priced by it, the 2-process tensor plans ran 7-26% over their prices; priced at
+    their fits, five ran 5-11% over and the two Hugging Face ones 7-17% under (one
+    calibration, replanned, 2026-11-26). Where processes outnumber cores, the curve took
+    the 4-process median error from 29% to 14%."""
     return bool(cluster.cores) and (cluster.devices_per_node * cluster.threads_per_device
                                     > cluster.cores)
 

@@ -8,7 +8,6 @@ is the fx node's name, e.g. "flatten"), or a model input ("placeholder").
 from __future__ import annotations
 
 import collections
-
 from dataclasses import dataclass, field, replace
 
 import torch
