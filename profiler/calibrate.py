@@ -341,19 +341,11 @@ def _trimmed_mean(times: list[float]) -> float:
     return statistics.fmean(times[cut:len(times) - cut])
 
 
-def _collective_call(name: str, nbytes: int, rank: int, world: int, device,
-                     buffers: dict | None = None):
-    """A closure running collective `name` on a tensor of `nbytes` (global) bytes; with
-    `buffers`, the tensors of one size are shared by every collective timed at it (kept
-    there by size), so that calls taken in turn hold one set, not one per collective."""
+def _collective_call(name: str, nbytes: int, rank: int, world: int, device):
+    """A closure running collective `name` on a tensor of `nbytes` (global) bytes."""
     elements = max(world, nbytes // 4 // world * world)
-    held = buffers.get(elements) if buffers is not None else None
-    if held is None:
-        held = (torch.ones(elements, device=device),  # not randn: 0.2 s per 128 MB, per rank
-                torch.empty(elements // world, device=device))
-        if buffers is not None:
-            buffers[elements] = held
-    full, part = held
+    full = torch.ones(elements, device=device)  # not randn: 0.2 s per 128 MB, per rank
+    part = torch.empty(elements // world, device=device)
     if name in ("all_reduce", "bucket_all_reduce"):
         return lambda: dist.all_reduce(full)
     # torch 2.13 renamed the tensor forms (*_single); older releases have only the old names
@@ -368,7 +360,7 @@ def _collective_call(name: str, nbytes: int, rank: int, world: int, device,
             # DTensor's shard-to-shard redistribute on a CPU group is an all-gather and a
             # chunk (gloo has no all-to-all it uses): measure what the executor will run
             # (each rank's n/P gathered into n, then chunked)
-            return _collective_call("all_gather", nbytes, rank, world, device, buffers)
+            return _collective_call("all_gather", nbytes, rank, world, device)
         out = torch.empty_like(full)
         return lambda: dist.all_to_all_single(out, full)
     if name == "send_recv":  # ping-pong between ranks 0 and 1, halved below
@@ -748,31 +740,27 @@ def _rank_measure(rank: int, world: int, sizes, repeats: int, quiet_wait_s: floa
             raise
         taken = {}
     lap("small collectives")
-    # the large ones in turn too, every collective of the sizes that take as many calls
-    # in one round-robin: taken one collective after another, a slow spell of a second or
-    # two fell on one of them (a 67 MB bucket all-reduce, which prices DDP's gradients,
-    # read 38-72 ms between calibrations, and the FC-heavy CNN's DDP plan 202-283 ms)
-    rounds_of = {nbytes: repeats_for(nbytes, repeats // shared if quick else repeats,
-                                     least=2 if sparse else 5)
-                 for nbytes in sizes if nbytes > SMALL_BYTES}
-    for rounds in sorted(set(rounds_of.values()), reverse=True):
-        if quiet_wait_s > 0:  # on a shared machine, measure between others' bursts
-            if rank == 0:
-                wait_for_quiet(quiet_wait_s)
-            dist.barrier()
-        buffers: dict = {}
-        large = {(name, nbytes): (_collective_call(name, nbytes, rank, world, device, buffers),
-                                  name == "bucket_all_reduce")
-                 for name in names for nbytes in sizes if rounds_of.get(nbytes) == rounds}
-        try:
-            taken.update(_interleaved_spans(large, device, rounds))
-        except RuntimeError as error:  # e.g. a collective the backend lacks
-            text = str(error).lower()
-            if "not supported" not in text and "unsupported" not in text:
+    spans = []
+    for name in names:
+        for nbytes in sizes:
+            if nbytes <= SMALL_BYTES:
+                if (name, nbytes) in taken:
+                    spans.append((name, nbytes, taken[(name, nbytes)]))
+                continue
+            if quiet_wait_s > 0:  # on a shared machine, measure between others' bursts
+                if rank == 0:
+                    wait_for_quiet(quiet_wait_s)
+                dist.barrier()
+            try:
+                timing = _together_spans if name == "bucket_all_reduce" else _in_step_spans
+                calls = timing(_collective_call(name, nbytes, rank, world, device), device,
+                               repeats_for(nbytes, repeats // shared if quick else repeats,
+                                           least=2 if sparse else 5))
+            except RuntimeError as error:  # e.g. a collective the backend lacks
+                if "not supported" in str(error).lower() or "unsupported" in str(error).lower():
+                    break
                 raise
-        del buffers, large
-    spans = [(name, nbytes, taken[(name, nbytes)])
-             for name in names for nbytes in sizes if (name, nbytes) in taken]
+            spans.append((name, nbytes, calls))
     lap("large collectives")
     # gloo's wake-up after compute, where processes outnumber cores too (there the bursts
     # time-share: the curve is read by the wall gap); not on GPUs (NCCL's kernels queue
