@@ -791,7 +791,7 @@ def _rank_measure(rank: int, world: int, sizes, repeats: int, quiet_wait_s: floa
                    TP_WIDTHS_QUICK if quick else TP_WIDTHS, 80 // fewer)
     lap("tp pairs")
     # the large ones once more, last (after the FSDP2 layers, whose figures the buffers'
-    # heap moves): `measure_collectives` keeps the faster window of each. One window is a
+    # heap moves): `collective_samples` keeps the faster window of each. One window is a
     # few seconds, and a slow spell of the host within it (a 67 MB bucket all-reduce read
     # 81.9 ms beside a 46 ms all-reduce, against 38-48 in seven calibrations) priced the
     # FC-heavy CNN's DDP plan 283 ms, measured 227
@@ -902,16 +902,24 @@ def measure_collectives(world: int, sizes, repeats: int, quiet_wait_s: float, qu
     spawned ranks: the figures `strategies.calibrated` fits links and overheads to."""
     per_rank = run_ranks(_rank_measure, world, sizes, repeats, quiet_wait_s, quick,
                          backend=backend, threads=1 if backend == "gloo" else threads)
+    samples = collective_samples(per_rank, world)
+    if backend == "gloo":  # DTensor's all-to-all on gloo is an all-gather (see above)
+        samples += [s.model_copy(update={"collective": "all_to_all"})
+                    for s in samples if s.collective == "all_gather"]
+    return samples, per_rank
+
+
+def collective_samples(per_rank: list[dict], world: int) -> list[Sample]:
+    """One Sample per collective and size from every rank's spans (`_call_seconds`); a
+    collective timed in both windows ("spans" and "late": the large ones) by the faster
+    one, the window without a slow spell; send/recv's ping-pong halved."""
     late = {(name, nbytes): i for i, (name, nbytes, _) in enumerate(per_rank[0].get("late", []))}
     samples = []
     for i, (name, nbytes, _) in enumerate(per_rank[0]["spans"]):
         t = _call_seconds([r["spans"][i][2] for r in per_rank])
         j = late.get((name, nbytes))
-        if j is not None:  # timed twice (the large ones): the window without a slow spell
+        if j is not None:
             t = min(t, _call_seconds([r["late"][j][2] for r in per_rank]))
         samples.append(Sample(collective=name, ranks=world, nbytes=nbytes,
                               seconds=t / 2 if name == "send_recv" else t))
-    if backend == "gloo":  # DTensor's all-to-all on gloo is an all-gather (see above)
-        samples += [s.model_copy(update={"collective": "all_to_all"})
-                    for s in samples if s.collective == "all_gather"]
-    return samples, per_rank
+    return samples
