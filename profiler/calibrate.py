@@ -75,11 +75,12 @@ class Sample(BaseModel):
 
 # --- measuring, inside each rank ------------------------------------------------------------
 
-def _span_timer(device: torch.device):
+def _span_timer(device: torch.device, clock=None):
     """span(fn) -> (start, end) of one call in seconds. On CPU the clock is the host's
     monotonic clock, which every process on the machine shares, so spans of one call on
-    several ranks can be compared; on a GPU, CUDA events (start 0: durations only)."""
-    if device.type == "cuda":
+    several ranks can be compared; on a GPU, CUDA events (start 0: durations only).
+    `clock` (e.g. time.thread_time) replaces either, on any device."""
+    if clock is None and device.type == "cuda":
         def span(fn):
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
@@ -89,10 +90,12 @@ def _span_timer(device: torch.device):
             return 0.0, start.elapsed_time(end) / 1e3
         return span
 
+    clock = clock or time.perf_counter
+
     def span(fn):
-        begin = time.perf_counter()
+        begin = clock()
         fn()
-        return begin, time.perf_counter()
+        return begin, clock()
     return span
 
 
@@ -220,8 +223,9 @@ def _together_spans(fn, device, repeats: int) -> list[tuple[float, float]]:
     return spans
 
 
-def _interleaved_spans(calls: dict, device, rounds: int) -> dict:
-    """{key: [(start, end) per round]} of `calls` ({key: (fn, together)}) timed in turn,
+def _interleaved_spans(calls: dict, device, rounds: int, clock=None) -> dict:
+    """{key: [(start, end) per round]} of `calls` ({key: (fn, together)}) timed in turn
+    (by `clock` where given, as `_span_timer` takes it),
     one call of each per round: `together` ones after a barrier (`_together_spans`), the
     others after a compute burst (`_in_step_spans`). Round-robin, not one block per key:
     this VM's small-message latency switches between modes for seconds at a time (a 1 KB
@@ -229,7 +233,7 @@ def _interleaved_spans(calls: dict, device, rounds: int) -> dict:
     next), so a block samples one mode and two calibrations disagreed by 2x. Taken in
     turn, every figure averages the same spell of the machine, as a step's collectives
     do, and a difference of two (DTensor's overhead) is not a difference of two spells."""
-    span = _span_timer(device)
+    span = _span_timer(device, clock)
     burst = _compute_burst(device)
     for fn, _ in calls.values():
         warm_up(fn, device)  # connections, buffers, the heap's room for them
@@ -395,33 +399,22 @@ def _dtensor_overheads(rank: int, world: int, device, repeats: int) -> dict[str,
     mesh = init_device_mesh(device.type, (world,))
     width, rows = 64, 8
     x = torch.randn(rows, width, device=device)
-    whole = torch.empty(rows * world, width, device=device)
 
     def plain():
         x.detach().requires_grad_(True).sum().backward()
-
-    gather_into = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-
-    def gather():
-        gather_into(whole, x)
 
     def redistribute():
         d = DTensor.from_local(x.detach().requires_grad_(True), mesh, [Shard(0)],
                                run_check=False)
         d.redistribute(mesh, [Replicate()]).to_local().sum().backward()
 
-    steps = {"plain": plain, "gather": gather, "reshard": redistribute}
-    burst = _compute_burst(device)
-    for fn in steps.values():
-        warm_up(fn, device)
-    cpu: dict = {key: [] for key in steps}
-    for _ in range(repeats):
-        for key, fn in steps.items():
-            burst()
-            begin = time.thread_time()
-            fn()
-            cpu[key].append(time.thread_time() - begin)
-    return {key: statistics.median(times) for key, times in cpu.items()}
+    gather = _collective_call("all_gather", x.numel() * x.element_size() * world, rank, world,
+                              device)
+    steps = {"plain": (plain, False), "gather": (gather, False),
+             "reshard": (redistribute, False)}
+    spans = _interleaved_spans(steps, device, repeats, clock=time.thread_time)
+    return {key: statistics.median(end - start for start, end in calls)
+            for key, calls in spans.items()}
 
 
 # Tensor-parallel pairs of Linears `width` wide on TP_ROWS rows: small ones, where DTensor's
