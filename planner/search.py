@@ -443,12 +443,13 @@ def build(cache: CostCache, pp: int, dp: int, tp: int, rows: int,
         for name in layer.inputs:
             src = index[name]
             backward = graph.carries_gradient(graph.layers[src].node)
-            key = (id(priced[src]), id(priced[dst]), rows, tp, backward, graph.readers(name))
+            readers = graph.readers(name)
+            key = (id(priced[src]), id(priced[dst]), rows, tp, backward, readers)
             cost = cache.edges.get(key)
             if cost is None:  # between identical layers, one price
                 kind = edge_kind(scaled_layers[src], [s.gives for s in strategies[src]],
                                  scaled_layers[dst], strategies[dst], rows, tp,
-                                 graph.tracer, backward, graph.readers(name))
+                                 graph.tracer, backward, readers)
                 cost = cache.edges[key] = cache.edge(kind)
             edges.append(Edge(src, dst, cost))
     for name in graph.outputs:  # handed back as planner.handback says
