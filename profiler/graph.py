@@ -55,10 +55,12 @@ class Layer:
     measured_s: float | None = None  # forward + backward, at `measured_batch` rows
     measured_batch: int | None = None
     # forward + backward timed at the shapes a `measured_parts`-way split gives it, over
-    # the whole batch: "whole" (unsplit), "out" (output features / channels split), "in"
-    # (input features split); filled for Linear and Conv2d layers when timed here
+    # `shards_batch` rows (the whole batch): "whole" (unsplit), "out" (output features /
+    # channels split), "in" (input features split); filled for Linear and Conv2d layers
+    # when timed here
     measured_shards: dict = field(default_factory=dict)
     measured_parts: int | None = None
+    shards_batch: int | None = None
 
     @property
     def is_input(self) -> bool:

@@ -98,7 +98,8 @@ def profile(graph: ModelGraph, measure: bool = False, measure_batch: int | None 
                 measured_s=times.get(layer.node),
                 measured_batch=batch if layer.node in times else None,
                 measured_shards=shards.get(layer.node, {}),
-                measured_parts=ranks if layer.node in shards else None)
+                measured_parts=ranks if layer.node in shards else None,
+                shards_batch=graph.batch_size if layer.node in shards else None)
         for layer in graph.layers
     )
     return replace(graph, layers=layers, split_backward=split)

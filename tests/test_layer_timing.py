@@ -2,6 +2,7 @@
 
 import importlib
 
+import pytest
 import torch
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
@@ -32,3 +33,77 @@ def test_timed_backward_includes_the_input_gradient(monkeypatch):
     forward = 2 * 8 * 64 * 48
     assert times["_2"] == 3 * forward  # forward, weight gradient, input gradient
     assert times["_0"] == 2 * 2 * 8 * 32 * 64  # the first layer: no input gradient
+
+
+def test_a_layer_is_priced_at_the_rows_it_runs_whatever_rows_it_was_timed_at(monkeypatch):
+    # FLOPs stand in for seconds again (exactly linear in rows). Planning for 4 devices
+    # times each layer at the data-parallel rows (8 of 32) and Linear layers also over the
+    # whole batch; a pipeline stage's microbatch or a 3-D plan's dp group runs other rows
+    # (16 on pp2 x dp2). They were priced at the whole batch's timing whatever their rows:
+    # a 2-stage pipeline of a small CNN came out 1.6x its measured compute.
+    from strategies.catalog import CostContext, compute_s
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils.flop_counter import flop_registry
+
+    from reference_profile import reference_profile
+
+    class Flops(TorchDispatchMode):  # FlopCounterMode's module hooks refuse grad(leaf)
+        total = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func.overloadpacket in flop_registry:
+                Flops.total += flop_registry[func.overloadpacket](
+                    *args, **(kwargs or {}), out_val=out)
+            return out
+
+    def flops_of(fn, *args, **kwargs):
+        Flops.total = 0
+        with Flops():
+            fn()
+        return float(Flops.total)
+
+    monkeypatch.setattr(layer_timing, "median_time", flops_of)
+    layer_timing.forget_layer_times()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 48))
+    graph = trace_model(model, (torch.randn(32, 32),), tracer="fx")
+    graph = layer_timing.profile(graph, measure=True, measure_batch=8, ranks=4)
+    layer_timing.forget_layer_times()
+    last = graph.layers[-1]
+    assert (last.measured_batch, last.shards_batch) == (8, 32)
+    cluster = reference_profile(4).cluster(4).model_copy(update={"compute_slowdown": 1.0})
+    forward = 2 * 64 * 48  # per row
+    for rows in (4, 8, 16, 24, 32):
+        whole = CostContext(cluster=cluster, ranks=1, batch=rows)  # replicated or one stage
+        assert compute_s(last, 1.0, whole) == 3 * forward * rows
+        split = CostContext(cluster=cluster, ranks=4, batch=rows)  # rows over 4 devices
+        assert compute_s(last, 0.25, split) == 3 * forward * rows / 4
+        # a column shard runs every row on a quarter of the output features
+        assert compute_s(last, 0.25, split, "out") == 3 * forward * rows / 4
+
+
+def test_fewer_rows_than_timed_keep_the_part_of_a_layer_that_does_not_shrink_with_rows():
+    # A 4096-wide Linear, 1 thread, here: 58.9 ms at 8 rows, 64.3 at 16, 80.5 at 32 (its
+    # weights are read and their gradient written whatever the rows). A 2-process plan
+    # times it at 16 and 32; 4 microbatches of 8 rows were priced 32 ms each, in proportion.
+    from dataclasses import replace
+
+    from strategies.catalog import rows_s
+
+    model = nn.Sequential(nn.Linear(64, 64))
+    layer = trace_model(model, (torch.randn(32, 64),), tracer="fx").layers[-1]
+    timed = replace(layer, measured_s=64.3, measured_batch=16,
+                    measured_shards={"whole": 80.5}, shards_batch=32)
+    slope = (80.5 - 64.3) / 16
+    assert rows_s(timed, 24) == pytest.approx(64.3 + 8 * slope)
+    assert rows_s(timed, 8) == pytest.approx(64.3 - 8 * slope)  # on the line, below the rows timed
+    assert rows_s(timed, 1) == pytest.approx(64.3 - 15 * slope)
+    # never dearer than at the rows timed, never cheaper than in proportion to them
+    flat = replace(timed, measured_shards={"whole": 60.0})
+    assert rows_s(flat, 8) == 64.3
+    steep = replace(timed, measured_shards={"whole": 200.0})
+    assert rows_s(steep, 8) == 64.3 / 2
+    alone = replace(timed, measured_shards={})  # timed once: in proportion
+    assert rows_s(alone, 8) == 64.3 / 2 and rows_s(alone, 32) == 64.3 * 2
