@@ -11,6 +11,7 @@ misprices model parallelism.
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
 import warnings
@@ -68,7 +69,7 @@ def profile(graph: ModelGraph, measure: bool = False, measure_batch: int | None 
     batch = measure_batch or graph.batch_size
     if measure:
         keep_freed_memory()  # as the ranks run (profiler.allocator)
-        with thread_count(threads):
+        with thread_count(threads), buffers_kept(graph.module, model):
             if graph.tracer == "export":
                 by_name = measure_export_times(graph, model, example_inputs, batch, timed)
                 times = {layer.node: by_name[layer.name] for layer in graph.layers
@@ -103,6 +104,21 @@ def profile(graph: ModelGraph, measure: bool = False, measure_batch: int | None 
         for layer in graph.layers
     )
     return replace(graph, layers=layers, split_backward=split)
+
+
+@contextlib.contextmanager
+def buffers_kept(*modules: nn.Module | None):
+    """Leave the modules' buffers as they were: timing runs a BatchNorm in training mode,
+    which moves its running statistics (planning a model with BatchNorm had counted 27
+    batches into the user's model). A traced module shares the user's submodules."""
+    kept = [(b, b.detach().clone()) for m in modules if m is not None
+            for b in m.buffers() if not b.is_meta]
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for b, value in kept:
+                b.copy_(value)
 
 
 def _inputs_for(node: fx.Node, values: dict, needs_grad: dict) -> tuple[dict, list]:
@@ -416,7 +432,7 @@ def _time_module(module: nn.Module, shape: tuple[int, ...], input_grad: bool) ->
     def step():
         inp = x.detach().requires_grad_(input_grad)
         y = module(inp)
-        targets = [inp] * input_grad + list(module.parameters())
+        targets = [inp] * input_grad + [p for p in module.parameters() if p.requires_grad]
         torch.autograd.grad(y, targets, torch.ones_like(y))
 
     return timed(step)
@@ -424,24 +440,38 @@ def _time_module(module: nn.Module, shape: tuple[int, ...], input_grad: bool) ->
 
 def measure_shards(graph: ModelGraph, parts: int,
                    modules: dict[str, nn.Module] | None = None) -> dict[str, dict[str, float]]:
-    """{fx node name: {"whole" | "out" | "in": seconds}} for Linear and Conv2d layers over
-    the whole batch: unsplit, and one of `parts` shards split by output or input features
-    (the shapes replicate, column / channel and row parallelism run at). `modules`: the
-    layers' modules by name (default: the fx graph's)."""
+    """{fx node name: {"whole" | "out" | "in": seconds}} over the whole batch: for Linear
+    and Conv2d layers unsplit, and one of `parts` shards split by output or input features
+    (the shapes replicate, column / channel and row parallelism run at); for any other
+    leaf module with weights, no buffers and one floating-point input (GPT-2's Conv1D, a
+    norm), unsplit. With the data-parallel timing, "whole" gives a layer's time at any rows
+    (strategies.catalog.rows_s). `modules`: the layers' modules by name (default: the fx
+    graph's)."""
     if modules is None:
         modules = dict(graph.module.named_modules())
     out: dict[str, dict[str, float]] = {}
     for layer in graph.layers:
         module = modules.get(layer.name) if layer.op == "call_module" else None
-        if not isinstance(module, (nn.Linear, nn.Conv2d)) or len(layer.inputs) != 1:
+        if module is None or len(layer.inputs) != 1:
             continue
-        shape = graph.layer(layer.inputs[0]).output.shape
+        source = graph.layer(layer.inputs[0]).output
+        shape = source.shape
         if not shape or shape[0] != graph.batch_size:
+            continue
+        if isinstance(module, (nn.Linear, nn.Conv2d)):
+            splits = ("whole", "out", "in") if parts > 1 else ("whole",)
+        elif (source.dtype == "float32" and not any(True for _ in module.children())
+              and any(p.requires_grad for p in module.parameters())
+              and not any(True for _ in module.buffers())):  # a BatchNorm's statistics
+            splits = ("whole",)
+        else:
             continue
         input_grad = not graph.layer(layer.inputs[0]).is_input
         times = {}
-        for split in ("whole", "out", "in") if parts > 1 else ("whole",):
+        for split in splits:
             shard = _shard_module(module, split, parts)
+            if shard is None and split == "whole" and splits == ("whole",):
+                shard = module  # timed as it is: autograd.grad leaves its .grad alone
             if shard is None:
                 continue
             in_shape = list(shape)
@@ -449,7 +479,12 @@ def measure_shards(graph: ModelGraph, parts: int,
                 in_shape[-1] //= parts
             key = ("shard", repr(shard), tuple(in_shape), input_grad, torch.get_num_threads())
             if key not in _TIMES:
-                _TIMES[key] = _time_module(shard, tuple(in_shape), input_grad)
-            times[split] = _TIMES[key]
-        out[layer.node] = times
+                try:
+                    _TIMES[key] = _time_module(shard, tuple(in_shape), input_grad)
+                except Exception:  # noqa: BLE001 - a module that wants more than one tensor
+                    _TIMES[key] = None
+            if _TIMES[key] is not None:
+                times[split] = _TIMES[key]
+        if times:
+            out[layer.node] = times
     return out

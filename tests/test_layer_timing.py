@@ -107,3 +107,46 @@ def test_fewer_rows_than_timed_keep_the_part_of_a_layer_that_does_not_shrink_wit
     assert rows_s(steep, 8) == 64.3 / 2
     alone = replace(timed, measured_shards={})  # timed once: in proportion
     assert rows_s(alone, 8) == 64.3 / 2 and rows_s(alone, 32) == 64.3 * 2
+
+
+def test_every_leaf_module_with_weights_is_timed_over_the_whole_batch_too():
+    # GPT-2's Conv1D is a Linear by another name: timed only at the data-parallel rows, a
+    # pipeline's microbatch of it was priced in proportion, losing the part of its time
+    # that does not shrink with rows. A BatchNorm is left out: timing it would move its
+    # running statistics.
+    class Conv1D(nn.Module):  # transformers.pytorch_utils.Conv1D's shape
+        def __init__(self, nf, nx):
+            super().__init__()
+            self.weight = nn.Parameter(torch.randn(nx, nf) * 0.02)
+            self.bias = nn.Parameter(torch.zeros(nf))
+
+        def forward(self, x):
+            return torch.addmm(self.bias, x.view(-1, x.size(-1)), self.weight)
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.BatchNorm1d(32), Conv1D(24, 32),
+                          nn.LayerNorm(24))
+    graph = trace_model(model, (torch.randn(8, 16),), leaf_modules=(Conv1D,), tracer="fx")
+    stats = model[1].running_mean.clone()
+    graph = layer_timing.profile(graph, measure=True, measure_batch=4, ranks=2)
+    by_name = {layer.name: layer for layer in graph.layers}
+    assert set(by_name["0"].measured_shards) == {"whole", "out", "in"}
+    assert set(by_name["2"].measured_shards) == {"whole"}
+    assert set(by_name["3"].measured_shards) == {"whole"}
+    assert by_name["2"].shards_batch == 8
+    assert not by_name["1"].measured_shards
+    assert torch.equal(model[1].running_mean, stats)
+
+
+def test_planning_leaves_the_users_model_as_it_was():
+    # Timing runs every layer in training mode: a BatchNorm's running statistics moved
+    # (27 batches counted into the user's model by one optimize()).
+    import planner
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.BatchNorm1d(32), nn.ReLU(), nn.Linear(32, 8))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    planner.optimize(model, "2xcpu", example_inputs=(torch.randn(8, 16),))
+    after = model.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before), [
+        k for k in before if not torch.equal(before[k], after[k])]
