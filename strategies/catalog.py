@@ -95,8 +95,10 @@ def compute_s(layer: Layer, fraction: float, ctx: CostContext, split: str = "bat
         if split == "batch" or round(1 / fraction) == 1:
             return rows_s(layer, ctx.batch * fraction) * slowdown
         if split in layer.measured_shards and layer.measured_parts == round(1 / fraction):
-            # a feature shard runs every one of the context's rows
-            return layer.measured_shards[split] * ctx.batch / layer.shards_batch * slowdown
+            # a feature shard runs every one of the context's rows, its time following
+            # the whole layer's from the batch it was timed at to those rows
+            along = rows_s(layer, ctx.batch) / rows_s(layer, layer.shards_batch)
+            return layer.measured_shards[split] * along * slowdown
         return layer.measured_s * fraction * ctx.batch / layer.measured_batch * slowdown
     device = ctx.cluster.device
     if device.shape is not None and not device.op_flops:  # a GPU priced by its GEMM shapes

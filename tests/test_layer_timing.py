@@ -107,6 +107,14 @@ def test_fewer_rows_than_timed_keep_the_part_of_a_layer_that_does_not_shrink_wit
     assert rows_s(steep, 8) == 64.3 / 2
     alone = replace(timed, measured_shards={})  # timed once: in proportion
     assert rows_s(alone, 8) == 64.3 / 2 and rows_s(alone, 32) == 64.3 * 2
+    # a column shard (timed over the whole batch) on a microbatch follows the whole layer
+    from reference_profile import reference_profile
+    from strategies.catalog import CostContext, compute_s
+
+    sharded = replace(timed, measured_shards={"whole": 80.5, "out": 40.0}, measured_parts=2)
+    cluster = reference_profile(2).cluster(2).model_copy(update={"compute_slowdown": 1.0})
+    on_16 = CostContext(cluster=cluster, ranks=2, batch=16)
+    assert compute_s(sharded, 0.5, on_16, "out") == pytest.approx(40.0 * 64.3 / 80.5)
 
 
 def test_every_leaf_module_with_weights_is_timed_over_the_whole_batch_too():
