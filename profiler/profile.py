@@ -76,11 +76,12 @@ def profile(graph: ModelGraph, measure: bool = False, measure_batch: int | None 
                          if layer.name in by_name}
                 if times:
                     times.update({l.node: 0.0 for l in graph.layers if l.is_input})
-                    shards = measure_shards(graph, ranks, dict(model.named_modules()))
+                    shards = measure_shards(graph, ranks, batch, dict(model.named_modules()))
             else:
                 times = measure_times(graph, batch)
                 if times:
-                    shards = measure_shards(graph, ranks)
+                    shards = measure_shards(graph, ranks, batch)
+            shards = in_the_layers_window(times, shards)
             if times and model is not None and example_inputs is not None:
                 glue = glue_factor(cached_whole_step_s(model, example_inputs,
                                                        graph.example_kwargs, graph.batch_size,
@@ -426,7 +427,8 @@ def _shard_module(module: nn.Module, split: str, parts: int) -> nn.Module | None
     return None
 
 
-def _time_module(module: nn.Module, shape: tuple[int, ...], input_grad: bool) -> float:
+def _module_step(module: nn.Module, shape: tuple[int, ...], input_grad: bool):
+    """One forward + backward of `module` on a random input of `shape`."""
     x = torch.randn(shape)
 
     def step():
@@ -435,18 +437,43 @@ def _time_module(module: nn.Module, shape: tuple[int, ...], input_grad: bool) ->
         targets = [inp] * input_grad + [p for p in module.parameters() if p.requires_grad]
         torch.autograd.grad(y, targets, torch.ones_like(y))
 
-    return timed(step)
+    return step
 
 
-def measure_shards(graph: ModelGraph, parts: int,
+def timed_together(steps: dict, least: int = 5, most: int = 25,
+                   budget_s: float = 0.3) -> dict:
+    """{key: median seconds} of each step by `layer_clock()`, timed in rounds of one call
+    each (after one warm-up call each): at least `least` rounds, more (up to `most`) while
+    they fit in `budget_s` per step. A slow spell of the machine then falls on every step
+    alike, which timing one after another does not give: a layer's tensor-parallel shards
+    timed 19% slower than its data-parallel rows in one planning of the FC-heavy CNN and
+    not in the next, and its hyplan / DDP prediction moved from -14% to +13% off."""
+    clock = layer_clock()
+    for step in steps.values():
+        step()
+    samples: dict = {key: [] for key in steps}
+    spent, rounds = 0.0, 0
+    while rounds < least or (spent < budget_s * len(steps) and rounds < most):
+        for key, step in steps.items():
+            start = clock()
+            step()
+            samples[key].append(clock() - start)
+            spent += samples[key][-1]
+        rounds += 1
+    return {key: statistics.median(times) for key, times in samples.items()}
+
+
+def measure_shards(graph: ModelGraph, parts: int, rows: int,
                    modules: dict[str, nn.Module] | None = None) -> dict[str, dict[str, float]]:
-    """{fx node name: {"whole" | "out" | "in": seconds}} over the whole batch: for Linear
-    and Conv2d layers unsplit, and one of `parts` shards split by output or input features
-    (the shapes replicate, column / channel and row parallelism run at); for any other
-    leaf module with weights, no buffers and one floating-point input (GPT-2's Conv1D, a
-    norm), unsplit. With the data-parallel timing, "whole" gives a layer's time at any rows
-    (strategies.catalog.rows_s). `modules`: the layers' modules by name (default: the fx
-    graph's)."""
+    """{fx node name: {"whole" | "out" | "in" | "rows": seconds}} over the whole batch: for
+    Linear and Conv2d layers unsplit, and one of `parts` shards split by output or input
+    features (the shapes replicate, column / channel and row parallelism run at); for any
+    other leaf module with weights, no buffers and one floating-point input (GPT-2's
+    Conv1D, a norm), unsplit; "rows": the whole layer on `rows` rows, the data-parallel
+    ones. A layer's shapes are timed together (`timed_together`), so their ratios hold
+    whatever the machine's speed did meanwhile. With the data-parallel timing, "whole"
+    gives a layer's time at any rows (strategies.catalog.rows_s). `modules`: the layers'
+    modules by name (default: the fx graph's)."""
     if modules is None:
         modules = dict(graph.module.named_modules())
     out: dict[str, dict[str, float]] = {}
@@ -467,7 +494,7 @@ def measure_shards(graph: ModelGraph, parts: int,
         else:
             continue
         input_grad = not graph.layer(layer.inputs[0]).is_input
-        times = {}
+        cases = {}  # split -> (module of that shape, input shape)
         for split in splits:
             shard = _shard_module(module, split, parts)
             if shard is None and split == "whole" and splits == ("whole",):
@@ -477,14 +504,37 @@ def measure_shards(graph: ModelGraph, parts: int,
             in_shape = list(shape)
             if split == "in":
                 in_shape[-1] //= parts
-            key = ("shard", repr(shard), tuple(in_shape), input_grad, torch.get_num_threads())
-            if key not in _TIMES:
-                try:
-                    _TIMES[key] = _time_module(shard, tuple(in_shape), input_grad)
-                except Exception:  # noqa: BLE001 - a module that wants more than one tensor
-                    _TIMES[key] = None
-            if _TIMES[key] is not None:
-                times[split] = _TIMES[key]
-        if times:
-            out[layer.node] = times
+            cases[split] = (shard, tuple(in_shape))
+        if "whole" not in cases:
+            continue
+        if rows != shape[0]:
+            cases["rows"] = (cases["whole"][0], (rows, *shape[1:]))
+        key = ("shards", tuple((split, repr(m), s) for split, (m, s) in cases.items()),
+               input_grad, torch.get_num_threads())
+        if key not in _TIMES:
+            try:
+                _TIMES[key] = timed_together({split: _module_step(m, s, input_grad)
+                                              for split, (m, s) in cases.items()})
+            except Exception:  # noqa: BLE001 - a module that wants more than one tensor
+                _TIMES[key] = None
+        if _TIMES[key] is not None:
+            out[layer.node] = dict(_TIMES[key])
+    return out
+
+
+def in_the_layers_window(times: dict[str, float], shards: dict[str, dict[str, float]]
+                         ) -> dict[str, dict[str, float]]:
+    """Each layer's shard timings scaled to the window its data-parallel timing (`times`,
+    timed with the real inputs) was taken in: by that timing over the shards' own "rows"
+    case, timed with them. What the solver weighs is a layer's strategies against each
+    other: DDP's rows against tensor parallelism's shards."""
+    out = {}
+    for node, by in shards.items():
+        by = dict(by)
+        ref = by.pop("rows", None)
+        if ref is None and by.get("whole") and node in times:  # the rows are the batch
+            ref = by["whole"]
+        if ref and times.get(node):
+            by = {split: t * times[node] / ref for split, t in by.items()}
+        out[node] = by
     return out

@@ -65,6 +65,8 @@ def test_a_layer_is_priced_at_the_rows_it_runs_whatever_rows_it_was_timed_at(mon
         return float(Flops.total)
 
     monkeypatch.setattr(layer_timing, "median_time", flops_of)
+    monkeypatch.setattr(layer_timing, "timed_together",
+                        lambda steps, **kw: {k: flops_of(fn) for k, fn in steps.items()})
     layer_timing.forget_layer_times()
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 48))
@@ -158,3 +160,25 @@ def test_planning_leaves_the_users_model_as_it_was():
     after = model.state_dict()
     assert all(torch.equal(before[k], after[k]) for k in before), [
         k for k in before if not torch.equal(before[k], after[k])]
+
+
+def test_a_layers_shapes_are_timed_together_so_a_slow_spell_keeps_their_ratio(monkeypatch):
+    # The solver weighs a layer's strategies against each other: its data-parallel rows
+    # against its tensor-parallel shards. Timed one after another, a slow spell of the
+    # machine during one of them moved that ratio by 19% between two plannings of the
+    # FC-heavy CNN; timed in rounds of one call each, the spell falls on both alike.
+    now, calls = [0.0], [0]
+
+    def step_of(cost):
+        def step():
+            calls[0] += 1
+            now[0] += cost * (3.0 if 10 <= calls[0] < 40 else 1.0)  # a slow spell
+        return step
+
+    monkeypatch.setattr(layer_timing, "layer_clock", lambda: (lambda: now[0]))
+    t = layer_timing.timed_together({"rows": step_of(1e-3), "out": step_of(0.5e-3)})
+    assert t["out"] / t["rows"] == pytest.approx(0.5)
+    # and the shards join the window the layer's own data-parallel timing was taken in
+    shards = {"a": {"rows": 1.0, "whole": 3.0, "out": 1.5}, "b": {"whole": 4.0}}
+    assert layer_timing.in_the_layers_window({"a": 2.0, "b": 2.0}, shards) == {
+        "a": {"whole": 6.0, "out": 3.0}, "b": {"whole": 2.0}}
