@@ -160,6 +160,9 @@ class PipelinePlan(_Data):
                                    "pipelined part of the step: (pp - 1) / (microbatches + "
                                    "pp - 1) when stages are balanced")
     stages: list[StagePlan]
+    forward_share: float = Field(1 / 3, gt=0, lt=1, description="the forward's share of a "
+                                 "stage's per-microbatch time, measured on the model "
+                                 "(a third by FLOPs): how the schedule's timeline splits it")
 
 
 class CandidateReport(_Data):

@@ -207,6 +207,7 @@ def to_plan(graph, cluster: Cluster, optimizer: str, budget: float, result: Sear
     if pp > 1:
         busy = m * load[slow]
         pipeline = PipelinePlan(schedule=shape.schedule, chunks=v, microbatches=m,
+                                forward_share=problem.forward_share,
                                 microbatch_rows=shape.rows(graph.batch_size),
                                 bubble_fraction=bubble_s / (bubble_s + busy) if busy else 0.0,
                                 stages=stages, why=why_schedule(result, shape, times))

@@ -308,21 +308,33 @@ def simulate(schedule: str, pp: int, v: int, m: int, forward_s, input_s, weight_
                       peak_bytes)
 
 
+def parts(forward: float = 1 / 3) -> dict[str, float]:
+    """The share of a stage's per-microbatch time each action takes, `forward` the
+    forward's (profiler.whole_step.forward_share; a third by FLOPs: a matmul's backward is
+    two products of its forward's size): the backward's rest in two halves, input and
+    weight gradient, or whole where a schedule does not split it."""
+    back = 1.0 - forward
+    return {"F": forward, "I": back / 2, "W": back / 2, "B": back}
+
+
 @lru_cache(maxsize=4096)
-def uniform_bubble(schedule: str, pp: int, v: int, m: int) -> float:
-    """The busiest rank's bubble, in chunk times, when every chunk takes 1 (forward 1/3,
-    input gradient 1/3, weight gradient 1/3) and hops are free: the schedule's own bubble,
-    what the stage cut's integer program charges it (planner.stages)."""
+def uniform_bubble(schedule: str, pp: int, v: int, m: int, forward: float = 1 / 3) -> float:
+    """The busiest rank's bubble, in chunk times, when every chunk takes 1 (`parts` of it
+    forward, input gradient and weight gradient) and hops are free: the schedule's own
+    bubble, what the stage cut's integer program charges it (planner.stages)."""
     S = pp * v
-    third = [1 / 3] * S
-    return simulate(schedule, pp, v, m, third, third, third, record=False).busiest_bubble_s
+    share = parts(forward)
+    return simulate(schedule, pp, v, m, [share["F"]] * S, [share["I"]] * S, [share["W"]] * S,
+                    record=False).busiest_bubble_s
 
 
 def price(schedule: str, pp: int, v: int, m: int, microbatch_s, hop_s: float = 0.0,
-          activation_bytes=None) -> Simulation:
+          activation_bytes=None, forward: float = 1 / 3) -> Simulation:
     """The simulation the planner prices a stage cut with and the timeline picture draws:
     each global stage's per-microbatch time (compute, its collectives and its blocking
-    transfers) split into forward, input gradient and weight gradient as 1 : 1 : 1 (a
-    matmul's backward is two products of its forward's size, one per gradient)."""
-    third = [float(t) / 3 for t in microbatch_s]
-    return simulate(schedule, pp, v, m, third, third, third, hop_s, activation_bytes)
+    transfers) split into forward, input gradient and weight gradient by `parts`."""
+    share = parts(forward)
+    times = [float(t) for t in microbatch_s]
+    return simulate(schedule, pp, v, m, [t * share["F"] for t in times],
+                    [t * share["I"] for t in times], [t * share["W"] for t in times], hop_s,
+                    activation_bytes)

@@ -482,7 +482,8 @@ def build(cache: CostCache, pp: int, dp: int, tp: int, rows: int,
     problem = StageProblem(tuple(options), tuple(edges), tuple(unit_names), tuple(cut_s),
                            replay_s=_replay_s(graph, options, unit_names, sent)
                            if pp > 1 else 0.0,
-                           split_backward=graph.split_backward if pp > 1 else 1.0)
+                           split_backward=graph.split_backward if pp > 1 else 1.0,
+                           forward_share=graph.forward_share)
     return Built(problem, tuple(strategies), tuple(costs), tuple(scaled_layers), tuple(local),
                  tuple(sharded_all))
 

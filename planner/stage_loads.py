@@ -116,7 +116,8 @@ def _feasibility(problem, pp: int, m: int, schedule: str, chunks: int):
     idx = np.arange(U + 1)
 
     R = np.concatenate([[0.0], np.cumsum(_unit_work(tables, m))])
-    lead = (A + cut) / 3  # the forward of microbatch 0 up to a stage starting there
+    # the forward of microbatch 0 up to a stage starting there
+    lead = (A + cut) * problem.forward_share
     shape = _v_shaped if schedule in schedules.V_SHAPED else _looped
     return shape(pp, U, m * cut, idx, R, lead)
 

@@ -7,9 +7,9 @@ the input gradient of the stage after, its own input gradient for a weight gradi
 ended, so the simulated makespan is the longest path through that graph, which one pass
 in topological order computes for many stage-time vectors at once (`makespans`: numpy
 over the cuts). planner.schedules.price times a stage's forward, input gradient and
-weight gradient at a third of its per-microbatch time T_k each (a full backward two
-thirds), so the makespan is a maximum of sums of the T_k with nonnegative weights:
-nondecreasing in every T_k.
+weight gradient at fixed shares of its per-microbatch time T_k (schedules.parts: the
+forward's measured share, the backward's rest in halves), so the makespan is a maximum
+of sums of the T_k with nonnegative weights: nondecreasing in every T_k.
 
 A plan of the shape cuts the units into pp·chunks stages and runs each layer with one
 option; its T_k is at least the sum, over the stage's units, of each layer's least
@@ -42,12 +42,10 @@ CHUNK = 8_192  # cuts priced at once (memory: CHUNK x actions floats)
 @lru_cache(maxsize=256)
 def action_graph(schedule: str, pp: int, chunks: int, microbatches: int
                  ) -> tuple[tuple[int, int, tuple[int, ...]], ...]:
-    """The schedule's actions in topological order, each as (its stage, how many thirds of
-    the stage's per-microbatch time it takes, the positions of the actions it waits for)
-    (module docstring)."""
+    """The schedule's actions in topological order, each as (its stage, its kind: "F",
+    "B", "I" or "W", the positions of the actions it waits for) (module docstring)."""
     S = pp * chunks
     orders = schedules.actions(schedule, pp, chunks, microbatches)
-    thirds = {"F": 1, "I": 1, "W": 1, "B": 2}
     nodes, preds, done_by = [], [], {}
     for order in orders:
         for n, (s, kind, i) in enumerate(order):
@@ -75,7 +73,7 @@ def action_graph(schedule: str, pp: int, chunks: int, microbatches: int
         node = ready.pop()
         position[node] = len(order)
         s, kind, _ = nodes[node]
-        order.append((s, thirds[kind], tuple(position[q] for q in preds[node])))
+        order.append((s, kind, tuple(position[q] for q in preds[node])))
         for nxt in after[node]:
             waiting[nxt] -= 1
             if not waiting[nxt]:
@@ -87,16 +85,16 @@ def action_graph(schedule: str, pp: int, chunks: int, microbatches: int
 
 
 def makespans(schedule: str, pp: int, chunks: int, microbatches: int,
-              total: np.ndarray) -> np.ndarray:
-    """The simulated makespan (planner.schedules.price) of each row of `total` (rows,
-    stages: per-microbatch times), all rows at once: the longest path through the
-    action graph."""
+              total: np.ndarray, forward: float = 1 / 3) -> np.ndarray:
+    """The simulated makespan (planner.schedules.price, `forward` the forward's share)
+    of each row of `total` (rows, stages: per-microbatch times), all rows at once: the
+    longest path through the action graph."""
     ends: list[np.ndarray] = []
-    third = total / 3
-    for stage, thirds, waits in action_graph(schedule, pp, chunks, microbatches):
+    share = schedules.parts(forward)
+    for stage, kind, waits in action_graph(schedule, pp, chunks, microbatches):
         start = np.maximum.reduce([ends[q] for q in waits]) if len(waits) > 1 else (
             ends[waits[0]] if waits else 0.0)
-        ends.append(start + thirds * third[:, stage])
+        ends.append(start + share[kind] * total[:, stage])
     return np.maximum.reduce(ends)
 
 
@@ -140,5 +138,6 @@ def path_bound(problem, pp: int, microbatches: int, schedule: str, chunks: int
                 total[:, k] += sent
         stage_once = once[ends] - once[starts]
         per_rank = np.stack([stage_once[:, ranks == r].sum(1) for r in range(pp)], 1)
-        step = makespans(schedule, pp, chunks, microbatches, total) + per_rank.max(1)
+        step = makespans(schedule, pp, chunks, microbatches, total,
+                         problem.forward_share) + per_rank.max(1)
         best = min(best, float(step.min()))

@@ -119,7 +119,9 @@ class StageProblem:
     torch.export model's stages each rerun its positions, causal mask and rotary tables:
     executor.hf_stages), whatever the cut; `split_backward` is how much longer the layers
     run under a schedule that splits the backward into input and weight gradients
-    (schedules.SPLIT_BACKWARD), measured on the model (profiler.whole_step)."""
+    (schedules.SPLIT_BACKWARD), measured on the model (profiler.whole_step), and
+    `forward_share` the forward's share of a stage's per-microbatch time (schedules.parts;
+    profiler.whole_step.forward_share), which every timeline and bound here follows."""
 
     layers: tuple[LayerOptions, ...]
     edges: tuple[Edge, ...]
@@ -127,6 +129,7 @@ class StageProblem:
     cut_s: tuple[float, ...]
     replay_s: float = 0.0
     split_backward: float = 1.0
+    forward_share: float = 1 / 3
 
     def for_schedule(self, schedule: str) -> "StageProblem":
         """The problem as `schedule` runs it: the layers' per-microbatch times longer by
@@ -251,9 +254,10 @@ def _flights(schedule: str, pp: int, chunks: int, microbatches: int) -> tuple[in
 
 
 @functools.lru_cache(maxsize=4096)
-def _uniform_bubble(schedule: str, pp: int, chunks: int, microbatches: int) -> float:
+def _uniform_bubble(schedule: str, pp: int, chunks: int, microbatches: int,
+                    forward: float = 1 / 3) -> float:
     """schedules.uniform_bubble (a simulation of the action lists), once per shape."""
-    return schedules.uniform_bubble(schedule, pp, chunks, microbatches)
+    return schedules.uniform_bubble(schedule, pp, chunks, microbatches, forward)
 
 
 def stage_ranks(schedule: str, pp: int, chunks: int) -> tuple[int, ...]:
@@ -321,13 +325,14 @@ def evaluate(problem: StageProblem, starts: tuple[int, ...], choice, microbatche
             send[k] += t
     total = [a + b + (problem.replay_s if k else 0.0) for k, (a, b) in enumerate(zip(mb, send))]
     once_rank = [sum(once[k] for k in range(S) if ranks[k] == r) for r in range(pp)]
-    sim = schedules.price(schedule, pp, chunks, microbatches, total)
+    sim = schedules.price(schedule, pp, chunks, microbatches, total,
+                          forward=problem.forward_share)
     step = sim.makespan_s + max(once_rank)
     if chunks == 1:
         objective = sum(total) + (microbatches - 1) * max(total) + max(once_rank)
     else:
         load = [sum(total[k] for k in range(S) if ranks[k] == r) for r in range(pp)]
-        kappa = _uniform_bubble(schedule, pp, chunks, microbatches)
+        kappa = _uniform_bubble(schedule, pp, chunks, microbatches, problem.forward_share)
         objective = microbatches * max(load) + kappa * max(total) + max(once_rank)
     return StageTimes(step, tuple(total), tuple(send), tuple(once), tuple(weights), tuple(acts),
                       objective, sim.busiest_bubble_s, ranks)
@@ -564,7 +569,7 @@ def solve_stages(problem: StageProblem, pp: int, microbatches: int, schedule: st
     if chunks == 1:
         objective = sum(stage_time) + (m - 1) * C + Smax
     else:
-        kappa = _uniform_bubble(schedule, pp, chunks, m)
+        kappa = _uniform_bubble(schedule, pp, chunks, m, problem.forward_share)
         D = solver.NumVar(0, inf, "D")  # the largest stage: what fills and drains
         for k in range(S):
             solver.Add(D >= stage_time[k], f"stage_time[{k}]")
@@ -881,7 +886,9 @@ def lower_bound(problem: StageProblem, pp: int, microbatches: int, schedule: str
     if chunks > 1:  # and one microbatch's chain: forwards down, input gradients up
         sends = _least_sends_s(problem, schedule, pp, chunks)
         work = float(a.sum()) + sends
-        chain = (2 / 3 if schedule in schedules.SPLIT_BACKWARD else 1.0) * work
+        share = schedules.parts(problem.forward_share)
+        chain = (share["F"] + share["I"] if schedule in schedules.SPLIT_BACKWARD
+                 else 1.0) * work
         bound = max(m * work / pp + once, chain + once, stage_loads.packing_bound(
             problem, pp, m, schedule, chunks))
         if budget_bytes is None:
@@ -918,8 +925,8 @@ def lower_bound(problem: StageProblem, pp: int, microbatches: int, schedule: str
 
         # rank r's own step part S_r joins its m·T_r (step >= Σ_{j<r} T_j + m·T_r + S_r),
         # priced with the same option: the least m·t + s per layer, not two separate least;
-        # under 1F1B with its idle spells, at least 2R - w·T (R - w·T/3 where the two are
-        # one, _one_f_one_b_idle): (m - w)·T + S + 2R
+        # under 1F1B with its idle spells, at least 2R - w·T (R - w·f·T where the two are
+        # one, f the forward's share: _one_f_one_b_idle): (m - w)·T + S + 2R
         stage_ms = []
         for k, f in enumerate(flights):
             s = with_step(m, f)
@@ -927,7 +934,7 @@ def lower_bound(problem: StageProblem, pp: int, microbatches: int, schedule: str
                 w = min(pp - k - 1, m)
                 after = (prefix[-1] - prefix)[None, :]
                 s = np.maximum(s, with_step(m - w, f) + 2 * after if m - 1 > w
-                               else with_step(m - w / 3, f) + after)
+                               else with_step(m - w * problem.forward_share, f) + after)
             stage_ms.append(s)
     else:
         fits = [True] * pp
@@ -950,7 +957,8 @@ def lower_bound(problem: StageProblem, pp: int, microbatches: int, schedule: str
         return float(a.sum()) + slowest * (m - 1) / m + once
     # 1F1B: rank k also idles while the first and the last microbatch go through the
     # stages after it (_one_f_one_b_idle)
-    waits = [s + _one_f_one_b_idle(s / m, prefix[-1] - prefix, pp, m, k)
+    waits = [s + _one_f_one_b_idle(s / m, prefix[-1] - prefix, pp, m, k,
+                                   problem.forward_share)
              for k, s in enumerate(stage_m)]
     bound = split(1.0, waits) + once
     if stage_ms is None:
@@ -959,22 +967,23 @@ def lower_bound(problem: StageProblem, pp: int, microbatches: int, schedule: str
 
 
 def _one_f_one_b_idle(stage_s: np.ndarray, after_s: np.ndarray, pp: int, m: int,
-                      k: int) -> np.ndarray:
+                      k: int, forward: float = 1 / 3) -> np.ndarray:
     """[i, j] -> what rank k idles under 1F1B beyond its own m·T, at least, for a stage
     [i, j) taking `stage_s` per microbatch (at least) with `after_s[j]` of work after it
-    (at least), in the simulation's split of a microbatch (forward T/3, backward 2T/3).
-    Rank k runs w = min(pp - k - 1, m) forwards ahead. Microbatch 0's backward reaches it
-    only after the stages after it, R, ran forward and back: it idles R - w·T/3 beyond its
-    w forwards between. The same holds at the end: between its last forward and the last
-    microbatch's backward it has w backwards to do, idling R - w·2T/3. The two idle spells
+    (at least), in the simulation's split of a microbatch (forward f·T, backward (1-f)·T,
+    f = `forward`: schedules.parts). Rank k runs w = min(pp - k - 1, m) forwards ahead.
+    Microbatch 0's backward reaches it only after the stages after it, R, ran forward and
+    back: it idles R - w·f·T beyond its w forwards between. The same holds at the end:
+    between its last forward and the last microbatch's backward it has w backwards to do,
+    idling R - w·(1-f)·T. The two idle spells
     are apart where its last forward comes after microbatch 0's backward (m - 1 > w). Both
     grow with R and the total with T (m·T + idle has slope m - w > 0), so lower bounds of
     each give a lower bound. With balanced stages this makes rank 0's bound the textbook
     (m + pp - 1)·T, where the first and last rank's waits alone gave m·T."""
     w = min(pp - k - 1, m)
     rest = after_s[None, :]
-    start = np.maximum(rest - w * stage_s / 3, 0.0)
-    end = np.maximum(rest - 2 * w * stage_s / 3, 0.0)
+    start = np.maximum(rest - w * forward * stage_s, 0.0)
+    end = np.maximum(rest - w * (1 - forward) * stage_s, 0.0)
     return start + end if m - 1 > w else np.maximum(start, end)
 
 
@@ -1033,7 +1042,7 @@ def estimate(problem: StageProblem, pp: int, microbatches: int, schedule: str,
     total = float(tables.unit_least_s.sum())
     total += _least_sends_s(problem, schedule, pp, chunks)
     once = tables.step_least_s / pp
-    kappa = _uniform_bubble(schedule, pp, chunks, microbatches)
+    kappa = _uniform_bubble(schedule, pp, chunks, microbatches, problem.forward_share)
     return microbatches * total / pp + kappa * total / (pp * chunks) + once
 
 

@@ -109,6 +109,10 @@ class ModelGraph:
     # a step with the backward split as zero-bubble pipeline schedules split it, over one
     # with a plain backward, measured on this machine (profiler.whole_step); 1.0 unmeasured
     split_backward: float = 1.0
+    # the forward's share of a training step's forward + backward, measured on this
+    # machine (profiler.whole_step.forward_share); a third unmeasured (a matmul's backward
+    # is two products of its forward's size)
+    forward_share: float = 1 / 3
 
     def __post_init__(self):
         object.__setattr__(self, "_by_node", {layer.node: layer for layer in self.layers})

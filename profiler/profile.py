@@ -26,7 +26,9 @@ from profiler.graph import Layer, ModelGraph
 from profiler.allocator import keep_freed_memory
 from profiler import export_timing
 from profiler.export_timing import measure_export_times
-from profiler.whole_step import cached_whole_step_s, glue_factor, split_backward_ratio
+from profiler.whole_step import (
+    cached_whole_step_s, forward_share, glue_factor, split_backward_ratio,
+)
 from profiler.machine import threads as thread_count
 from profiler.trace import materialize, meta_params, run_node, to_meta, weights_device
 from profiler.traffic import (
@@ -65,7 +67,7 @@ def profile(graph: ModelGraph, measure: bool = False, measure_batch: int | None 
         flops, moved = count_flops_and_traffic(graph)
     times: dict[str, float] = {}
     shards: dict[str, dict[str, float]] = {}
-    split = 1.0
+    split, share = 1.0, 1 / 3
     batch = measure_batch or graph.batch_size
     if measure:
         keep_freed_memory()  # as the ranks run (profiler.allocator)
@@ -90,9 +92,11 @@ def profile(graph: ModelGraph, measure: bool = False, measure_batch: int | None 
                 times = {node: t * glue for node, t in times.items()}
                 shards = {node: {k: t * glue for k, t in by.items()}
                           for node, by in shards.items()}
-                if ranks > 1:  # a pipeline's zero-bubble schedules may run it
+                if ranks > 1:  # a pipeline may run it: its schedules' timelines
                     split = split_backward_ratio(model, example_inputs, graph.example_kwargs,
                                                  graph.batch_size, batch, layer_clock())
+                    share = forward_share(model, example_inputs, graph.example_kwargs,
+                                          graph.batch_size, batch, layer_clock())
     layers = tuple(
         replace(layer, fwd_flops=flops[layer.node][0], bwd_flops=flops[layer.node][1],
                 attrs={**layer.attrs, "traffic": moved[layer.node]}
@@ -104,7 +108,7 @@ def profile(graph: ModelGraph, measure: bool = False, measure_batch: int | None 
                 shards_batch=graph.batch_size if layer.node in shards else None)
         for layer in graph.layers
     )
-    return replace(graph, layers=layers, split_backward=split)
+    return replace(graph, layers=layers, split_backward=split, forward_share=share)
 
 
 @contextlib.contextmanager

@@ -160,6 +160,61 @@ def _measure_split(model, example_inputs, example_kwargs, batch, rows, clock,
     return min(2.0, max(1.0, ratio))
 
 
+# model -> {(batch, rows, threads, input shapes): share}, as _STEPS
+_SHARES = PerModel()
+# the share a step's forward may be priced at: a third is a matmul's (its backward is two
+# products of its forward's size); on this 2-core VM's CPU, the six models of
+# benchmarks/fidelity.py measured 0.30 (the MLP) to 0.53 (a small CNN: pooling forward)
+SHARE_RANGE = (0.2, 0.6)
+
+
+def forward_share(model: nn.Module, example_inputs, example_kwargs: dict, batch: int,
+                  rows: int, clock, budget_s: float = 0.5) -> float:
+    """The forward's share of a training step (forward and loss, then backward) of `model`
+    on `rows` rows: the median of forwards alone over the median of whole steps, timed
+    alternately (a slow spell hits both), within SHARE_RANGE; a third where it cannot run.
+    A pipeline schedule's timeline follows it: a stage's forward must end before the next
+    stage's starts, and on this CPU a small CNN's first stage spent about as long forward
+    as back (5.2 and 4.7 ms), where a third would price 3.8 and 7.7. Measured once per
+    model and shape in a process."""
+    if any(p.is_meta for p in model.parameters()):
+        return 1 / 3
+    return _SHARES.get(model, _key(example_inputs, example_kwargs, batch, rows),
+                       lambda: _measure_share(model, example_inputs, example_kwargs, batch,
+                                              rows, clock, budget_s))
+
+
+def _measure_share(model, example_inputs, example_kwargs, batch, rows, clock,
+                   budget_s) -> float:
+    with _rows_of(model, example_inputs, example_kwargs, batch, rows) as (args, kwargs, params):
+        def forward():
+            return torch.log_softmax(_first_float(model(*args, **kwargs)).float(), -1).mean()
+
+        def step(backward: bool):
+            for p in params:
+                p.grad = None
+            loss = forward()
+            if backward:
+                loss.backward()
+
+        try:
+            begin = clock()
+            step(False), step(True)  # warm-up
+            least = 3 if clock() - begin < budget_s / 3 else 1
+            alone, whole = [], []
+            spent = 0.0
+            while len(alone) < least or (spent < budget_s and len(alone) < 25):
+                for flag, into in ((False, alone), (True, whole)):
+                    start = clock()
+                    step(flag)
+                    into.append(clock() - start)
+                    spent += into[-1]
+        except Exception:  # noqa: BLE001 - priced at a third
+            return 1 / 3
+    share = statistics.median(alone) / statistics.median(whole)
+    return min(SHARE_RANGE[1], max(SHARE_RANGE[0], share))
+
+
 def _first_float(output) -> torch.Tensor:
     """The output to put a loss on: a tensor, or the first floating one inside a tuple or
     a Hugging Face ModelOutput (its logits)."""

@@ -27,9 +27,11 @@ def test_the_longest_path_is_the_simulated_makespan(schedule):
                 continue
             times = rng.uniform(0.05, 2.0, (40, 2 * pp))
             times[:5] = rng.choice([0.0, 1.0], (5, 2 * pp))  # ties and empty stages
-            simulated = [schedules.price(schedule, pp, 2, m, row).makespan_s for row in times]
-            np.testing.assert_allclose(makespans(schedule, pp, 2, m, times), simulated,
-                                       rtol=1e-12, atol=1e-12)
+            for forward in (1 / 3, 0.5):  # the forward's share of a stage's time
+                simulated = [schedules.price(schedule, pp, 2, m, row, forward=forward)
+                             .makespan_s for row in times]
+                np.testing.assert_allclose(makespans(schedule, pp, 2, m, times, forward),
+                                           simulated, rtol=1e-12, atol=1e-12)
 
 
 def _steps(problem, pp, m, schedule):

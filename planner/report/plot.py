@@ -330,7 +330,8 @@ def timeline_from_plan(plan: Plan) -> PipelineTimeline:
 
 def _pipelined(plan: Plan) -> PipelineTimeline:
     """Per global stage, the planner's microbatch time split as planner.schedules.price
-    splits it (forward a third, backward two thirds), compute and communication alike. A
+    splits it (the forward its measured share, PipelinePlan.forward_share; the backward
+    the rest), compute and communication alike. A
     stage's compute is the plan's own (StagePlan.compute_s: with a zero-bubble schedule's
     split backward and the prologue a later stage reruns); plans saved without it sum
     their layers'."""
@@ -352,10 +353,11 @@ def _pipelined(plan: Plan) -> PipelineTimeline:
     for st, r in zip(pipe.stages, rank):
         once[r] += st.step_s
         labels[r] = _span(st.ranks)
+    f = pipe.forward_share
     return PipelineTimeline(
         pipe.schedule, m,
-        forward_s=[c / 3 for c in compute], backward_s=[2 * c / 3 for c in compute],
-        forward_comm_s=[c / 3 for c in comm], backward_comm_s=[2 * c / 3 for c in comm],
+        forward_s=[c * f for c in compute], backward_s=[c * (1 - f) for c in compute],
+        forward_comm_s=[c * f for c in comm], backward_comm_s=[c * (1 - f) for c in comm],
         sync_s=[max(0.0, o - u) for o, u in zip(once, update)], update_s=update,
         devices=labels, chunks=pipe.chunks, planned_bubble_s=plan.predicted.bubble_s)
 
