@@ -41,7 +41,7 @@ CHUNK = 8_192  # cuts priced at once (memory: CHUNK x actions floats)
 
 @lru_cache(maxsize=256)
 def action_graph(schedule: str, pp: int, chunks: int, microbatches: int
-                 ) -> tuple[tuple[int, int, tuple[int, ...]], ...]:
+                 ) -> tuple[tuple[int, str, tuple[int, ...]], ...]:
     """The schedule's actions in topological order, each as (its stage, its kind: "F",
     "B", "I" or "W", the positions of the actions it waits for) (module docstring)."""
     S = pp * chunks

@@ -975,11 +975,11 @@ def _one_f_one_b_idle(stage_s: np.ndarray, after_s: np.ndarray, pp: int, m: int,
     Microbatch 0's backward reaches it only after the stages after it, R, ran forward and
     back: it idles R - w·f·T beyond its w forwards between. The same holds at the end:
     between its last forward and the last microbatch's backward it has w backwards to do,
-    idling R - w·(1-f)·T. The two idle spells
-    are apart where its last forward comes after microbatch 0's backward (m - 1 > w). Both
-    grow with R and the total with T (m·T + idle has slope m - w > 0), so lower bounds of
-    each give a lower bound. With balanced stages this makes rank 0's bound the textbook
-    (m + pp - 1)·T, where the first and last rank's waits alone gave m·T."""
+    idling R - w·(1-f)·T. The two idle spells are apart where its last forward comes after
+    microbatch 0's backward (m - 1 > w). Both grow with R and the total with T (m·T + idle
+    has slope m - w > 0), so lower bounds of each give a lower bound. With balanced stages
+    this makes rank 0's bound the textbook (m + pp - 1)·T, where the first and last rank's
+    waits alone gave m·T."""
     w = min(pp - k - 1, m)
     rest = after_s[None, :]
     start = np.maximum(rest - w * forward * stage_s, 0.0)

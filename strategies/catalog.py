@@ -97,7 +97,9 @@ def compute_s(layer: Layer, fraction: float, ctx: CostContext, split: str = "bat
         if split in layer.measured_shards and layer.measured_parts == round(1 / fraction):
             # a feature shard runs every one of the context's rows, its time following
             # the whole layer's from the batch it was timed at to those rows
-            along = rows_s(layer, ctx.batch) / rows_s(layer, layer.shards_batch)
+            timed_at = rows_s(layer, layer.shards_batch)
+            along = (rows_s(layer, ctx.batch) / timed_at if timed_at > 0
+                     else ctx.batch / layer.shards_batch)
             return layer.measured_shards[split] * along * slowdown
         return layer.measured_s * fraction * ctx.batch / layer.measured_batch * slowdown
     device = ctx.cluster.device
@@ -137,15 +139,16 @@ def weights_memory(param_bytes: float, ctx: CostContext, sharded: bool = False) 
 
 def rows_s(layer: Layer, rows: float) -> float:
     """Forward + backward of the whole layer on `rows` rows, from its timings on this
-    machine: the data-parallel rows (`measured_batch`) and, for Linear and Conv2d, the whole
-    batch (`shards_batch`). With both, on the line through them (a layer with weights has a
-    part that does not shrink with its rows: reading its weights, writing their gradient),
-    below the fewer rows no cheaper than in proportion and no dearer than there; with one,
-    in proportion to it. A pipeline's microbatch or a 3-D plan's dp group runs rows that
-    neither timing had. Priced at the whole batch's timing, the stages of a 2-stage
-    pipeline of a small CNN came out 1.6x their measured compute; in proportion below the
-    data-parallel rows, a 4096-wide Linear on 4 microbatches of 8 rows 0.55x (measured here,
-    1 thread: 58.9 ms at 8 rows, 64.3 at 16, 80.5 at 32)."""
+    machine: the data-parallel rows (`measured_batch`) and, for a leaf module with
+    weights (profiler.profile.measure_shards), the whole batch (`shards_batch`). With
+    both, on the line through them (a layer with weights has a part that does not shrink
+    with its rows: reading its weights, writing their gradient), below the fewer rows no
+    cheaper than in proportion and no dearer than there; with one, in proportion to it.
+    A pipeline's microbatch or a 3-D plan's dp group runs rows that neither timing had.
+    Priced at the whole batch's timing, the stages of a 2-stage pipeline of a small CNN
+    came out 1.6x their measured compute; in proportion below the data-parallel rows, a
+    4096-wide Linear on 4 microbatches of 8 rows 0.55x (measured here, 1 thread: 58.9 ms
+    at 8 rows, 64.3 at 16, 80.5 at 32)."""
     points = {layer.measured_batch: layer.measured_s}
     if "whole" in layer.measured_shards and layer.shards_batch:
         points[layer.shards_batch] = layer.measured_shards["whole"]

@@ -331,10 +331,9 @@ def timeline_from_plan(plan: Plan) -> PipelineTimeline:
 def _pipelined(plan: Plan) -> PipelineTimeline:
     """Per global stage, the planner's microbatch time split as planner.schedules.price
     splits it (the forward its measured share, PipelinePlan.forward_share; the backward
-    the rest), compute and communication alike. A
-    stage's compute is the plan's own (StagePlan.compute_s: with a zero-bubble schedule's
-    split backward and the prologue a later stage reruns); plans saved without it sum
-    their layers'."""
+    the rest), compute and communication alike. A stage's compute is the plan's own
+    (StagePlan.compute_s: with a zero-bubble schedule's split backward and the prologue a
+    later stage reruns); plans saved without it sum their layers'."""
     pipe, m = plan.pipeline, plan.pipeline.microbatches
     S = len(pipe.stages)
     pp = S // pipe.chunks
