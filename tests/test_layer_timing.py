@@ -41,12 +41,11 @@ def test_a_layer_is_priced_at_the_rows_it_runs_whatever_rows_it_was_timed_at(mon
     # whole batch; a pipeline stage's microbatch or a 3-D plan's dp group runs other rows
     # (16 on pp2 x dp2). They were priced at the whole batch's timing whatever their rows:
     # a 2-stage pipeline of a small CNN came out 1.6x its measured compute.
-    from strategies.catalog import CostContext, compute_s
-
     from torch.utils._python_dispatch import TorchDispatchMode
     from torch.utils.flop_counter import flop_registry
 
     from reference_profile import reference_profile
+    from strategies.catalog import CostContext, compute_s
 
     class Flops(TorchDispatchMode):  # FlopCounterMode's module hooks refuse grad(leaf)
         total = 0
@@ -100,7 +99,8 @@ def test_fewer_rows_than_timed_keep_the_part_of_a_layer_that_does_not_shrink_wit
                     measured_shards={"whole": 80.5}, shards_batch=32)
     slope = (80.5 - 64.3) / 16
     assert rows_s(timed, 24) == pytest.approx(64.3 + 8 * slope)
-    assert rows_s(timed, 8) == pytest.approx(64.3 - 8 * slope)  # on the line, below the rows timed
+    # on the line, below the rows timed
+    assert rows_s(timed, 8) == pytest.approx(64.3 - 8 * slope)
     assert rows_s(timed, 1) == pytest.approx(64.3 - 15 * slope)
     # never dearer than at the rows timed, never cheaper than in proportion to them
     flat = replace(timed, measured_shards={"whole": 60.0})
