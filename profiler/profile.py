@@ -11,7 +11,6 @@ misprices model parallelism.
 
 from __future__ import annotations
 
-import contextlib
 import statistics
 import time
 import warnings
@@ -27,9 +26,10 @@ from profiler.allocator import keep_freed_memory
 from profiler import export_timing
 from profiler.export_timing import measure_export_times
 from profiler.whole_step import (
-    cached_whole_step_s, forward_share, glue_factor, split_backward_ratio,
+    buffers_kept, cached_whole_step_s, forward_share, glue_factor, split_backward_ratio,
 )
 from profiler.machine import threads as thread_count
+from profiler.rounds import medians_in_rounds
 from profiler.trace import materialize, meta_params, run_node, to_meta, weights_device
 from profiler.traffic import (
     COUNTED, LOW_DTYPES, OPAQUE, Recorder, Seen, accumulation, constant, op_name, replay,
@@ -109,21 +109,6 @@ def profile(graph: ModelGraph, measure: bool = False, measure_batch: int | None 
         for layer in graph.layers
     )
     return replace(graph, layers=layers, split_backward=split, forward_share=share)
-
-
-@contextlib.contextmanager
-def buffers_kept(*modules: nn.Module | None):
-    """Leave the modules' buffers as they were: timing runs a BatchNorm in training mode,
-    which moves its running statistics (planning a model with BatchNorm had counted 27
-    batches into the user's model). A traced module shares the user's submodules."""
-    kept = [(b, b.detach().clone()) for m in modules if m is not None
-            for b in m.buffers() if not b.is_meta]
-    try:
-        yield
-    finally:
-        with torch.no_grad():
-            for b, value in kept:
-                b.copy_(value)
 
 
 def _inputs_for(node: fx.Node, values: dict, needs_grad: dict) -> tuple[dict, list]:
@@ -452,19 +437,9 @@ def timed_together(steps: dict, least: int = 5, most: int = 25,
     alike, which timing one after another does not give: a layer's tensor-parallel shards
     timed 19% slower than its data-parallel rows in one planning of the FC-heavy CNN and
     not in the next, and its hyplan / DDP prediction moved from -14% to +13% off."""
-    clock = layer_clock()
     for step in steps.values():
         step()
-    samples: dict = {key: [] for key in steps}
-    spent, rounds = 0.0, 0
-    while rounds < least or (spent < budget_s * len(steps) and rounds < most):
-        for key, step in steps.items():
-            start = clock()
-            step()
-            samples[key].append(clock() - start)
-            spent += samples[key][-1]
-        rounds += 1
-    return {key: statistics.median(times) for key, times in samples.items()}
+    return medians_in_rounds(steps, layer_clock(), least, budget_s * len(steps), most)
 
 
 def measure_shards(graph: ModelGraph, parts: int, rows: int,

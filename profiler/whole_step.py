@@ -12,13 +12,13 @@ profile() scales every layer's time by it.
 from __future__ import annotations
 
 import contextlib
-import statistics
 
 import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
 from profiler.per_model import PerModel
+from profiler.rounds import medians_in_rounds
 
 # model -> {(batch, rows, threads, input shapes): seconds}: one measurement per model and
 # shape in a process, as the layer times are cached by shape. Measured again at every
@@ -73,17 +73,31 @@ def _rows_of(model: nn.Module, example_inputs, example_kwargs: dict, batch: int,
 
     params = [p for p in model.parameters() if p.requires_grad]
     grads = [p.grad for p in params]
-    buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
     try:
-        yield (pytree.tree_map(cut, tuple(example_inputs)),
-               pytree.tree_map(cut, dict(example_kwargs)), params)
+        with buffers_kept(model):
+            yield (pytree.tree_map(cut, tuple(example_inputs)),
+                   pytree.tree_map(cut, dict(example_kwargs)), params)
     finally:
         for p, g in zip(params, grads):
             p.grad = g
+
+
+@contextlib.contextmanager
+def buffers_kept(*modules: nn.Module | None):
+    """Leave the modules' buffers as they were, by name: timing runs a BatchNorm in
+    training mode, which moves its running statistics (planning a model with BatchNorm had
+    counted 27 batches into the user's model). A traced module shares the user's
+    submodules."""
+    kept = [(m, {name: b.detach().clone() for name, b in m.named_buffers() if not b.is_meta})
+            for m in modules if m is not None]
+    try:
+        yield
+    finally:
         with torch.no_grad():
-            for name, b in model.named_buffers():
-                if name in buffers:
-                    b.copy_(buffers[name])
+            for m, saved in kept:
+                for name, b in m.named_buffers():
+                    if name in saved:
+                        b.copy_(saved[name])
 
 
 # model -> {(batch, rows, threads, input shapes): ratio}, as _STEPS
@@ -143,21 +157,14 @@ def _measure_split(model, example_inputs, example_kwargs, batch, rows, clock,
             # at least 3 pairs, but one where a pair outlasts a third of the budget (a
             # large model on a CPU: planning already ran its step 6 times for the glue)
             least = 3 if clock() - begin < budget_s / 3 else 1
-            plain, split = [], []
-            spent = 0.0
-            while len(plain) < least or (spent < budget_s and len(plain) < 25):
-                for flag, into in ((False, plain), (True, split)):
-                    start = clock()
-                    step(flag)
-                    into.append(clock() - start)
-                    spent += into[-1]
+            t = medians_in_rounds({"plain": lambda: step(False), "split": lambda: step(True)},
+                                  clock, least, budget_s)
         except Exception:  # noqa: BLE001 - priced as a plain backward
             return 1.0
         finally:
             for h in hooks:
                 h.remove()
-    ratio = statistics.median(split) / statistics.median(plain)
-    return min(2.0, max(1.0, ratio))
+    return min(2.0, max(1.0, t["split"] / t["plain"]))
 
 
 # model -> {(batch, rows, threads, input shapes): share}, as _STEPS
@@ -201,18 +208,11 @@ def _measure_share(model, example_inputs, example_kwargs, batch, rows, clock,
             begin = clock()
             step(False), step(True)  # warm-up
             least = 3 if clock() - begin < budget_s / 3 else 1
-            alone, whole = [], []
-            spent = 0.0
-            while len(alone) < least or (spent < budget_s and len(alone) < 25):
-                for flag, into in ((False, alone), (True, whole)):
-                    start = clock()
-                    step(flag)
-                    into.append(clock() - start)
-                    spent += into[-1]
+            t = medians_in_rounds({"alone": lambda: step(False), "whole": lambda: step(True)},
+                                  clock, least, budget_s)
         except Exception:  # noqa: BLE001 - priced at a third
             return 1 / 3
-    share = statistics.median(alone) / statistics.median(whole)
-    return min(SHARE_RANGE[1], max(SHARE_RANGE[0], share))
+    return min(SHARE_RANGE[1], max(SHARE_RANGE[0], t["alone"] / t["whole"]))
 
 
 def _first_float(output) -> torch.Tensor:
