@@ -563,6 +563,14 @@ FSDP_LAYERS_QUICK = ((128, 4), (1024, 2), (3072, 1), (4096, 1))
 # ms a step on 2026-11-25's host against 374-414 ms resharded, and every FSDP plan of
 # benchmarks/fidelity.py (2 processes, two runs) measured 17-38% above its price.
 FSDP_BIG_ROUNDS = 4
+# The latency-bound layer (weights under SMALL_BYTES) takes this many times the rounds: its
+# per-layer figure is a difference of two means whose FSDP2 step holds 3 bimodal
+# collectives a layer (see SMALL_REPEATS), and with 9 rounds five measurements of the
+# 64 KB layer on 2 processes read 3.8-6.2 ms (3.7-7.0 over a day's calibrations), with 36
+# rounds 4.6-5.4 (6 and 24 rounds on 4 processes: 18.2-24.0 and 19.3-21.5 ms). It priced
+# every layer of a transformer's FSDP plan: hf_llama's 15 went +27% at 6.1 ms and +4% at
+# 5.3. The extra rounds cost ~1 s on 2 processes, ~2 s on 4 (2026-11-27).
+FSDP_SMALL_ROUNDS = 4
 
 
 def fsdp_stack(stack, mesh):
@@ -597,10 +605,12 @@ def _fsdp_layers(device, repeats: int = 9, sizes=FSDP_LAYERS, big_rounds: int = 
         plain, step_of = _linears(width, layers, device)
         sharded = fsdp_stack(_linears(width, layers, device)[0], mesh)
         # 0.1-0.6 s a step past 1024: fewer rounds (FSDP_BIG_ROUNDS), timed warm
-        rounds = max(big_rounds, repeats // 2) if width > 1024 else repeats
+        nbytes = width * (width + 1) * 4
+        rounds = (max(big_rounds, repeats // 2) if width > 1024
+                  else repeats * FSDP_SMALL_ROUNDS if nbytes < SMALL_BYTES else repeats)
         t = _interleaved_times({"plain": step_of(plain), "fsdp": step_of(sharded)}, device,
                                rounds)
-        out[width] = (layers, float(width * (width + 1) * 4), t["plain"], t["fsdp"])
+        out[width] = (layers, float(nbytes), t["plain"], t["fsdp"])
         del plain, sharded
     return out
 
