@@ -26,7 +26,7 @@ from torch.utils import _pytree as pytree
 from executor.inputs import main_input
 from executor.styles import (MeanOverRanks, Reshard, broadcast_replicated,
                              data_parallel_over, params_of, placement, tensor_parallel_style)
-from planner.price import rows_visible
+from planner.price import READS_METADATA_ONLY, rows_visible
 from planner.handback import output_layout
 from planner.plan import LayerPlan, Plan
 from strategies.layouts import Layout
@@ -110,7 +110,39 @@ def parallelize_modules(model: nn.Module, plan: Plan, mesh: DeviceMesh) -> nn.Mo
     apply_levers(model, [(paths[l.node], l.strategy, l.recompute) for l in plan.layers
                          if paths[l.node] is not None and (l.recompute or l.strategy == "fsdp")],
                  mesh, plan.training_precision)
-    return data_parallel_over(model, params_of(plan, "data_parallel"))
+    return data_parallel_over(model, params_of(plan, "data_parallel")
+                              | partial_outside_modules(plan.layers, paths))
+
+
+def partial_outside_modules(layers: list[LayerPlan], paths: dict[str, str | None]) -> set[str]:
+    """Bare parameters read by ops outside modules whose gradients are partial sums over the
+    ranks' rows, to be summed with the data-parallel layers' (DDP, summing): a replicated
+    op's output (Gemma's RMSNorm `1 + weight`, inlined by torch.export) that reaches an
+    op taking rows, through ops outside modules alone. Such ops cannot change layouts
+    (`apply_module_layouts`), so the gradient that comes back is each rank's share;
+    summed at its parameter, as the planner priced the change on the edge. A module
+    taking rows sums what it hands back itself (its pre-hook), so it ends the walk. Left
+    unsummed, Gemma's norm weights moved by half their value apart from one process's
+    after 3 steps."""
+    readers: dict[str, list[LayerPlan]] = {}
+    for layer in layers:
+        for src in layer.inputs:
+            readers.setdefault(src, []).append(layer)
+
+    def reaches_rows(node: str, seen: frozenset = frozenset()) -> bool:
+        for r in readers.get(node, []):
+            if paths[r.node] is not None or r.node in seen:
+                continue
+            if Layout(r.input_layout) == Layout.BATCH or reaches_rows(r.node, seen | {r.node}):
+                return True
+        return False
+
+    return {name for layer in layers
+            if paths[layer.node] is None and layer.params
+            and layer.strategy not in ("data_parallel", "sequence_parallel")
+            and Layout(layer.output_layout) in (Layout.REPLICATE, Layout.REPLICATE_PARTIAL_GRAD)
+            and reaches_rows(layer.node)
+            for name in layer.params}
 
 
 def apply_module_layouts(model: nn.Module, layers: list[LayerPlan], inputs, outputs,
@@ -146,7 +178,8 @@ def apply_module_layouts(model: nn.Module, layers: list[LayerPlan], inputs, outp
         if paths[layer.node] is None:
             handed[layer.node] = own
             continue
-        outside = {wanted(layer.node, r) for r in readers.get(layer.node, []) if paths[r.node] is None}
+        outside = {wanted(layer.node, r) for r in readers.get(layer.node, [])
+                   if paths[r.node] is None and r.kind not in READS_METADATA_ONLY}
         # rows whole: readers that all take it feature-split get each rank's feature shard,
         # a local tensor (planner.price._through_rows; torchtitan's colwise MLP); only
         # element-wise ops between modules take it so outside modules
@@ -185,7 +218,8 @@ def apply_module_layouts(model: nn.Module, layers: list[LayerPlan], inputs, outp
                 and (not shape or shape[0] != batch) and rows_downstream(layer.node)):
             handed[layer.node] = Layout.REPLICATE_PARTIAL_GRAD
     for layer in layers:  # ops outside modules cannot change layouts
-        if paths[layer.node] is None:
+        # (one that reads only its input's dtype and device reads any layout as it is)
+        if paths[layer.node] is None and layer.kind not in READS_METADATA_ONLY:
             for src in layer.inputs:
                 if src in handed and handed[src] != wanted(src, layer) and not (
                         handed[src] in (Layout.REPLICATE, Layout.REPLICATE_PARTIAL_GRAD)

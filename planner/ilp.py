@@ -85,9 +85,26 @@ def solve(
                                time_limit_s, frozenset(reductions), start, cutoff)
     solution = _from_units(solution, problem, unit_s)
     if not math.isfinite(solution.objective_s):
-        raise Infeasible("every assignment needs a layout change that cannot be made "
-                         "(an edge of infinite cost)", family="layout")
+        raise Infeasible(_unrealizable_message(problem, solution.choice), family="layout")
     return solution
+
+
+def _unrealizable_message(problem: Problem, choice) -> str:
+    """Which data flow no assignment can realize: an edge every pair of whose options is
+    infinite, or else the first infinite one of the solver's best assignment, by name."""
+    hopeless = [e for e in problem.edges if not np.isfinite(e.cost_s).any()]
+    chosen = [e for e in problem.edges
+              if not math.isfinite(float(e.cost_s[choice[e.src], choice[e.dst]]))]
+    edge = (hopeless or chosen)[0]
+    src, dst = problem.nodes[edge.src], problem.nodes[edge.dst]
+    gives = sorted({o.gives or o.strategy for o in src.options})
+    takes = sorted({o.takes or o.strategy for o in dst.options})
+    more = len(hopeless or chosen) - 1
+    return (f"every assignment needs a layout change that cannot be made: {src.name!r} "
+            f"gives {' or '.join(gives)} and {dst.name!r} takes {' or '.join(takes)}"
+            + (f" ({more} more such edges)" if more else "")
+            + "; the module executor of a torch.export graph changes layouts only where a "
+              "module hands its output on, not between two ops outside modules")
 
 
 # --- time units --------------------------------------------------------------------------

@@ -237,6 +237,14 @@ def time_shared(cluster: Cluster) -> bool:
                                     > cluster.cores)
 
 
+# Ops whose output depends on their tensor input's dtype and device alone (`x.new_ones(())`):
+# they read any layout as it is, at no cost. Hugging Face's sliding-window masks (Mistral,
+# Gemma 2) build a scalar `new_ones` from a mask split by rows, and with only a replicated
+# option for the scalar every assignment of such a model had an unrealizable edge: no
+# plan but a pipeline could be made for it.
+READS_METADATA_ONLY = frozenset({"new_ones", "new_zeros", "new_empty", "new_full"})
+
+
 @dataclass(frozen=True)
 class EdgeKind:
     """Everything an edge's price depends on (hashable: the 3-D search caches by it)."""
@@ -249,7 +257,8 @@ class EdgeKind:
     rows: int
     backward: bool
     # "plain"; "export": an op outside modules of a torch.export graph on either side;
-    # "through_rows": a module's output of a torch.export graph, handed on split by rows
+    # "through_rows": a module's output of a torch.export graph, handed on split by rows;
+    # "metadata": the consumer reads only its input's dtype and device (READS_METADATA_ONLY)
     route: str = "plain"
     into_module: bool = False  # the consumer is a module (it changes layouts in its hooks)
     # "through_rows": the edges out of the producer, which share its one hand-over
@@ -264,7 +273,9 @@ def edge_kind(producer: Layer, gives, consumer: Layer, strategies, rows: int, ra
     the edges out of the producer (ModelGraph.readers)."""
     takes = tuple(batch_free_takes(producer, s.takes, rows) for s in strategies)
     route = "plain"
-    if tracer == "export":
+    if consumer.op != "call_module" and consumer.kind in READS_METADATA_ONLY:
+        route = "metadata"
+    elif tracer == "export":
         if producer.op == "call_module" and rows_visible(producer.output.shape, rows):
             route = "through_rows"
         elif producer.op != "call_module" and consumer.op != "call_module":
@@ -286,6 +297,8 @@ def edge_cost(kind: EdgeKind, cluster: Cluster) -> np.ndarray:
     """cost[i, j] in seconds (per microbatch): the producer's option i into the consumer's
     option j, with DTensor's reshard overhead where the layout changes."""
     ranks, nbytes = kind.ranks, kind.nbytes
+    if kind.route == "metadata":  # read as it is, whatever its layout
+        return np.zeros((len(kind.gives), len(kind.takes)))
     link = group_link(cluster, ranks)
     overhead = cluster.dtensor_reshard_overhead_s if ranks > 1 else 0.0
     if kind.route == "through_rows":

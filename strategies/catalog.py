@@ -461,6 +461,14 @@ def candidates(layer: Layer, ctx: CostContext) -> list[Strategy]:
         # an op reading a bare parameter (a cls_token, a position table) holds it whole:
         # its gradient is then a per-rank partial (rows split) or complete (replicated)
         usable = [s for s in usable if type(s) in (DataParallel, Replicate)]
+    if layer.op == "call_module" and not layer.inputs and layer.output.shape[:1] == (ctx.batch,):
+        # traced with no input, it makes its rows from the arguments the model's code hands
+        # it (BART's learned positions: an arange as long as its input_ids), which are each
+        # rank's rows where they split: it runs on them. Planned replicated, its weight's
+        # gradient was each rank's share, never summed; vocab-parallel, its style took
+        # those rows for all of them
+        usable = ([s for s in usable if s.gives == Layout.BATCH and not s.model_parallel]
+                  or [s for s in usable if type(s) is Replicate])
     return usable[:1] if ctx.ranks == 1 else usable
 
 

@@ -4,11 +4,13 @@ conformance tests (tests/test_zoo.py) and the random-plan benchmark
 (benchmarks/random_plans.py).
 
 Each entry covers a way real models break planners: tied embeddings (GPT-2, BERT, T5,
-Qwen2), one layer's weights used by every block (ALBERT), rotary buffers, RMSNorm and
-grouped-query attention (Llama, Qwen2), a mixture of experts (Mixtral), bare parameters
-(ViT's cls_token and position table, ConvNeXt's layer scale), an encoder-decoder (T5),
-LayerNorm and BatchNorm CNNs (ConvNeXt, ResNet), and a model torch.fx traces (torch's
-TransformerEncoderLayer).
+Qwen2, BART), one layer's weights used by every block (ALBERT), rotary buffers, RMSNorm
+and grouped-query attention (Llama, Qwen2), a sliding-window mask (Mistral), an RMSNorm
+inlined into ops (Gemma), a mixture of experts (Mixtral), bare parameters (ViT's
+cls_token and position table, ConvNeXt's layer scale), a module traced with no input
+(BART's learned positions), rows and tokens flattened into one dim (OPT, refused),
+encoder-decoders (T5, BART), LayerNorm and BatchNorm CNNs (ConvNeXt, ResNet), and a
+model torch.fx traces (torch's TransformerEncoderLayer).
 """
 
 from __future__ import annotations
@@ -87,6 +89,7 @@ def _hf(config_name: str, model_name: str, **config):
         cfg = getattr(transformers, config_name)(**config)
         for key in ("hidden_dropout_prob", "attention_probs_dropout_prob", "resid_pdrop",
                     "embd_pdrop", "attn_pdrop", "dropout_rate", "attention_dropout",
+                    "dropout", "activation_dropout",
                     "classifier_dropout_prob", "drop_path_rate", "router_jitter_noise"):
             if hasattr(cfg, key):
                 setattr(cfg, key, 0.0)
@@ -127,6 +130,13 @@ ZOO: dict[str, ZooModel] = {m.name: m for m in [
     ZooModel("qwen2", _seeded(_hf("Qwen2Config", "Qwen2ForCausalLM", tie_word_embeddings=True,
                                   **_DECODER)),
              _tokens, token_loss),
+    # a sliding-window mask: a scalar `new_ones` read from a mask split by rows
+    ZooModel("mistral", _seeded(_hf("MistralConfig", "MistralForCausalLM", sliding_window=4,
+                                    **_DECODER)),
+             _tokens, token_loss),
+    # RMSNorm inlined into ops (`1 + weight`): bare parameters meeting rows through ops
+    ZooModel("gemma", _seeded(_hf("GemmaConfig", "GemmaForCausalLM", head_dim=8, **_DECODER)),
+             _tokens, token_loss),
     ZooModel("mixtral", _seeded(_hf("MixtralConfig", "MixtralForCausalLM", num_local_experts=4,
                                     num_experts_per_tok=2, **_DECODER)),
              _tokens, token_loss),
@@ -143,6 +153,21 @@ ZOO: dict[str, ZooModel] = {m.name: m for m in [
                                d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4,
                                decoder_start_token_id=0, pad_token_id=0)),
              _seq2seq, token_loss, inputs=3),
+    # learned positions: a module traced with no input (an arange as long as its ids)
+    ZooModel("bart", _seeded(_hf("BartConfig", "BartForConditionalGeneration",
+                                 vocab_size=VOCAB, d_model=32, encoder_layers=1,
+                                 decoder_layers=1, encoder_attention_heads=4,
+                                 decoder_attention_heads=4, encoder_ffn_dim=64,
+                                 decoder_ffn_dim=64, max_position_embeddings=SEQ * 2,
+                                 pad_token_id=0, bos_token_id=0, eos_token_id=0,
+                                 decoder_start_token_id=0)),
+             _seq2seq, token_loss, inputs=3),
+    # flattens rows and tokens into one dim ([batch * seq, hidden]) between ops
+    ZooModel("opt", _seeded(_hf("OPTConfig", "OPTForCausalLM", vocab_size=VOCAB, hidden_size=32,
+                                ffn_dim=64, num_hidden_layers=2, num_attention_heads=4,
+                                max_position_embeddings=SEQ * 2, word_embed_proj_dim=32,
+                                pad_token_id=0, bos_token_id=0, eos_token_id=0)),
+             _tokens, token_loss),
     ZooModel("vit", _seeded(_hf("ViTConfig", "ViTForImageClassification", image_size=IMAGE,
                                 patch_size=4, hidden_size=32, num_hidden_layers=2,
                                 num_attention_heads=4, intermediate_size=64,
