@@ -271,4 +271,17 @@ def apply_module_layouts(model: nn.Module, layers: list[LayerPlan], inputs, outp
             raise ValueError(f"plan: {layer.name!r}: unsupported output hand-over")
     if tp_styles:
         parallelize_module(model, mesh, tp_styles)
+        for path in tp_styles:  # after the styles' own hooks: on what they hand on
+            model.get_submodule(path).register_forward_hook(_own_output)
     return held
+
+
+def _own_output(module, args, output):
+    """A tensor-parallel module's local output as a tensor of its own. DTensor's to_local
+    hands on a view made inside an autograd Function, which autograd forbids modifying in
+    place, and a model's code may: Falcon's block adds the attention into its MLP's output
+    with `mlp_output += attention_output`, and every tensor plan of it stopped there with
+    a RuntimeError. One copy of the layer's output, only where it is such a view."""
+    if isinstance(output, torch.Tensor) and output._is_view():
+        return output.clone()
+    return output

@@ -5,12 +5,13 @@ conformance tests (tests/test_zoo.py) and the random-plan benchmark
 
 Each entry covers a way real models break planners: tied embeddings (GPT-2, BERT, T5,
 Qwen2, BART), one layer's weights used by every block (ALBERT), rotary buffers, RMSNorm
-and grouped-query attention (Llama, Qwen2), a sliding-window mask (Mistral), an RMSNorm
-inlined into ops (Gemma), a mixture of experts (Mixtral), bare parameters (ViT's
-cls_token and position table, ConvNeXt's layer scale), a module traced with no input
-(BART's learned positions), rows and tokens flattened into one dim (OPT, refused),
-encoder-decoders (T5, BART), LayerNorm and BatchNorm CNNs (ConvNeXt, ResNet), and a
-model torch.fx traces (torch's TransformerEncoderLayer).
+and grouped-query attention (Llama, Qwen2), a sliding-window mask (Mistral), an in-place
+add into a module's output (Falcon), an RMSNorm inlined into ops (Gemma), a mixture of
+experts (Mixtral), bare parameters (ViT's cls_token and position table, ConvNeXt's layer
+scale), a module traced with no input (BART's learned positions), rows and tokens
+flattened into one dim (OPT, refused), encoder-decoders (T5, BART), LayerNorm and
+BatchNorm CNNs (ConvNeXt, ResNet), and a model torch.fx traces (torch's
+TransformerEncoderLayer).
 """
 
 from __future__ import annotations
@@ -136,6 +137,12 @@ ZOO: dict[str, ZooModel] = {m.name: m for m in [
              _tokens, token_loss),
     # RMSNorm inlined into ops (`1 + weight`): bare parameters meeting rows through ops
     ZooModel("gemma", _seeded(_hf("GemmaConfig", "GemmaForCausalLM", head_dim=8, **_DECODER)),
+             _tokens, token_loss),
+    # adds in place into a module's output (`mlp_output += attention_output`)
+    ZooModel("falcon", _seeded(_hf("FalconConfig", "FalconForCausalLM", vocab_size=VOCAB,
+                                   hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                   new_decoder_architecture=False, multi_query=True,
+                                   bos_token_id=0, eos_token_id=0)),
              _tokens, token_loss),
     ZooModel("mixtral", _seeded(_hf("MixtralConfig", "MixtralForCausalLM", num_local_experts=4,
                                     num_experts_per_tok=2, **_DECODER)),
