@@ -103,8 +103,8 @@ def _unrealizable_message(problem: Problem, choice) -> str:
     return (f"every assignment needs a layout change that cannot be made: {src.name!r} "
             f"gives {' or '.join(gives)} and {dst.name!r} takes {' or '.join(takes)}"
             + (f" ({more} more such edges)" if more else "")
-            + "; the module executor of a torch.export graph changes layouts only where a "
-              "module hands its output on, not between two ops outside modules")
+            + "; an op outside modules of a torch.export graph runs on what each rank "
+              "holds (a module hands its output on split by rows) and cannot change layouts")
 
 
 # --- time units --------------------------------------------------------------------------
