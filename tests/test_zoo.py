@@ -23,7 +23,7 @@ KINDS = ("ddp", "fsdp", "tensor", "pipeline", "optimum")
 # kind -> models for which the planner refuses it, and a word of the reason it gives
 REFUSED = {  # decoder-only causal LMs are cut between blocks (a tied head: a copy per end)
     "pipeline": {**{name: "blocks" for name in ("bert", "albert", "t5", "convnext", "resnet",
-                                                "bart", "opt")},
+                                                "bart", "pegasus", "opt")},
                  "vit": "LM head"},
     # OPT reshapes [batch, seq, hidden] to [batch * seq, hidden] between ops, which no layout
     # of the module executor follows: refused naming the ops, not a traceback at run time

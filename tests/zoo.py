@@ -9,9 +9,9 @@ and grouped-query attention (Llama, Qwen2), a sliding-window mask (Mistral), an 
 add into a module's output (Falcon), an RMSNorm inlined into ops (Gemma), a mixture of
 experts (Mixtral), bare parameters (ViT's cls_token and position table, ConvNeXt's layer
 scale), a module traced with no input (BART's learned positions), rows and tokens
-flattened into one dim (OPT, refused), encoder-decoders (T5, BART), LayerNorm and
-BatchNorm CNNs (ConvNeXt, ResNet), and a model torch.fx traces (torch's
-TransformerEncoderLayer).
+flattened into one dim (OPT, refused), encoder-decoders (T5, BART, Pegasus: its
+positions called with a tuple first), LayerNorm and BatchNorm CNNs (ConvNeXt, ResNet),
+and a model torch.fx traces (torch's TransformerEncoderLayer).
 """
 
 from __future__ import annotations
@@ -168,6 +168,14 @@ ZOO: dict[str, ZooModel] = {m.name: m for m in [
                                  decoder_ffn_dim=64, max_position_embeddings=SEQ * 2,
                                  pad_token_id=0, bos_token_id=0, eos_token_id=0,
                                  decoder_start_token_id=0)),
+             _seq2seq, token_loss, inputs=3),
+    # sinusoidal positions called with a tuple first, the traced tensor as a keyword
+    ZooModel("pegasus", _seeded(_hf("PegasusConfig", "PegasusForConditionalGeneration",
+                                    vocab_size=VOCAB, d_model=32, encoder_layers=1,
+                                    decoder_layers=1, encoder_attention_heads=4,
+                                    decoder_attention_heads=4, encoder_ffn_dim=64,
+                                    decoder_ffn_dim=64, max_position_embeddings=SEQ * 2,
+                                    pad_token_id=0, eos_token_id=0, decoder_start_token_id=0)),
              _seq2seq, token_loss, inputs=3),
     # flattens rows and tokens into one dim ([batch * seq, hidden]) between ops
     ZooModel("opt", _seeded(_hf("OPTConfig", "OPTForCausalLM", vocab_size=VOCAB, hidden_size=32,
