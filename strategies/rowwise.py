@@ -39,12 +39,14 @@ ROW_LOCAL = {
     "index_select", "softmax", "log_softmax", "_softmax", "_log_softmax", "cumsum", "diff",
     "sum", "mean", "amax", "amin", "var", "transpose", "swapaxes", "permute", "t",
     "gather", "index", "triu", "tril", "repeat_interleave", "roll", "flip",
+    "linalg_vector_norm", "norm", "pad", "constant_pad_nd",
 }
 # ops whose `dim` argument must not be 0 (the batch); the others above are checked on shape
 _DIM_ARG = {
     "split", "split_with_sizes", "chunk", "unbind", "select", "narrow", "index_select",
     "softmax", "log_softmax", "_softmax", "_log_softmax", "cumsum", "diff", "sum", "mean",
     "amax", "amin", "var", "cat", "stack", "gather", "roll", "flip", "slice",
+    "linalg_vector_norm", "norm",
 }
 # where each op's dim arguments sit (positional index, default when left out)
 _DIM_POSITIONS = {
@@ -56,7 +58,11 @@ _DIM_POSITIONS = {
     "diff": ((2, -1),), "sum": ((1, None),), "mean": ((1, None),), "amax": ((1, None),),
     "amin": ((1, None),), "var": ((1, None),), "cat": ((1, 0),), "stack": ((1, 0),),
     "gather": ((1, None),), "roll": ((2, None),), "flip": ((1, None),), "slice": ((1, 0),),
+    "linalg_vector_norm": ((2, None),), "norm": ((2, None),),
 }
+# F.pad's amounts come in pairs from the last dim backwards (MobileNetV2's and Swin's pads
+# of height and width): it keeps the rows unless a pair reaches dim 0 and is not zero
+_PADS = {"pad", "constant_pad_nd"}
 _EXTRA: set[str] = set()
 
 
@@ -107,6 +113,10 @@ def keeps_rows(layer: Layer, batch: int) -> bool:
         return bool(dims) and 0 not in dims
     if kind == "getitem":
         return attrs.get("index_keeps_rows", True)
+    if kind in _PADS:
+        args = attrs.get("int_args", ())
+        pads = args[1] if len(args) > 1 else attrs.get("int_kwargs", {}).get("pad")
+        return isinstance(pads, tuple) and (len(pads) < 2 * ndim or not any(pads[-2:]))
     return True
 
 
