@@ -25,8 +25,8 @@ class PaddedNormed(nn.Module):
         h = self.conv(F.pad(x, (0, 1, 0, 1)))
         grn = h / torch.linalg.vector_norm(h, ord=2, dim=(2, 3), keepdim=True)
         zero_rows = F.pad(grn, (1, 1, 0, 0, 0, 0, 0, 0))  # every pair given, dim 0's zero
-        across = torch.linalg.vector_norm(zero_rows, dim=(0, 1), keepdim=True).expand_as(zero_rows)
-        more_rows = F.pad(zero_rows + across, (0, 0, 0, 0, 0, 0, 1, 1))
+        across = torch.linalg.vector_norm(zero_rows, dim=(0, 1), keepdim=True)
+        more_rows = F.pad(zero_rows + across.expand_as(zero_rows), (0, 0, 0, 0, 0, 0, 1, 1))
         return more_rows[1:-1]
 
 
