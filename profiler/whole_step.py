@@ -55,8 +55,7 @@ def whole_step_s(model: nn.Module, example_inputs, example_kwargs: dict, batch: 
         def step():
             for p in params:
                 p.grad = None  # zero_grad's default: each step writes fresh gradients
-            out = _first_float(model(*args, **kwargs))
-            torch.log_softmax(out.float(), -1).mean().backward()
+            _step_loss(model, args, kwargs).backward()
 
         try:
             return timer(step)
@@ -141,7 +140,7 @@ def _measure_split(model, example_inputs, example_kwargs, batch, rows, clock,
             for p in params:
                 p.grad = None
             leaves.clear()
-            loss = torch.log_softmax(_first_float(model(*args, **kwargs)).float(), -1).mean()
+            loss = _step_loss(model, args, kwargs)
             if split:
                 _, groups = stage_backward_input([loss], [None], leaves, iter(params))
                 stage_backward_weight(iter(params), groups)
@@ -152,13 +151,8 @@ def _measure_split(model, example_inputs, example_kwargs, batch, rows, clock,
         hooks = [m.register_forward_hook(first_float) for m in model.modules()
                  if not any(True for _ in m.children())]
         try:
-            begin = clock()
-            step(False), step(True)  # warm-up
-            # at least 3 pairs, but one where a pair outlasts a third of the budget (a
-            # large model on a CPU: planning already ran its step 6 times for the glue)
-            least = 3 if clock() - begin < budget_s / 3 else 1
-            t = medians_in_rounds({"plain": lambda: step(False), "split": lambda: step(True)},
-                                  clock, least, budget_s)
+            t = _warm_medians({"plain": lambda: step(False), "split": lambda: step(True)},
+                              clock, budget_s)
         except Exception:  # noqa: BLE001 - priced as a plain backward
             return 1.0
         finally:
@@ -194,22 +188,16 @@ def forward_share(model: nn.Module, example_inputs, example_kwargs: dict, batch:
 def _measure_share(model, example_inputs, example_kwargs, batch, rows, clock,
                    budget_s) -> float:
     with _rows_of(model, example_inputs, example_kwargs, batch, rows) as (args, kwargs, params):
-        def forward():
-            return torch.log_softmax(_first_float(model(*args, **kwargs)).float(), -1).mean()
-
         def step(backward: bool):
             for p in params:
                 p.grad = None
-            loss = forward()
+            loss = _step_loss(model, args, kwargs)
             if backward:
                 loss.backward()
 
         try:
-            begin = clock()
-            step(False), step(True)  # warm-up
-            least = 3 if clock() - begin < budget_s / 3 else 1
-            t = medians_in_rounds({"alone": lambda: step(False), "whole": lambda: step(True)},
-                                  clock, least, budget_s)
+            t = _warm_medians({"alone": lambda: step(False), "whole": lambda: step(True)},
+                              clock, budget_s)
         except Exception:  # noqa: BLE001 - priced at a third
             return 1 / 3
     return min(SHARE_RANGE[1], max(SHARE_RANGE[0], t["alone"] / t["whole"]))
@@ -223,6 +211,23 @@ def _first_float(output) -> torch.Tensor:
         if isinstance(leaf, torch.Tensor) and leaf.is_floating_point() and leaf.requires_grad:
             return leaf
     raise ValueError("no floating-point output that needs a gradient")
+
+
+def _step_loss(model: nn.Module, args, kwargs) -> torch.Tensor:
+    """A loss over the output's last dim, as a classifier's or a language model's
+    cross-entropy costs: what every timed step here puts on the model's output."""
+    return torch.log_softmax(_first_float(model(*args, **kwargs)).float(), -1).mean()
+
+
+def _warm_medians(steps: dict, clock, budget_s: float) -> dict:
+    """`medians_in_rounds` of `steps` after one warm-up call of each: at least 3 rounds,
+    one where the warm-up outlasts a third of the budget (a large model on a CPU:
+    planning already ran its step 6 times for the glue)."""
+    begin = clock()
+    for step in steps.values():
+        step()
+    least = 3 if clock() - begin < budget_s / 3 else 1
+    return medians_in_rounds(steps, clock, least, budget_s)
 
 
 def glue_factor(step_s: float | None, layers_s: float) -> float:
