@@ -124,25 +124,39 @@ def partial_outside_modules(layers: list[LayerPlan], paths: dict[str, str | None
     taking rows sums what it hands back itself (its pre-hook), so it ends the walk. Left
     unsummed, Gemma's norm weights moved by half their value apart from one process's
     after 3 steps."""
-    readers: dict[str, list[LayerPlan]] = {}
-    for layer in layers:
-        for src in layer.inputs:
-            readers.setdefault(src, []).append(layer)
-
-    def reaches_rows(node: str, seen: frozenset = frozenset()) -> bool:
-        for r in readers.get(node, []):
-            if paths[r.node] is not None or r.node in seen:
-                continue
-            if Layout(r.input_layout) == Layout.BATCH or reaches_rows(r.node, seen | {r.node}):
-                return True
-        return False
-
+    readers = _readers(layers)
     return {name for layer in layers
             if paths[layer.node] is None and layer.params
             and layer.strategy not in ("data_parallel", "sequence_parallel")
             and Layout(layer.output_layout) in (Layout.REPLICATE, Layout.REPLICATE_PARTIAL_GRAD)
-            and reaches_rows(layer.node)
+            and _meets_rows(layer.node, readers, paths, at_modules=False)
             for name in layer.params}
+
+
+def _readers(layers: list[LayerPlan]) -> dict[str, list[LayerPlan]]:
+    """{node: the layers that read its output}."""
+    readers: dict[str, list[LayerPlan]] = {}
+    for layer in layers:
+        for src in layer.inputs:
+            readers.setdefault(src, []).append(layer)
+    return readers
+
+
+def _meets_rows(node: str, readers: dict, paths: dict[str, str | None], at_modules: bool,
+                seen: frozenset = frozenset()) -> bool:
+    """Does `node`'s value meet rows split across ranks, directly or through ops outside
+    modules: at a reader that takes rows, an op, or with `at_modules` a module too? The
+    walk goes on through ops only (a module that takes it whole, model-parallel say, sums
+    its own partials: not a split of rows)."""
+    for r in readers.get(node, []):
+        module = paths[r.node] is not None
+        if r.node in seen or (module and not at_modules):
+            continue
+        if Layout(r.input_layout) == Layout.BATCH:
+            return True
+        if not module and _meets_rows(r.node, readers, paths, at_modules, seen | {r.node}):
+            return True
+    return False
 
 
 def apply_module_layouts(model: nn.Module, layers: list[LayerPlan], inputs, outputs,
@@ -157,10 +171,7 @@ def apply_module_layouts(model: nn.Module, layers: list[LayerPlan], inputs, outp
     do not split over the mesh (planner.handback)."""
     gives = {i.name: (Layout(i.layout), i.shape) for i in inputs}
     gives.update({l.node: (Layout(l.output_layout), l.output_shape) for l in layers})
-    readers: dict[str, list[LayerPlan]] = {}
-    for layer in layers:
-        for src in layer.inputs:
-            readers.setdefault(src, []).append(layer)
+    readers = _readers(layers)
     outputs = set(outputs)
     held = output_layout(batch, mesh.size())
 
@@ -197,25 +208,13 @@ def apply_module_layouts(model: nn.Module, layers: list[LayerPlan], inputs, outp
         handed[layer.node] = outside.pop() if outside else own
     for i in inputs:
         handed[i.name] = Layout(i.layout)
-
-    def rows_downstream(node: str, seen: frozenset = frozenset()) -> bool:
-        """Does a value without the batch (a position table) meet rows split across ranks,
-        directly or through ops outside modules? Then its gradient is a per-rank partial."""
-        for r in readers.get(node, []):
-            if r.node in seen:
-                continue
-            if Layout(r.input_layout) == Layout.BATCH:  # a reader that splits rows
-                return True
-            # or through ops outside modules to one (a model-parallel reader takes it
-            # whole and sums its own partials: not a split of rows)
-            if paths[r.node] is None and rows_downstream(r.node, seen | {r.node}):
-                return True
-        return False
-
-    for layer in layers:  # sum such gradients where the value leaves its module
+    # a module's output without the batch (a position table) that meets rows: its gradient
+    # is a per-rank partial, summed where the value leaves its module
+    for layer in layers:
         shape = layer.output_shape
         if (paths[layer.node] is not None and handed[layer.node] == Layout.REPLICATE
-                and (not shape or shape[0] != batch) and rows_downstream(layer.node)):
+                and (not shape or shape[0] != batch)
+                and _meets_rows(layer.node, readers, paths, at_modules=True)):
             handed[layer.node] = Layout.REPLICATE_PARTIAL_GRAD
     for layer in layers:  # ops outside modules cannot change layouts
         # (one that reads only its input's dtype and device reads any layout as it is)

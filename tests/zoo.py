@@ -103,6 +103,13 @@ _DECODER = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidd
                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ * 2,
                 bos_token_id=0, eos_token_id=0, pad_token_id=0)
 
+# BART's and Pegasus's layout: one encoder and one decoder layer
+_ENCODER_DECODER = dict(vocab_size=VOCAB, d_model=32, encoder_layers=1, decoder_layers=1,
+                        encoder_attention_heads=4, decoder_attention_heads=4,
+                        encoder_ffn_dim=64, decoder_ffn_dim=64,
+                        max_position_embeddings=SEQ * 2, pad_token_id=0, eos_token_id=0,
+                        decoder_start_token_id=0)
+
 
 class TorchEncoderClassifier(nn.Module):
     """torch's own TransformerEncoderLayer (fx keeps it whole), a learned position table (a
@@ -162,20 +169,11 @@ ZOO: dict[str, ZooModel] = {m.name: m for m in [
              _seq2seq, token_loss, inputs=3),
     # learned positions: a module traced with no input (an arange as long as its ids)
     ZooModel("bart", _seeded(_hf("BartConfig", "BartForConditionalGeneration",
-                                 vocab_size=VOCAB, d_model=32, encoder_layers=1,
-                                 decoder_layers=1, encoder_attention_heads=4,
-                                 decoder_attention_heads=4, encoder_ffn_dim=64,
-                                 decoder_ffn_dim=64, max_position_embeddings=SEQ * 2,
-                                 pad_token_id=0, bos_token_id=0, eos_token_id=0,
-                                 decoder_start_token_id=0)),
+                                 bos_token_id=0, **_ENCODER_DECODER)),
              _seq2seq, token_loss, inputs=3),
     # sinusoidal positions called with a tuple first, the traced tensor as a keyword
     ZooModel("pegasus", _seeded(_hf("PegasusConfig", "PegasusForConditionalGeneration",
-                                    vocab_size=VOCAB, d_model=32, encoder_layers=1,
-                                    decoder_layers=1, encoder_attention_heads=4,
-                                    decoder_attention_heads=4, encoder_ffn_dim=64,
-                                    decoder_ffn_dim=64, max_position_embeddings=SEQ * 2,
-                                    pad_token_id=0, eos_token_id=0, decoder_start_token_id=0)),
+                                    **_ENCODER_DECODER)),
              _seq2seq, token_loss, inputs=3),
     # flattens rows and tokens into one dim ([batch * seq, hidden]) between ops
     ZooModel("opt", _seeded(_hf("OPTConfig", "OPTForCausalLM", vocab_size=VOCAB, hidden_size=32,
