@@ -26,9 +26,10 @@ from torch.utils import _pytree as pytree
 from executor.inputs import main_input
 from executor.styles import (MeanOverRanks, Reshard, broadcast_replicated,
                              data_parallel_over, params_of, placement, tensor_parallel_style)
-from planner.price import READS_METADATA_ONLY, rows_visible
+from planner.price import READS_METADATA_ONLY
 from planner.handback import output_layout
 from planner.plan import LayerPlan, Plan
+from profiler.graph import rows_in_dim0
 from strategies.layouts import Layout
 
 
@@ -169,16 +170,17 @@ def apply_module_layouts(model: nn.Module, layers: list[LayerPlan], inputs, outp
     layers', executor.hf_stages); the layouts are derived from all of `layers`. Returns
     the layout the model's code holds module outputs in: rows, or whole where the rows
     do not split over the mesh (planner.handback)."""
-    gives = {i.name: (Layout(i.layout), i.shape) for i in inputs}
-    gives.update({l.node: (Layout(l.output_layout), l.output_shape) for l in layers})
+    gives = {i.name: (Layout(i.layout), i.shape, None) for i in inputs}
+    gives.update({l.node: (Layout(l.output_layout), l.output_shape, l.row_factor)
+                  for l in layers})
     readers = _readers(layers)
     outputs = set(outputs)
     held = output_layout(batch, mesh.size())
 
     def wanted(src: str, reader: LayerPlan) -> Layout:
         want = Layout(reader.input_layout)
-        shape = gives[src][1]
-        if want == Layout.BATCH and (not shape or shape[0] != batch):
+        _, shape, factor = gives[src]
+        if want == Layout.BATCH and not rows_in_dim0(shape, batch, factor):
             return Layout.REPLICATE_PARTIAL_GRAD
         return want
 
@@ -196,7 +198,8 @@ def apply_module_layouts(model: nn.Module, layers: list[LayerPlan], inputs, outp
         # element-wise ops between modules take it so outside modules
         takes = {Layout(r.input_layout) for r in readers.get(layer.node, [])}
         local = takes == {Layout.FEATURE} and held != Layout.BATCH
-        if layer.node in outputs or (rows_visible(layer.output_shape, batch) and not local):
+        if layer.node in outputs or (rows_in_dim0(layer.output_shape, batch, layer.row_factor)
+                                     and not local):
             # a module's output is what the model's own code holds next: it may read its
             # sizes to shape another tensor (`hidden_states.shape[0]` to view q, k, v), so
             # every batch-sized tensor the code sees is split by rows alike (or whole
@@ -211,9 +214,8 @@ def apply_module_layouts(model: nn.Module, layers: list[LayerPlan], inputs, outp
     # a module's output without the batch (a position table) that meets rows: its gradient
     # is a per-rank partial, summed where the value leaves its module
     for layer in layers:
-        shape = layer.output_shape
         if (paths[layer.node] is not None and handed[layer.node] == Layout.REPLICATE
-                and (not shape or shape[0] != batch)
+                and not rows_in_dim0(layer.output_shape, batch, layer.row_factor)
                 and _meets_rows(layer.node, readers, paths, at_modules=True)):
             handed[layer.node] = Layout.REPLICATE_PARTIAL_GRAD
     for layer in layers:  # ops outside modules cannot change layouts

@@ -41,7 +41,8 @@ def assemble(graph, cluster: Cluster, optimizer: str, choices: Choices, solution
             continue
         layers.append(LayerPlan(
             name=layer.name, node=layer.node, kind=layer.kind,
-            output_shape=list(layer.output.shape), strategy=split_name(strategy.name)[0],
+            output_shape=list(layer.output.shape),
+            row_factor=layer.output.row_factor, strategy=split_name(strategy.name)[0],
             input_layout=strategy.takes.value, output_layout=strategy.gives.value,
             model_parallel=strategy.model_parallel, compute_s=cost.compute_s,
             communication_s=cost.communication_s, update_s=cost.update_s,

@@ -45,6 +45,9 @@ class LayerPlan(_Data):
     node: str = Field(description="the torch.fx node name the executor matches")
     kind: str = Field(description="module class or function name")
     output_shape: list[int] = Field(description="global shape of the layer's output")
+    row_factor: int | None = Field(None, description="how dim 0 of the output holds the "
+                                   "batch: 1 the batch, k batch x k merged, 0 no batch, "
+                                   "None not known (profiler.graph.TensorMeta.row_factor)")
     strategy: str
     input_layout: str
     output_layout: str

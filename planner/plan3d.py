@@ -158,7 +158,8 @@ def to_plan(graph, cluster: Cluster, optimizer: str, budget: float, result: Sear
         sync = float(opts.step_s[c]) - upd
         layers.append(LayerPlan(
             name=layer.name, node=layer.node, kind=layer.kind,
-            output_shape=list(layer.output.shape), strategy=strategy.name,
+            output_shape=list(layer.output.shape),
+            row_factor=layer.output.row_factor, strategy=strategy.name,
             input_layout=strategy.takes.value, output_layout=strategy.gives.value,
             model_parallel=strategy.model_parallel, compute_s=cost.compute_s * m,
             communication_s=per_mb_comm * m + sync, update_s=upd,

@@ -213,16 +213,9 @@ def batch_free_takes(producer: Layer, takes: Layout, batch: int) -> Layout:
     """A tensor without the batch in dim 0 (a positional embedding, a mask) that meets a
     layer split by rows is broadcast to every rank's rows, not split: it stays whole, and
     its gradient, summed over each rank's rows, is all-reduced (as REPLICATE_PARTIAL_GRAD)."""
-    shape = producer.output.shape
-    if takes == Layout.BATCH and (not shape or shape[0] != batch):
+    if takes == Layout.BATCH and not producer.output.has_rows(batch):
         return Layout.REPLICATE_PARTIAL_GRAD
     return takes
-
-
-def rows_visible(shape, batch: int) -> bool:
-    """A module's output the model's own code sees split by rows (torch.export graphs,
-    executor.modules): it has the batch in dim 0."""
-    return bool(shape) and shape[0] == batch
 
 
 def time_shared(cluster: Cluster) -> bool:
@@ -276,7 +269,7 @@ def edge_kind(producer: Layer, gives, consumer: Layer, strategies, rows: int, ra
     if consumer.op != "call_module" and consumer.kind in READS_METADATA_ONLY:
         route = "metadata"
     elif tracer == "export":
-        if producer.op == "call_module" and rows_visible(producer.output.shape, rows):
+        if producer.op == "call_module" and producer.output.has_rows(rows):
             route = "through_rows"
         elif producer.op != "call_module" and consumer.op != "call_module":
             route = "export"
@@ -324,9 +317,10 @@ def _unrealizable(kind: EdgeKind) -> np.ndarray:
 
 def _through_rows(kind: EdgeKind, link: LinkSpec, overhead: float) -> np.ndarray:
     """The edge out of a module of a torch.export graph: its output is handed on split by
-    rows (rows_visible) and each reader changes it to what it takes from there; an op
-    outside modules cannot change it, so it takes the rows or nothing; or, where the rows
-    are whole, each rank's feature shard for a reader that takes it feature-split."""
+    rows (it has them in dim 0: TensorMeta.has_rows) and each reader changes it to what
+    it takes from there; an op outside modules cannot change it, so it takes the rows or
+    nothing; or, where the rows are whole, each rank's feature shard for a reader that
+    takes it feature-split."""
     held = output_layout(kind.rows, kind.ranks)  # rows, or whole where they do not split
     out = edge_matrix(list(kind.gives), [held], kind.nbytes, kind.ranks, link,
                       backward=kind.backward, reshard_overhead_s=overhead)

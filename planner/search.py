@@ -225,12 +225,14 @@ def _signature(layer: Layer) -> tuple:
 
 
 def _scaled(layer: Layer, batch: int, rows: int) -> Layer:
-    """The layer on `rows` of the batch: shapes, bytes and FLOPs of batch-sized outputs scale."""
+    """The layer on `rows` of the batch: shapes, bytes and FLOPs of outputs that hold the
+    batch in dim 0 scale (dim 0 to `rows` times its row factor)."""
     out = layer.output
-    if not out.shape or out.shape[0] != batch or rows == batch:
+    if not out.has_rows(batch) or rows == batch:
         return layer
     f = rows / batch
-    output = replace(out, shape=(rows, *out.shape[1:]), nbytes=int(out.nbytes * f))
+    output = replace(out, shape=(out.shape[0] * rows // batch, *out.shape[1:]),
+                     nbytes=int(out.nbytes * f))
     attrs = layer.attrs
     if "traffic" in attrs:  # the batch's bytes scale, the weights' do not
         attrs = {**attrs, "traffic": {p: scaled_rows(t, f) for p, t in attrs["traffic"].items()}}

@@ -26,6 +26,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from profiler.blocks import decoder_blocks
 from profiler.graph import Layer, ModelGraph, TensorMeta, canonical_names, count_once
+from profiler.row_factors import in_order, row_factors
 from profiler.trace import TraceError, _module_attrs, call_facts, fingerprint_modules
 from profiler.traffic import COUNTED, layer_traffic, traffic, with_float16
 
@@ -159,6 +160,7 @@ def graph_of_program(model: nn.Module, program: torch.export.ExportedProgram, ar
     modules = dict(model.named_modules())
     user_inputs = set(program.graph_signature.user_inputs)
     group, members, order = group_ops(program, model, unit_types)
+    factors = row_factors(model, args, kwargs, batch, program)
     # what each op's memory-bound kernels move under each precision (GPU pricing reads it)
     moved = {p: traffic(program, p, batch) for p in COUNTED}
 
@@ -189,7 +191,7 @@ def graph_of_program(model: nn.Module, program: torch.export.ExportedProgram, ar
                             else stack[-1][0] if stack else "")
         srcs = [src for n in nodes for src in n.all_input_nodes
                 if src.name not in inside and not (src.op == "placeholder" and src.name not in user_inputs)]
-        layer = _export_layer(key, nodes, out, srcs, modules, batch)
+        layer = _export_layer(key, nodes, out, srcs, modules, factors)
         per_precision = with_float16({p: layer_traffic(m, nodes).as_attr()
                                       for p, m in moved.items()})
         layer = replace(layer, attrs={**layer.attrs, "traffic": per_precision})
@@ -215,7 +217,7 @@ def graph_of_program(model: nn.Module, program: torch.export.ExportedProgram, ar
             src = by_name[src_name]
             inputs.extend(r for r in resolve(src) if r != layer.node)
         fixed.append(replace(layer, inputs=tuple(dict.fromkeys(inputs))))
-    layers = _mark_between_modules(fixed)
+    layers = _mark_between_modules(in_order(fixed, batch))
 
     output_node = next(n for n in graph.nodes if n.op == "output")
     outputs = []
@@ -255,24 +257,27 @@ def _mark_between_modules(layers: list[Layer]) -> list[Layer]:
 
 
 def _export_layer(key: str, nodes: list[fx.Node], out: fx.Node, srcs: list[fx.Node],
-                  modules: dict, batch: int) -> Layer:
-    value = out.meta["val"]
+                  modules: dict, factors: dict[str, int]) -> Layer:
+    """`factors`: profiler.row_factors of the program's nodes (how dim 0 holds the batch)."""
+    output = TensorMeta.of(out.meta["val"], factors.get(out.name))
     inputs = tuple(dict.fromkeys(s.name for s in srcs))
     path = key.split("#")[0]
     if path in modules and nodes[0].op != "placeholder":
         module = modules[path]
         return Layer(name=key, node=out.name, op="call_module", kind=type(module).__name__,
-                     inputs=inputs, output=TensorMeta.of(value), module_type=type(module),
+                     inputs=inputs, output=output, module_type=type(module),
                      attrs=_module_attrs(module))
     if nodes[0].op == "placeholder":
         return Layer(name=key, node=out.name, op="placeholder", kind="input", inputs=(),
-                     output=TensorMeta.of(value))
-    shapes = tuple(tuple(s.meta["val"].shape) for s in out.all_input_nodes
-                   if isinstance(s.meta.get("val"), torch.Tensor))
+                     output=output)
+    tensors = [s for s in out.all_input_nodes if isinstance(s.meta.get("val"), torch.Tensor)]
+    shapes = tuple(tuple(s.meta["val"].shape) for s in tensors)
     attrs = call_facts(out, shapes[0] if shapes else None)
     attrs["in_shapes"] = shapes
+    if factors:  # strategies.rowwise reads where the rows came from
+        attrs["in_row_factors"] = tuple(factors.get(s.name) for s in tensors)
     return Layer(name=key, node=out.name, op="call_function", kind=_kind(out), inputs=inputs,
-                 output=TensorMeta.of(value), attrs=attrs)
+                 output=output, attrs=attrs)
 
 
 def _params_read(key: str, nodes: list[fx.Node], modules: dict, read: dict[str, str],

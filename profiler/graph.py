@@ -19,16 +19,36 @@ class TensorMeta:
     shape: tuple[int, ...]
     dtype: str
     nbytes: int
+    # how dim 0 holds the batch, where the tracer knows it (torch.export with a dynamic
+    # batch, profiler.row_factors): 1: dim 0 is the batch; k > 1: the batch's rows with k
+    # entries each, one row's together (OPT's `reshape(-1, hidden)`: batch x tokens;
+    # BLOOM's attention: batch x heads); 0: dim 0 is not the batch (a table, a mask, a
+    # size that equals the batch by chance). None: not known (torch.fx graphs), a dim 0
+    # equal to the batch is taken for it (`rows_in_dim0`)
+    row_factor: int | None = None
 
     @staticmethod
-    def of(t: torch.Tensor) -> "TensorMeta":
+    def of(t: torch.Tensor, row_factor: int | None = None) -> "TensorMeta":
         return TensorMeta(tuple(t.shape), str(t.dtype).removeprefix("torch."),
-                          t.numel() * t.element_size())
+                          t.numel() * t.element_size(), row_factor)
+
+    def has_rows(self, batch: int) -> bool:
+        return rows_in_dim0(self.shape, batch, self.row_factor)
 
     @property
     def feature_dim(self) -> int:
         """The dim a feature-sharded layout splits: channels of an NCHW map, else the last."""
         return 1 if len(self.shape) == 4 else len(self.shape) - 1
+
+
+def rows_in_dim0(shape, batch: int, row_factor: int | None) -> bool:
+    """Does dim 0 of a tensor of `shape` carry the `batch` rows, alone or merged with the
+    dims after it (`TensorMeta.row_factor`)? Splitting dim 0 evenly then splits the
+    batch: each rank's part is its rows' entries, as the model's own code makes them from
+    its rows. A plan's layer carries the same two (LayerPlan.output_shape, .row_factor)."""
+    if row_factor is None:
+        return bool(shape) and shape[0] == batch
+    return row_factor > 0 and bool(shape) and shape[0] == batch * row_factor
 
 
 @dataclass(frozen=True)

@@ -462,8 +462,9 @@ def measure_shards(graph: ModelGraph, parts: int, rows: int,
             continue
         source = graph.layer(layer.inputs[0]).output
         shape = source.shape
-        if not shape or shape[0] != graph.batch_size:
+        if not source.has_rows(graph.batch_size):
             continue
+        per_row = shape[0] // graph.batch_size  # the rows merged with the next dims (OPT's MLP)
         if isinstance(module, (nn.Linear, nn.Conv2d)):
             splits = ("whole", "out", "in") if parts > 1 else ("whole",)
         elif (source.dtype == "float32" and not any(True for _ in module.children())
@@ -486,8 +487,8 @@ def measure_shards(graph: ModelGraph, parts: int, rows: int,
             cases[split] = (shard, tuple(in_shape))
         if "whole" not in cases:
             continue
-        if rows != shape[0]:
-            cases["rows"] = (cases["whole"][0], (rows, *shape[1:]))
+        if rows * per_row != shape[0]:
+            cases["rows"] = (cases["whole"][0], (rows * per_row, *shape[1:]))
         key = ("shards", tuple((split, repr(m), s) for split, (m, s) in cases.items()),
                input_grad, torch.get_num_threads())
         if key not in _TIMES:

@@ -349,7 +349,7 @@ def _rowwise(layer: Layer, batch: int) -> bool:
     if layer.module_type is None:
         return keeps_rows(layer, batch)
     known = issubclass(layer.module_type, _ROWWISE_MODULES) or _flagged(layer, _ROWWISE)
-    return known and bool(layer.output.shape) and layer.output.shape[0] == batch
+    return known and layer.output.has_rows(batch)
 
 
 def _featurewise(layer: Layer) -> bool:
@@ -363,10 +363,9 @@ def _featurewise(layer: Layer) -> bool:
 
 
 def _rows_split(layer: Layer, ctx: CostContext) -> bool:
-    """The output's dim 0 is the batch and splits evenly: a reduce-scatter may hand each
+    """The output's dim 0 holds the batch and splits evenly: a reduce-scatter may hand each
     rank its rows (of a tensor without the batch in dim 0 it would split something else)."""
-    shape = layer.output.shape
-    return bool(shape) and shape[0] == ctx.batch and ctx.batch % ctx.ranks == 0
+    return layer.output.has_rows(ctx.batch) and ctx.batch % ctx.ranks == 0
 
 
 def _features(layer: Layer) -> int:
@@ -451,7 +450,8 @@ def candidates(layer: Layer, ctx: CostContext) -> list[Strategy]:
         options = [DataParallel(), Replicate()]
         if layer.module_type is not None:
             for module_type, extra in _REGISTRY.items():
-                if matches(layer.module_type, module_type):
+                if matches(layer.module_type, module_type) and _keeps_forward(
+                        layer.module_type, module_type):
                     options.extend(extra)
         options.append(FeatureParallel())
         options.extend(_EVERY_LAYER)
@@ -461,7 +461,7 @@ def candidates(layer: Layer, ctx: CostContext) -> list[Strategy]:
         # an op reading a bare parameter (a cls_token, a position table) holds it whole:
         # its gradient is then a per-rank partial (rows split) or complete (replicated)
         usable = [s for s in usable if type(s) in (DataParallel, Replicate)]
-    if layer.op == "call_module" and not layer.inputs and layer.output.shape[:1] == (ctx.batch,):
+    if layer.op == "call_module" and not layer.inputs and layer.output.has_rows(ctx.batch):
         # traced with no input, it makes its rows from the arguments the model's code hands
         # it (BART's learned positions: an arange as long as its input_ids), which are each
         # rank's rows where they split: it runs on them. Planned replicated, its weight's
@@ -472,7 +472,16 @@ def candidates(layer: Layer, ctx: CostContext) -> list[Strategy]:
     return usable[:1] if ctx.ranks == 1 else usable
 
 
+def _keeps_forward(module_type: type, key: type | str) -> bool:
+    """Does `module_type` run the forward of the class its strategies were registered for?
+    A subclass with a forward of its own may build what the base layer reads from other
+    arguments, and a parallel style converts only the first: OPT's learned positions (an
+    Embedding) are called `(attention_mask, past, position_ids=...)` and embed the
+    keyword, and vocab-parallel on them met a plain tensor beside its DTensor weight."""
+    return not isinstance(key, type) or module_type.forward is key.forward
+
+
 def _batch_ok(layer: Layer, ctx: CostContext) -> bool:
     if layer.is_input:
-        return ctx.batch % ctx.ranks == 0 and layer.output.shape[:1] == (ctx.batch,)
+        return ctx.batch % ctx.ranks == 0 and layer.output.has_rows(ctx.batch)
     return DataParallel().applies(layer, ctx)

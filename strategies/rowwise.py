@@ -12,7 +12,8 @@ A user with an op of their own that is row-wise calls `register_rowwise("my_op")
 
 from __future__ import annotations
 
-from profiler.graph import Layer
+from profiler.graph import Layer, rows_in_dim0
+from profiler.row_factors import TILES, VIEWS
 
 # element-wise: every output element depends on the same element of each input
 ELEMENTWISE = {
@@ -22,7 +23,7 @@ ELEMENTWISE = {
     "float", "half", "bfloat16", "masked_fill", "eq", "ne", "lt", "le", "gt", "ge",
     "__and__", "__or__", "and_", "or_", "logical_and", "logical_or", "logical_not",
     "native_dropout", "alias", "detach", "_to_copy", "iadd", "getitem_tuple", "bitwise_and",
-    "bitwise_or", "cos", "sin", "reciprocal", "square", "clamp", "scalar_tensor",
+    "bitwise_or", "bitwise_not", "cos", "sin", "reciprocal", "square", "clamp", "scalar_tensor",
     "_assert_tensor_metadata", "lift_fresh_copy", "fill", "zeros_like", "ones_like",
     "full_like", "new_ones", "new_zeros",
     # factories sized from a batch tensor's shape: each rank makes its own rows
@@ -40,7 +41,10 @@ ROW_LOCAL = {
     "sum", "mean", "amax", "amin", "var", "transpose", "swapaxes", "permute", "t",
     "gather", "index", "triu", "tril", "repeat_interleave", "roll", "flip",
     "linalg_vector_norm", "norm", "pad", "constant_pad_nd",
+    # resizing a map's height and width (MobileViT's patches)
+    "interpolate", "upsample_bilinear2d", "upsample_nearest2d", "upsample_bicubic2d",
 }
+_BROADCASTS = {"getitem", "cat", "stack", "where", "expand", "expand_as"}
 # ops whose `dim` argument must not be 0 (the batch); the others above are checked on shape
 _DIM_ARG = {
     "split", "split_with_sizes", "chunk", "unbind", "select", "narrow", "index_select",
@@ -88,19 +92,29 @@ def register_rowwise(*names: str) -> None:
 
 
 def keeps_rows(layer: Layer, batch: int) -> bool:
-    """True when `layer`, a parameter-free op, maps each batch row to the same output row."""
+    """True when `layer`, a parameter-free op, maps each batch row to the same output row
+    (its entries, where dim 0 holds the rows merged with the dims after it:
+    profiler.graph.TensorMeta.row_factor)."""
     kind = layer.kind
     shape = layer.output.shape
-    if not shape or shape[0] != batch:
+    if not layer.output.has_rows(batch):
         return False
     if kind in ELEMENTWISE or kind in _EXTRA:
         return True
-    if kind not in ROW_LOCAL:
-        return False
     attrs = layer.attrs
     in_shape = attrs.get("in_shape")
-    if in_shape is not None and (not in_shape or in_shape[0] != batch):
-        return kind in ("getitem", "cat", "stack", "where", "expand", "expand_as")  # broadcasts
+    in_factor = (attrs.get("in_row_factors") or (None,))[0]
+    out_factor = layer.output.row_factor
+    if in_shape is not None and not rows_in_dim0(in_shape, batch, in_factor):
+        # rows made from a tensor without them: broadcast, or tiled by the batch's size
+        # where the tracer knows dim 0 is the rows (BLOOM's `alibi.repeat(batch, 1, 1)`)
+        return kind in _BROADCASTS or (in_factor == 0 and kind in TILES)
+    if kind not in ROW_LOCAL:
+        return False
+    if kind in VIEWS and out_factor is not None and in_factor is not None:
+        return True  # both carry rows: a view merges them with the next dims, or splits
+    if out_factor is not None and in_factor is not None and out_factor != in_factor:
+        return False  # dim 0 changed its make-up otherwise: not the same rows
     ndim = len(in_shape) if in_shape else len(shape)
     dims = [d % ndim if ndim else d for d in _dims(kind, attrs)]
     if kind in ("transpose", "swapaxes"):

@@ -129,7 +129,7 @@ class VocabParallel(Strategy):
     def applies(self, layer, ctx):
         rows_ok = self.gives != Layout.BATCH or ctx.batch % ctx.ranks == 0
         return layer.attrs.get("num_embeddings", 0) % ctx.ranks == 0 and rows_ok \
-            and bool(layer.output.shape) and layer.output.shape[0] == ctx.batch \
+            and layer.output.has_rows(ctx.batch) \
             and _tokens_ok(self.gives, layer, ctx)
 
     def cost(self, layer, ctx):

@@ -23,12 +23,8 @@ KINDS = ("ddp", "fsdp", "tensor", "pipeline", "optimum")
 # kind -> models for which the planner refuses it, and a word of the reason it gives
 REFUSED = {  # decoder-only causal LMs are cut between blocks (a tied head: a copy per end)
     "pipeline": {**{name: "blocks" for name in ("bert", "albert", "t5", "convnext", "resnet",
-                                                "bart", "pegasus", "opt")},
-                 "vit": "LM head"},
-    # OPT reshapes [batch, seq, hidden] to [batch * seq, hidden] between ops, which no layout
-    # of the module executor follows: refused naming the ops, not a traceback at run time
-    **{kind: {"opt": "'reshape_2' takes replicate"} for kind in ("ddp", "fsdp", "tensor",
-                                                                  "optimum")},
+                                                "bart", "pegasus", "opt", "swin")},
+                 "vit": "LM head", "bloom": "before its first block"},
 }
 RTOL, ATOL = 1e-5, 1e-6
 

@@ -8,8 +8,9 @@ Qwen2, BART), one layer's weights used by every block (ALBERT), rotary buffers, 
 and grouped-query attention (Llama, Qwen2), a sliding-window mask (Mistral), an in-place
 add into a module's output (Falcon), an RMSNorm inlined into ops (Gemma), a mixture of
 experts (Mixtral), bare parameters (ViT's cls_token and position table, ConvNeXt's layer
-scale), a module traced with no input (BART's learned positions), rows and tokens
-flattened into one dim (OPT, refused), encoder-decoders (T5, BART, Pegasus: its
+scale), a module traced with no input (BART's learned positions), rows folded into
+the next dim (OPT's rows x tokens, BLOOM's rows x heads beside per-head slopes as many as
+the rows, Swin's rows x windows), encoder-decoders (T5, BART, Pegasus: its
 positions called with a tuple first), LayerNorm and BatchNorm CNNs (ConvNeXt, ResNet),
 and a model torch.fx traces (torch's TransformerEncoderLayer).
 """
@@ -181,6 +182,12 @@ ZOO: dict[str, ZooModel] = {m.name: m for m in [
                                 max_position_embeddings=SEQ * 2, word_embed_proj_dim=32,
                                 pad_token_id=0, bos_token_id=0, eos_token_id=0)),
              _tokens, token_loss),
+    # ALiBi: per-head slopes (4 heads: as many as the batch's rows) tiled by the batch,
+    # attention over batch x heads folded into one dim
+    ZooModel("bloom", _seeded(_hf("BloomConfig", "BloomForCausalLM", vocab_size=VOCAB,
+                                  hidden_size=32, n_layer=2, n_head=4, pad_token_id=0,
+                                  bos_token_id=0, eos_token_id=0)),
+             _tokens, token_loss),
     ZooModel("vit", _seeded(_hf("ViTConfig", "ViTForImageClassification", image_size=IMAGE,
                                 patch_size=4, hidden_size=32, num_hidden_layers=2,
                                 num_attention_heads=4, intermediate_size=64,
@@ -189,6 +196,11 @@ ZOO: dict[str, ZooModel] = {m.name: m for m in [
     ZooModel("convnext", _seeded(_hf("ConvNextConfig", "ConvNextForImageClassification",
                                      num_stages=2, hidden_sizes=[8, 16], depths=[1, 1],
                                      num_labels=CLASSES, image_size=IMAGE)),
+             _images, class_loss),
+    # windows: batch x windows folded into one dim, and back
+    ZooModel("swin", _seeded(_hf("SwinConfig", "SwinForImageClassification", image_size=IMAGE,
+                                 patch_size=2, embed_dim=8, depths=[1, 1], num_heads=[2, 2],
+                                 window_size=4, num_labels=CLASSES)),
              _images, class_loss),
     ZooModel("resnet", _seeded(_hf("ResNetConfig", "ResNetForImageClassification",
                                    num_channels=3, embedding_size=8, hidden_sizes=[8, 16],
