@@ -49,8 +49,9 @@ def main() -> None:
     for name in args.models:
         entry = ZOO[name]
         started = time.perf_counter()
-        plans = random_plans(entry.make(), f"{args.ranks}xcpu", entry.batch(0)[:entry.inputs],
-                             args.per_model, args.seed)
+        inputs, kwargs = entry.example()
+        plans = random_plans(entry.make(), f"{args.ranks}xcpu", inputs, args.per_model,
+                             args.seed, kwargs=kwargs)
         jobs = [(name, str(i), plan.to_json()) for i, plan in enumerate(plans)]
         results = run_ranks(run_plans, args.ranks, jobs)
         expected = reference(entry)

@@ -1,7 +1,7 @@
 """Run a Plan: rewrite the module for this rank, feed it its part of the batch, train."""
 
 from executor.agree import PlanMismatch
-from executor.batch import RankBatch, shard_batch
+from executor.batch import RankBatch, shard_batch, shard_keywords
 from executor.monitor import Drift, StepMonitor, check_step_time
 from executor.parallelize import parallelize
 from executor.step import train_step
@@ -11,4 +11,4 @@ from executor.transformer_styles import full_parameters
 
 __all__ = ["Drift", "PlanMismatch", "RankBatch", "StepMonitor", "TrainResult",
            "check_step_time", "full_parameters", "parallelize", "register_style",
-           "shard_batch", "train", "train_step"]
+           "shard_batch", "shard_keywords", "train", "train_step"]

@@ -8,8 +8,10 @@ backward), so every plan kind trains through this one call:
     for batch in loader:                                 # (inputs..., targets...), global
         loss = executor.train_step(model, plan, batch, loss_fn, opt)
 
-`batch` is the whole global batch on every rank: its first len(plan.inputs) entries are the
-model's inputs, the rest the targets; `loss_fn(output, *targets)` is a mean over rows.
+`batch` is the whole global batch on every rank: its first len(plan.positional_inputs)
+entries are the model's inputs, the rest the targets; `loss_fn(output, *targets)` is a
+mean over rows. Keyword inputs the plan was traced with (`attention_mask=`) go in
+`forward_kwargs`, whole: each rank takes its rows of them as of the positional ones.
 
 The parallelized model already runs its forward in the plan's precision (autocast, fp32
 outputs: executor.precision), so the loss is fp32. Under fp16-mixed the step also scales
@@ -30,7 +32,7 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from executor.batch import shard_batch
+from executor.batch import shard_batch, shard_keywords
 from executor.precision import LossScaler
 from planner.handback import output_whole
 from planner.plan import Plan
@@ -40,7 +42,8 @@ def train_step(model: torch.nn.Module, plan: Plan, batch: Sequence, loss_fn: Cal
                optimizer: torch.optim.Optimizer, *, forward_kwargs: dict | None = None) -> float:
     """Forward, backward, gradient sync and optimizer step over the global `batch`; the
     loss returned is the mean over all its rows, the same on every rank. `forward_kwargs`:
-    keyword arguments of every forward, as the plan was traced with (`use_cache=False`)."""
+    keyword arguments of every forward, as the plan was traced with (`use_cache=False`,
+    or a whole batch's `attention_mask`, split by rows here: executor.batch.shard_keywords)."""
     if not isinstance(batch, (tuple, list)):
         raise ValueError("batch: pass a tuple (inputs..., targets...) of the global batch")
     scaler = loss_scaler(optimizer, plan)
@@ -82,8 +85,9 @@ def _scaled(loss: torch.Tensor, scaler) -> torch.Tensor:
 
 def _step_1d(model, plan: Plan, batch, loss_fn, scaler=None, forward_kwargs=None) -> float:
     local = shard_batch(plan, batch)
-    n = len(plan.inputs)
-    loss = loss_fn(model(*local[:n], **(forward_kwargs or {})), *local[n:])
+    n = len(plan.positional_inputs)
+    loss = loss_fn(model(*local[:n], **shard_keywords(plan, forward_kwargs or {})),
+                   *local[n:])
     _scaled(loss, scaler).backward()
     value = loss.detach().clone()
     dist.all_reduce(value)
@@ -108,7 +112,7 @@ def _microbatches(plan: Plan, value: torch.Tensor, dp_rank: int, tp_rank: int,
 
 
 def _step_3d(model, plan: Plan, batch, loss_fn, scaler=None) -> float:
-    n = len(plan.inputs)
+    n = len(plan.positional_inputs)
     dp_rank, tp_rank = model.dp_rank, model.tp_rank
     inputs = [_microbatches(plan, x.to(model.device), dp_rank, tp_rank,
                             split_tp=plan.inputs[i].layout == "batch")

@@ -37,7 +37,8 @@ def assemble(graph, cluster: Cluster, optimizer: str, choices: Choices, solution
         strategy, cost, layer = row.strategies[choice[i]], row.costs[choice[i]], row.layer
         if layer.is_input:
             inputs.append(InputPlan(name=layer.node, layout=strategy.gives.value,
-                                    shape=list(layer.output.shape)))
+                                    shape=list(layer.output.shape),
+                                    keyword=layer.node in graph.example_kwargs))
             continue
         layers.append(LayerPlan(
             name=layer.name, node=layer.node, kind=layer.kind,

@@ -38,6 +38,12 @@ def why_no_blocks(graph: ModelGraph) -> str:
     """'' when a pipeline may cut `graph` at its blocks, else why not, in a few words."""
     if not graph.blocks:
         return graph.no_blocks_why or f"{graph.model_name} has no transformer blocks recorded"
+    inputs = [l.name for l in graph.layers if l.is_input]
+    if len(inputs) > 1:
+        # executor.hf_stages: a stage is handed the token ids or the hidden states alone
+        return (f"{graph.model_name}'s pipeline stages take the token ids alone, and it is "
+                f"given {len(inputs)} inputs ({', '.join(inputs)}): a later stage would get "
+                f"no {inputs[1]}; pass the ids alone to pipeline it")
     seen = [block_of(graph.scopes.get(l.node, ""), graph.blocks) for l in graph.layers]
     order = [b for b in seen if b is not None]
     if sorted(set(order)) != list(range(len(graph.blocks))) or order != sorted(order):

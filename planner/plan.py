@@ -84,6 +84,9 @@ class InputPlan(_Data):
     name: str
     layout: str
     shape: list[int]
+    keyword: bool = Field(False, description="passed by keyword (example_kwargs: a padding "
+                          "mask `attention_mask=`): executor.train_step splits it from "
+                          "forward_kwargs as this layout says")
 
 
 class MeshPlan(_Data):
@@ -375,6 +378,12 @@ class Plan(_Data):
     @property
     def num_devices(self) -> int:
         return self.cluster.num_devices
+
+    @property
+    def positional_inputs(self) -> list[InputPlan]:
+        """The inputs a batch's leading entries are, in order (keyword ones come last in a
+        traced graph and are handed in forward_kwargs)."""
+        return [i for i in self.inputs if not i.keyword]
 
     @property
     def is_mesh_3d(self) -> bool:

@@ -152,7 +152,8 @@ def to_plan(graph, cluster: Cluster, optimizer: str, budget: float, result: Sear
         update[r] += upd
         if layer.is_input:
             inputs.append(InputPlan(name=layer.node, layout=strategy.gives.value,
-                                    shape=list(layer.output.shape)))
+                                    shape=list(layer.output.shape),
+                                    keyword=layer.node in graph.example_kwargs))
             continue
         per_mb_comm = float(opts.microbatch_s[c]) - cost.compute_s
         sync = float(opts.step_s[c]) - upd

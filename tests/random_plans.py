@@ -23,9 +23,10 @@ from planner.plan import Plan
 
 
 def random_plans(model, devices: str, inputs, count: int, seed: int,
-                 optimizer: str = "sgd") -> list[Plan]:
-    """`count` random feasible plans of `model` on `devices` (duplicates dropped)."""
-    graph, cluster = profiled_graph(model, devices, inputs, measure=False)
+                 optimizer: str = "sgd", kwargs: dict | None = None) -> list[Plan]:
+    """`count` random feasible plans of `model` on `devices` (duplicates dropped);
+    `kwargs`: its keyword inputs."""
+    graph, cluster = profiled_graph(model, devices, inputs, kwargs, measure=False)
     choices = layer_choices(graph, cluster, optimizer, None)
     problem = choices.problem
     rng = np.random.default_rng(seed)

@@ -100,3 +100,27 @@ def test_shard_batch_checks_the_global_batch():
     plan = planner.optimize(models.build("mlp"), "2xV100", example_inputs=(x,))
     with pytest.raises(ValueError, match="global batch of 8"):
         executor.shard_batch(plan, (x[:4], y[:4]), rank=0)
+
+
+class Masked(nn.Module):
+    """A forward with a keyword input: a mask over its rows."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 4)
+
+    def forward(self, x, mask=None):
+        return self.fc(x) * mask[:, None]
+
+
+def test_keyword_inputs_are_split_by_rows_and_checked_by_name():
+    x, mask = torch.randn(8, 8), torch.arange(8.0)
+    plan = planner.baseline(Masked(), "2xcpu", "ddp", example_inputs=(x,),
+                            example_kwargs={"mask": mask}, measure=False)
+    assert [(i.name, i.layout, i.keyword) for i in plan.inputs] == [
+        ("x", "batch", False), ("mask", "batch", True)]
+    assert [i.name for i in plan.positional_inputs] == ["x"]
+    mine = executor.shard_keywords(plan, {"mask": mask, "scale": 2.0}, rank=1)
+    assert mine["mask"].tolist() == [4.0, 5.0, 6.0, 7.0] and mine["scale"] == 2.0
+    with pytest.raises(ValueError, match="keyword 'mask' has 4 rows"):
+        executor.shard_keywords(plan, {"mask": mask[:4]}, rank=0)

@@ -5,7 +5,8 @@ conformance tests (tests/test_zoo.py) and the random-plan benchmark
 
 Each entry covers a way real models break planners: tied embeddings (GPT-2, BERT, T5,
 Qwen2, BART), one layer's weights used by every block (ALBERT), rotary buffers, RMSNorm
-and grouped-query attention (Llama, Qwen2), a sliding-window mask (Mistral), an in-place
+and grouped-query attention (Llama, Qwen2), a padding mask passed by keyword (GPT-2 with
+`attention_mask=`), a sliding-window mask (Mistral), an in-place
 add into a module's output (Falcon), an RMSNorm inlined into ops (Gemma), a mixture of
 experts (Mixtral), bare parameters (ViT's cls_token and position table, ConvNeXt's layer
 scale), a module traced with no input (BART's learned positions), rows folded into
@@ -30,15 +31,25 @@ VOCAB, SEQ, ROWS, CLASSES, IMAGE = 64, 8, 4, 8, 16
 @dataclass(frozen=True)
 class ZooModel:
     """A model to plan and run: `make()` builds it seeded (the same weights every call),
-    `batch(step)` is that step's global batch (inputs..., target), `loss(output, target)`
-    a mean over rows, `kwargs` the keyword inputs its training forward takes."""
+    `batch(step)` is that step's global batch (inputs..., keyword inputs..., target),
+    `loss(output, target)` a mean over rows."""
 
     name: str
     make: Callable[[], nn.Module]
     batch: Callable[[int], tuple]
     loss: Callable
-    kwargs: dict = field(default_factory=dict)
-    inputs: int = 1  # how many of batch()'s leading entries are model inputs
+    inputs: int = 1  # how many of batch()'s leading entries are positional model inputs
+    keywords: tuple[str, ...] = ()  # the names of the keyword inputs after them
+
+    def split(self, batch: tuple) -> tuple[tuple, dict]:
+        """(positional inputs + targets, keyword inputs) of one of its batches."""
+        n, k = self.inputs, len(self.keywords)
+        return batch[:n] + batch[n + k:], dict(zip(self.keywords, batch[n:n + k]))
+
+    def example(self) -> tuple[tuple, dict]:
+        """(example_inputs, example_kwargs) to plan it with: step 0's inputs."""
+        batch, kwargs = self.split(self.batch(0))
+        return batch[:self.inputs], kwargs
 
 
 def _seeded(build: Callable[[], nn.Module]) -> Callable[[], nn.Module]:
@@ -52,6 +63,15 @@ def _tokens(step: int, vocab: int = VOCAB) -> tuple:
     g = torch.Generator().manual_seed(100 + step)
     ids = torch.randint(0, vocab, (ROWS, SEQ), generator=g)
     return ids, torch.randint(0, vocab, (ROWS, SEQ), generator=g)
+
+
+def _padded(step: int) -> tuple:
+    """Token ids, an attention mask with two rows padded on the right, targets."""
+    ids, targets = _tokens(step)
+    mask = torch.ones(ROWS, SEQ, dtype=torch.long)
+    mask[1, -3:] = 0
+    mask[3, -2:] = 0
+    return ids, mask, targets
 
 
 def _seq2seq(step: int) -> tuple:
@@ -136,6 +156,11 @@ ZOO: dict[str, ZooModel] = {m.name: m for m in [
              _tokens, token_loss),
     ZooModel("llama", _seeded(_hf("LlamaConfig", "LlamaForCausalLM", **_DECODER)),
              _tokens, token_loss),
+    # a padding mask by keyword (GPT-2's second positional argument is the cache)
+    ZooModel("gpt2_padded", _seeded(_hf("GPT2Config", "GPT2LMHeadModel", n_layer=2, n_embd=32,
+                                        n_head=4, vocab_size=VOCAB, n_positions=SEQ * 2,
+                                        bos_token_id=0, eos_token_id=0)),
+             _padded, token_loss, keywords=("attention_mask",)),
     ZooModel("qwen2", _seeded(_hf("Qwen2Config", "Qwen2ForCausalLM", tie_word_embeddings=True,
                                   **_DECODER)),
              _tokens, token_loss),
@@ -211,17 +236,19 @@ ZOO: dict[str, ZooModel] = {m.name: m for m in [
 
 
 def train(model: nn.Module, entry: ZooModel, step_fn, steps: int = 3, lr: float = 0.05):
-    """`steps` SGD steps; `step_fn(model, batch, loss_fn, optimizer)` runs one."""
+    """`steps` SGD steps; `step_fn(model, batch, loss_fn, optimizer, kwargs)` runs one
+    (`batch`: inputs and target, `kwargs`: the keyword inputs, both whole)."""
     opt = torch.optim.SGD(model.parameters(), lr=lr, foreach=False)
     for step in range(steps):
-        step_fn(model, entry.batch(step), lambda out, y: entry.loss(out, y), opt)
+        batch, kwargs = entry.split(entry.batch(step))
+        step_fn(model, batch, lambda out, y: entry.loss(out, y), opt, kwargs)
     return model
 
 
-def single_process_step(model, batch, loss_fn, opt):
+def single_process_step(model, batch, loss_fn, opt, kwargs):
     *inputs, target = batch
     opt.zero_grad()
-    loss_fn(model(*inputs), target).backward()
+    loss_fn(model(*inputs, **kwargs), target).backward()
     opt.step()
 
 
