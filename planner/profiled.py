@@ -46,12 +46,38 @@ def profiled_graph(model: nn.Module, devices, example_inputs, example_kwargs=Non
     cluster = parse_devices(devices).at_precision(precision)
     ranks = cluster.num_devices
     graph = trace_model(model, example_inputs, example_kwargs, leaf_modules, tracer)
+    if ranks > 1:
+        refuse_loss_inside(graph)
     if measure is None:
         measure = cluster.device.kind == "cpu"
     graph = profile(graph, measure=measure, measure_batch=max(1, graph.batch_size // ranks),
                     threads=cpu_threads_per_device(ranks) if cluster.device.kind == "cpu" else None,
                     ranks=ranks, model=model, example_inputs=example_inputs)
     return at_precision(graph, cluster.training_precision), cluster
+
+
+def refuse_loss_inside(graph) -> None:
+    """A model torch.export traced that returns a scalar made from its rows (a Hugging Face
+    model handed `labels=` computes its loss inside forward) cannot be split by rows: the
+    loss's mean runs between modules, where the module executor changes no layouts, and
+    the integer program would say only that an edge into it cannot be made. Say what to
+    do instead: compute the loss in the training step's loss_fn, as hyplan's loop does."""
+    if graph.tracer != "export":
+        return
+    scalars = [graph.layer(n) for n in graph.outputs
+               if n in graph._by_node and graph.layer(n).output.shape == ()]
+    if scalars:
+        keyword = next((k for k in ("labels", "label", "targets") if k in graph.example_kwargs),
+                       None)
+        given = f"example_kwargs[{keyword!r}] makes it " if keyword else "it "
+        raise ValueError(
+            f"model: {graph.model_name} returns a scalar ({scalars[0].name!r}, a loss): "
+            f"{given}compute its loss inside forward, over all the batch's rows, which no "
+            f"plan over several devices splits. Fix: leave the labels out of the model's "
+            f"inputs and compute the loss in the step's loss_fn, e.g. "
+            f"executor.train_step(model, plan, (ids, targets), lambda out, y: "
+            f"F.cross_entropy(out.logits.flatten(0, 1), y.flatten()), opt), with targets "
+            f"as the model would make them from labels (a causal LM's: shifted by one)")
 
 
 _traced = PerModel()  # model -> {what it was traced with: its ModelGraph}
