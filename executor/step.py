@@ -112,10 +112,11 @@ def _microbatches(plan: Plan, value: torch.Tensor, dp_rank: int, tp_rank: int,
 
 
 def _step_3d(model, plan: Plan, batch, loss_fn, scaler=None) -> float:
-    n = len(plan.positional_inputs)
+    positional = plan.positional_inputs
+    n = len(positional)
     dp_rank, tp_rank = model.dp_rank, model.tp_rank
     inputs = [_microbatches(plan, x.to(model.device), dp_rank, tp_rank,
-                            split_tp=plan.inputs[i].layout == "batch")
+                            split_tp=positional[i].layout == "batch")
               for i, x in enumerate(batch[:n])]
     whole = output_whole(plan)  # the output and targets, whole over tp (planner.handback)
     targets = [_microbatches(plan, y.to(model.device), dp_rank, tp_rank, split_tp=not whole)

@@ -64,16 +64,16 @@ def refuse_loss_inside(graph) -> None:
     do instead: compute the loss in the training step's loss_fn, as hyplan's loop does."""
     if graph.tracer != "export":
         return
-    scalars = [graph.layer(n) for n in graph.outputs
-               if n in graph._by_node and graph.layer(n).output.shape == ()]
+    outputs = set(graph.outputs)
+    scalars = [l.name for l in graph.layers if l.node in outputs and l.output.shape == ()]
     if scalars:
         keyword = next((k for k in ("labels", "label", "targets") if k in graph.example_kwargs),
                        None)
-        given = f"example_kwargs[{keyword!r}] makes it " if keyword else "it "
+        given = f" from example_kwargs[{keyword!r}]" if keyword else ""
         raise ValueError(
-            f"model: {graph.model_name} returns a scalar ({scalars[0].name!r}, a loss): "
-            f"{given}compute its loss inside forward, over all the batch's rows, which no "
-            f"plan over several devices splits. Fix: leave the labels out of the model's "
+            f"model: {graph.model_name} returns a scalar ({scalars[0]!r}): it computes a "
+            f"loss inside forward{given}, over all the batch's rows, which no plan over "
+            f"several devices splits. Fix: leave the labels out of the model's "
             f"inputs and compute the loss in the step's loss_fn, e.g. "
             f"executor.train_step(model, plan, (ids, targets), lambda out, y: "
             f"F.cross_entropy(out.logits.flatten(0, 1), y.flatten()), opt), with targets "
