@@ -25,7 +25,8 @@ from torch.utils import _pytree as pytree
 
 from executor.inputs import main_input
 from executor.styles import (MeanOverRanks, Reshard, broadcast_replicated,
-                             data_parallel_over, params_of, placement, tensor_parallel_style)
+                             data_parallel_over, dead_params, params_of, placement,
+                             tensor_parallel_style)
 from planner.price import READS_METADATA_ONLY
 from planner.handback import output_layout
 from planner.plan import LayerPlan, Plan
@@ -111,8 +112,29 @@ def parallelize_modules(model: nn.Module, plan: Plan, mesh: DeviceMesh) -> nn.Mo
     apply_levers(model, [(paths[l.node], l.strategy, l.recompute) for l in plan.layers
                          if paths[l.node] is not None and (l.recompute or l.strategy == "fsdp")],
                  mesh, plan.training_precision)
-    return data_parallel_over(model, params_of(plan, "data_parallel")
-                              | partial_outside_modules(plan.layers, paths))
+    partial = partial_outside_modules(plan.layers, paths)
+    _refuse_mixed_gradients(plan, paths, partial)
+    return data_parallel_over(model, (params_of(plan, "data_parallel") | partial)
+                              - dead_params(plan))
+
+
+def _refuse_mixed_gradients(plan: Plan, paths: dict[str, str | None], partial: set[str]):
+    """A parameter read by a replicated module (its gradient complete on every rank) and by
+    ops between modules that meet the rows (theirs each rank's share) has no one right sum:
+    MobileBERT's head reads its tied word embedding as `decoder.weight.t()` beside the
+    embedding module, and its plans moved that weight 1e-3 away from one process's. Said
+    before a step, not found after training."""
+    whole = {name for layer in plan.layers
+             if paths[layer.node] is not None and layer.strategy == "replicate"
+             for name in layer.params}
+    mixed = sorted(partial & whole)
+    if mixed:
+        readers = [l.name for l in plan.layers if mixed[0] in l.params]
+        raise ValueError(
+            f"plan: parameter {mixed[0]!r} is read by a replicated module and by ops between "
+            f"modules that meet the batch's rows ({', '.join(readers)}): its gradient would "
+            f"be complete from one and each rank's share from the others, which no one sum "
+            f"makes right. hyplan cannot split this model's rows yet; train it on one device")
 
 
 def partial_outside_modules(layers: list[LayerPlan], paths: dict[str, str | None]) -> set[str]:

@@ -177,7 +177,21 @@ def summed_params(plan) -> set[str]:
     torch's SequenceParallel style would leave their gradients Partial DTensors, summed
     each time the optimizer reads them (AdamW: 3 all-reduces per weight per step, outside
     DDP's buckets)."""
-    return params_of(plan, "data_parallel") | params_of(plan, "sequence_parallel")
+    return ((params_of(plan, "data_parallel") | params_of(plan, "sequence_parallel"))
+            - dead_params(plan))
+
+
+def dead_params(plan) -> set[str]:
+    """Parameters no gradient reaches: read only by layers from which no path leads to the
+    model's outputs (SqueezeBERT's pooler under its masked-LM head: computed, never used).
+    DDP waits for a gradient of every parameter it syncs, and its second step raised
+    "Expected to have finished reduction in the prior iteration"."""
+    live = set(plan.outputs)
+    for layer in reversed(plan.layers):
+        if layer.node in live:
+            live.update(layer.inputs)
+    used = {name for layer in plan.layers if layer.node in live for name in layer.params}
+    return {name for layer in plan.layers for name in layer.params} - used
 
 
 def sum_gradients_hook(state, bucket):

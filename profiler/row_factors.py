@@ -119,7 +119,8 @@ def _factor(size, symbols: set) -> int | None:
 
 # ops that hand each row's entries on together from a tensor with rows in dim 0 (row-major
 # views), and ops that tile a tensor without rows outermost by the batch's size
-VIEWS = frozenset({"view", "reshape", "_unsafe_view", "flatten", "unflatten"})
+VIEWS = frozenset({"view", "reshape", "_unsafe_view", "flatten", "unflatten", "view_as",
+                   "reshape_as"})
 TILES = frozenset({"repeat", "tile"})
 
 

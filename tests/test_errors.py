@@ -124,3 +124,47 @@ def test_keyword_inputs_are_split_by_rows_and_checked_by_name():
     assert mine["mask"].tolist() == [4.0, 5.0, 6.0, 7.0] and mine["scale"] == 2.0
     with pytest.raises(ValueError, match="keyword 'mask' has 4 rows"):
         executor.shard_keywords(plan, {"mask": mask[:4]}, rank=0)
+
+
+class TiedTransposed(nn.Module):
+    """MobileBERT's head: the embedding's weight read again, transposed, between modules."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(16, 8)
+        self.proj = nn.Linear(8, 8)
+
+    def forward(self, ids):
+        return self.proj(self.embed(ids)) @ self.embed.weight.t()
+
+
+def test_a_weight_with_a_complete_and_a_partial_gradient_is_refused_before_a_step():
+    from executor.modules import _refuse_mixed_gradients, module_path, partial_outside_modules
+
+    model = TiedTransposed()
+    plan = planner.baseline(model, "2xcpu", "ddp", example_inputs=(torch.randint(0, 16, (4, 3)),),
+                            measure=False, tracer="export")
+    paths = {l.node: module_path(model, l) for l in plan.layers}
+    with pytest.raises(ValueError, match="'embed.weight' is read by a replicated module"):
+        _refuse_mixed_gradients(plan, paths, partial_outside_modules(plan.layers, paths))
+
+
+class Pooled(nn.Module):
+    """A layer computed and never used (SqueezeBERT's pooler under a masked-LM head)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc, self.pooler = nn.Linear(8, 4), nn.Linear(8, 8)
+
+    def forward(self, x):
+        self.pooler(x[:, 0])
+        return self.fc(x)
+
+
+def test_parameters_no_gradient_reaches_are_left_out_of_ddp():
+    from executor.styles import dead_params, summed_params
+
+    plan = planner.baseline(Pooled(), "2xcpu", "ddp", example_inputs=(torch.randn(4, 3, 8),),
+                            measure=False)
+    assert dead_params(plan) == {"pooler.weight", "pooler.bias"}
+    assert summed_params(plan) == {"fc.weight", "fc.bias"}

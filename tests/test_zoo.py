@@ -23,7 +23,8 @@ KINDS = ("ddp", "fsdp", "tensor", "pipeline", "optimum")
 # kind -> models for which the planner refuses it, and a word of the reason it gives
 REFUSED = {  # decoder-only causal LMs are cut between blocks (a tied head: a copy per end)
     "pipeline": {**{name: "blocks" for name in ("bert", "albert", "t5", "convnext", "resnet",
-                                                "bart", "pegasus", "opt", "swin")},
+                                                "bart", "pegasus", "opt", "swin",
+                                                "squeezebert")},
                  "vit": "LM head", "bloom": "before its first block",
                  "gpt2_padded": "token ids alone"},
 }

@@ -7,7 +7,8 @@ Each entry covers a way real models break planners: tied embeddings (GPT-2, BERT
 Qwen2, BART), one layer's weights used by every block (ALBERT), rotary buffers, RMSNorm
 and grouped-query attention (Llama, Qwen2), a padding mask passed by keyword (GPT-2 with
 `attention_mask=`), a sliding-window mask (Mistral), an in-place
-add into a module's output (Falcon), an RMSNorm inlined into ops (Gemma), a mixture of
+add into a module's output (Falcon), an RMSNorm inlined into ops (Gemma), a layer
+computed and never used (SqueezeBERT's pooler), a mixture of
 experts (Mixtral), bare parameters (ViT's cls_token and position table, ConvNeXt's layer
 scale), a module traced with no input (BART's learned positions), rows folded into
 the next dim (OPT's rows x tokens, BLOOM's rows x heads beside per-head slopes as many as
@@ -183,6 +184,15 @@ ZOO: dict[str, ZooModel] = {m.name: m for m in [
     ZooModel("bert", _seeded(_hf("BertConfig", "BertForMaskedLM", vocab_size=VOCAB,
                                  hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
                                  intermediate_size=64, max_position_embeddings=SEQ * 2)),
+             _tokens, token_loss),
+    # a pooler computed under the masked-LM head and never used: no gradient reaches it
+    ZooModel("squeezebert", _seeded(_hf("SqueezeBertConfig", "SqueezeBertForMaskedLM",
+                                        vocab_size=VOCAB, hidden_size=32, embedding_size=32,
+                                        num_hidden_layers=2, num_attention_heads=4,
+                                        intermediate_size=64, max_position_embeddings=SEQ * 2,
+                                        q_groups=2, k_groups=2, v_groups=2,
+                                        post_attention_groups=2, intermediate_groups=2,
+                                        output_groups=2)),
              _tokens, token_loss),
     ZooModel("albert", _seeded(_hf("AlbertConfig", "AlbertForMaskedLM", vocab_size=VOCAB,
                                    embedding_size=16, hidden_size=32, num_hidden_layers=3,
