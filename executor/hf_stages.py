@@ -103,6 +103,13 @@ class _Catch(nn.Module):
         raise _Arrived(hidden)
 
 
+def _own_types(config) -> bool:
+    """Does `config` hold a per-block `layer_types` list of its own? Mamba's is a property
+    derived from num_hidden_layers, with no setter: its stages raised setting it."""
+    return (isinstance(getattr(config, "layer_types", None), list)
+            and not isinstance(getattr(type(config), "layer_types", None), property))
+
+
 def _copied(module: nn.Module) -> nn.Module:
     out = copy.copy(module)
     out._modules = dict(module._modules)  # children replaced here stay the copy's own
@@ -154,7 +161,7 @@ class DecoderStage(nn.Module):
         if config is not None:  # the forward walks config.num_hidden_layers blocks
             config = copy.copy(config)
             config.num_hidden_layers = len(keep)
-            if isinstance(getattr(config, "layer_types", None), list):
+            if _own_types(config):
                 config.layer_types = [config.layer_types[i] for i in keep]
             base.config = config
         if not first:
@@ -192,11 +199,11 @@ class DecoderStage(nn.Module):
         kept = base._modules[list_name]
         config = getattr(base, "config", None)
         count = config.num_hidden_layers if config is not None else None
-        types = getattr(config, "layer_types", None)
+        types = getattr(config, "layer_types", None) if _own_types(config) else None
         base._modules[list_name] = KeptBlocks([_Catch()])
         if config is not None:
             config.num_hidden_layers = 1
-            if probe_types:
+            if probe_types and types is not None:
                 config.layer_types = probe_types
         weight = next(self.parameters(), None)
         hidden = getattr(getattr(self._root, "config", None), "hidden_size", None)
@@ -210,7 +217,7 @@ class DecoderStage(nn.Module):
             base._modules[list_name] = kept
             if config is not None:
                 config.num_hidden_layers = count
-                if probe_types:
+                if probe_types and types is not None:
                     config.layer_types = types
         if arrived is None or not torch.equal(arrived, probe):
             raise ValueError(f"pipeline: {type(self._root).__name__}'s forward changes the "
