@@ -185,8 +185,11 @@ def dead_params(plan) -> set[str]:
     """Parameters no gradient reaches: read only by layers from which no path leads to the
     model's outputs (SqueezeBERT's pooler under its masked-LM head: computed, never used).
     DDP waits for a gradient of every parameter it syncs, and its second step raised
-    "Expected to have finished reduction in the prior iteration"."""
+    "Expected to have finished reduction in the prior iteration". Where an output is not
+    a layer of the plan (it cannot tell), none."""
     live = set(plan.outputs)
+    if not live or live - {l.node for l in plan.layers} - {i.name for i in plan.inputs}:
+        return set()
     for layer in reversed(plan.layers):
         if layer.node in live:
             live.update(layer.inputs)
