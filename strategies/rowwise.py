@@ -30,10 +30,9 @@ ELEMENTWISE = {
     "arange", "zeros", "ones", "full", "empty", "new_full", "new_empty",
 }
 # row-local: each output row depends on the same input row only, along dims other than 0
-ROW_LOCAL = {
-    "view", "reshape", "_unsafe_view", "flatten", "unflatten", "view_as", "reshape_as",
-    "expand", "expand_as", "unsqueeze",
-    "squeeze", "layer_norm", "rms_norm", "group_norm", "linear", "conv1d", "conv2d",
+# (the views, profiler.row_factors.VIEWS, among them)
+ROW_LOCAL = VIEWS | {
+    "expand", "expand_as", "unsqueeze", "squeeze", "layer_norm", "rms_norm", "group_norm", "linear", "conv1d", "conv2d",
     "embedding", "scaled_dot_product_attention", "matmul", "bmm", "baddbmm", "mm",
     "addmm", "max_pool2d", "avg_pool2d", "adaptive_avg_pool2d", "cat", "stack",
     "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_efficient_attention",
