@@ -148,3 +148,48 @@ def test_an_error_that_does_not_pickle_arrives_as_its_type_name_and_message():
     assert "Unpicklable: the solver said no" in str(error)
     rebuilt = from_portable(to_portable(TraceError("module 'fc' (Linear): cannot trace")))
     assert type(rebuilt) is TraceError and str(rebuilt) == "module 'fc' (Linear): cannot trace"
+
+
+# --- one rank planning alone ----------------------------------------------------------------
+
+def _rank_0_plans_alone(rank, world, path):
+    """The torchrun habit: rank 0 plans and saves, the others wait for the file."""
+    import os
+    x = models.batch("mlp", ROWS, 0)[0]
+    started = time.perf_counter()
+    if rank == 0:
+        plan = planner.optimize(Counted(), "2xV100", example_inputs=(x,))
+        planner.baseline(Counted(), "2xV100", "ddp", example_inputs=(x,))
+        plan.save(path)
+    else:
+        while not os.path.exists(path):
+            time.sleep(0.05)
+        plan = planner.Plan.load(path)
+    return time.perf_counter() - started, plan.to_json()
+
+
+def test_rank_0_planning_alone_plans_alone_and_the_others_read_its_file(tmp_path):
+    results = run_ranks(_rank_0_plans_alone, 2, str(tmp_path / "plan.json"), timeout_s=120)
+    (seconds0, plan0), (seconds1, plan1) = results
+    assert plan0 == plan1
+    assert seconds0 < 30, f"rank 0 took {seconds0:.1f} s to plan a 3-layer MLP alone"
+    print(f"\nrank 0 planned alone (optimize + baseline) in {seconds0:.2f} s")
+
+
+def _rank_1_asks_alone(rank, world):
+    import planner.once
+    planner.once.ARRIVAL_WAIT_S = 2.0
+    x = models.batch("mlp", ROWS, 0)[0]
+    started = time.perf_counter()
+    error = None
+    if rank == 1:
+        error = _error(lambda: planner.optimize(Counted(), "2xV100", example_inputs=(x,)))
+    return time.perf_counter() - started, error
+
+
+def test_a_rank_whose_rank_0_never_plans_raises_naming_the_fix():
+    _, (seconds, error) = run_ranks(_rank_1_asks_alone, 2, timeout_s=120)
+    assert error is not None and error[0] == "RankZeroDidNotPlan", error
+    assert "rank 0 did not start planning within 2 s" in error[1]
+    assert "on every rank" in error[1] and "Plan.load" in error[1]
+    assert seconds < 10
