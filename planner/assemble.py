@@ -12,6 +12,18 @@ from planner.reasons import reasons
 from planner.volume import communication_bytes
 from strategies.cluster import Cluster
 from strategies.memory import lever_fields, split_name
+from strategies.step_memory import step_held_bytes
+
+
+def held_beside_layers(choices: Choices, choice, optimizer: str, cluster: Cluster) -> float:
+    """What the step holds beyond the per-layer memory the integer program sums
+    (strategies.step_memory), for one assignment of the 1-D problem."""
+    held = []
+    for row, c in zip(choices.layers, choice):
+        strategy = row.strategies[c]
+        held.append((split_name(strategy.name)[0], row.layer.param_bytes,
+                     strategy.model_parallel))
+    return step_held_bytes(held, cluster.num_devices, optimizer, cluster.device.kind)
 
 
 def assemble(graph, cluster: Cluster, optimizer: str, choices: Choices, solution: Solution,
@@ -53,8 +65,9 @@ def assemble(graph, cluster: Cluster, optimizer: str, choices: Choices, solution
 
     compute = sum(l.compute_s for l in layers)
     update = sum(l.update_s for l in layers)
-    memory = problem.memory_of(choice)
     ranks = cluster.num_devices
+    memory = problem.memory_of(choice) + held_beside_layers(choices, choice, optimizer,
+                                                            cluster)
     fixed = step_overhead_s(cluster)
     predicted = Predicted(
         step_time_s=solution.objective_s + fixed, compute_s=compute, other_s=update,

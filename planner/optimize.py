@@ -8,11 +8,12 @@ parallelism on the same devices, and one device) so the plan can say what it gai
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from collections.abc import Iterable, Sequence
 
 from torch import nn
 
-from planner.assemble import assemble
+from planner.assemble import assemble, held_beside_layers
 from planner.baseline import LABELS, ONE_D_KINDS, available, solve_baseline, summarize
 from planner.choices import Choices, layer_choices
 from planner.ilp import solve
@@ -22,6 +23,7 @@ from planner.plan3d import choose_mesh
 from planner.price import step_overhead_s
 from planner.problem import Infeasible, Solution
 from planner.profiled import GB, PlanDoesNotFit, check_arguments, profiled_graph
+from planner.search import DEFAULT_SEARCH_TIME_S
 from strategies.cluster import Cluster
 
 # Where the optimum beats the best standard plan by less than this, optimize() keeps the
@@ -47,7 +49,7 @@ def optimize(
     mesh: str = "1d",
     prefer_standard: float = PREFER_STANDARD,
     precision: str | None = None,
-    search_time_s: float | None = None,
+    search_time_s: float | None = DEFAULT_SEARCH_TIME_S,
 ) -> Plan:
     """Choose, layer by layer, how to spread `model` over `devices` for one training step on
     `example_inputs` (their dim 0 is the global batch).
@@ -74,9 +76,13 @@ def optimize(
     precision: "bf16-mixed", "fp16-mixed" or "fp32" (strategies.precision): priced as the
     executor runs it (compute rate, memory, bytes sent). Default: the Cluster's, else the
     device's usual one (bf16-mixed on A100/H100, fp16-mixed on V100, fp32 on K20 and CPU).
-    search_time_s: with mesh "3d" or "auto", stop the 3-D search's solves that many
-    seconds after it starts, once it has a plan: the best found, "feasible" with its gap
-    (time_limit_s bounds each integer program alone).
+    search_time_s: with mesh "3d" or "auto", the seconds from this call's start after
+    which the 3-D search stops (planner.search.DEFAULT_SEARCH_TIME_S by default): the best
+    plan found, "optimal" where the search settled every candidate in time, else
+    "feasible" with its gap (`Plan.solver.gap`; explain() shows both); a search with no
+    plan by then hands back the best quick plan of what is left. None runs the search to
+    its end (the proof, which on a 70 B Llama over 256 H100s took about 20 minutes).
+    time_limit_s bounds each integer program alone.
     Under an initialized process group, call it on every rank: rank 0 plans and every rank
     returns its plan, or raises its error (planner.once).
     """
@@ -103,7 +109,7 @@ def _plan_1d(graph, cluster: Cluster, optimizer: str, budget: float, pin, time_l
              started: float, prefer_standard: float = 0.0) -> Plan:
     """The integer program over one mesh dim of all devices, and its two baselines."""
     choices = layer_choices(graph, cluster, optimizer, budget, pin=pin)
-    solution = _solve_within_memory(choices, budget, time_limit_s)
+    solution = _solve_within_memory(choices, budget, time_limit_s, optimizer, cluster)
     dp_choices = layer_choices(graph, cluster, optimizer, None, only={"data_parallel"})
     data_parallel = solve(dp_choices.problem, time_limit_s)
     single = solve(layer_choices(graph, cluster.with_devices(1, 1), optimizer, None).problem,
@@ -170,9 +176,23 @@ def _with_baselines(plan: Plan, solved: dict, cluster: Cluster, budget: float) -
     return plan.model_copy(update={"predicted": predicted})
 
 
-def _solve_within_memory(choices: Choices, budget: float, time_limit_s: float) -> Solution:
+def _solve_within_memory(choices: Choices, budget: float, time_limit_s: float,
+                         optimizer: str, cluster: Cluster) -> Solution:
+    """The optimum whose memory, as the step holds it (the per-layer sum the integer program
+    sees and what the step holds beside it: planner.assemble.held_beside_layers), fits the
+    budget. That second part depends on the assignment (DDP's buckets, the largest FSDP
+    layer), so where a solution's exceeds what the program left, the program is solved
+    again with the budget lowered by it: a plan never promises to fit what does not."""
+    problem = choices.problem
     try:
-        return solve(choices.problem, time_limit_s)
+        for _ in range(4):
+            solution = solve(problem, time_limit_s)
+            held = held_beside_layers(choices, solution.choice, optimizer, cluster)
+            if problem.memory_of(solution.choice) + held <= budget:
+                return solution
+            problem = replace(problem, memory_budget_bytes=budget - held)
+        raise Infeasible("the step's buffers leave no assignment within memory",
+                         family="memory")
     except Infeasible as error:
         if error.family != "memory":
             raise

@@ -52,6 +52,10 @@ def test_data_parallel_memory_is_the_byte_arithmetic_of_each_precision():
     # bf16-mixed: the same fp32 masters, gradients and state, plus autocast's 2-byte copy of
     # each weight; activations in bf16; the input as the user passes it (fp32)
     expected_bf16 = PARAMS * (4 * (2 + adam) + 2) + OUTPUTS * 2 / ranks + INPUT * 4 / ranks
+    # and what the step holds beside them in either precision (strategies.step_memory):
+    # DDP's buckets, an fp32 gradient's copy, and foreach Adam's sqrt of every moment
+    held = PARAMS * 4 + PARAMS * 4
+    expected_fp32, expected_bf16 = expected_fp32 + held, expected_bf16 + held
     assert fp32.predicted.memory_bytes[0] == pytest.approx(expected_fp32, rel=1e-12)
     assert bf16.predicted.memory_bytes[0] == pytest.approx(expected_bf16, rel=1e-12)
     assert (fp32.precision, bf16.precision) == ("fp32", "bf16-mixed")
