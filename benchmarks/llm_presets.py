@@ -3,7 +3,7 @@ with torchtitan's configuration, FSDP over the nodes x tensor parallel 8 inside 
 priced beside it by the same price list (planner.price).
 
     PYTHONPATH=$PWD python benchmarks/llm_presets.py [--cases 70b,405b] [--compare-trace]
-        [--search-time SECONDS]
+        [--search-time SECONDS|prove]
 
 Per case:
 - tracing: three blocks traced with torch.export and repeated to all of them
@@ -13,9 +13,10 @@ Per case:
   (trace, FLOPs, the 1-D integer program, the 3-D search over pp x dp x tp, stage cuts,
   microbatches, schedules and the levers: fsdp / hsdp per layer, whole-block recompute),
   its wall time and the CPU seconds of this process (the machine may be shared: CPU
-  seconds are what the planning itself cost); with --search-time the 3-D search's solves
-  stop that long after it starts (planner.optimize's search_time_s), and the plan says
-  "feasible" with its gap;
+  seconds are what the planning itself cost), and the machine's load average beside
+  them; by default within planner.optimize's default budget (search_time_s,
+  planner.search.DEFAULT_SEARCH_TIME_S: "optimal", or "feasible" with its gap and why),
+  --search-time SECONDS another, 'prove' until the optimum is proven;
 - the plan: mesh, schedule and microbatches, the levers its layers use, predicted step
   time, tokens/s per GPU and MFU, memory per device, solver status and gap;
 - torchtitan's configuration (planner.baseline "fsdp_tp" at tp 8): one stage, dp over the
@@ -31,6 +32,7 @@ per FSDP rank x 32 FSDP ranks with TP 8 on 256 GPUs, 2 M tokens); 405 B, 512 seq
 from __future__ import annotations
 
 import argparse
+import os
 import time
 from collections import Counter
 from dataclasses import dataclass
@@ -38,6 +40,8 @@ from dataclasses import dataclass
 import planner
 from planner.plan import EVERY_BLOCK
 from planner.baseline import fsdp_tp
+from planner.cli.plan import parse_search_time
+from planner.search import DEFAULT_SEARCH_TIME_S
 from planner.profiled import profiled_graph, trace_model
 from planner.report.throughput import plan_throughput
 from profiler.presets import load_llm
@@ -72,11 +76,6 @@ def timed(fn):
     return out, time.perf_counter() - wall, time.process_time() - cpu
 
 
-def gap(plan) -> float:
-    s = plan.solver
-    return (s.objective_s - s.bound_s) / s.objective_s if s.objective_s else 0.0
-
-
 def describe_plan(plan, shape, seq: int) -> list[str]:
     """The plan in the figures an LLM trainer reads: mesh, schedule, levers, speed, memory,
     and how sure the solver is."""
@@ -108,8 +107,9 @@ def describe_plan(plan, shape, seq: int) -> list[str]:
                  f"per device ({'fits' if fits else 'does not fit'})")
     lines.append(f"throughput: {t.tokens_per_s_per_device:,.0f} tokens/s/GPU, MFU {t.mfu:.1%}")
     s = plan.solver
-    lines.append(f"solver: {s.status} ({s.backend}), gap {gap(plan):.2%}, objective "
-                 f"{s.objective_s:.4f} s, bound {s.bound_s:.4f} s, {s.seconds:.1f} s solving")
+    lines.append(f"solver: {s.status} ({s.backend}), gap {s.gap:.2%}, objective "
+                 f"{s.objective_s:.4f} s, bound {s.bound_s:.4f} s, {s.seconds:.1f} s solving"
+                 + (f"; {s.note}" if s.note else ""))
     if plan.search is not None:
         lines.append(f"search: {plan.search.candidates} candidates, {plan.search.solved} "
                      f"solved, {plan.search.pruned} pruned or dropped unsolved")
@@ -140,7 +140,8 @@ def _recomputed(plan, blocks: int) -> str:
     return f"{count} of {blocks} blocks"
 
 
-def run(case: Case, compare_trace: bool, search_time_s: float | None = None) -> None:
+def run(case: Case, compare_trace: bool,
+        search_time_s: float | None = DEFAULT_SEARCH_TIME_S) -> None:
     print(f"== {case.preset} on {case.devices}, seq {case.seq}, global batch {case.batch} "
           f"sequences ({case.batch * case.seq / 1e6:.1f} M tokens), adam, bf16-mixed ==")
     (model, inputs, kwargs, shape, seq), build_s, _ = timed(
@@ -157,9 +158,12 @@ def run(case: Case, compare_trace: bool, search_time_s: float | None = None) -> 
     plan, wall, cpu = timed(lambda: planner.optimize(
         model, case.devices, example_inputs=inputs, example_kwargs=kwargs, mesh="auto",
         tracer="blocks", search_time_s=search_time_s))
-    budget = "" if search_time_s is None else f", search_time_s={search_time_s:g}"
-    print(f"planning (optimize, mesh='auto', tracer='blocks'{budget}): {wall:.1f} s wall, "
-          f"{cpu:.1f} s CPU")
+    budget = ("search_time_s=None (prove)" if search_time_s is None else
+              f"search_time_s={search_time_s:g}"
+              + (" (the default)" if search_time_s == DEFAULT_SEARCH_TIME_S else ""))
+    load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
+    print(f"planning (optimize, mesh='auto', tracer='blocks', {budget}): {wall:.1f} s wall, "
+          f"{cpu:.1f} s CPU; load average {load}")
     if isinstance(plan, Exception):
         print(f"hyplan's plan: none: {plan}")
     else:
@@ -179,8 +183,10 @@ def main() -> None:
     parser.add_argument("--compare-trace", action="store_true",
                         help="also trace the whole model with torch.export (slow) and "
                              "compare the graphs")
-    parser.add_argument("--search-time", type=float, default=None, metavar="SECONDS",
-                        help="stop the 3-D search's solves after SECONDS (default: no limit)")
+    parser.add_argument("--search-time", type=parse_search_time, default=DEFAULT_SEARCH_TIME_S,
+                        metavar="SECONDS|prove",
+                        help=f"planner.optimize's search_time_s (default "
+                             f"{DEFAULT_SEARCH_TIME_S:g}, its default; 'prove': no limit)")
     args = parser.parse_args()
     for key in args.cases.split(","):
         run(CASES[key], compare_trace=args.compare_trace, search_time_s=args.search_time)

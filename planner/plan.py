@@ -269,6 +269,9 @@ class Predicted(_Data):
 
 
 class SolverReport(_Data):
+    """How sure the plan is: "optimal" (proven for the cost model), "feasible" (the best
+    found, with a bound below it: a search's budget ran out) or "interrupted" (Ctrl-C)."""
+
     status: str
     objective_s: float
     bound_s: float
@@ -277,6 +280,15 @@ class SolverReport(_Data):
     num_variables: int = 0
     num_constraints: int = 0
     planning_seconds: float = 0.0
+    note: str = Field("", description="why the status is not 'optimal', and how to prove it")
+
+    @property
+    def gap(self) -> float:
+        """How much faster than the objective a plan could still be: (objective - bound) /
+        objective, 0 where proven."""
+        if self.objective_s <= 0:
+            return 0.0
+        return max(0.0, (self.objective_s - self.bound_s) / self.objective_s)
 
 
 class PlanFileError(ValueError):

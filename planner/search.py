@@ -30,7 +30,16 @@ Keeping it fast as the space widens:
   incumbent as cutoff, and a shape whose bound is no better than the incumbent is pruned
   unsolved; each gets a few seconds first, and only what is still open and could beat the
   best gets the full time limit afterwards, cut off at the best (so a hard shape met early
-  costs seconds); `search_time_s` ends it early with the gap to what is left.
+  costs seconds); `search_time_s` ends it early with the gap to what is left, and
+  shares it: the first pass stops at half of it (what it did not reach comes first in the
+  second), so that the chunked schedules' quick plans and bounds come in any case.
+
+Every search ends: by default within DEFAULT_SEARCH_TIME_S, the whole search, not only the
+solves after a first plan. A search that has no plan when its time runs out takes the
+quick plans of the candidates left, best bound first (stages.quick_plan: a fraction of a
+second each), for at most FALLBACK_S, and hands back the best with its gap (none found:
+no plan, and the caller says so). `search_time_s=None` runs the search to its end, however
+long it takes: the proof, but for chunked candidates dropped on their estimate.
 """
 
 from __future__ import annotations
@@ -53,10 +62,10 @@ from planner.price import (
 from planner.problem import Edge
 from planner.progress import Progress, listened, report
 from planner.schedules import SCHEDULES, V_SHAPED, chunks_allowed, refusal
-from planner.stage_loads import busiest_rank_bound
-from planner.stage_paths import path_bound
+from planner.stage_loads import busiest_rank_bound, memory_bound
+from planner.stage_paths import path_bound, relaxed_path_bound
 from planner.stages import (
-    LayerOptions, StageProblem, StageSolution, TimeLimit, estimate, lower_bound,
+    LayerOptions, StageProblem, StageSolution, TimeLimit, estimate, in_flight, lower_bound,
     min_memory_bytes, quick_plan, solve_stages,
 )
 from profiler.graph import Layer, ModelGraph
@@ -66,12 +75,27 @@ from strategies.cluster import Cluster
 from strategies.collectives import send_recv_s
 
 FIRST_PASS_S = 5.0  # seconds per candidate in the search's first pass
+# ... and at most this share of a budgeted search's time each, so that the chunked
+# schedules' quick plans and bounds come before the budget ends (a 70 B Llama over 256
+# H100s: nine one-chunk shapes at 5 s each left none for them, and the best plan was 22%
+# slower than the one they find)
+FIRST_PASS_SHARE = 1 / 30
 CHUNKED_PASS_S = 2.0  # seconds for a chunked stage MIP (one pass only): started from its
 # quick plan, it improved none of those on the 48-block GPT and GPT-2 XL in 5 s, and small
 # problems prove in well under it
 CHUNKED_TRIES = 1  # chunked candidates whose stage MIP runs: the best quick plans
-QUICK_PASS_S = 3.0  # seconds for quick plans of chunked candidates (stages.quick_plan)
+QUICK_PASS_S = 3.0  # seconds for quick plans of chunked candidates (stages.quick_plan),
+# or half of what a budgeted search has left where that is more
 REFINE = 5e-3  # relative width to which open chunked bounds are refined at the end
+# actions (stages x microbatches x 3) up to which a chunked candidate's bound is raised by
+# stage_paths.relaxed_path_bound: 0.1 s at 1,536 (pp 8 x 2 chunks x 16 microbatches on a
+# 70 B Llama), 3 s at 6,144
+RELAXED_ACTIONS = 2048
+# A search's default budget in seconds (planner.optimize's search_time_s): the 70 B and
+# 405 B Llama presets on 32 and 64 nodes of 8 H100 plan in about a minute on 2 cores with
+# it; proving their optimum took about 20 minutes. None asks for the proof.
+DEFAULT_SEARCH_TIME_S = 60.0
+FALLBACK_S = 10.0  # at most this long for quick plans when the budget ends with none
 
 
 @dataclass(frozen=True)
@@ -124,6 +148,26 @@ class SearchResult:
     @property
     def interrupted(self) -> bool:
         return bool(self.stats.get("interrupted"))
+
+    def stop_note(self) -> str:
+        """Why the best plan is not proven the fastest, and how to prove it."""
+        best = self.best.solution.times.step_s if self.best else None
+        left = sum(_open(c) and c.bound_s is not None and c is not self.best
+                   and (best is None or c.bound_s < best * (1 - 1e-9))
+                   for c in self.candidates)
+        prove = "search_time_s=None (--search-time prove) runs the search to its end"
+        if self.stats.get("fallback"):
+            return (f"the time budget (search_time_s) ran out before any solve found a plan: "
+                    f"this is a quick plan, {left} candidates left open; {prove}")
+        mine = ("" if left else "the best shape's own solve stopped at its time limit, "
+                "below its plan: ")
+        if self.stats.get("out_of_time"):
+            return (f"the time budget (search_time_s) ran out with {left} candidates open "
+                    f"below this plan; {mine}{prove}")
+        if not left:
+            return mine + "a longer time_limit_s may prove it"
+        return (f"{left} candidates left open below this plan (solves at their time limit, "
+                f"chunked schedules dropped on their estimate)")
 
     def open_bound_s(self) -> float | None:
         """The least lower bound of a candidate not settled (time limit, skipped, or
@@ -521,10 +565,13 @@ class _LoadBounds:
     it reads the stages' placement only, not the schedule's order, so one dynamic program
     serves the looped schedules of a problem, pp and m, and one the V-shaped; where that
     leaves a candidate open and its cuts are few, every cut priced through the schedule
-    (planner.stage_paths)."""
+    (planner.stage_paths), and where they are many but its actions few, the same with the
+    stage times free and each rank's memory row (stage_paths.relaxed_path_bound: the
+    recompute that memory forces enters the bubble's bound)."""
 
-    def __init__(self, problem_of):
+    def __init__(self, problem_of, budget_of=lambda shape: None):
         self.problem_of = problem_of
+        self.budget_of = budget_of  # shape -> what its stages may fill (None: no limit)
         self.found: dict[tuple, tuple[float, float]] = {}  # placement -> (from, bound)
         self.paths: dict[tuple, float | None] = {}  # shape -> stage_paths.path_bound
 
@@ -543,7 +590,17 @@ class _LoadBounds:
         if c.bound_s < best_s * (1 - 1e-9):  # few stages: every cut, the bubble included
             key = (id(b), s.pp, s.microbatches, s.chunks, s.schedule)
             if key not in self.paths:
-                self.paths[key] = path_bound(b, s.pp, s.microbatches, s.schedule, s.chunks)
+                exact = path_bound(b, s.pp, s.microbatches, s.schedule, s.chunks)
+                # too many cuts: the stage times free, where the program is small
+                if exact is None and (s.pp * s.chunks * s.microbatches * 3
+                                      <= RELAXED_ACTIONS):
+                    budget = self.budget_of(s)
+                    flights = None if budget is None else [
+                        in_flight(s.schedule, s.pp, s.microbatches, k, s.chunks)
+                        for k in range(s.pp * s.chunks)]
+                    exact = relaxed_path_bound(b, s.pp, s.microbatches, s.schedule,
+                                               s.chunks, budget, flights)
+                self.paths[key] = exact
             c.bound_s = max(c.bound_s, self.paths[key] or 0.0)
 
 
@@ -575,6 +632,45 @@ def _refine_chunked(chunked: list[Candidate], best_s: float, loads: _LoadBounds,
             c.outcome = "pruned_by_bound"
 
 
+FALLBACK_NOTE = "a quick plan: the search's time ran out before any solve found one"
+
+
+def time_left(search_time_s: float | None, started: float) -> float | None:
+    """What is left of a budget of `search_time_s` from perf_counter `started` (never
+    below 0); None for no budget."""
+    if search_time_s is None:
+        return None
+    return max(0.0, search_time_s - (time.perf_counter() - started))
+
+
+def _fallback(ranked: list[tuple[float, Candidate]], problem_of, budget_of
+              ) -> Candidate | None:
+    """The search ran out of time with no plan: quick plans (stages.quick_plan, no proof)
+    of the candidates not ruled out, least bound first, for FALLBACK_S at most; the
+    fastest, or None where none fits in that time."""
+    best: Candidate | None = None
+    until = time.perf_counter() + FALLBACK_S
+    for _, c in ranked:
+        if time.perf_counter() > until:
+            break
+        if c.solution is not None or c.outcome in ("does_not_fit", "infeasible"):
+            continue
+        s = c.shape
+        if best is not None and c.bound_s >= best.solution.times.step_s * (1 - 1e-9):
+            continue
+        t0 = time.perf_counter()
+        quick = quick_plan(problem_of(s).problem, s.pp, s.microbatches, s.schedule,
+                           budget_of(s), s.chunks)
+        c.seconds += time.perf_counter() - t0
+        if quick is None:
+            continue
+        c.outcome, c.solution, c.note = "solved", quick, FALLBACK_NOTE
+        c.bound_s = max(c.bound_s, quick.bound_s)
+        if best is None or quick.times.step_s < best.solution.times.step_s:
+            best = c
+    return best
+
+
 def search(graph: ModelGraph, cluster: Cluster, optimizer: str, budget_bytes: float | None,
            *, max_microbatches: int | None = None, time_limit_s: float = 60.0,
            relative_gap: float = 1e-9, only: list[Shape] | None = None,
@@ -582,9 +678,10 @@ def search(graph: ModelGraph, cluster: Cluster, optimizer: str, budget_bytes: fl
            schedules: tuple[str, ...] = SCHEDULES,
            search_time_s: float | None = None) -> SearchResult:
     """The fastest plan over all shapes that fits `budget_bytes` per device; `schedules`
-    limits the pipeline schedules tried. `search_time_s`: once a plan is found, no solve
-    runs past that many seconds from the start; what is left is "skipped" and counts in
-    the gap (the plan says "feasible" with it), as after Ctrl-C."""
+    limits the pipeline schedules tried. `search_time_s`: no solve runs past that many
+    seconds from the start; what is left is "skipped" and counts in the gap (the plan says
+    "feasible" with it), as after Ctrl-C; with no plan by then, the best quick plan of what
+    is left (FALLBACK_S at most). None: no limit (the proof)."""
     started = time.perf_counter()
     deadline = None if search_time_s is None else started + search_time_s
     cache = cache or CostCache(graph, cluster, optimizer)
@@ -594,7 +691,8 @@ def search(graph: ModelGraph, cluster: Cluster, optimizer: str, budget_bytes: fl
     if graph.tied_groups() and graph.tracer != "export":  # export: why_no_blocks judges ties
         todo = [s for s in todo if s.pp == 1]  # a shared parameter lives in one stage
     if graph.tracer == "export":  # stages cut at blocks (planner.block_cuts)
-        todo = [s for s in todo if (s.pp == 1 or not why_no_blocks(graph))
+        cut = not why_no_blocks(graph)  # once: it walks every layer (0.2 s on 405 B)
+        todo = [s for s in todo if (s.pp == 1 or cut)
                 and (s.tp == 1 or tp_whole_rows(s, batch, cluster))]
     if any(s.recompute for s in todo) and not block_recompute.offered(graph):
         raise ValueError(f"only: recompute=True checkpoints the transformer blocks of a "
@@ -670,7 +768,7 @@ def search(graph: ModelGraph, cluster: Cluster, optimizer: str, budget_bytes: fl
     solve_seconds = 0.0
 
     def out_of_time() -> bool:
-        return deadline is not None and best is not None and time.perf_counter() >= deadline
+        return deadline is not None and time.perf_counter() >= deadline
 
     def attempt(c: Candidate, limit_s: float) -> None:
         """Solve candidate c within `limit_s`, cut off at the incumbent; keep the best."""
@@ -678,7 +776,7 @@ def search(graph: ModelGraph, cluster: Cluster, optimizer: str, budget_bytes: fl
         incumbent = best.solution.times.step_s if best else None
         s = c.shape
         t0 = time.perf_counter()
-        if deadline is not None and best is not None:
+        if deadline is not None:
             limit_s = max(0.1, min(limit_s, deadline - t0))
         try:
             solution = solve_stages(
@@ -705,7 +803,7 @@ def search(graph: ModelGraph, cluster: Cluster, optimizer: str, budget_bytes: fl
             best = c
 
     chunked: list[Candidate] = []
-    loads = _LoadBounds(problem_of)
+    loads = _LoadBounds(problem_of, budget_of)
 
     def tell(current: str = "") -> None:
         """Report where the search stands: candidates dealt with (dropped, pruned, skipped
@@ -719,6 +817,11 @@ def search(graph: ModelGraph, cluster: Cluster, optimizer: str, budget_bytes: fl
                         best.solution.times.step_s if best else None,
                         min(open_bounds, default=None), current))
 
+    first_s = min(time_limit_s, FIRST_PASS_S)
+    first_until = None  # a budget: the one-chunk shapes' first pass stops at half of it
+    if search_time_s is not None:
+        first_s = min(first_s, max(0.1, search_time_s * FIRST_PASS_SHARE))
+        first_until = (time.perf_counter() + deadline) / 2
     interrupted = False
     try:
         # First pass, best bound first, each candidate briefly: a hard one met before any
@@ -734,8 +837,11 @@ def search(graph: ModelGraph, cluster: Cluster, optimizer: str, budget_bytes: fl
             if c.shape.chunks > 1:
                 chunked.append(c)  # after every shape with one chunk per rank (below)
                 continue
+            if best is not None and first_until is not None and \
+                    time.perf_counter() > first_until:
+                continue  # the second pass comes back to it
             tell(_words(c.shape))
-            attempt(c, min(time_limit_s, FIRST_PASS_S))
+            attempt(c, first_s)
             tell()
         # Chunked schedules, after every one-chunk shape. Those their bound leaves in (it
         # leaves the bubble out) and that fit with the schedule's own in-flight counts
@@ -756,6 +862,14 @@ def search(graph: ModelGraph, cluster: Cluster, optimizer: str, budget_bytes: fl
             if budget_bytes is not None and need > budget_bytes:
                 c.outcome, c.note = "does_not_fit", f"needs at least {need / 1e9:.1f} GB per device"
                 continue
+            if budget_bytes is not None:  # each rank's work where it must fit
+                flights = [in_flight(s.schedule, s.pp, s.microbatches, k, s.chunks)
+                           for k in range(s.pp * s.chunks)]
+                c.bound_s = max(c.bound_s, memory_bound(
+                    b.problem, s.pp, s.microbatches, s.schedule, s.chunks, budget_of(s),
+                    flights))
+                if _ruled_out(c, incumbent):
+                    continue
             guesses.append((estimate(b.problem, s.pp, s.microbatches, s.schedule, s.chunks),
                             c))
         # The rest, in the order of the estimate (or the bound, where memory raises it
@@ -766,6 +880,8 @@ def search(graph: ModelGraph, cluster: Cluster, optimizer: str, budget_bytes: fl
         guesses.sort(key=lambda t: max(t[0], t[1].bound_s))
         quick_ones = []
         quick_until = time.perf_counter() + QUICK_PASS_S
+        if deadline is not None:  # a budget: up to half of what it has left
+            quick_until = max(quick_until, (time.perf_counter() + deadline) / 2)
         for guess, c in guesses:
             if out_of_time():
                 break
@@ -781,7 +897,7 @@ def search(graph: ModelGraph, cluster: Cluster, optimizer: str, budget_bytes: fl
                 continue
             if best is not None and time.perf_counter() > quick_until:
                 c.outcome = "skipped"
-                c.note = f"not solved: past the {QUICK_PASS_S:g} s of quick plans"
+                c.note = "not solved: past the time for quick plans"
                 continue
             s = c.shape
             t0 = time.perf_counter()
@@ -824,10 +940,26 @@ def search(graph: ModelGraph, cluster: Cluster, optimizer: str, budget_bytes: fl
                                                   and c.solution.status != "optimal")
             if c.shape.chunks > 1:
                 continue  # chunked candidates get the first pass only
-            if open_ and (incumbent is None or c.bound_s < incumbent * (1 - 1e-9)):
+            if _unvisited(c) and _ruled_out(c, incumbent):
+                continue
+            if (open_ or _unvisited(c)) and (incumbent is None
+                                             or c.bound_s < incumbent * (1 - 1e-9)):
                 tell(_words(c.shape))
-                attempt(c, time_limit_s)
+                attempt(c, time_limit_s if open_ else first_s)
                 tell()
+        # Last, what a budget has left goes to the best itself where its own solve stopped
+        # short (its first pass was brief), cut off at its plan, which it keeps unless a
+        # better one is found
+        c = best
+        if (deadline is not None and c is not None and c.shape.chunks == 1
+                and c.solution.status != "optimal" and not out_of_time()):
+            kept = c.solution
+            tell(_words(c.shape))
+            attempt(c, time_limit_s)
+            if c.solution is None or c.solution.times.step_s > kept.times.step_s:
+                c.solution = kept
+            c.outcome = "solved"
+            tell()
     except KeyboardInterrupt:
         # Ctrl-C: the best plan so far, with its gap to what was left open (SCIP is told
         # not to catch the signal, so it arrives when the solve in progress returns)
@@ -838,15 +970,20 @@ def search(graph: ModelGraph, cluster: Cluster, optimizer: str, budget_bytes: fl
             if _unvisited(c):  # or cut short by the interrupt
                 c.outcome, c.note = "skipped", "not solved: interrupted"
     ran_out = out_of_time()
+    fallback = ran_out and best is None and not interrupted
+    if fallback:
+        best = _fallback(ranked, problem_of, budget_of)
+        solve_seconds += sum(c.seconds for _, c in ranked if c.note == FALLBACK_NOTE)
     if ran_out:
         for _, c in ranked:
             if _unvisited(c):
                 c.outcome = "skipped"
-                c.note = f"not solved: the search's {search_time_s:g} s ran out"
+                c.note = "not solved: the search's time ran out"
     if best is not None:
         best.outcome = "best"
     stats = {"layer_costs_computed": cache.misses, "layer_costs_reused": cache.hits,
              "problems_built": len(built), "solve_seconds": solve_seconds,
-             "interrupted": interrupted, "out_of_time": ran_out}
+             "interrupted": interrupted, "out_of_time": ran_out,
+             "fallback": fallback and best is not None}
     return SearchResult(best, problem_of(best.shape) if best else None, out,
                         time.perf_counter() - started, stats)

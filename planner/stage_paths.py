@@ -141,3 +141,138 @@ def path_bound(problem, pp: int, microbatches: int, schedule: str, chunks: int
         step = makespans(schedule, pp, chunks, microbatches, total,
                          problem.forward_share) + per_rank.max(1)
         best = min(best, float(step.min()))
+
+
+def relaxed_path_bound(problem, pp: int, microbatches: int, schedule: str,
+                       chunks: int, budget_bytes: float | None = None,
+                       flights=None) -> float:
+    """A lower bound for chunked shapes with any number of cuts: `path_bound` with the
+    stages' times free (each at least its least one unit, together at least the model's
+    least work and transfers) instead of one per cut, by a linear program over the
+    schedule's action graph (its end times the variables, each at least an action it
+    waits for plus its own share of its stage's time; the makespan at least every end).
+
+    Valid because the makespan is nondecreasing in every stage time (module docstring):
+    a plan's own stage times satisfy the program, so its optimum is at most the plan's
+    makespan. It keeps what `path_bound` keeps of the bubble, a fill and drain that no
+    split of the work escapes, where the busiest rank's work (planner.stage_loads) leaves
+    it out: few microbatches over many stages (a 70 B Llama over 256 H100s, four of them
+    over 4 ranks of 2 chunks, interleaved 1F1B: 7.95 s by the work, 9.50 s by this).
+
+    With `budget_bytes` and `flights` (per stage, the microbatches it keeps in flight:
+    stages.in_flight), each rank's stages also carry its memory row, relaxed as in
+    stage_loads.memory_bound: a stage keeping f microbatches in flight keeps f of every
+    layer it holds, so for any λ >= 0, m times rank r's stage times is at least Σ over
+    its units of c_λ(u, f) - λ·budget, c_λ(u, f) = Σ over u's layers of min over options
+    (m·t + λ·(w + f·a)) + m times its least edges, f its stage's flight; which units each
+    stage holds is free, but for how many of each kind the model has (_memory_rows).
+    So where memory forces blocks to be recomputed, their recompute enters the bubble's
+    bound: on a 70 B Llama over 256 H100s, interleaved 1F1B over 4 ranks of 2 chunks,
+    4 microbatches, every block offered recomputed, 9.50 s without them, 10.84 s with."""
+    from ortools.linear_solver import pywraplp
+
+    S = pp * chunks
+    U = len(problem.units)
+    if S > U:
+        return math.inf
+    problem = problem.for_schedule(schedule)
+    tables = problem.tables
+    ranks = schedules.placement(schedule, pp, chunks) if pp > 1 else (0,) * S
+    hops = sum(ranks[k - 1] != ranks[k] for k in range(1, S))
+    cuts = sorted(problem.cut_s[1:])
+    work = (float(tables.unit_least_s.sum()) + (S - 1) * problem.replay_s
+            + 2 * float(sum(cuts[:hops])))
+    once = tables.step_least_s / pp  # the slowest rank's per-step part, at least the mean
+    if work <= 0:
+        return once
+    smallest = float(tables.unit_least_s.min())
+    share = schedules.parts(problem.forward_share)
+    solver = pywraplp.Solver.CreateSolver("GLOP")
+    # in units of the work: the program's numbers near 1
+    x = [solver.NumVar(smallest / work + (problem.replay_s / work if k else 0.0),
+                       solver.infinity(), f"x[{k}]") for k in range(S)]
+    solver.Add(sum(x) >= 1.0, "least_work")
+    z = solver.NumVar(0.0, solver.infinity(), "makespan")
+    ends = []
+    for stage, kind, waits in action_graph(schedule, pp, chunks, microbatches):
+        end = solver.NumVar(0.0, solver.infinity(), "")
+        for q in waits:
+            solver.Add(end >= ends[q] + share[kind] * x[stage])
+        if not waits:
+            solver.Add(end >= share[kind] * x[stage])
+        ends.append(end)
+    # the ends of each rank's last action and of every action without a successor bound
+    # the makespan; every end is at most one of those, so all of them is simplest
+    for end in ends:
+        solver.Add(z >= end)
+    if budget_bytes is not None and flights is not None and pp > 1:
+        # the slowest rank's per-step part, from the same rows as its memory
+        slowest = _memory_rows(solver, x, problem, pp, microbatches, ranks, budget_bytes,
+                               flights, work)
+        solver.Minimize(z + slowest)
+        once = 0.0
+    else:
+        solver.Minimize(z)
+    if solver.Solve() != pywraplp.Solver.OPTIMAL:
+        return tables.step_least_s / pp  # no answer is no bound
+    # the LP's own rounding: its optimum read a hair low errs on the bound's side
+    return solver.Objective().Value() * work * (1 - 1e-7) + once
+
+
+MEMORY_LAMBDAS = 16  # multipliers of each rank's memory row in relaxed_path_bound
+
+
+def _memory_rows(solver, x, problem, pp: int, m: int, ranks, budget_bytes, flights,
+                 work: float):
+    """relaxed_path_bound's memory rows (its docstring), in its units (of the work, per
+    microbatch); the variable of the slowest rank's per-step part, which the bound adds
+    to the makespan. Units alike (the same layers, least edges and least times: a
+    transformer's blocks) form a class; z[c, k] is how many of class c stage k holds,
+    free but for Σ_k z[c, k] = the class's count and each stage at least one unit. Then
+    x_k >= Σ_c z[c, k]·least(c) (its units' least times), rank r's per-step part S_r at
+    least its units' least, and per multiplier λ: m·Σ_{k on r} x_k + S_r >=
+    Σ_{k on r} Σ_c z[c, k]·c_λ(c, f_k) - λ·budget, c_λ with m·t + s (and the same rows
+    without S_r, c_λ with m·t alone). A plan's own units per stage satisfy them all:
+    the program's least is at most its step. Against each rank taking its own cheapest
+    units, the classes keep the head and the norm from being counted on every rank."""
+    tables = problem.tables
+    S = len(ranks)
+    t = m * tables.microbatch_s  # padding: +inf, never the least
+    w, a = tables.weight_bytes, tables.activation_bytes
+    edges = m * tables.edge_least_s
+    key = np.concatenate([tables.counts, tables.edge_least_s[None],
+                          tables.unit_least_s[None], tables.unit_step_least_s[None]], 0).T
+    classes, first, count = np.unique(key, axis=0, return_index=True, return_counts=True)
+    C = len(classes)
+    z = [[solver.NumVar(0.0, float(count[c]), "") for k in range(S)] for c in range(C)]
+    for c in range(C):
+        solver.Add(sum(z[c]) == float(count[c]))
+    for k in range(S):
+        solver.Add(sum(z[c][k] for c in range(C)) >= 1.0)
+        solver.Add(x[k] >= sum(z[c][k] * float(tables.unit_least_s[first[c]] / work)
+                               for c in range(C)))
+    once = [solver.NumVar(0.0, solver.infinity(), f"S[{r}]") for r in range(pp)]
+    slowest = solver.NumVar(0.0, solver.infinity(), "slowest")
+    mine = [[k for k in range(S) if ranks[k] == r] for r in range(pp)]
+    for r in range(pp):
+        solver.Add(slowest >= once[r])
+        solver.Add(once[r] >= sum(z[c][k] * float(tables.unit_step_least_s[first[c]] / work)
+                                  for k in mine[r] for c in range(C)))
+    scale = float(t.min(axis=1) @ tables.counts.sum(axis=1))
+    norm = m * work
+    # each with the per-step parts and without: an option cheap in one may be dear in the
+    # other, and either row holds
+    for with_step in (False, True):
+        priced = t + tables.step_s if with_step else t
+        for lam in scale / budget_bytes * np.geomspace(1e-2, 1e2, MEMORY_LAMBDAS):
+            cost = {f: ((priced + lam * (w + f * a)).min(axis=1) @ tables.counts
+                        + edges)[first] / norm for f in set(flights)}
+            if not all(np.isfinite(v).all() for v in cost.values()):
+                continue
+            for r in range(pp):
+                solver.Add(sum(x[k] for k in mine[r])
+                           + (once[r] * (1.0 / m) if with_step else 0.0)
+                           - sum(z[c][k] * float(cost[flights[k]][c]) for k in mine[r]
+                                 for c in range(C))
+                           >= -lam * budget_bytes / norm)
+    return slowest

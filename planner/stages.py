@@ -85,6 +85,10 @@ _GB = 1e9
 # small and medium pipelines in well under it, and on the largest (a 48-block GPT at pp 8)
 # it would take minutes (planner.stage_dp), so it must give up early
 DP_SECONDS = 1.0
+# units x stages of a stage program that Python writes in a second, about (its rows are
+# per unit and stage): a 405 B Llama at pp 32 (129 units) took some 8 s before SCIP ran.
+# A solve with less time left than its rows need keeps its start plan, where it has one
+MIP_UNIT_STAGES_PER_S = 500
 
 
 @dataclass(frozen=True)
@@ -425,6 +429,15 @@ def solve_stages(problem: StageProblem, pp: int, microbatches: int, schedule: st
         if solved != "too large":
             return solved
     given = problem
+    # a block recomputed whole links its layers, which the exact fast solvers above cannot
+    # hold: with every such block recomputed they can, and their plan starts the program
+    start_plan = (_every_block_recomputed_plan(given, pp, microbatches, schedule,
+                                               budget_bytes, chunks, time_limit_s / 2)
+                  if linked and method != "mip" else None)
+    left_s = time_limit_s - (time.perf_counter() - start)
+    if start_plan is not None and U * S > MIP_UNIT_STAGES_PER_S * left_s:
+        return _start_only(given, start_plan, pp, microbatches, schedule, chunks,
+                           budget_bytes, cutoff_s, start)
     # in units of the largest single time: SCIP drops coefficients below 1e-9 (planner.ilp)
     unit_s = _time_unit_s(problem)
     problem = _in_units(problem, unit_s)
@@ -583,7 +596,7 @@ def solve_stages(problem: StageProblem, pp: int, microbatches: int, schedule: st
                            f"cutoff[{r}]")
     # a start: deep pipelines under a tight budget find none for minutes, and chunked ones
     # start from lopsided cuts (a 2-rank interleaved GPT: 2.77 s at 5 s, 1.60 s at 15 s)
-    hint = balanced_cut(given, pp, microbatches, schedule, budget_bytes, chunks)
+    hint = start_plan or balanced_cut(given, pp, microbatches, schedule, budget_bytes, chunks)
     if hint is not None:
         _hint_cut(solver, x, z, *hint)
     solver.SetTimeLimit(max(1, int((time_limit_s - (time.perf_counter() - start)) * 1000)))
@@ -645,9 +658,15 @@ def quick_plan(problem: StageProblem, pp: int, microbatches: int, schedule: str,
     with the no-solve bound): the search tries it on chunked shapes before their stage
     MIPs, which rarely find as good a plan in seconds (a 48-block GPT on 64 A100s:
     DualPipeV at pp 8 in 1.43 s against the best one-stage plan's 1.68 s, which the
-    search returned before). None where nothing fits."""
+    search returned before). Blocks offered recomputed whole are all recomputed, so that
+    planner.ilp picks the ranks' options (the least-memory options the cut is found with
+    made its plans some 60% slower on a 70 B Llama). None where nothing fits."""
     start = time.perf_counter()
-    hint = balanced_cut(problem, pp, microbatches, schedule, budget_bytes, chunks)
+    hint = None
+    if problem.linked_units():  # its layers' options by planner.ilp, every block recomputed
+        hint = _every_block_recomputed_plan(problem, pp, microbatches, schedule,
+                                            budget_bytes, chunks, time_limit_s=None)
+    hint = hint or balanced_cut(problem, pp, microbatches, schedule, budget_bytes, chunks)
     if hint is None:
         return None
     times = evaluate(problem, *hint, microbatches, schedule, chunks)
@@ -658,6 +677,71 @@ def quick_plan(problem: StageProblem, pp: int, microbatches: int, schedule: str,
                          bound_s=min(bound, times.step_s),
                          seconds=time.perf_counter() - start, num_variables=0,
                          num_constraints=0)
+
+
+def _start_only(problem: StageProblem, plan, pp: int, microbatches: int, schedule: str,
+                chunks: int, budget_bytes: float | None, cutoff_s: float | None,
+                start: float) -> StageSolution:
+    """The start plan as the answer ("feasible", open below the no-solve bound) where the
+    stage program's rows alone would take longer to write than the solve has left. A
+    start that does not fit or does not beat `cutoff_s` proves nothing: TimeLimit, as a
+    program out of time."""
+    times = evaluate(problem, *plan, microbatches, schedule, chunks)
+    bound = lower_bound(problem, pp, microbatches, schedule, chunks, budget_bytes)
+    if (budget_bytes is not None and max(times.memory_bytes) > budget_bytes * (1 + 1e-9)
+            or cutoff_s is not None and times.step_s > cutoff_s):
+        raise TimeLimit(bound)
+    return StageSolution(starts=plan[0], choice=plan[1], times=times, status="feasible",
+                         bound_s=min(bound, times.step_s),
+                         seconds=time.perf_counter() - start, num_variables=0,
+                         num_constraints=0, settles=bound >= times.step_s * (1 - 1e-9))
+
+
+def every_block_recomputed(problem: StageProblem):
+    """(the problem with every block offered recomputed whole recomputed, and per layer
+    the indices of the options it keeps): each such layer keeps its recomputed options
+    only, so no row links a block's layers and planner.ilp, the dynamic program and
+    quick plans solve it exactly. None where no layer is linked."""
+    if not problem.linked_units():
+        return None
+    keep = [np.arange(len(l.strategies)) if l.recomputed is None
+            else np.flatnonzero(l.recomputed) for l in problem.layers]
+    layers = tuple(l if l.recomputed is None else LayerOptions(
+        l.name, l.unit, tuple(l.strategies[o] for o in k), l.microbatch_s[k], l.step_s[k],
+        l.weight_bytes[k], l.activation_bytes[k]) for l, k in zip(problem.layers, keep))
+    edges = tuple(Edge(e.src, e.dst, np.asarray(e.cost_s, float)[np.ix_(keep[e.src],
+                                                                         keep[e.dst])])
+                  for e in problem.edges)
+    return replace(problem, layers=layers, edges=edges), keep
+
+
+def _every_block_recomputed_plan(problem: StageProblem, pp: int, microbatches: int,
+                                 schedule: str, budget_bytes: float | None, chunks: int,
+                                 time_limit_s: float | None):
+    """(starts, choice) of the best plan with every linked block recomputed, in the
+    problem's own option indices: exact by planner.ilp (one stage) or the dynamic program
+    (one stage per rank) within `time_limit_s`, else a quick plan; None where none fits.
+    Where memory binds, the stage program under a time limit often finds no plan at all
+    (a 70 B Llama over 256 H100s: none in 5 s on most pipelined shapes): this is its start."""
+    restricted, keep = every_block_recomputed(problem)
+    found = None
+    S = pp * chunks
+    if time_limit_s is not None and S == 1:
+        found = _solve_one_stage(restricted, microbatches, schedule, budget_bytes,
+                                 time_limit_s, None, time.perf_counter())
+    elif time_limit_s is not None and chunks == 1:
+        now = time.perf_counter()
+        found = _solve_by_dp(restricted, pp, microbatches, schedule, budget_bytes, None, now,
+                             now + min(time_limit_s, DP_SECONDS))
+        found = None if found == "too large" else found
+    if found is not None:
+        starts, choice = found.starts, found.choice
+    else:
+        cut = balanced_cut(restricted, pp, microbatches, schedule, budget_bytes, chunks)
+        if cut is None:
+            return None
+        starts, choice = cut
+    return tuple(starts), tuple(int(keep[i][c]) for i, c in enumerate(choice))
 
 
 def _solve_by_dp(problem: StageProblem, pp: int, microbatches: int, schedule: str,
@@ -1006,11 +1090,19 @@ def _dual_stage_bounds(problem: StageProblem, flights, m: int, budget_bytes: flo
     lams = np.concatenate([[0.0], scale / budget_bytes * np.geomspace(1e-3, 1e3, 31)])
     idx = np.arange(U + 1)
     out = {}
+    later = idx[None, :] > idx[:, None]
+    span = np.empty((U + 1, U + 1))
     for f in flights:
         value = (t[None] + lams[:, None, None] * (mem_w + f * mem_a)[None]).min(axis=2)
         prefix = np.concatenate([np.zeros((len(lams), 1)), np.cumsum(value @ counts, 1)], 1)
-        span = prefix[:, None, :] - prefix[:, :, None] - lams[:, None, None] * budget_bytes
-        out[f] = np.maximum(span.max(axis=0), 0.0) * (idx[None, :] > idx[:, None])
+        # max over λ of [i, j] -> prefix[j] - prefix[i] - λ·budget, one λ at a time: the
+        # search asks for thousands of these (a 405 B Llama: 6,600), and a table per λ
+        # stays in cache where all of them at once did not (twice as fast)
+        best = np.full((U + 1, U + 1), -math.inf)
+        for row, lam in zip(prefix, lams):
+            np.add.outer(-row, row - lam * budget_bytes, out=span)
+            np.maximum(best, span, out=best)
+        out[f] = np.maximum(best, 0.0) * later
     return out
 
 

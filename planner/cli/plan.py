@@ -8,8 +8,11 @@ saved plan.
 
 from __future__ import annotations
 
+import argparse
+
 import planner
 from planner.cli.progress import search_progress
+from planner.search import DEFAULT_SEARCH_TIME_S
 from planner.cli.model_args import (
     build_model, cluster_arg, forward_kwargs, load_factory, parse_memory,
 )
@@ -152,10 +155,13 @@ def add_plan(commands) -> None:
                       "(default); 3d: search pipeline x data x tensor meshes, stage cuts, "
                       "microbatches and schedules; auto: both, keeping the 1-D plan unless a "
                       "3-D one is predicted at least 1%% faster")
-    plan.add_argument("--search-time", metavar="SECONDS", type=float, default=None,
-                      help="with --mesh 3d or auto: stop the search's solves after SECONDS "
-                      "once it has a plan, and print the best with its gap (Ctrl-C does the "
-                      "same at any time)")
+    plan.add_argument("--search-time", metavar="SECONDS|prove", type=parse_search_time,
+                      default=DEFAULT_SEARCH_TIME_S,
+                      help="with --mesh 3d or auto: stop the search SECONDS after planning "
+                      f"starts (default {DEFAULT_SEARCH_TIME_S:g}) and print the best plan "
+                      "with its status and gap; 'prove' runs the search to its end, "
+                      "which on the largest models takes many minutes (Ctrl-C prints the "
+                      "best so far at any time)")
     plan.add_argument("--prefer-standard", metavar="FRACTION", type=float,
                       help="keep the best standard plan (DDP, tensor parallel, FSDP) when it is "
                       "predicted within this fraction of the optimum (default 0.03, "
@@ -164,6 +170,20 @@ def add_plan(commands) -> None:
     plan.add_argument("--plot", metavar="DIR", help="also draw the plan (strategy map, memory "
                       "per device, schedule timeline) as PNG and SVG into DIR")
     plan.set_defaults(run=_plan)
+
+
+def parse_search_time(text: str) -> float | None:
+    """--search-time: seconds, or 'prove' for no limit (planner.optimize's None)."""
+    if text.strip().lower() == "prove":
+        return None
+    try:
+        seconds = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is neither a number of seconds nor "
+                                         f"'prove'") from None
+    if seconds < 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: seconds cannot be negative")
+    return seconds
 
 
 def add_show(commands) -> None:

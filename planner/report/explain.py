@@ -90,8 +90,10 @@ def summary(plan: Plan) -> list[str]:
     same = len(set(p.memory_bytes)) == 1
     lines.append(f"Memory per device: {_gb(max(p.memory_bytes))} of {_gb(p.memory_limit_bytes)}"
                  + (f" (all {len(p.memory_bytes)} devices alike)" if same else ""))
-    lines.append(f"Solver: {s.status} (objective {_ms(s.objective_s)}, bound {_ms(s.bound_s)}), "
-                 f"{s.seconds:.2f} s with {s.backend}; planning took {s.planning_seconds:.1f} s")
+    gap = f", gap {s.gap:.1%}" if s.status != "optimal" else ""
+    lines.append(f"Solver: {s.status} (objective {_ms(s.objective_s)}, bound {_ms(s.bound_s)}"
+                 f"{gap}), {s.seconds:.2f} s with {s.backend}; planning took "
+                 f"{s.planning_seconds:.1f} s" + (f"; {s.note}" if s.note else ""))
     if plan.inputs:
         lines.append("Inputs: " + ", ".join(
             f"{i.name} ({'each rank passes its rows' if i.layout == 'batch' else 'every rank passes the whole batch'})"
