@@ -3,7 +3,9 @@ and a pipeline stage reuses on its own part of the graph (executor.pipeline).
 
 Steps 1-5 of executor.parallelize's docstring: tensor-parallel styles, a `Reshard` node on
 every edge whose layouts differ, the output gradient's scaling, the levers (FSDP2,
-recomputation), then DDP over the data-parallel layers' weights.
+recomputation), then DDP over the data-parallel layers' weights. Where the graph writes in
+place into what a tensor-parallel module or a `Reshard` hands on, that output is copied
+first (executor.view_outputs).
 """
 
 from __future__ import annotations
@@ -19,7 +21,8 @@ from executor.levers import apply_levers
 from executor.styles import (MeanOverRanks, Reshard, broadcast_replicated,
                              data_parallel_over, params_of, placement, summed_params,
                              tensor_parallel_style)
-from executor.view_outputs import silence_safe_view_warnings, view_safety
+from executor.view_outputs import (own_written_outputs, silence_safe_view_warnings,
+                                   view_safety)
 from planner.handback import output_layout
 from planner.plan import LayerPlan, Plan
 from strategies.layouts import Layout
@@ -42,14 +45,17 @@ def parallelize_graph(model: nn.Module, plan: Plan, mesh: DeviceMesh | None = No
     gives = {i.name: (Layout(i.layout), i.shape) for i in plan.inputs}
     gives.update({l.node: (Layout(l.output_layout), l.output_shape) for l in plan.layers})
 
-    apply_tensor_parallel(gm, mesh, layers, gives)
+    parallel = apply_tensor_parallel(gm, mesh, layers, gives)
     insert_reshards(gm, mesh, layers, gives, plan.global_batch)
+    own_written_outputs(gm, parallel | reshard_paths(gm))
     broadcast_replicated(gm, params_of(plan, "replicate"))
     _apply_levers(gm, layers, mesh, plan)
     return data_parallel_over(gm, summed_params(plan))
 
 
-def apply_tensor_parallel(gm: fx.GraphModule, mesh, layers: dict[str, LayerPlan], gives):
+def apply_tensor_parallel(gm: fx.GraphModule, mesh, layers: dict[str, LayerPlan],
+                          gives) -> set[str]:
+    """DTensor styles on the model-parallel layers' modules; returns their paths."""
     plan = {}
     for node in gm.graph.nodes:
         layer = layers.get(node.name)
@@ -61,12 +67,32 @@ def apply_tensor_parallel(gm: fx.GraphModule, mesh, layers: dict[str, LayerPlan]
             layer.output_shape, gm.get_submodule(str(node.target)))
     if plan:
         parallelize_module(gm, mesh, plan)
+    return set(plan)
+
+
+def reshard_paths(gm: fx.GraphModule) -> set[str]:
+    """The paths of the `Reshard` modules `insert_reshards` added to `gm`."""
+    return {name for name, module in gm.named_children() if isinstance(module, Reshard)}
 
 
 def _tuple_source(node: fx.Node, gives) -> fx.Node | None:
     """The planned tensor a tuple-yielding node (split, chunk) reads, when it reads one."""
     srcs = [n for n in node.all_input_nodes if n.name in gives]
     return srcs[0] if len(srcs) == 1 and len(node.all_input_nodes) == 1 else None
+
+
+def _returned(output: fx.Node, gives) -> list[tuple[fx.Node, fx.Node]]:
+    """(reader, tensor) for each planned tensor the graph returns: read by the output node
+    itself, or by a tuple built for it (Inception-v3's InceptionOutputs(logits, aux))."""
+    pairs, stack = [], [output]
+    while stack:
+        reader = stack.pop()
+        for src in reader.all_input_nodes:
+            if src.name in gives:
+                pairs.append((reader, src))
+            elif src.op == "call_function" and len(src.users) == 1:
+                stack.append(src)
+    return pairs
 
 
 def insert_reshards(gm: fx.GraphModule, mesh, layers: dict[str, LayerPlan], gives,
@@ -110,15 +136,13 @@ def insert_reshards(gm: fx.GraphModule, mesh, layers: dict[str, LayerPlan], give
             if handed == Layout.REPLICATE:
                 world //= mesh.size()
             gm.add_submodule("hyplan_mean_over_ranks", MeanOverRanks(world))
-            for src in list(node.all_input_nodes):
-                if src.name not in gives:
-                    continue
+            for target, src in _returned(node, gives):
                 out = src
                 if gives[src.name][0] != handed:
-                    out = reshard(node, src, handed)
-                with gm.graph.inserting_before(node):
+                    out = reshard(target, src, handed)
+                with gm.graph.inserting_before(target):
                     scaled = gm.graph.call_module("hyplan_mean_over_ranks", (out,))
-                node.replace_input_with(src, scaled)
+                target.replace_input_with(src, scaled)
     gm.graph.lint()
     gm.recompile()
 

@@ -27,6 +27,7 @@ from executor.inputs import main_input
 from executor.styles import (MeanOverRanks, Reshard, broadcast_replicated,
                              data_parallel_over, dead_params, params_of, placement,
                              tensor_parallel_style)
+from executor.view_outputs import own_output
 from planner.price import READS_METADATA_ONLY
 from planner.handback import output_layout
 from planner.plan import LayerPlan, Plan
@@ -51,6 +52,13 @@ def _gather_rows(mesh, local_rows: int, value):
     if isinstance(value, tuple):
         return tuple(_gather_rows(mesh, local_rows, v) for v in value)
     return value
+
+
+def _owned(reshard: Reshard) -> Reshard:
+    """A layout change whose output the model's code may write in place (ResNet's `hidden
+    += residual`): a copy of DTensor's view (executor.view_outputs.own_output)."""
+    reshard.register_forward_hook(own_output)
+    return reshard
 
 
 def _pre_hook(reshard: Reshard | None, mesh, gather_others: bool):
@@ -282,29 +290,22 @@ def apply_module_layouts(model: nn.Module, layers: list[LayerPlan], inputs, outp
         want = wanted(main, layer)
         if arrives == Layout.REPLICATE_PARTIAL_GRAD and want == Layout.REPLICATE:
             arrives = want  # already summed where it left its module
-        reshard_in = Reshard(mesh, arrives, want, shape) if arrives != want else None
+        reshard_in = _owned(Reshard(mesh, arrives, want, shape)) if arrives != want else None
         module.register_forward_pre_hook(
             _pre_hook(reshard_in, mesh, gather_others=want != Layout.BATCH), with_kwargs=True)
         if handed[layer.node] != own:
             module.register_forward_hook(
-                _post_hook(Reshard(mesh, own, handed[layer.node], layer.output_shape)))
+                _post_hook(_owned(Reshard(mesh, own, handed[layer.node], layer.output_shape))))
     for layer in layers:  # model-parallel modules that hand on another layout
         path = paths[layer.node]
         if path in tp_styles and handed[layer.node] == Layout.REPLICATE_PARTIAL_GRAD:
             raise ValueError(f"plan: {layer.name!r}: unsupported output hand-over")
     if tp_styles:
         parallelize_module(model, mesh, tp_styles)
-        for path in tp_styles:  # after the styles' own hooks: on what they hand on
-            model.get_submodule(path).register_forward_hook(_own_output)
+        # after the styles' own hooks, on what they hand on: no graph here says which
+        # outputs the model's code writes in place (Falcon's `mlp_output += ...`), so each
+        # view is copied
+        for path in tp_styles:
+            model.get_submodule(path).register_forward_hook(own_output)
     return held
 
-
-def _own_output(module, args, output):
-    """A tensor-parallel module's local output as a tensor of its own. DTensor's to_local
-    hands on a view made inside an autograd Function, which autograd forbids modifying in
-    place, and a model's code may: Falcon's block adds the attention into its MLP's output
-    with `mlp_output += attention_output`, and every tensor plan of it stopped there with
-    a RuntimeError. One copy of the layer's output, only where it is such a view."""
-    if isinstance(output, torch.Tensor) and output._is_view():
-        return output.clone()
-    return output

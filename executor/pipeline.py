@@ -41,11 +41,13 @@ from torch.distributed.pipelining import (
 from torch.distributed.tensor import DTensor
 
 from executor.agree import traced_as_planned
-from executor.graph_rewrite import apply_tensor_parallel, device_of, insert_reshards
+from executor.graph_rewrite import (apply_tensor_parallel, device_of, insert_reshards,
+                                   reshard_paths)
 from executor.levers import apply_levers
 from executor.precision import run_in_precision
 from executor.styles import summed_params
-from executor.view_outputs import silence_safe_view_warnings, view_safety
+from executor.view_outputs import (own_written_outputs, silence_safe_view_warnings,
+                                   view_safety)
 from strategies.collectives import DDP_BUCKET_BYTES, DDP_BUCKET_CAP_BYTES
 from planner.plan import Plan
 from planner.stages import stage_ranks
@@ -247,9 +249,10 @@ def parallelize_3d(model: nn.Module, plan: Plan, *, leaf_modules=()) -> StageMod
     views: dict[str, bool] = {}  # FSDP2's view warning: every chunk's verdict, then silenced
     for k in mine:
         module = split[k].to(device)
-        apply_tensor_parallel(module, tp_mesh, layers, gives)
+        parallel = apply_tensor_parallel(module, tp_mesh, layers, gives)
         insert_reshards(module, tp_mesh, layers, gives, microbatch_rows(plan),
                          final=k == num_stages - 1, mean_over=dp * tp)
+        own_written_outputs(module, parallel | reshard_paths(module))
         marked = dp_sharded(module, layers)
         views = view_safety(module, [path for path, _ in marked], views)
         sharded |= shard_modules(module, marked, mesh, plan)

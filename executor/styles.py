@@ -50,11 +50,9 @@ class Reshard(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         d = DTensor.from_local(x, self.mesh, [self.src], run_check=False,
                                shape=self.shape, stride=self.stride)
-        out = d.redistribute(self.mesh, [self.dst]).to_local(grad_placements=[self.dst_grad])
-        # to_local gives a view made inside an autograd Function; code after a layer may
-        # modify its input in place (ResNet's `hidden += residual`), which autograd forbids
-        # on such a view: hand on a tensor of its own
-        return out.clone()
+        # a view made inside an autograd Function, which autograd forbids writing in place:
+        # the executors copy it where a later op does (executor.view_outputs.own_output)
+        return d.redistribute(self.mesh, [self.dst]).to_local(grad_placements=[self.dst_grad])
 
     def extra_repr(self) -> str:
         return self.label

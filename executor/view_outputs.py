@@ -1,5 +1,14 @@
-"""FSDP2's "returned a view tensor" warning, kept only where the traced graph says it may
-matter.
+"""Module outputs that a later op writes in place: where that breaks a step, and where it
+does not.
+
+DTensor hands a tensor-parallel module's output (and a layout change's, `Reshard`) to the
+model's code through `to_local`, a view made inside an autograd Function, which autograd
+forbids writing in place: torchvision's `ReLU(inplace=True)` after a column-split Linear
+(AlexNet, VGG), `Hardswish(inplace=True)` (MobileNetV3), Falcon's `mlp_output +=
+attention_output` each stopped the first step with "Output 0 of _ToTorchTensor is a view
+and is being modified inplace". `own_output` hands on a copy instead: both executors
+register it on the modules they make parallel, the fx one only where the traced graph
+shows a write (`written_in_place`), so a layer whose readers only read pays no copy.
 
 FSDP2 registers its pre-backward hook on a wrapped module's output. When that output is a
 view, an in-place op on it (`x += y`, `relu_`, `ReLU(inplace=True)`) would drop the hook and
@@ -18,7 +27,10 @@ import re
 import warnings
 from collections.abc import Iterable
 
+import torch
 import torch.fx as fx
+
+from executor.styles import MeanOverRanks, Reshard
 
 # ops whose result may alias their input: an in-place write through them reaches the view
 _ALIASING = {"view", "view_as", "reshape", "reshape_as", "transpose", "permute", "t",
@@ -43,32 +55,71 @@ def _name(node: fx.Node) -> str:
     return getattr(overload, "__name__", name) if overload is not None else name
 
 
-def _writes_in_place(node: fx.Node, gm: fx.GraphModule) -> bool:
+def _opaque(module) -> bool:
+    """A module the graph calls without showing its code: a leaf the tracer kept whole
+    (an attention block, torch's TransformerEncoderLayer, a user's leaf), not one of
+    torch.nn's one-op layers (whose only write is `inplace`) nor the executor's own."""
+    if isinstance(module, (Reshard, MeanOverRanks)):
+        return False
+    return (next(module.children(), None) is not None
+            or not type(module).__module__.startswith("torch.nn."))
+
+
+def _writes_in_place(node: fx.Node, gm: fx.GraphModule, unseen: bool) -> bool:
     if node.op == "call_module":
-        return bool(getattr(gm.get_submodule(str(node.target)), "inplace", False))
+        module = gm.get_submodule(str(node.target))
+        return bool(getattr(module, "inplace", False)) or (unseen and _opaque(module))
     if node.op == "call_function" and node.target in _IN_PLACE_OPERATORS:
         return True
     name = _name(node)
     if node.op not in ("call_function", "call_method"):
         return False
+    if node.kwargs.get("inplace") is True:  # F.relu(x, inplace=True): Inception, DenseNet
+        return True
     if name in _IN_PLACE_DUNDERS:  # x.__iadd__(y), x.__setitem__(i, y)
         return True
     return name.endswith("_") and not name.endswith("__")
 
 
-def written_in_place(node: fx.Node, gm: fx.GraphModule) -> bool:
-    """Whether any op writes in place into `node`'s output or into a view of it."""
+def written_in_place(node: fx.Node, gm: fx.GraphModule, unseen: bool = False) -> bool:
+    """Whether any op writes in place into `node`'s output or into a view of it; with
+    `unseen`, a module whose code the graph does not show (`_opaque`) counts as one that
+    may."""
     seen, stack = set(), [node]
     while stack:
         for user in stack.pop().users:
             if user in seen:
                 continue
             seen.add(user)
-            if _writes_in_place(user, gm):
+            if _writes_in_place(user, gm, unseen):
                 return True
             if user.op in ("call_function", "call_method") and _name(user) in _ALIASING:
                 stack.append(user)
     return False
+
+
+def own_output(module, args, output):
+    """Forward hook: a module's output as a tensor of its own where it is a view (DTensor's
+    `to_local` hands on one, which autograd forbids writing in place; see the module
+    docstring), else as it is."""
+    if isinstance(output, torch.Tensor) and output._is_view():
+        return output.clone()
+    return output
+
+
+def own_written_outputs(gm: fx.GraphModule, paths: Iterable[str]) -> set[str]:
+    """Register `own_output` on the modules of `gm` at `paths` whose output some op writes
+    in place (or a view of it), or may (a module whose code the graph does not show reads
+    it); returns their paths. A module called more than once is hooked once, when any of
+    its calls' outputs is written."""
+    paths, hooked = set(paths), set()
+    for node in gm.graph.nodes:
+        target = str(node.target)
+        if (node.op == "call_module" and target in paths and target not in hooked
+                and written_in_place(node, gm, unseen=True)):
+            gm.get_submodule(target).register_forward_hook(own_output)
+            hooked.add(target)
+    return hooked
 
 
 def view_warning(cls: str) -> str:

@@ -22,7 +22,9 @@ from planner.plan import (
     Predicted, SearchReport, SolverReport, StagePlan,
 )
 from planner.price import group_link, step_overhead_s
-from planner.search import SearchResult, Shape, build, rank_groups, search
+from planner.search import (
+    DEFAULT_SEARCH_TIME_S, SearchResult, Shape, build, rank_groups, search, time_left,
+)
 from planner.schedules import LABELS, SPLIT_BACKWARD
 from planner.stages import evaluate, in_flight, stage_ranks
 from strategies.catalog import OPTIMIZER_STATE_FACTOR, CostContext, update_s
@@ -47,13 +49,13 @@ def optimize_3d(
     only: list[Shape] | None = None,
     pin: dict[str, str] | None = None,
     tracer: str = "auto",
-    search_time_s: float | None = None,
+    search_time_s: float | None = DEFAULT_SEARCH_TIME_S,
 ) -> Plan:
     """Choose the mesh (pipeline x data x tensor), the stage cut, the microbatches, the
     schedule and each layer's strategy for one training step on `example_inputs` (dim 0:
     the global batch). Arguments as planner.optimize; `max_microbatches` caps m; `only`
     restricts the search to the given shapes (e.g. to compare one shape with the best);
-    `search_time_s` bounds the search's solves (planner.search.search);
+    `search_time_s` bounds the call, the search's last (planner.optimize; None: prove it);
     `pin` {layer: strategy} fixes a layer's strategy on shapes where it applies. A model
     torch.fx cannot trace (`tracer` "auto" or "export") is cut only between its
     transformer blocks (planner.block_cuts), its tp groups inside a node."""
@@ -77,15 +79,35 @@ def refuse_unsplittable(graph) -> None:
                          f"transformer blocks, and {why}; use mesh='1d'")
 
 
+def normalizes_over_batch(layer) -> bool:
+    """A BatchNorm (module or F.batch_norm): its output depends on every row it is given."""
+    return ((layer.module_type is not None
+             and issubclass(layer.module_type, nn.modules.batchnorm._BatchNorm))
+            or layer.kind == "batch_norm")
+
+
 def plan_3d(graph, cluster: Cluster, optimizer: str, budget: float, started: float, *,
             max_microbatches: int | None = None, time_limit_s: float = 60.0,
             relative_gap: float = 1e-6, only: list[Shape] | None = None,
-            pin: dict[str, str] | None = None, search_time_s: float | None = None) -> Plan:
+            pin: dict[str, str] | None = None,
+            search_time_s: float | None = DEFAULT_SEARCH_TIME_S) -> Plan:
     """The 3-D search on a traced, profiled graph (what optimize_3d and
-    planner.optimize(mesh="3d" or "auto") share); `started`: perf_counter at the call."""
+    planner.optimize(mesh="3d" or "auto") share); `started`: perf_counter at the call,
+    from which `search_time_s` counts (None: no limit). A model that normalizes over the
+    batch (BatchNorm) gets one microbatch: split into microbatches, each would normalize
+    with its own statistics, which changes the math (torchvision's ResNet-18 and
+    DenseNet-121 pipelines trained 1.6 apart from one process in 3 steps)."""
+    if any(normalizes_over_batch(layer) for layer in graph.layers):
+        max_microbatches = 1
+        only = None if only is None else [s for s in only if s.microbatches == 1]
     result = search(graph, cluster, optimizer, budget, max_microbatches=max_microbatches,
                     time_limit_s=time_limit_s, relative_gap=relative_gap, only=only,
-                    pin=pin, search_time_s=search_time_s)
+                    pin=pin, search_time_s=time_left(search_time_s, started))
+    if result.best is None and result.stats.get("out_of_time"):
+        raise PlanDoesNotFit(
+            f"no plan found within the time budget (search_time_s={search_time_s:g} s from "
+            f"the call's start), not even a quick one: pass search_time_s=None "
+            f"(--search-time prove) to search until a plan is found or ruled out")
     if result.best is None:
         fits = [c for c in result.candidates if c.outcome == "does_not_fit"]
         smallest = min((c.note for c in fits), default="")
@@ -246,7 +268,7 @@ def to_plan(graph, cluster: Cluster, optimizer: str, budget: float, result: Sear
         status=status, objective_s=step, bound_s=bound,
         seconds=result.stats["solve_seconds"], backend="SCIP (stage MIP) + search",
         num_variables=solution.num_variables, num_constraints=solution.num_constraints,
-        planning_seconds=seconds)
+        planning_seconds=seconds, note=result.stop_note() if status == "feasible" else "")
     search_report = SearchReport(candidates=len(result.candidates), solved=result.solved,
                                  pruned=result.pruned, seconds=result.seconds,
                                  best_per_shape=_best_per_shape(result, fixed))
@@ -390,7 +412,8 @@ AS_GOOD = 0.01  # "auto" keeps the 1-D plan unless a 3-D one is predicted this m
 
 def choose_mesh(mesh: str, graph, cluster: Cluster, optimizer: str, budget: float,
                 started: float, plan_1d, *, pin: dict[str, str] | None = None,
-                time_limit_s: float = 60.0, search_time_s: float | None = None) -> Plan:
+                time_limit_s: float = 60.0,
+                search_time_s: float | None = DEFAULT_SEARCH_TIME_S) -> Plan:
     """planner.optimize(mesh="3d"): the 3-D search's plan. mesh="auto": the 1-D plan
     (`plan_1d()`, one group of all devices, each layer data- or model-parallel) unless the
     3-D search predicts a step at least AS_GOOD faster, or the 1-D plan does not fit; the
@@ -429,7 +452,23 @@ def choose_mesh(mesh: str, graph, cluster: Cluster, optimizer: str, budget: floa
         return _stamp(three, why, seconds)
     why = (f"auto: 1-D ({t1 * 1e3:.1f} ms); the best 3-D plan, {shape}, predicts "
            f"{t3 * 1e3:.1f} ms, not {AS_GOOD:.0%} faster")
-    return _stamp(one, why, seconds, search=three.search)
+    return _stamp(_with_search_gap(one, three), why, seconds, search=three.search)
+
+
+def _with_search_gap(one: Plan, three: Plan) -> Plan:
+    """The 1-D plan `auto` keeps, its bound lowered to what the 3-D search left open: where
+    that search stopped with a gap, a 3-D plan may still beat the 1-D one, and the plan
+    says "feasible" with that gap (the bounds compared as predicted step times)."""
+    if three.solver.status == "optimal":
+        return one
+    own = one.predicted.step_time_s - one.solver.objective_s  # outside the objective
+    open_s = three.solver.bound_s + three.predicted.step_time_s - three.solver.objective_s
+    if open_s - own >= one.solver.bound_s:
+        return one
+    solver = one.solver.model_copy(update={
+        "status": "feasible" if one.solver.status == "optimal" else one.solver.status,
+        "bound_s": open_s - own, "note": three.solver.note})
+    return one.model_copy(update={"solver": solver})
 
 
 def _stamp(plan: Plan, why: str, seconds: float, search=None) -> Plan:

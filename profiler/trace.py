@@ -122,7 +122,7 @@ def _module_attrs(module: nn.Module) -> dict:
     """The shape facts strategies need (which dims can be split, and by how much)."""
     keys = ("in_features", "out_features", "in_channels", "out_channels", "groups",
             "num_embeddings", "embedding_dim", "nf", "nx", "num_heads", "heads", "n_head",
-            "num_key_value_heads")
+            "num_key_value_heads", "num_experts", "top_k")
     attrs = {k: getattr(module, k) for k in keys if isinstance(getattr(module, k, None), int)}
     if isinstance(getattr(module, "normalized_shape", None), tuple):  # LayerNorm, RMSNorm
         attrs["normalized_dims"] = len(module.normalized_shape)
@@ -174,6 +174,9 @@ def trace(
     through = _tuple_sources(gm, values, known)
     layers = [replace(l, inputs=tuple(dict.fromkeys(
         j for i in l.inputs for j in ((i,) if i in known else through.get(i, ()))))) for l in layers]
+    # a tuple returned whole is its tensors (Inception-v3's InceptionOutputs(logits, aux))
+    outputs = tuple(dict.fromkeys(
+        j for i in outputs for j in ((i,) if i in known else through.get(i, ()))))
     batch = tensors[0].shape[0]
     layers = count_once(layers, gm)
     return ModelGraph(type(model).__name__, tuple(layers), outputs, batch, fingerprint(gm),

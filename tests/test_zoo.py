@@ -17,7 +17,7 @@ import torch
 import executor
 import planner
 from distributed import run_ranks
-from zoo import ZOO, canonical_names, reference, train
+from zoo import ZOO, ZooModel, canonical_names, reference, skeleton, train
 
 KINDS = ("ddp", "fsdp", "tensor", "pipeline", "optimum")
 # kind -> models for which the planner refuses it, and a word of the reason it gives
@@ -31,9 +31,18 @@ REFUSED = {  # decoder-only causal LMs are cut between blocks (a tied head: a co
 RTOL, ATOL = 1e-5, 1e-6
 
 
+def entry_of(name: str) -> ZooModel:
+    """A model of tests/zoo.py or of tests/torchvision_zoo.py, by name."""
+    if name in ZOO:
+        return ZOO[name]
+    from torchvision_zoo import TORCHVISION_ZOO
+
+    return TORCHVISION_ZOO[name]
+
+
 def make_plan(name: str, kind: str, devices: str = "2xcpu", model=None) -> planner.Plan:
     """`model`: one instance planned for every kind (traced once: planner.profiled)."""
-    entry = ZOO[name]
+    entry = entry_of(name)
     inputs, kwargs = entry.example()
     model = model if model is not None else entry.make()
     if kind == "optimum":
@@ -48,13 +57,13 @@ def run_plans(rank: int, world: int, jobs: list) -> dict:
     error it raised (as text, so one failure does not hide the others)."""
     out = {}
     for name, kind, plan_json in jobs:
-        entry = ZOO[name]
+        entry = entry_of(name)
         plan = planner.Plan.from_json(plan_json)
         try:
             model = executor.parallelize(entry.make(), plan)
             model = train(model, entry, lambda m, b, loss, opt, kw: executor.train_step(
                 m, plan, b, loss, opt, forward_kwargs=kw))
-            full = executor.full_parameters(model, dict(entry.make().named_parameters()))
+            full = executor.full_parameters(model, dict(skeleton(entry).named_parameters()))
             canonical = canonical_names(entry)  # a tied head's copy under the model's name
             out[(name, kind)] = {canonical.get(k, k): v for k, v in full.items()}
         except Exception as error:  # noqa: BLE001 - reported per job by the test
@@ -65,7 +74,7 @@ def run_plans(rank: int, world: int, jobs: list) -> dict:
 def assert_runs_match(jobs: list, results: list) -> None:
     """Every rank of every job ran, and each parameter it holds equals one process's."""
     for name, label, _ in jobs:
-        expected = reference(ZOO[name])
+        expected = reference(entry_of(name))
         for rank, result in enumerate(results):
             got = result[(name, label)]
             assert not isinstance(got, str), f"{name} {label} rank {rank}: {got}"

@@ -14,7 +14,8 @@ scale), a module traced with no input (BART's learned positions), rows folded in
 the next dim (OPT's rows x tokens, BLOOM's rows x heads beside per-head slopes as many as
 the rows, Swin's rows x windows), encoder-decoders (T5, BART, Pegasus: its
 positions called with a tuple first), LayerNorm and BatchNorm CNNs (ConvNeXt, ResNet),
-and a model torch.fx traces (torch's TransformerEncoderLayer).
+and a model torch.fx traces (torch's TransformerEncoderLayer). torchvision's classifiers
+(in-place activations, two outputs) are tests/torchvision_zoo.py's.
 """
 
 from __future__ import annotations
@@ -274,4 +275,15 @@ def canonical_names(entry: ZooModel) -> dict[str, str]:
     "transformer.wte.weight"."""
     first: dict[int, str] = {}
     return {n: first.setdefault(id(p), n)
-            for n, p in entry.make().named_parameters(remove_duplicate=False)}
+            for n, p in skeleton(entry).named_parameters(remove_duplicate=False)}
+
+
+def skeleton(entry: ZooModel) -> nn.Module:
+    """The model for its parameters' names and shapes: built on the meta device (no
+    memory: VGG-11's are 1 GB in float64), or plainly where it cannot be (RegNet computes
+    its widths with tensors, which meta cannot hand back)."""
+    try:
+        with torch.device("meta"):
+            return entry.make()
+    except NotImplementedError:
+        return entry.make()
