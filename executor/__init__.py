@@ -2,6 +2,7 @@
 
 from executor.agree import PlanMismatch
 from executor.batch import RankBatch, shard_batch, shard_keywords
+from executor import experts as _experts  # noqa: F401 - registers the expert_parallel style
 from executor.monitor import Drift, StepMonitor, check_step_time
 from executor.parallelize import parallelize
 from executor.step import train_step

@@ -18,6 +18,10 @@ those mesh shapes.
 can shard (planner.dp_shard.offered) fully sharded over the dp group ("+fsdp"); the search
 picks each layer's strategy over tp, the microbatches and whole-block recompute (torchtitan's
 activation checkpointing), so it is the best plan of that kind.
+`"ep"` is expert parallelism on a 1-D mesh (ep = dp, as torchtitan's default): every
+mixture-of-experts experts module split by expert over the devices, tokens moved by
+all-to-all (strategies.experts), every other layer as under DDP; refused for a model
+with no experts module to split.
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ from planner.choices import Choices, layer_choices
 from planner.ilp import solve
 from planner.once import plan_once
 from planner.plan import BaselinePredicted, Plan
-from planner.plan3d import plan_3d
+from planner.plan3d import normalizes_over_batch, plan_3d
 from planner.price import step_overhead_s
 from planner.problem import Solution
 from planner.profiled import profiled_graph
@@ -43,6 +47,7 @@ from planner.search import Shape, shapes
 from planner.volume import communication_bytes
 from profiler.graph import Layer, ModelGraph
 from strategies.catalog import Strategy
+from strategies.memory import split_name
 from strategies.cluster import Cluster
 
 Rule = Callable[[Layer, list[Strategy]], list[Strategy]]
@@ -54,6 +59,9 @@ def _ddp(layer: Layer, options: list[Strategy]) -> list[Strategy]:
 
 
 def _tensor(layer: Layer, options: list[Strategy]) -> list[Strategy]:
+    # Megatron's tensor parallelism splits weights along their features; an experts
+    # module's split by expert is the "ep" kind's
+    options = [s for s in options if split_name(s.name)[0] != "expert_parallel"] or options
     split = [s for s in options if s.model_parallel]
     if split:
         return split
@@ -69,6 +77,12 @@ def _fsdp(layer: Layer, options: list[Strategy]) -> list[Strategy]:
     return [s for s in options if s.name == "fsdp"] or _ddp(layer, options)
 
 
+def _ep(layer: Layer, options: list[Strategy]) -> list[Strategy]:
+    """Expert parallelism as torchtitan runs it on a 1-D mesh: every experts module split
+    over the data-parallel ranks (ep = dp), everything else as under DDP."""
+    return [s for s in options if s.name == "expert_parallel"] or _ddp(layer, options)
+
+
 # kind -> (rule, the strategy that must exist for it, what to tell the user otherwise)
 BASELINES: dict[str, tuple[Rule, str | None, str]] = {
     "ddp": (_ddp, None, ""),
@@ -76,13 +90,14 @@ BASELINES: dict[str, tuple[Rule, str | None, str]] = {
     "fsdp": (_fsdp, "fsdp", "needs the FSDP strategy (issue 4), not in this build"),
     "pipeline": (None, None, ""),  # not a per-layer rule: mesh shapes of the 3-D search
     "fsdp_tp": (None, None, ""),  # likewise, with every shardable layer pinned to +fsdp
+    "ep": (_ep, "expert_parallel", "needs strategies.experts, not in this build"),
 }
 # the kinds that are one integer program over a 1-D mesh: cheap enough that optimize()
 # prices each of them beside every plan it makes
 ONE_D_KINDS = ("ddp", "tensor", "fsdp")
 LABELS = {"ddp": "DDP (pure data parallel)", "tensor": "tensor parallel (Megatron-style)",
           "fsdp": "FSDP (sharded data parallel)", "pipeline": "pipeline",
-          "fsdp_tp": "FSDP x TP (2-D, torchtitan's)"}
+          "fsdp_tp": "FSDP x TP (2-D, torchtitan's)", "ep": "expert parallel (ep = dp)"}
 
 
 def available(kinds: Sequence[str] | None = None) -> list[str]:
@@ -149,7 +164,7 @@ def baseline(model: nn.Module, devices, kind: str, example_inputs: Sequence | No
              example_kwargs: dict | None = None, *, optimizer: str = "adam",
              leaf_modules=(), measure: bool | None = None, time_limit_s: float = 60.0,
              tracer: str = "auto") -> Plan:
-    """The `kind` baseline ("ddp", "tensor", "fsdp", "pipeline" or "fsdp_tp") for `model`
+    """The `kind` baseline ("ddp", "tensor", "fsdp", "pipeline", "fsdp_tp" or "ep") for `model`
     on `devices`, as a Plan the executor runs like any other; `tracer` as optimize's."""
     started = time.perf_counter()
     if _check(kind) is None and kind == "pipeline":
@@ -161,6 +176,12 @@ def baseline(model: nn.Module, devices, kind: str, example_inputs: Sequence | No
         return fsdp_tp(graph, cluster, optimizer, cluster.device.memory_bytes, started,
                        time_limit_s=time_limit_s)
     choices, solution = solve_baseline(graph, cluster, optimizer, kind, time_limit_s)
+    if kind == "ep" and not any(row.strategies[c].name == "expert_parallel"
+                                for row, c in zip(choices.layers, solution.choice)):
+        raise ValueError(
+            f"baseline: 'ep' splits experts modules, and {type(model).__name__} on "
+            f"{cluster.num_devices} devices has none that split (a mixture-of-experts "
+            f"block whose experts count divides by the devices); use 'ddp'")
     budget = cluster.device.memory_bytes
     return assemble(graph, cluster, optimizer, choices, solution, budget, None, None,
                     time.perf_counter() - started)
@@ -179,7 +200,10 @@ def _pipeline(model, devices, example_inputs, example_kwargs, optimizer, leaf_mo
     if graph.tied_groups() and graph.tracer != "export":  # export: why_no_blocks judges ties
         raise ValueError(f"baseline: 'pipeline' cannot cut {graph.model_name}: layers share "
                          f"a parameter (tied weights), which must stay in one stage")
-    only = [s for s in shapes(cluster.num_devices, graph.batch_size) if s.pp > 1 and s.tp == 1]
+    # a BatchNorm model gets one microbatch (planner.plan3d.plan_3d)
+    most = 1 if any(normalizes_over_batch(layer) for layer in graph.layers) else None
+    only = [s for s in shapes(cluster.num_devices, graph.batch_size, most)
+            if s.pp > 1 and s.tp == 1]
     if not only:
         raise ValueError(f"baseline: 'pipeline' needs at least 2 devices, "
                          f"{cluster.describe()} has {cluster.num_devices}")

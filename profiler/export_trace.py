@@ -14,6 +14,7 @@ layer's strategy by module path, so the layers that carry decisions are modules.
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import replace
 from collections.abc import Callable, Sequence
 
@@ -29,6 +30,55 @@ from profiler.graph import Layer, ModelGraph, TensorMeta, canonical_names, count
 from profiler.row_factors import in_order, row_factors
 from profiler.trace import TraceError, _module_attrs, call_facts, fingerprint_modules
 from profiler.traffic import COUNTED, layer_traffic, traffic, with_float16
+
+
+def experts_count(module: nn.Module) -> int | None:
+    """How many experts `module` holds, where it is the experts of a mixture-of-experts
+    block as transformers 5.x writes every family (`...Experts`): weights of its own
+    stacked per expert (experts x out x in; biases experts x out) and no child with
+    weights. None for any other module. Read off the shape, not a list of class names,
+    so that a family added later (or a user's own block) is found alike."""
+    own = list(module.parameters(recurse=False))
+    if not own or any(True for c in module.children() for _ in c.parameters()):
+        return None
+    leading = {p.shape[0] if p.dim() else 0 for p in own}
+    if len(leading) != 1 or not any(p.dim() == 3 for p in own) or any(p.dim() < 2 for p in own):
+        return None
+    count = leading.pop()
+    return count if count >= 2 else None
+
+
+def routes_tokens(module: nn.Module) -> bool:
+    """Is `module` an experts module called with the tokens, their top-k expert indices
+    and those experts' weights (`forward(hidden_states, top_k_index, top_k_weights)`:
+    Mixtral, Qwen2/3-MoE, DeepSeek-V3, gpt-oss)? Each token's output is then its own
+    experts' outputs, weighted: the module keeps rows as a whole, and its experts may be
+    split over ranks (strategies.experts). Llama 4's takes every token once per expert,
+    already weighted, as one tensor (dense routing): its rows are tiled by expert, and
+    the unit that keeps rows is the block around it (`experts_units`)."""
+    if experts_count(module) is None:
+        return False
+    try:
+        params = inspect.signature(module.forward).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    return len(positional) >= 3 or any(p.kind == p.VAR_POSITIONAL for p in params)
+
+
+def experts_units(model: nn.Module) -> tuple[tuple[type, ...], tuple[type, ...]]:
+    """(routed experts types, block types around dense-routed experts) in `model`: each
+    traced as one layer, since the ops inside sort and regroup tokens across rows."""
+    routed, blocks = set(), set()
+    for module in model.modules():
+        for child in module.children():
+            if experts_count(child) is None:
+                continue
+            if routes_tokens(child):
+                routed.add(type(child))
+            else:
+                blocks.add(type(module))
+    return tuple(routed), tuple(blocks)
 
 
 def _is_torch_leaf(module: nn.Module) -> bool:
@@ -217,7 +267,7 @@ def graph_of_program(model: nn.Module, program: torch.export.ExportedProgram, ar
             src = by_name[src_name]
             inputs.extend(r for r in resolve(src) if r != layer.node)
         fixed.append(replace(layer, inputs=tuple(dict.fromkeys(inputs))))
-    layers = _mark_between_modules(in_order(fixed, batch))
+    layers = _mark_between_modules(_dense_blocks_in_order(in_order(fixed, batch), fixed, model))
 
     output_node = next(n for n in graph.nodes if n.op == "output")
     outputs = []
@@ -232,6 +282,21 @@ def graph_of_program(model: nn.Module, program: torch.export.ExportedProgram, ar
                       fingerprint_modules(model), module=None, example_kwargs=kwargs,
                       tracer="export", blocks=blocks, scopes=scopes, no_blocks_why=why,
                       units=tuple(unit_types))
+
+
+def _dense_blocks_in_order(ordered: list[Layer], traced: list[Layer],
+                           model: nn.Module) -> list[Layer]:
+    """`ordered` (profiler.row_factors.in_order) with the traced row factor given back to
+    blocks around dense-routed experts (Llama 4's MoE): such a block flattens its (batch,
+    tokens) input row-major, each token on its own, so its output holds each row's tokens
+    together, which in_order, seeing a module and not the reshape inside, cannot tell."""
+    _, blocks = experts_units(model)
+    if not blocks:
+        return ordered
+    factor = {l.node: l.output.row_factor for l in traced
+              if l.module_type is not None and issubclass(l.module_type, blocks)}
+    return [replace(l, output=replace(l.output, row_factor=factor[l.node]))
+            if l.node in factor else l for l in ordered]
 
 
 def _mark_between_modules(layers: list[Layer]) -> list[Layer]:
@@ -264,9 +329,11 @@ def _export_layer(key: str, nodes: list[fx.Node], out: fx.Node, srcs: list[fx.No
     path = key.split("#")[0]
     if path in modules and nodes[0].op != "placeholder":
         module = modules[path]
+        attrs = _module_attrs(module)
+        if routes_tokens(module):
+            attrs.update(_routing_facts(module, srcs))
         return Layer(name=key, node=out.name, op="call_module", kind=type(module).__name__,
-                     inputs=inputs, output=output, module_type=type(module),
-                     attrs=_module_attrs(module))
+                     inputs=inputs, output=output, module_type=type(module), attrs=attrs)
     if nodes[0].op == "placeholder":
         return Layer(name=key, node=out.name, op="placeholder", kind="input", inputs=(),
                      output=output)
@@ -278,6 +345,19 @@ def _export_layer(key: str, nodes: list[fx.Node], out: fx.Node, srcs: list[fx.No
         attrs["in_row_factors"] = tuple(factors.get(s.name) for s in tensors)
     return Layer(name=key, node=out.name, op="call_function", kind=_kind(out), inputs=inputs,
                  output=output, attrs=attrs)
+
+
+def _routing_facts(module: nn.Module, srcs: list[fx.Node]) -> dict:
+    """What expert parallelism is priced from: the experts, and the tokens and experts per
+    token of the call (the integer top-k index it is handed, tokens x k)."""
+    facts = {"experts": experts_count(module)}
+    for src in srcs:
+        value = src.meta.get("val")
+        if (isinstance(value, torch.Tensor) and value.dim() == 2
+                and not value.dtype.is_floating_point):
+            facts["tokens"], facts["top_k"] = int(value.shape[0]), int(value.shape[1])
+            break
+    return facts
 
 
 def _params_read(key: str, nodes: list[fx.Node], modules: dict, read: dict[str, str],

@@ -14,6 +14,7 @@ from strategies.catalog import (
     register,
 )
 from strategies.cluster import Cluster
+from strategies.experts import ExpertParallel
 from strategies.devices import DEVICES, DeviceSpec, LinkSpec
 from strategies.layouts import Layout
 from strategies.parse import parse_devices
@@ -25,7 +26,8 @@ from strategies.transformer import (
 
 __all__ = [
     "DEVICES", "ChannelParallel", "Cluster", "ColumnParallel", "Cost", "CostContext",
-    "DataParallel", "DeviceSpec", "FeatureParallel", "Layout", "LinkSpec", "Replicate",
+    "DataParallel", "DeviceSpec", "ExpertParallel", "FeatureParallel", "Layout", "LinkSpec",
+    "Replicate",
     "RowParallel", "Strategy", "candidates", "parse_devices", "register",
     "AttentionSpec", "HeadParallel", "VocabParallel", "register_attention", "register_rowwise",
     "SequenceParallel", "register_sequencewise",

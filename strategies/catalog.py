@@ -422,9 +422,22 @@ def _flagged(layer: Layer, group: set) -> bool:
     return any(matches(layer.module_type, key) for key in group)
 
 
+_UNIT_FINDERS: list = []  # model -> None, each registering the module types it recognises
+
+
+def find_units(finder) -> None:
+    """Have `finder(model)` register the module types of a model it recognises by their
+    shape, not their class name, before `unit_types` lists them (strategies.experts: the
+    experts of every mixture-of-experts family)."""
+    _UNIT_FINDERS.append(finder)
+
+
 def unit_types(model: nn.Module) -> tuple[type, ...]:
     """The module classes in `model` the registry knows (strategies, row-wise or leaf):
-    torch.export's front end keeps each such module whole as one layer."""
+    torch.export's front end keeps each such module whole as one layer. Mixture-of-experts
+    experts modules are found by their shape and registered first (`find_units`)."""
+    for finder in _UNIT_FINDERS:
+        finder(model)
     keys = set(_REGISTRY) | _ROWWISE | _FEATUREWISE | _LEAVES
     types = {type(m) for m in model.modules()}
     return tuple(t for t in types if any(matches(t, key) for key in keys))

@@ -25,6 +25,10 @@ outnumber cores, since with a core each the plans ran at their fits), a blocking
 (`BLOCKING`) pays its own fit's latency scaled by the curve at that gap over the curve at
 the gap the fits were timed behind, where that is below 1; its bandwidth term stays.
 
+Expert parallelism (strategies.experts) moves every (token, expert) pair by all_to_all, n
+the whole batch's pairs: a link without a calibrated all_to_all fit prices it from its own
+latency and bandwidth, as it does an uncalibrated all_gather.
+
 Every formula is `a(P)·α + b(P)·n/β`; `COEFFICIENTS` holds (a, b), which is also what
 `strategies.calibrated` fits measured timings against. α and β come from the link, per
 collective and size range where `hyplan calibrate` measured them (see LinkSpec.alpha_beta).

@@ -28,6 +28,12 @@ ELEMENTWISE = {
     "full_like", "new_ones", "new_zeros",
     # factories sized from a batch tensor's shape: each rank makes its own rows
     "arange", "zeros", "ones", "full", "empty", "new_full", "new_empty",
+    # mixture-of-experts routing between modules: in-place arithmetic on the scores
+    # (DeepSeek-V3's `topk_weights /= denominator`), a write into a slice of a tensor
+    # holding the same rows (its attention's `q[..., nope:] = q_pe`), integer division of
+    # positions (Llama 4's chunked attention), an expert index's one-hot row
+    "copy_", "div_", "sub_", "floor_divide", "remainder", "masked_fill_", "clamp_",
+    "fill_", "zero_", "one_hot", "empty_like", "floor", "ceil", "round", "sign",
 }
 # row-local: each output row depends on the same input row only, along dims other than 0
 # (the views, profiler.row_factors.VIEWS, among them)
@@ -43,6 +49,12 @@ ROW_LOCAL = VIEWS | {
     "linalg_vector_norm", "norm", "pad", "constant_pad_nd",
     # resizing a map's height and width (MobileViT's patches)
     "interpolate", "upsample_bilinear2d", "upsample_nearest2d", "upsample_bicubic2d",
+    # a rotary embedding's complex view adds or drops a last dim of two (Llama 4)
+    "view_as_complex", "view_as_real",
+    # routing: the top-k experts of each token along its scores, and writes into a
+    # token's own scores (DeepSeek-V3's group mask, `group_mask.scatter_(1, group_idx, 1)`)
+    "topk", "sort", "argsort", "argmax", "argmin", "scatter", "scatter_", "scatter_add",
+    "scatter_add_", "logsumexp", "prod", "any", "all",
 }
 _BROADCASTS = {"getitem", "cat", "stack", "where", "expand", "expand_as"}
 # ops whose `dim` argument must not be 0 (the batch); the others above are checked on shape
@@ -50,7 +62,8 @@ _DIM_ARG = {
     "split", "split_with_sizes", "chunk", "unbind", "select", "narrow", "index_select",
     "softmax", "log_softmax", "_softmax", "_log_softmax", "cumsum", "diff", "sum", "mean",
     "amax", "amin", "var", "cat", "stack", "gather", "roll", "flip", "slice",
-    "linalg_vector_norm", "norm",
+    "linalg_vector_norm", "norm", "topk", "sort", "argsort", "argmax", "argmin", "scatter",
+    "scatter_", "scatter_add", "scatter_add_", "logsumexp", "prod", "any", "all",
 }
 # where each op's dim arguments sit (positional index, default when left out)
 _DIM_POSITIONS = {
@@ -63,6 +76,10 @@ _DIM_POSITIONS = {
     "amin": ((1, None),), "var": ((1, None),), "cat": ((1, 0),), "stack": ((1, 0),),
     "gather": ((1, None),), "roll": ((2, None),), "flip": ((1, None),), "slice": ((1, 0),),
     "linalg_vector_norm": ((2, None),), "norm": ((2, None),),
+    "topk": ((2, -1),), "sort": ((1, -1),), "argsort": ((1, -1),), "argmax": ((1, None),),
+    "argmin": ((1, None),), "scatter": ((1, None),), "scatter_": ((1, None),),
+    "scatter_add": ((1, None),), "scatter_add_": ((1, None),), "logsumexp": ((1, None),),
+    "prod": ((1, None),), "any": ((1, None),), "all": ((1, None),),
 }
 # F.pad's amounts come in pairs from the last dim backwards (MobileNetV2's and Swin's pads
 # of height and width): it keeps the rows unless a pair reaches dim 0 and is not zero

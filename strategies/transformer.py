@@ -195,10 +195,5 @@ register_attention(_HF + "llama.modeling_llama.LlamaAttention",
 for _norm in ("llama.modeling_llama.LlamaRMSNorm",):
     register(_HF + _norm, rowwise=True)
 register(nn.RMSNorm, rowwise=True)
-# A mixture of experts routes each token on its own, so the block as a whole keeps rows
-# independent; inside, tokens are flattened and gathered per expert, which no op-by-op
-# row rule can follow. Kept whole as one layer: data parallel or replicated.
-for _moe in ("mixtral.modeling_mixtral.MixtralSparseMoeBlock",
-             "qwen2_moe.modeling_qwen2_moe.Qwen2MoeSparseMoeBlock",
-             "qwen3_moe.modeling_qwen3_moe.Qwen3MoeSparseMoeBlock"):
-    register(_HF + _moe, rowwise=True)
+# A mixture of experts' experts modules are found by their shape and kept whole
+# (strategies.experts); the router and shared experts around them are layers like any.

@@ -1,0 +1,119 @@
+"""Expert parallelism as a parallel style: the experts of one mixture-of-experts module
+split over the mesh, tokens dispatched to them and combined back with all-to-all.
+
+Rank r keeps experts [r·E/P, (r+1)·E/P) of each stacked weight, as a DTensor sharded on
+dim 0 (so `executor.full_parameters` reassembles them and the optimizer steps each rank's
+own). A call with this rank's rows (tokens x hidden, top-k indices and weights):
+
+1. each (token, expert) pair is sorted by expert, so the pairs for rank q are contiguous;
+   the counts per rank and the pairs' local expert ids go out by a plain all-to-all;
+2. the pairs' hidden states go out by `all_to_all_single_autograd` (uneven splits), whose
+   backward is the reverse all-to-all;
+3. the module's *own* forward runs on what arrived, with its local expert shard, the
+   local ids and weights of one: every family's math (biases, gpt-oss's clamped gate,
+   transposed weights, the eager/grouped_mm/batched_mm choice) stays the module's;
+4. the outputs return by the reverse all-to-all, are put back in token order, weighted by
+   the router's weights and summed over each token's k experts (the last two ops of every
+   family's own forward, here after the return so the weights' gradient stays local).
+
+No gradient sync follows: every token that used an expert came to its rank, and the
+output gradient already carries 1/world (executor.styles.MeanOverRanks), so the expert's
+gradient is DDP's mean. `make_expert_parallel` is registered as the "expert_parallel"
+style, which executor.modules (and executor.graph_rewrite, for a registered fx block)
+apply like any model-parallel layer's.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed._functional_collectives import all_to_all_single_autograd
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Shard, distribute_tensor
+from torch.distributed.tensor.parallel import ParallelStyle
+
+from executor.styles import register_style
+
+
+class ExpertParallelStyle(ParallelStyle):
+    """Split an experts module's experts over the mesh (see the module docstring).
+
+        parallelize_module(model, mesh, {"model.layers.0.mlp.experts": ExpertParallelStyle()})
+    """
+
+    def __init__(self, input_layout=Shard(0), output_layout=Shard(0)):
+        super().__init__()
+        if input_layout != Shard(0) or output_layout != Shard(0):
+            raise ValueError(f"expert_parallel takes and gives each rank's rows (Shard(0)); "
+                             f"got {input_layout} -> {output_layout}: re-plan")
+
+    def _apply(self, module: nn.Module, mesh: DeviceMesh) -> nn.Module:
+        names = [n for n, _ in module.named_parameters(recurse=False)]
+        experts = next(iter(module.parameters(recurse=False))).shape[0]
+        ranks = mesh.size()
+        if experts % ranks:
+            raise ValueError(f"expert_parallel: {experts} experts do not split over {ranks} "
+                             f"ranks; re-plan")
+        for name in names:
+            param = getattr(module, name)
+            module.register_parameter(name, nn.Parameter(
+                distribute_tensor(param.data, mesh, [Shard(0)]), requires_grad=param.requires_grad))
+        local = experts // ranks
+        group = mesh.get_group()
+        own_forward = module.forward
+
+        def forward(hidden_states, top_k_index, top_k_weights):
+            shards = {n: getattr(module, n).to_local() for n in names}
+            return _dispatch_combine(module, own_forward, shards, local, group,
+                                     hidden_states, top_k_index, top_k_weights)
+
+        module.forward = forward
+        module.num_experts = local  # what its own forward sizes its one-hot and histc by
+        return module
+
+
+def _dispatch_combine(module, own_forward, shards, local: int, group, hidden, index, weights):
+    ranks = dist.get_world_size(group)
+    k = index.shape[-1]
+    x = hidden.reshape(-1, hidden.shape[-1])  # tokens x hidden, whatever dims lead
+    tokens = x.shape[0]
+    weights = weights.reshape(tokens, k)
+    flat = index.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    expert = flat[order]
+    owner = torch.div(expert, local, rounding_mode="floor")
+    send = torch.bincount(owner, minlength=ranks)
+    recv = torch.empty_like(send)
+    dist.all_to_all_single(recv, send, group=group)
+    send_sizes, recv_sizes = send.tolist(), recv.tolist()
+    local_ids = torch.empty(sum(recv_sizes), dtype=expert.dtype, device=expert.device)
+    dist.all_to_all_single(local_ids, (expert - owner * local).contiguous(), recv_sizes,
+                           send_sizes, group=group)
+    pairs = x[torch.div(order, k, rounding_mode="floor")]
+    arrived = all_to_all_single_autograd(pairs, recv_sizes, send_sizes, group)
+    ones = torch.ones(local_ids.shape[0], 1, dtype=weights.dtype, device=weights.device)
+    out = _own(module, own_forward, shards, arrived, local_ids.unsqueeze(1), ones)
+    back = all_to_all_single_autograd(out, send_sizes, recv_sizes, group)
+    in_order = torch.empty_like(back).index_copy(0, order, back)
+    combined = (in_order.view(tokens, k, -1) * weights.unsqueeze(-1).to(in_order.dtype)).sum(1)
+    return combined.to(hidden.dtype).view_as(hidden)
+
+
+def _own(module, own_forward, shards, x, index, weights):
+    """The module's own forward over its local expert shard: its parameters stand in as
+    the plain local tensors for this call (not through `module(...)`, whose hooks the
+    outer call already ran)."""
+    saved = {n: module._parameters[n] for n in shards}
+    module._parameters.update(shards)
+    try:
+        return own_forward(x, index, weights)
+    finally:
+        module._parameters.update(saved)
+
+
+def make_expert_parallel(module: nn.Module, input_placement, output_placement) -> ParallelStyle:
+    return ExpertParallelStyle(input_placement, output_placement)
+
+
+register_style("expert_parallel", make_expert_parallel)

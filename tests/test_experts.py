@@ -1,0 +1,199 @@
+"""Mixture-of-experts models (tests/moe_zoo.py) plan and train like one process in every
+plan kind, expert parallelism among them: 2 gloo ranks, 3 SGD steps, every parameter
+equal to the single-process run on the whole batch (rtol 1e-5, as tests/test_zoo.py).
+
+The experts modules are found by their shape and kept whole (profiler.export_trace); the
+routing ops between modules keep rows (strategies.rowwise); expert parallelism splits the
+experts and moves tokens by all-to-all (strategies.experts, executor.experts). All plans
+are made first, in this process; one launch of 2 fresh ranks runs them all.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import executor
+import planner
+from distributed import run_ranks
+from moe_zoo import MOE_ZOO, ROUTED, FxMoE
+from planner.profiled import trace_model
+from strategies.catalog import CostContext
+from strategies.collectives import all_to_all_s
+from strategies.parse import parse_devices
+from strategies.experts import ExpertParallel
+from strategies.rowwise import keeps_rows
+from zoo import reference, train
+
+KINDS = ("ddp", "fsdp", "tensor", "pipeline", "optimum", "ep")
+# kind -> models for which the planner refuses it, and a word of the reason it gives
+REFUSED = {
+    "pipeline": {"llama4": "blocks"},
+    # Llama 4's experts take every token once per expert (dense routing): none to dispatch
+    "ep": {"llama4": "none that split"},
+}
+RTOL, ATOL = 1e-5, 1e-6
+BATCH = 4
+
+
+# --- the routing ops between modules --------------------------------------------------
+
+
+class Routing(nn.Module):
+    """DeepSeek-V3's routing and attention writes, and their row-mixing twins."""
+
+    def forward(self, q, pe, scores, positions):
+        q = q.clone()
+        q[..., 4:] = pe  # copy_ into a slice of a tensor with the same rows
+        groups = scores.unflatten(-1, (2, 2)).amax(-1)
+        mask = torch.zeros_like(groups).scatter_(-1, groups.topk(1, dim=-1)[1], 1)
+        across = torch.zeros_like(groups).scatter_(0, groups.topk(1, dim=0)[1], 1)
+        top = scores.topk(2, dim=-1)[0]
+        top /= top.sum(-1, keepdim=True) + 1e-20  # div_ in place
+        chunk = torch.floor_divide(positions, 4)
+        return q, mask + across, top, chunk
+
+
+def test_routing_ops_between_modules_keep_rows_and_their_row_mixing_twins_do_not():
+    args = (torch.randn(BATCH, 8, 8), torch.randn(BATCH, 8, 4), torch.randn(BATCH, 8, 4),
+            torch.arange(8).repeat(BATCH, 1))
+    graph = trace_model(Routing(), args, tracer="export")
+    by_kind: dict[str, list[bool]] = {}
+    for layer in graph.layers:
+        if layer.op == "call_function":
+            by_kind.setdefault(layer.kind, []).append(keeps_rows(layer, BATCH))
+    assert by_kind["copy_"] == [True]
+    assert by_kind["scatter_"] == [True, False]  # along the scores; along the rows
+    assert by_kind["div_"] == [True]
+    assert by_kind["floor_divide"] == [True]
+
+
+# --- experts found by shape, priced -----------------------------------------------------
+
+
+def test_experts_modules_are_found_by_their_shape():
+    from profiler.export_trace import experts_units
+
+    for name in ("mixtral", "qwen3_moe", "deepseek_v3", "gpt_oss"):
+        routed, blocks = experts_units(MOE_ZOO[name].make())
+        assert [t.__name__ for t in routed] == [t.__name__ for t in routed if
+                                                 t.__name__.endswith("Experts")] and routed
+        assert blocks == ()
+    routed, blocks = experts_units(MOE_ZOO["llama4"].make())
+    assert routed == () and [t.__name__ for t in blocks] == ["Llama4TextMoe"]
+    # stacked weights alone are not experts: an embedding's 2-D table, a conv's 4-D kernel
+    assert experts_units(nn.Sequential(nn.Embedding(8, 4), nn.Conv2d(2, 2, 3))) == ((), ())
+
+
+def test_expert_parallel_price_is_its_share_of_the_work_and_four_all_to_alls():
+    entry = MOE_ZOO["mixtral"]
+    inputs, kwargs = entry.example()
+    graph = trace_model(entry.make(), inputs, kwargs, tracer="export")
+    layer = next(l for l in graph.layers if l.name == "model.layers.0.mlp.experts")
+    assert (layer.attrs["experts"], layer.attrs["top_k"]) == (4, 2)
+    cluster = parse_devices("8xH100")
+    ctx = CostContext(cluster, 8, graph.batch_size, "adam")
+    assert not ExpertParallel().applies(layer, ctx)  # 4 experts do not split over 8
+    ctx = CostContext(cluster, 2, graph.batch_size, "adam")
+    cost = ExpertParallel().cost(layer, ctx)
+    dispatched = layer.output.nbytes * 2  # every (token, expert) pair, hidden-sized
+    assert cost.notes["dispatched_bytes"] == dispatched
+    tokens = layer.output.shape[0]
+    assert cost.communication_s == pytest.approx(
+        4 * all_to_all_s(dispatched, 2, ctx.link) + all_to_all_s(tokens * 2 * 8, 2, ctx.link)
+        + all_to_all_s(8 * 4, 2, ctx.link))
+    data_parallel = next(s for s in planner_candidates(layer, ctx) if s.name == "data_parallel")
+    assert cost.compute_s == pytest.approx(data_parallel.cost(layer, ctx).compute_s)
+    assert cost.memory_bytes < data_parallel.cost(layer, ctx).memory_bytes
+
+
+def planner_candidates(layer, ctx):
+    from strategies.catalog import candidates
+
+    return candidates(layer, ctx)
+
+
+def test_ep_baseline_refuses_a_model_without_experts():
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
+    with pytest.raises(ValueError, match="'ep' splits experts modules"):
+        planner.baseline(model, "2xcpu", "ep", (torch.randn(4, 8),), measure=False)
+
+
+# --- every plan kind trains like one process ----------------------------------------------
+
+
+def make_plan(name: str, kind: str, model) -> planner.Plan:
+    inputs, kwargs = MOE_ZOO[name].example()
+    if kind == "optimum":
+        return planner.optimize(model, "2xcpu", example_inputs=inputs, example_kwargs=kwargs,
+                                optimizer="sgd", measure=False, prefer_standard=0)
+    return planner.baseline(model, "2xcpu", kind, example_inputs=inputs, example_kwargs=kwargs,
+                            optimizer="sgd", measure=False)
+
+
+def run_plans(rank: int, world: int, jobs: list) -> dict:
+    """Each job (model, kind, plan JSON): this rank's parameters after 3 steps, or the
+    error it raised (as text, so one failure does not hide the others)."""
+    out = {}
+    for name, kind, plan_json in jobs:
+        entry = MOE_ZOO[name]
+        plan = planner.Plan.from_json(plan_json)
+        try:
+            model = executor.parallelize(entry.make(), plan)
+            model = train(model, entry, lambda m, b, loss, opt, kw: executor.train_step(
+                m, plan, b, loss, opt, forward_kwargs=kw))
+            out[(name, kind)] = executor.full_parameters(
+                model, dict(entry.make().named_parameters()))
+        except Exception as error:  # noqa: BLE001 - reported per job by the test
+            out[(name, kind)] = f"{type(error).__name__}: {error}"
+    return out
+
+
+def test_every_plan_kind_trains_like_one_process():
+    """One test, not one per (model, kind): under xdist each worker that ran a share of
+    them would plan and launch everything again (the slow part on this machine)."""
+    plans, refusals = {}, {}
+    for name in MOE_ZOO:
+        model = MOE_ZOO[name].make()
+        for kind in KINDS:
+            try:
+                plans[(name, kind)] = make_plan(name, kind, model)
+            except ValueError as error:
+                refusals[(name, kind)] = str(error)
+    jobs = [(name, kind, plan.to_json()) for (name, kind), plan in plans.items()]
+    results = run_ranks(run_plans, 2, jobs, forked=False)
+    failures = []
+    for name in MOE_ZOO:
+        expected = reference(MOE_ZOO[name])
+        for kind in KINDS:
+            try:
+                check_kind(name, kind, plans, refusals, results, expected)
+            except AssertionError as error:
+                failures.append(f"{name} {kind}: {str(error).splitlines()[0]}")
+    assert not failures, "\n".join(failures)
+
+
+def check_kind(name, kind, plans, refusals, results, expected) -> None:
+    """`kind` is refused for `name` as REFUSED says, or its every parameter on every rank
+    equals one process's."""
+    refused_word = REFUSED.get(kind, {}).get(name)
+    if refused_word is not None:
+        assert (name, kind) in refusals, f"{kind} is no longer refused for {name}: update REFUSED"
+        reason = refusals[(name, kind)]
+        assert refused_word in reason and "\n" not in reason, reason
+        return
+    assert (name, kind) not in refusals, refusals.get((name, kind))
+    if kind == "ep":
+        assert name in ROUTED
+        assert any(l.strategy == "expert_parallel" for l in plans[(name, kind)].layers)
+    seen: set[str] = set()
+    for rank, result in enumerate(results):
+        got = result[(name, kind)]
+        assert not isinstance(got, str), f"rank {rank}: {got}"
+        seen |= set(got)
+        for key, value in got.items():
+            torch.testing.assert_close(value, expected[key], rtol=RTOL, atol=ATOL,
+                                       msg=lambda m: f"rank {rank}, {key}: {m}")
+    assert seen == set(expected), f"no rank holds {sorted(set(expected) - seen)}"
