@@ -1,0 +1,168 @@
+"""Megatron-LM's command-line arguments, written from a plan and read into a JobConfig.
+
+`to_megatron(plan)` writes the parallel, recompute, precision and batch arguments of
+`pretrain_gpt.py` (the model's own size arguments are the user's); `config_fields(job)`
+gives the same values under the field names of megatron-core's `ModelParallelConfig` and
+`TransformerConfig`, which the arguments become inside Megatron-LM
+(`megatron/training/arguments.py: core_transformer_config_from_args`).
+`read_megatron(args, devices)` reads an argument string into a JobConfig.
+
+    args = to_megatron(plan).text   # "--tensor-model-parallel-size 8 --sequence-parallel ..."
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+
+from planner.export.config import Departure, Expressed, JobConfig, express
+from planner.export.torchtitan import Exported, JobFileError
+from planner.plan import Plan
+
+# field of megatron-core's config -> its Megatron-LM flag, where the two names differ
+_FLAG = {"virtual_pipeline_model_parallel_size": None,  # written per stage, below
+         "bf16": "--bf16", "fp16": "--fp16"}
+
+
+def config_fields(job: JobConfig) -> dict[str, object]:
+    """The job as megatron-core's ModelParallelConfig / TransformerConfig fields."""
+    fields: dict[str, object] = {
+        "tensor_model_parallel_size": job.tp,
+        "pipeline_model_parallel_size": job.pp,
+        "context_parallel_size": job.cp,
+        "expert_model_parallel_size": job.ep,
+        "sequence_parallel": job.tp > 1 and job.sequence_parallel,
+        "bf16": job.precision == "bf16-mixed",
+        "fp16": job.precision == "fp16-mixed",
+    }
+    if job.pp > 1 and job.chunks > 1:
+        fields["virtual_pipeline_model_parallel_size"] = job.chunks
+    if job.num_layers:
+        fields["num_layers"] = job.num_layers
+    if job.recompute == "full":
+        fields["recompute_granularity"] = "full"
+        per_stage = job.num_layers // job.pp if job.num_layers else 0
+        if job.recompute_every > 1 and per_stage:
+            fields["recompute_method"] = "block"  # the first n blocks of each stage
+            fields["recompute_num_layers"] = max(1, per_stage // job.recompute_every)
+        else:
+            fields["recompute_method"] = "uniform"
+            fields["recompute_num_layers"] = 1
+    elif job.recompute == "selective":
+        fields["recompute_granularity"] = "selective"
+    return fields
+
+
+def _departures(job: JobConfig) -> list[Departure]:
+    out = []
+    if job.pp > 1 and job.schedule not in ("1F1B", "Interleaved1F1B"):
+        nearest = "interleaved 1F1B" if job.chunks > 1 else "1F1B"
+        out.append(Departure(("pipeline",), (
+            f"scheduled {job.schedule}, which Megatron-LM's pipeline does not run: the "
+            f"export runs {nearest}")))
+    if job.dp_replicate > 1 and job.dp_shard > 1:
+        out.append(Departure(("all",), (
+            "sharded inside a node and replicated across nodes (HSDP): Megatron-LM's "
+            "FSDP2 shards over the whole data-parallel group")))
+    if job.recompute == "full" and job.recompute_every > 1 and job.num_layers % job.pp:
+        out.append(Departure(("recompute",), "blocks not divisible among the stages"))
+    return out
+
+
+def arguments(job: JobConfig) -> list[str]:
+    """Megatron-LM's arguments for the job (config_fields, then batch and optimizer)."""
+    out: list[str] = []
+    for name, value in config_fields(job).items():
+        if name == "virtual_pipeline_model_parallel_size":
+            if job.num_layers:
+                out += ["--num-layers-per-virtual-pipeline-stage",
+                        str(job.num_layers // (job.pp * job.chunks))]
+            continue
+        flag = _FLAG.get(name, "--" + name.replace("_", "-"))
+        if isinstance(value, bool):
+            out += [flag] if value else []
+        else:
+            out += [flag, str(value)]
+    out += ["--micro-batch-size", str(job.microbatch_rows),
+            "--global-batch-size", str(job.global_batch)]
+    if job.seq_len:
+        out += ["--seq-length", str(job.seq_len)]
+    if job.dp > 1:
+        out += ["--use-distributed-optimizer"]
+    if job.fsdp:
+        out += ["--use-torch-fsdp2"]
+    if job.float8:
+        out += ["--fp8-format", "hybrid", "--fp8-recipe", job.float8]
+    if job.async_tp:
+        out += ["--tp-comm-overlap"]
+    return out
+
+
+def to_megatron(plan: Plan | Expressed) -> Exported:
+    """Megatron-LM's arguments that run `plan` as nearly as it can, one string."""
+    expressed = plan if isinstance(plan, Expressed) else express(plan)
+    job = expressed.job
+    departures = expressed.departures + tuple(_departures(job))
+    return Exported(shlex.join(arguments(job)), job, departures)
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="megatron", add_help=False)
+    for flag in ("--tensor-model-parallel-size", "--pipeline-model-parallel-size",
+                 "--context-parallel-size", "--expert-model-parallel-size",
+                 "--num-layers-per-virtual-pipeline-stage", "--virtual-pipeline-model-parallel-size",
+                 "--recompute-num-layers", "--micro-batch-size", "--global-batch-size",
+                 "--seq-length", "--num-layers"):
+        p.add_argument(flag, type=int)
+    for flag in ("--recompute-granularity", "--recompute-method", "--fp8-format",
+                 "--fp8-recipe"):
+        p.add_argument(flag)
+    for flag in ("--sequence-parallel", "--bf16", "--fp16", "--use-distributed-optimizer",
+                 "--use-torch-fsdp2", "--tp-comm-overlap", "--recompute-activations"):
+        p.add_argument(flag, action="store_true")
+    return p
+
+
+def read_megatron(args: str | list[str], devices: int) -> JobConfig:
+    """Megatron-LM's arguments (one string or a list) on `devices` GPUs as a JobConfig;
+    arguments that do not bear on parallelism (model size, data, learning rate) are
+    passed over."""
+    words = shlex.split(args) if isinstance(args, str) else list(args)
+    a, _ = _parser().parse_known_args(words)
+    tp = a.tensor_model_parallel_size or 1
+    pp = a.pipeline_model_parallel_size or 1
+    cp = a.context_parallel_size or 1
+    if devices % (tp * pp * cp):
+        raise JobFileError(f"megatron: {devices} GPUs do not split into tensor {tp} x "
+                           f"pipeline {pp} x context {cp}; fix a size or --devices")
+    dp = devices // (tp * pp * cp)
+    rows = a.micro_batch_size or 1
+    global_batch = a.global_batch_size or rows * dp
+    if global_batch % (rows * dp):
+        raise JobFileError(f"megatron: --global-batch-size {global_batch} is not a multiple "
+                           f"of --micro-batch-size {rows} x data-parallel size {dp}")
+    chunks = a.virtual_pipeline_model_parallel_size or 1
+    if a.num_layers_per_virtual_pipeline_stage:
+        if not a.num_layers:
+            raise JobFileError("megatron: --num-layers-per-virtual-pipeline-stage needs "
+                               "--num-layers to count the virtual stages")
+        chunks = a.num_layers // (pp * a.num_layers_per_virtual_pipeline_stage)
+    recompute, every = "none", 1
+    if a.recompute_granularity == "full":
+        recompute = "full"
+        if a.recompute_method == "block" and a.num_layers and a.recompute_num_layers:
+            every = max(1, (a.num_layers // pp) // a.recompute_num_layers)
+    elif a.recompute_granularity == "selective" or a.recompute_activations:
+        recompute = "selective"
+    precision = "bf16-mixed" if a.bf16 else "fp16-mixed" if a.fp16 else "fp32"
+    return JobConfig(global_batch=global_batch, seq_len=a.seq_length or 0,
+                     dp_shard=dp if a.use_torch_fsdp2 else 1,
+                     dp_replicate=1 if a.use_torch_fsdp2 else dp, tp=tp, pp=pp, cp=cp,
+                     ep=a.expert_model_parallel_size or 1,
+                     schedule="Interleaved1F1B" if chunks > 1 else "1F1B",
+                     microbatches=global_batch // (rows * dp), chunks=chunks,
+                     recompute=recompute, recompute_every=every,
+                     num_layers=a.num_layers or 0, sequence_parallel=a.sequence_parallel,
+                     precision=precision, float8=(
+                         "rowwise" if a.fp8_recipe in ("blockwise", "mxfp8") else "tensorwise")
+                     if a.fp8_format else "", async_tp=a.tp_comm_overlap)
