@@ -3,6 +3,7 @@ the profile per machine in the user's cache directory, reads it afterwards, and
 `hyplan calibrate` replaces it; explain() says which profile priced a plan."""
 
 import os
+import re
 import time
 
 import pytest
@@ -30,7 +31,8 @@ def test_the_cache_is_keyed_by_the_facts_its_figures_depend_on(tmp_path, monkeyp
     model = cpu_model().lower()
     assert key.startswith("cpu-") and f"{os.cpu_count()}cores" in key
     assert f"torch{torch.__version__}".replace("+", "-") in key and key.endswith("-2procs")
-    assert model.split()[0] in key  # e.g. "amd", "intel"
+    # e.g. "amd", "intel" ("Intel(R) Xeon(R)" is spelled intel-r-xeon-r in a file name)
+    assert re.sub(r"[^a-z0-9]+", "-", model.split()[0]).strip("-") in key
     assert machine_key(4) != key and machine_key(2, "cuda") != key
     monkeypatch.delenv("HYPLAN_CACHE_DIR")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
@@ -93,8 +95,9 @@ def test_first_use_of_two_processes_measures_collectives_past_the_cache(fresh_ca
     assert cluster.cores == os.cpu_count() and cluster.num_devices == 2
     assert {"all_reduce", "bucket_all_reduce", "all_gather", "reduce_scatter", "all_to_all",
             "send_recv", "fsdp_layer", "tp_layer"} <= set(link.collectives)
-    if cluster.device.cache_bytes:
-        # sizes up to 128 MB: the messages past the shared cache have their own fit (not
+    if cluster.device.cache_bytes and cluster.device.cache_bytes < 128 * 2**20:
+        # sizes up to 128 MB (a host reporting a larger cache, as one with 300 MB of L3
+        # here, has no message past it): the messages past the shared cache have their own fit (not
         # tp_layer: one line over the weights' bytes of tensor-parallel pairs)
         assert all(f.regimes and f.regimes[0].above_bytes == cluster.device.cache_bytes
                    for name, f in link.collectives.items() if name != "tp_layer")

@@ -1,5 +1,5 @@
 """The import graph reads one way: profiler -> strategies -> planner -> executor, with the
-report and the command line on top of the planner (DESIGN.md, "Structure").
+report and the command line on top of the planner: nothing below imports them.
 
 Every module of the four packages is parsed with `ast`; every import counts, at module level
 or inside a function (a function-local import hides a dependency, it does not remove it),
