@@ -118,17 +118,25 @@ def _random_jobs() -> list:
 RANDOM_MODELS = ("gpt2", "vit", "albert")
 
 
-@pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("name", list(ZOO))
-def test_plan_trains_like_one_process(zoo_runs, name, kind):
-    plans, refusals, results, _ = zoo_runs
-    refused_word = REFUSED.get(kind, {}).get(name)
+def refused_as_listed(name: str, kind: str, refusals: dict, refused: dict) -> bool:
+    """Whether `kind` is refused for `name`, as `refused` ({kind: {model: a word of the
+    reason}}) says it must be, in one line; a refusal it does not list fails."""
+    refused_word = refused.get(kind, {}).get(name)
     if refused_word is not None:
         assert (name, kind) in refusals, f"{kind} is no longer refused for {name}: update REFUSED"
         reason = refusals[(name, kind)]
         assert refused_word in reason and "\n" not in reason, reason
-        return
+        return True
     assert (name, kind) not in refusals, refusals.get((name, kind))
+    return False
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("name", list(ZOO))
+def test_plan_trains_like_one_process(zoo_runs, name, kind):
+    plans, refusals, results, _ = zoo_runs
+    if refused_as_listed(name, kind, refusals, REFUSED):
+        return
     expected = reference(ZOO[name])
     seen: set[str] = set()
     for rank, result in enumerate(results):

@@ -74,18 +74,13 @@ class JobConfig:
                      "chunks", "global_batch"):
             if getattr(self, name) < 1:
                 raise ValueError(f"job: {name} must be at least 1, got {getattr(self, name)}")
-        if self.schedule not in SCHEDULES:
-            raise ValueError(f"job: pipeline schedule {self.schedule!r} is not one hyplan "
-                             f"prices; known: {', '.join(SCHEDULES)}")
-        if self.recompute not in RECOMPUTE_MODES:
-            raise ValueError(f"job: activation checkpoint mode {self.recompute!r}; known: "
-                             f"{', '.join(RECOMPUTE_MODES)}")
-        if self.float8 not in FLOAT8_RECIPES:
-            raise ValueError(f"job: float8 recipe {self.float8!r}; known: tensorwise, "
-                             f"rowwise or none")
-        if self.precision not in PRECISIONS:
-            raise ValueError(f"job: precision {self.precision!r}; known: "
-                             f"{', '.join(PRECISIONS)}")
+        for value, known, what in ((self.schedule, SCHEDULES, "pipeline schedule"),
+                                   (self.recompute, RECOMPUTE_MODES, "activation checkpoint mode"),
+                                   (self.float8, FLOAT8_RECIPES, "float8 recipe"),
+                                   (self.precision, PRECISIONS, "precision")):
+            if value not in known:
+                raise ValueError(f"job: {what} {value!r} is not one hyplan prices; known: "
+                                 f"{', '.join(k or 'none' for k in known)}")
         if self.global_batch % (self.dp * self.microbatches):
             raise ValueError(f"job: global batch {self.global_batch} does not split into "
                              f"{self.dp} data-parallel replicas x {self.microbatches} "
