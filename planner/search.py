@@ -61,6 +61,7 @@ from planner.price import (
 )
 from planner.problem import Edge
 from planner.progress import Progress, listened, report
+from planner import schedules
 from planner.schedules import SCHEDULES, V_SHAPED, chunks_allowed, refusal
 from planner.stage_loads import busiest_rank_bound, memory_bound
 from planner.stage_paths import path_bound, relaxed_path_bound
@@ -91,6 +92,10 @@ REFINE = 5e-3  # relative width to which open chunked bounds are refined at the 
 # stage_paths.relaxed_path_bound: 0.1 s at 1,536 (pp 8 x 2 chunks x 16 microbatches on a
 # 70 B Llama), 3 s at 6,144
 RELAXED_ACTIONS = 2048
+# ... and at the end, on the open candidates that the gap is made of, least bound first,
+# while the budget lasts (a linear program of 6,144 actions takes some 2.5 s)
+REFINE_ACTIONS = 8192
+ACTIONS_PER_S = 2000  # what that program's size takes at most, on this count
 # A search's default budget in seconds (planner.optimize's search_time_s): the 70 B and
 # 405 B Llama presets on 32 and 64 nodes of 8 H100 plan in about a minute on 2 cores with
 # it; proving their optimum took about 20 minutes. None asks for the proof.
@@ -574,10 +579,42 @@ class _LoadBounds:
         self.budget_of = budget_of  # shape -> what its stages may fill (None: no limit)
         self.found: dict[tuple, tuple[float, float]] = {}  # placement -> (from, bound)
         self.paths: dict[tuple, float | None] = {}  # shape -> stage_paths.path_bound
+        self.memory: dict[tuple, float] = {}  # ranks' least flights -> memory_bound
+        self.checked: set[int] = set()  # candidates raise_memory has seen
 
-    def raise_bound(self, c: Candidate, best_s: float, within: float) -> None:
+    def raise_memory(self, c: Candidate) -> bool:
+        """Whether c fits with its schedule's own in-flight counts (else it is noted
+        "does_not_fit"); c.bound_s raised by each rank's memory row (stage_loads.
+        memory_bound), which reads how many microbatches each rank keeps at least, in any
+        order of the ranks: one per problem, m, chunks, placement kind and those counts,
+        whichever schedule asks."""
+        s = c.shape
+        budget = self.budget_of(s)
+        if budget is None or id(c) in self.checked:
+            return c.outcome != "does_not_fit"
+        self.checked.add(id(c))
+        b = self.problem_of(s).problem
+        need = min_memory_bytes(b, s.pp, s.microbatches, s.schedule, s.chunks)
+        if need > budget:
+            c.outcome = "does_not_fit"
+            c.note = f"needs at least {(need + self.problem_of(s).transient_bytes) / 1e9:.1f} GB per device"
+            return False
+        flights = [in_flight(s.schedule, s.pp, s.microbatches, k, s.chunks)
+                   for k in range(s.pp * s.chunks)]
+        ranks = schedules.placement(s.schedule, s.pp, s.chunks)
+        least = sorted(min(f for f, q in zip(flights, ranks) if q == r) for r in range(s.pp))
+        key = (id(b), s.microbatches, s.chunks, s.schedule in V_SHAPED, tuple(least), budget)
+        if key not in self.memory:
+            self.memory[key] = memory_bound(b, s.pp, s.microbatches, s.schedule, s.chunks,
+                                            budget, flights)
+        c.bound_s = max(c.bound_s, self.memory[key])
+        return True
+
+    def raise_bound(self, c: Candidate, best_s: float, within: float,
+                    actions: int = RELAXED_ACTIONS) -> None:
         """c.bound_s raised by the bound, computed to `within` of the best (0: only
-        whether it reaches the best)."""
+        whether it reaches the best); the schedule's actions with the stage times free
+        where it has at most `actions` of them."""
         s = c.shape
         b = self.problem_of(s).problem
         key = (id(b), s.pp, s.microbatches, s.chunks, s.schedule in V_SHAPED, within)
@@ -592,8 +629,9 @@ class _LoadBounds:
             if key not in self.paths:
                 exact = path_bound(b, s.pp, s.microbatches, s.schedule, s.chunks)
                 # too many cuts: the stage times free, where the program is small
-                if exact is None and (s.pp * s.chunks * s.microbatches * 3
-                                      <= RELAXED_ACTIONS):
+                if exact is None and s.pp * s.chunks * s.microbatches * 3 > actions:
+                    return  # not priced: a later call with more time may
+                if exact is None:
                     budget = self.budget_of(s)
                     flights = None if budget is None else [
                         in_flight(s.schedule, s.pp, s.microbatches, k, s.chunks)
@@ -613,12 +651,14 @@ def _ruled_out(c: Candidate, best_s: float | None) -> bool:
 
 
 def _refine_chunked(chunked: list[Candidate], best_s: float, loads: _LoadBounds,
-                    out_of_time) -> None:
-    """Raise the bounds of chunked candidates still open below `best_s` by the busiest
-    rank's work, least bound first, until the least is one so raised (the gap needs only
-    the least): those raised to the best are settled ("pruned by bound")."""
+                    seconds_left) -> None:
+    """Raise the bounds of chunked candidates still open below `best_s` by each rank's
+    memory and the busiest rank's work, least bound first, until the least is one so
+    raised (the gap needs only the least): those raised to the best are settled ("pruned
+    by bound"). The schedule's action program only where `seconds_left()` allows it
+    (ACTIONS_PER_S)."""
     done: set[int] = set()
-    while not out_of_time():
+    while seconds_left() > 0:
         left = [c for c in chunked if c.bound_s < best_s * (1 - 1e-9)
                 and c.outcome not in ("does_not_fit", "infeasible")]
         if not left:
@@ -627,7 +667,9 @@ def _refine_chunked(chunked: list[Candidate], best_s: float, loads: _LoadBounds,
         if id(c) in done:
             return
         done.add(id(c))
-        loads.raise_bound(c, best_s, REFINE)
+        if loads.raise_memory(c):
+            loads.raise_bound(c, best_s, REFINE,
+                              int(min(REFINE_ACTIONS, ACTIONS_PER_S * seconds_left())))
         if c.solution is None and _ruled_out(c, best_s):
             c.outcome = "pruned_by_bound"
 
@@ -843,54 +885,36 @@ def search(graph: ModelGraph, cluster: Cluster, optimizer: str, budget_bytes: fl
             tell(_words(c.shape))
             attempt(c, first_s)
             tell()
-        # Chunked schedules, after every one-chunk shape. Those their bound leaves in (it
-        # leaves the bubble out) and that fit with the schedule's own in-flight counts
-        # are dropped on their balanced estimate (a simulation of the schedule, made only
-        # for them), which the cut can only miss by imbalance; what is dropped so is
-        # "skipped", and counts in the gap.
-        guesses = []
-        for c in chunked:
-            if out_of_time():
-                break
-            s = c.shape
-            incumbent = best.solution.times.step_s if best else None
-            if _ruled_out(c, incumbent):
-                continue
-            b = problem_of(s)
-            need = min_memory_bytes(b.problem, s.pp, s.microbatches, s.schedule, s.chunks
-                                    ) + b.transient_bytes
-            if budget_bytes is not None and need > budget_bytes:
-                c.outcome, c.note = "does_not_fit", f"needs at least {need / 1e9:.1f} GB per device"
-                continue
-            if budget_bytes is not None:  # each rank's work where it must fit
-                flights = [in_flight(s.schedule, s.pp, s.microbatches, k, s.chunks)
-                           for k in range(s.pp * s.chunks)]
-                c.bound_s = max(c.bound_s, memory_bound(
-                    b.problem, s.pp, s.microbatches, s.schedule, s.chunks, budget_of(s),
-                    flights))
-                if _ruled_out(c, incumbent):
-                    continue
-            guesses.append((estimate(b.problem, s.pp, s.microbatches, s.schedule, s.chunks),
-                            c))
-        # The rest, in the order of the estimate (or the bound, where memory raises it
-        # above), a plan in a fraction of a second each (stages.quick_plan), for
-        # QUICK_PASS_S in all; then the stage MIPs of the CHUNKED_TRIES best of those
-        # plans, started from them and cut off at the best (their MIPs are the hardest:
-        # they keep the quick plan where they find no better in CHUNKED_PASS_S)
-        guesses.sort(key=lambda t: max(t[0], t[1].bound_s))
+        # Chunked schedules, after every one-chunk shape, least bound first: each is checked
+        # against memory with its schedule's own in-flight counts and its bound raised by
+        # each rank's memory row (loads.raise_memory); one still below the best gets its
+        # balanced estimate (a simulation of the schedule, which the cut can only miss by
+        # imbalance) and, where that beats the best, a quick plan (stages.quick_plan, a
+        # fraction of a second) while the time for quick plans lasts. What is left so is
+        # "skipped", and counts in the gap at its bound. Then the stage MIPs of the
+        # CHUNKED_TRIES best quick plans, started from them and cut off at the best (their
+        # MIPs are the hardest: they keep the quick plan where they find no better in
+        # CHUNKED_PASS_S).
+        chunked.sort(key=lambda c: c.bound_s)
         quick_ones = []
         quick_until = time.perf_counter() + QUICK_PASS_S
         if deadline is not None:  # a budget: up to half of what it has left
             quick_until = max(quick_until, (time.perf_counter() + deadline) / 2)
-        for guess, c in guesses:
+        for c in chunked:
             if out_of_time():
                 break
             incumbent = best.solution.times.step_s if best else None
+            if _ruled_out(c, incumbent) or not loads.raise_memory(c):
+                continue
+            if _ruled_out(c, incumbent):
+                continue
             if incumbent is not None:  # whole units may rule it out before a quick plan
                 loads.raise_bound(c, incumbent, 0.0)
                 if _ruled_out(c, incumbent):
                     continue
-            guess = max(guess, c.bound_s)
+            s = c.shape
+            guess = max(estimate(problem_of(s).problem, s.pp, s.microbatches, s.schedule,
+                                 s.chunks), c.bound_s)
             if incumbent is not None and guess >= incumbent * (1 - 1e-9):
                 c.outcome = "skipped"
                 c.note = f"estimate {guess * 1e3:.3g} ms >= best {incumbent * 1e3:.3g} ms"
@@ -899,7 +923,6 @@ def search(graph: ModelGraph, cluster: Cluster, optimizer: str, budget_bytes: fl
                 c.outcome = "skipped"
                 c.note = "not solved: past the time for quick plans"
                 continue
-            s = c.shape
             t0 = time.perf_counter()
             quick = quick_plan(problem_of(s).problem, s.pp, s.microbatches, s.schedule,
                                budget_of(s), s.chunks)
@@ -929,7 +952,9 @@ def search(graph: ModelGraph, cluster: Cluster, optimizer: str, budget_bytes: fl
         # under the final best to REFINE of it: those it reaches are settled, and the
         # least bound left is the search's gap (refined until it is one so found)
         if best is not None:
-            _refine_chunked(chunked, best.solution.times.step_s, loads, out_of_time)
+            _refine_chunked(chunked, best.solution.times.step_s, loads,
+                            lambda: math.inf if deadline is None
+                            else deadline - time.perf_counter())
         # Second pass: what is left open and might still beat the best, now cut off at it
         # (an integer program whose LP bound is above the cutoff ends at once).
         for _, c in ranked:

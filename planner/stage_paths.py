@@ -265,7 +265,7 @@ def _memory_rows(solver, x, problem, pp: int, m: int, ranks, budget_bytes, fligh
     for with_step in (False, True):
         priced = t + tables.step_s if with_step else t
         for lam in scale / budget_bytes * np.geomspace(1e-2, 1e2, MEMORY_LAMBDAS):
-            cost = {f: ((priced + lam * (w + f * a)).min(axis=1) @ tables.counts
+            cost = {f: (tables.least_by_unit(priced + lam * (w + f * a))
                         + edges)[first] / norm for f in set(flights)}
             if not all(np.isfinite(v).all() for v in cost.values()):
                 continue

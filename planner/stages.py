@@ -199,6 +199,11 @@ class _Tables:
     # least layer_least_s + edge_least_s: what the bounds charge a unit per microbatch
     unit_least_s: np.ndarray
     unit_step_least_s: np.ndarray  # per unit: Σ its layers' least per-step time
+    # (distinct, width): may the option be taken with the unit's layers all plain / all
+    # recomputed (a block checkpointed whole: planner.block_recompute)? Both True for every
+    # option of a layer without recomputed variants.
+    plain_ok: np.ndarray
+    recomputed_ok: np.ndarray
 
     @staticmethod
     def of(problem: "StageProblem") -> "_Tables":
@@ -206,10 +211,13 @@ class _Tables:
         width = max(len(l.strategies) for l in problem.layers)
         mb, step = np.full((L, width), math.inf), np.full((L, width), math.inf)
         w, a = np.zeros((L, width)), np.zeros((L, width))
+        recomputed = np.full((L, width), 0.5)  # 0 plain, 1 recomputed, 0.5 either
         for i, l in enumerate(problem.layers):
             n = len(l.strategies)
             mb[i, :n], step[i, :n] = l.microbatch_s, l.step_s
             w[i, :n], a[i, :n] = l.weight_bytes, l.activation_bytes
+            if l.recomputed is not None:
+                recomputed[i, :n] = l.recomputed
         unit = np.array([l.unit for l in problem.layers])
         layer_least = np.bincount(unit, weights=mb.min(axis=1), minlength=U)
         # padding is +inf, never the least
@@ -217,24 +225,47 @@ class _Tables:
         edge_least = np.zeros(U)
         for e in problem.edges:
             edge_least[problem.layers[e.dst].unit] += float(np.asarray(e.cost_s).min())
-        rows, inverse = np.unique(np.concatenate([mb, step, w, a], 1), axis=0,
+        rows, inverse = np.unique(np.concatenate([mb, step, w, a, recomputed], 1), axis=0,
                                   return_inverse=True)
         counts = np.zeros((len(rows), U))
         np.add.at(counts, (inverse.ravel(), unit), 1.0)
-        mb, step, w, a = np.split(rows, 4, axis=1)
+        mb, step, w, a, recomputed = np.split(rows, 5, axis=1)
         joint = np.maximum(unit_least.unit_least_s(problem), layer_least + edge_least)
-        return _Tables(mb, step, w, a, counts, layer_least, edge_least, joint, step_by_unit)
+        return _Tables(mb, step, w, a, counts, layer_least, edge_least, joint, step_by_unit,
+                       plain_ok=recomputed < 1, recomputed_ok=recomputed > 0)
 
     @property
     def step_least_s(self) -> float:
         """Σ over layers of the least per-step time."""
         return float(self.unit_step_least_s.sum())
 
+    def least_by_unit(self, priced: np.ndarray) -> np.ndarray:
+        """(..., distinct, width) prices of the options -> (..., units): Σ over each
+        unit's layers of the least price, a block recomputed whole taking the lesser of
+        its layers all plain and all recomputed. Against each layer's least apart this is
+        what the linked choice costs at least: a Lagrangian price of memory (the bounds
+        below) would otherwise recompute a block's costly-to-keep layers alone, a
+        selective recompute the executor does not run (a 70 B Llama, 4-chunk interleaved
+        schedules: bounds some 20% under the plans)."""
+        plain = _sum_by_unit(np.where(self.plain_ok, priced, math.inf).min(axis=-1),
+                             self.counts)
+        recomputed = _sum_by_unit(np.where(self.recomputed_ok, priced, math.inf)
+                                  .min(axis=-1), self.counts)
+        return np.minimum(plain, recomputed)
+
     def least_memory_by_unit(self, f: int) -> np.ndarray:
         """Per unit: Σ over its layers of the least weights + f·activations."""
         valid = np.isfinite(self.microbatch_s)
-        least = np.where(valid, self.weight_bytes + f * self.activation_bytes, math.inf)
-        return least.min(axis=1) @ self.counts
+        return self.least_by_unit(np.where(valid, self.weight_bytes + f * self.activation_bytes,
+                                           math.inf))
+
+
+def _sum_by_unit(least: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """(..., distinct) -> (..., units) through the counts, +inf where a unit holds a layer
+    at +inf (not inf·0 = nan where it holds none)."""
+    finite = np.isfinite(least)
+    total = np.where(finite, least, 0.0) @ counts
+    return np.where((~finite).astype(float) @ counts > 0, math.inf, total)
 
 
 def in_flight(schedule: str, pp: int, microbatches: int, stage: int, chunks: int = 1) -> int:
@@ -434,6 +465,9 @@ def solve_stages(problem: StageProblem, pp: int, microbatches: int, schedule: st
     start_plan = (_every_block_recomputed_plan(given, pp, microbatches, schedule,
                                                budget_bytes, chunks, time_limit_s / 2)
                   if linked and method != "mip" else None)
+    if start_plan is not None:
+        start_plan = start_plan[0], _fewer_recomputed(given, *start_plan, pp, microbatches,
+                                                      schedule, chunks, budget_bytes)
     left_s = time_limit_s - (time.perf_counter() - start)
     if start_plan is not None and U * S > MIP_UNIT_STAGES_PER_S * left_s:
         return _start_only(given, start_plan, pp, microbatches, schedule, chunks,
@@ -666,6 +700,9 @@ def quick_plan(problem: StageProblem, pp: int, microbatches: int, schedule: str,
     if problem.linked_units():  # its layers' options by planner.ilp, every block recomputed
         hint = _every_block_recomputed_plan(problem, pp, microbatches, schedule,
                                             budget_bytes, chunks, time_limit_s=None)
+        if hint is not None:
+            hint = hint[0], _fewer_recomputed(problem, *hint, pp, microbatches, schedule,
+                                              chunks, budget_bytes)
     hint = hint or balanced_cut(problem, pp, microbatches, schedule, budget_bytes, chunks)
     if hint is None:
         return None
@@ -677,6 +714,53 @@ def quick_plan(problem: StageProblem, pp: int, microbatches: int, schedule: str,
                          bound_s=min(bound, times.step_s),
                          seconds=time.perf_counter() - start, num_variables=0,
                          num_constraints=0)
+
+
+def _fewer_recomputed(problem: StageProblem, starts, choice, pp: int, m: int, schedule: str,
+                      chunks: int, budget_bytes: float | None) -> tuple[int, ...]:
+    """`choice` with blocks recomputed whole run plain again where their rank's memory
+    still fits, the busiest rank's first: every block recomputed is what lets the ranks'
+    options be chosen without the linking rows, but it leaves memory unused where only
+    some blocks must be recomputed (a 70 B Llama over 256 H100s, 8 ranks of 4 chunks: 26 to
+    42 of 83 GB held, every block's forward run twice)."""
+    S = pp * chunks
+    ranks = stage_ranks(schedule, pp, chunks)
+    bounds = list(starts) + [len(problem.units)]
+    rank_of_unit, flight_of_unit = [], []
+    for k in range(S):
+        f = in_flight(schedule, pp, m, k, chunks)
+        for _ in range(bounds[k], bounds[k + 1]):
+            rank_of_unit.append(ranks[k])
+            flight_of_unit.append(f)
+    choice = list(choice)
+    load, held = [0.0] * pp, [0.0] * pp
+    for i, l in enumerate(problem.layers):
+        r, c = rank_of_unit[l.unit], choice[i]
+        load[r] += m * float(l.microbatch_s[c])
+        held[r] += float(l.weight_bytes[c]) + flight_of_unit[l.unit] * float(l.activation_bytes[c])
+    gains = []  # (rank, time saved, bytes added, the unit's layers)
+    for u in problem.recomputed_units(choice):
+        members = problem.linked_units()[u]
+        f, saved, added = flight_of_unit[u], 0.0, 0.0
+        for i in members:
+            l, c = problem.layers[i], choice[i]
+            p = l.plain_index(c)
+            saved += m * float(l.microbatch_s[c] - l.microbatch_s[p])
+            added += float(l.weight_bytes[p] - l.weight_bytes[c]) + f * float(
+                l.activation_bytes[p] - l.activation_bytes[c])
+        gains.append((rank_of_unit[u], saved, added, members))
+    limit = math.inf if budget_bytes is None else budget_bytes * (1 - 1e-9)
+    while gains:
+        fitting = [g for g in gains if g[1] > 0 and held[g[0]] + g[2] <= limit]
+        if not fitting:
+            break
+        r, saved, added, members = max(fitting, key=lambda g: (load[g[0]], g[1] / max(g[2], 1.0)))
+        gains.remove((r, saved, added, members))
+        load[r] -= saved
+        held[r] += added
+        for i in members:
+            choice[i] = problem.layers[i].plain_index(choice[i])
+    return tuple(choice)
 
 
 def _start_only(problem: StageProblem, plan, pp: int, microbatches: int, schedule: str,
@@ -1085,16 +1169,17 @@ def _dual_stage_bounds(problem: StageProblem, flights, m: int, budget_bytes: flo
     # a transformer's blocks repeat: each distinct layer priced once, counted per unit
     tables = problem.tables
     t = m * tables.microbatch_s + (tables.step_s if per_step else 0.0)
-    mem_w, mem_a, counts = tables.weight_bytes, tables.activation_bytes, tables.counts
+    mem_w, mem_a = tables.weight_bytes, tables.activation_bytes
     scale = float(np.nanmin(np.where(np.isfinite(t), t, np.nan), axis=1).sum())
-    lams = np.concatenate([[0.0], scale / budget_bytes * np.geomspace(1e-3, 1e3, 31)])
+    lams = np.concatenate([[0.0], scale / budget_bytes * np.geomspace(1e-3, 1e3,
+                                                                 stage_loads.LAMBDAS)])
     idx = np.arange(U + 1)
     out = {}
     later = idx[None, :] > idx[:, None]
     span = np.empty((U + 1, U + 1))
     for f in flights:
-        value = (t[None] + lams[:, None, None] * (mem_w + f * mem_a)[None]).min(axis=2)
-        prefix = np.concatenate([np.zeros((len(lams), 1)), np.cumsum(value @ counts, 1)], 1)
+        value = tables.least_by_unit(t[None] + lams[:, None, None] * (mem_w + f * mem_a)[None])
+        prefix = np.concatenate([np.zeros((len(lams), 1)), np.cumsum(value, 1)], 1)
         # max over λ of [i, j] -> prefix[j] - prefix[i] - λ·budget, one λ at a time: the
         # search asks for thousands of these (a 405 B Llama: 6,600), and a table per λ
         # stays in cache where all of them at once did not (twice as fast)

@@ -23,7 +23,8 @@ from planner.schedules import refusal
 from planner.search import DEFAULT_SEARCH_TIME_S, FALLBACK_NOTE
 from planner.stage_loads import memory_bound
 from planner.stage_paths import relaxed_path_bound
-from planner.stages import LayerOptions, StageProblem, evaluate, in_flight, lower_bound
+from planner.stages import (LayerOptions, StageProblem, evaluate, in_flight, lower_bound,
+                            quick_plan)
 
 DEVICES = "4x4xV100"
 
@@ -178,3 +179,65 @@ def test_the_memory_bound_sees_what_a_rank_must_keep():
     # the bound of the bubble
     assert relaxed_path_bound(p, pp, m, schedule, v) == pytest.approx(9.0)
     assert 12.0 <= relaxed_path_bound(p, pp, m, schedule, v, budget, flights) <= fitting
+
+
+def _with_blocks_recomputed(rng, p: StageProblem) -> StageProblem:
+    """p with every unit of two or more layers a block recomputed whole
+    (planner.block_recompute's shape): each of its layers offers each option again,
+    slower by a forward and keeping a fraction of its activations, and the block's layers
+    take those all together or none (StageProblem.consistent)."""
+    units = [u for u, members in enumerate(p.unit_layers()) if len(members) >= 2]
+    layers = []
+    for l in p.layers:
+        if l.unit not in units:
+            layers.append(l)
+            continue
+        n = len(l.strategies)
+        layers.append(LayerOptions(
+            l.name, l.unit, l.strategies * 2,
+            np.concatenate([l.microbatch_s, l.microbatch_s * rng.uniform(1.2, 1.5)]),
+            np.concatenate([l.step_s, l.step_s]),
+            np.concatenate([l.weight_bytes, l.weight_bytes]),
+            np.concatenate([l.activation_bytes, l.activation_bytes * rng.uniform(0, 0.3)]),
+            recomputed=np.repeat([False, True], n)))
+    edges = tuple(Edge(e.src, e.dst, np.tile(e.cost_s, (
+        2 if layers[e.src].recomputed is not None else 1,
+        2 if layers[e.dst].recomputed is not None else 1))) for e in p.edges)
+    return StageProblem(tuple(layers), edges, p.units, p.cut_s,
+                        forward_share=p.forward_share)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_bounds_price_a_block_recomputed_whole_below_every_plan_that_fits(seed):
+    """The Lagrangian bounds take a block recomputed whole as one choice (the lesser of
+    its layers all plain and all recomputed, stages._Tables.least_by_unit), never a
+    layer's apart: below the simulated step of every consistent plan that fits, one
+    stage per rank and chunked. The quick plan, every block recomputed and then some run
+    plain again where memory allows (stages._fewer_recomputed), stays consistent and fits."""
+    rng = np.random.default_rng(900 + seed)
+    p = _with_blocks_recomputed(rng, _random_problem(rng, units=5, layers=7, max_choices=40))
+    assert p.linked_units()
+    for pp, v, schedule, m in ((2, 1, "1F1B", 2), (2, 1, "1F1B", 4), (2, 2, "Interleaved1F1B", 2),
+                               (2, 2, "ZBVZeroBubble", 4)):
+        if refusal(schedule, pp, v, m) is not None or pp * v > len(p.units):
+            continue
+        steps = [(t.step_s, max(t.memory_bytes))
+                 for cuts in itertools.combinations(range(1, len(p.units)), pp * v - 1)
+                 for choice in itertools.product(*(range(len(l.strategies)) for l in p.layers))
+                 if p.consistent(choice)
+                 for t in [evaluate(p, (0, *cuts), choice, m, schedule, v)]]
+        flights = [in_flight(schedule, pp, m, k, v) for k in range(pp * v)]
+        for share in (0.05, 0.3, 0.7):
+            budget = sorted(mem for _, mem in steps)[int(share * len(steps))]
+            fitting = min(s for s, mem in steps if mem <= budget)
+            bounds = [lower_bound(p, pp, m, schedule, v, budget)]
+            if v > 1:
+                bounds += [memory_bound(p, pp, m, schedule, v, budget, flights),
+                           relaxed_path_bound(p, pp, m, schedule, v, budget, flights)]
+            for bound in bounds:
+                assert bound <= fitting * (1 + 1e-9), (schedule, m, share, bounds, fitting)
+            quick = quick_plan(p, pp, m, schedule, budget, v)
+            if quick is not None:
+                assert p.consistent(quick.choice)
+                assert max(quick.times.memory_bytes) <= budget * (1 + 1e-9)
+                assert quick.times.step_s >= fitting * (1 - 1e-9)
