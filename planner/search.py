@@ -723,10 +723,34 @@ def search(graph: ModelGraph, cluster: Cluster, optimizer: str, budget_bytes: fl
     limits the pipeline schedules tried. `search_time_s`: no solve runs past that many
     seconds from the start; what is left is "skipped" and counts in the gap (the plan says
     "feasible" with it), as after Ctrl-C; with no plan by then, the best quick plan of what
-    is left (FALLBACK_S at most). None: no limit (the proof)."""
-    started = time.perf_counter()
-    deadline = None if search_time_s is None else started + search_time_s
-    cache = cache or CostCache(graph, cluster, optimizer)
+    is left (FALLBACK_S at most). None: no limit (the proof). The passes, in order, are the
+    methods of _Search."""
+    run = _Search(graph, cluster, optimizer, budget_bytes, cache, pin, time_limit_s,
+                  relative_gap, search_time_s)
+    run.rank(_shapes_to_try(graph, cluster, max_microbatches, only, schedules))
+    interrupted = False
+    try:
+        run.first_pass()
+        run.chunked_pass()
+        run.refine_chunked()
+        run.second_pass()
+        run.polish_best()
+    except KeyboardInterrupt:
+        # Ctrl-C: the best plan so far, with its gap to what was left open (SCIP is told
+        # not to catch the signal, so it arrives when the solve in progress returns)
+        if run.best is None:
+            raise
+        interrupted = True
+        run.skip_unvisited("not solved: interrupted")
+    return run.result(interrupted)
+
+
+def _shapes_to_try(graph: ModelGraph, cluster: Cluster, max_microbatches: int | None,
+                   only: list[Shape] | None, schedules: tuple[str, ...]) -> list[Shape]:
+    """`only`, or every shape of the devices and batch, less those the model cannot run:
+    pipelined ones of a model with weights shared across stages or not cut at blocks,
+    tensor-parallel ones of a torch.export graph whose rows would split over tp; and each
+    again with its blocks offered recomputed where the model has them."""
     batch = graph.batch_size
     todo = only if only is not None else shapes(cluster.num_devices, batch, max_microbatches,
                                                 schedules)
@@ -741,89 +765,264 @@ def search(graph: ModelGraph, cluster: Cluster, optimizer: str, budget_bytes: fl
                          f"decoder torch.export traced, and {graph.model_name} is not one; "
                          f"drop recompute from the shapes")
     if only is None and block_recompute.offered(graph):
-        todo += [replace(s, recompute=True) for s in todo]
-    built: dict[tuple, Built] = {}
+        todo = todo + [replace(s, recompute=True) for s in todo]
+    return todo
 
-    # a tied embedding and head on one rank (V-shaped schedules) need no copy: their own
-    # problem, only where the model has such a tie (planner.block_cuts.tied_heads)
-    ties_ends = bool(tied_heads(graph))
 
-    def problem_of(shape: Shape) -> Built:
-        together = ties_ends and shape.schedule in V_SHAPED
-        key = (shape.pp, shape.dp, shape.tp, shape.rows(batch), shape.recompute, together)
-        if key not in built:
-            built[key] = (block_recompute.recompute_blocks(
-                problem_of(replace(shape, recompute=False)), graph)
-                if shape.recompute else build(cache, *key[:4], pin=pin,
+class _Search:
+    """One search's state, the candidates and the best so far, and its passes (`search`
+    calls them in order): rank (every shape bounded without a solve), first_pass (the
+    one-chunk shapes' stage programs, briefly), chunked_pass (chunked shapes' quick plans
+    and the MIPs of the best of them), refine_chunked (the open chunked bounds raised),
+    second_pass (what is left open, cut off at the best), polish_best (the budget's rest
+    to the best's own program)."""
+
+    def __init__(self, graph: ModelGraph, cluster: Cluster, optimizer: str,
+                 budget_bytes: float | None, cache: CostCache | None,
+                 pin: dict[str, str] | None, time_limit_s: float, relative_gap: float,
+                 search_time_s: float | None):
+        self.started = time.perf_counter()
+        self.deadline = None if search_time_s is None else self.started + search_time_s
+        self.graph, self.budget_bytes, self.pin = graph, budget_bytes, pin
+        self.cache = cache or CostCache(graph, cluster, optimizer)
+        self.time_limit_s, self.relative_gap = time_limit_s, relative_gap
+        self.built: dict[tuple, Built] = {}
+        # a tied embedding and head on one rank (V-shaped schedules) need no copy: their
+        # own problem, only where the model has such a tie (planner.block_cuts.tied_heads)
+        self.ties_ends = bool(tied_heads(graph))
+        self.out: list[Candidate] = []
+        self.ranked: list[tuple[float, Candidate]] = []
+        self.chunked: list[Candidate] = []
+        self.best: Candidate | None = None
+        self.solve_seconds = 0.0
+        self.loads = _LoadBounds(self.problem_of, self.budget_of)
+        self.first_s = min(time_limit_s, FIRST_PASS_S)
+        self.first_until = None  # a budget: the one-chunk first pass stops at half of it
+        if search_time_s is not None:
+            self.first_s = min(self.first_s, max(0.1, search_time_s * FIRST_PASS_SHARE))
+
+    # --- the problems, the budget and the clock ---------------------------------------
+
+    def problem_of(self, shape: Shape) -> Built:
+        """The shape's stage problem, built once per (pp, dp, tp, rows, recompute, tie)."""
+        together = self.ties_ends and shape.schedule in V_SHAPED
+        key = (shape.pp, shape.dp, shape.tp, shape.rows(self.graph.batch_size),
+               shape.recompute, together)
+        if key not in self.built:
+            self.built[key] = (block_recompute.recompute_blocks(
+                self.problem_of(replace(shape, recompute=False)), self.graph)
+                if shape.recompute else build(self.cache, *key[:4], pin=self.pin,
                                               ends_together=together))
-        return built[key]
+        return self.built[key]
 
-    def budget_of(shape: Shape) -> float | None:
+    def budget_of(self, shape: Shape) -> float | None:
         """The budget the stage problem may fill: less the recompute transient."""
-        if budget_bytes is None:
+        if self.budget_bytes is None:
             return None
-        return budget_bytes - problem_of(shape).transient_bytes
+        return self.budget_bytes - self.problem_of(shape).transient_bytes
 
-    out: list[Candidate] = []
-    realizable: dict[int, bool] = {}
-    ranked: list[tuple[float, Candidate]] = []
-    listed = set(todo)
-    keys = cache.unit_keys
-    unit_count = sum(i == 0 or keys[i - 1] != k for i, k in enumerate(keys))  # as build's
-    for shape in todo:
-        if shape.schedule == "GPipe" and replace(shape, schedule="1F1B") in listed:
-            out.append(Candidate(shape, "dominated", note="1F1B: same step time, no more "
-                                 "activations in flight"))
-            continue
-        if shape.pp * shape.chunks > unit_count:  # before building its problem
-            out.append(Candidate(shape, "infeasible", note="more stages than modules"))
-            continue
-        b = problem_of(shape)
-        if id(b) not in realizable:  # the stage MIP takes finite edges only
-            realizable[id(b)] = all(np.isfinite(e.cost_s).all() for e in b.problem.edges)
-        if not realizable[id(b)]:
-            out.append(Candidate(shape, "infeasible", note="a layout change the module "
-                                 "executor cannot make (planner.price._unrealizable)"))
-            continue
-        # with chunks: one microbatch in flight until the chunked phase below (the
-        # schedule's order is simulated only for shapes a bound leaves in)
-        need = min_memory_bytes(b.problem, shape.pp, shape.microbatches, shape.schedule,
-                                shape.chunks, 1 if shape.chunks > 1 else None
-                                ) + b.transient_bytes
-        if budget_bytes is not None and need > budget_bytes:
-            out.append(Candidate(shape, "does_not_fit", note=f"needs at least "
-                                 f"{need / 1e9:.1f} GB per device"))
-            continue
-        bound = lower_bound(b.problem, shape.pp, shape.microbatches, shape.schedule,
-                            shape.chunks, budget_of(shape))
-        c = Candidate(shape, "pruned_by_bound", bound_s=bound)
-        ranked.append((bound, c))
-        out.append(c)
+    def out_of_time(self) -> bool:
+        return self.deadline is not None and time.perf_counter() >= self.deadline
 
-    # best bound first; one-stage shapes before all: planner.ilp proves them in a second
-    # (the stage MIP, where blocks may be recomputed), and their best is a cutoff for every
-    # pipelined shape; shapes with chunks per rank after those with one (their bound
-    # leaves out the bubble, and would put every one of them first)
-    ranked.sort(key=lambda t: (t[1].shape.pp > 1, t[1].shape.chunks > 1, t[0],
-                               t[1].shape.pp, t[1].shape.tp, t[1].shape.chunks))
-    best: Candidate | None = None
-    solve_seconds = 0.0
+    def seconds_left(self) -> float:
+        return math.inf if self.deadline is None else self.deadline - time.perf_counter()
 
-    def out_of_time() -> bool:
-        return deadline is not None and time.perf_counter() >= deadline
+    @property
+    def incumbent(self) -> float | None:
+        return self.best.solution.times.step_s if self.best else None
 
-    def attempt(c: Candidate, limit_s: float) -> None:
+    # --- the passes ---------------------------------------------------------------------
+
+    def rank(self, todo: list[Shape]) -> None:
+        """Every shape a candidate: dropped where dominated, infeasible or too large,
+        else bounded without a solve (stages.lower_bound) and ranked, best bound first;
+        one-stage shapes before all (planner.ilp proves them in a second, and their best
+        is a cutoff for every pipelined shape); shapes with chunks per rank after those
+        with one (their bound leaves out the bubble, and would put every one of them
+        first)."""
+        realizable: dict[int, bool] = {}
+        listed = set(todo)
+        keys = self.cache.unit_keys
+        unit_count = sum(i == 0 or keys[i - 1] != k for i, k in enumerate(keys))  # as build's
+        for shape in todo:
+            if shape.schedule == "GPipe" and replace(shape, schedule="1F1B") in listed:
+                self.out.append(Candidate(shape, "dominated", note="1F1B: same step time, "
+                                          "no more activations in flight"))
+                continue
+            if shape.pp * shape.chunks > unit_count:  # before building its problem
+                self.out.append(Candidate(shape, "infeasible", note="more stages than modules"))
+                continue
+            b = self.problem_of(shape)
+            if id(b) not in realizable:  # the stage MIP takes finite edges only
+                realizable[id(b)] = all(np.isfinite(e.cost_s).all() for e in b.problem.edges)
+            if not realizable[id(b)]:
+                self.out.append(Candidate(shape, "infeasible", note="a layout change the "
+                                          "module executor cannot make "
+                                          "(planner.price._unrealizable)"))
+                continue
+            # with chunks: one microbatch in flight until the chunked pass (the schedule's
+            # order is simulated only for shapes a bound leaves in)
+            need = min_memory_bytes(b.problem, shape.pp, shape.microbatches, shape.schedule,
+                                    shape.chunks, 1 if shape.chunks > 1 else None
+                                    ) + b.transient_bytes
+            if self.budget_bytes is not None and need > self.budget_bytes:
+                self.out.append(Candidate(shape, "does_not_fit", note=f"needs at least "
+                                          f"{need / 1e9:.1f} GB per device"))
+                continue
+            bound = lower_bound(b.problem, shape.pp, shape.microbatches, shape.schedule,
+                                shape.chunks, self.budget_of(shape))
+            c = Candidate(shape, "pruned_by_bound", bound_s=bound)
+            self.ranked.append((bound, c))
+            self.out.append(c)
+        self.ranked.sort(key=lambda t: (t[1].shape.pp > 1, t[1].shape.chunks > 1, t[0],
+                                        t[1].shape.pp, t[1].shape.tp, t[1].shape.chunks))
+
+    def first_pass(self) -> None:
+        """The one-chunk shapes, best bound first, each briefly (first_s): a hard one met
+        before any incumbent exists would otherwise spend the whole limit proving a plan
+        far from best. With a budget, up to half of what is left; chunked shapes are set
+        aside for the chunked pass."""
+        if self.deadline is not None:
+            self.first_until = (time.perf_counter() + self.deadline) / 2
+        for _, c in self.ranked:
+            if self.out_of_time():
+                break
+            if _ruled_out(c, self.incumbent):
+                self.tell()
+                continue
+            if c.shape.chunks > 1:
+                self.chunked.append(c)
+                continue
+            if (self.best is not None and self.first_until is not None
+                    and time.perf_counter() > self.first_until):
+                continue  # the second pass comes back to it
+            self.tell(_words(c.shape))
+            self.attempt(c, self.first_s)
+            self.tell()
+
+    def chunked_pass(self) -> None:
+        """Chunked schedules, least bound first: each checked against memory with its
+        schedule's own in-flight counts and its bound raised by each rank's memory row
+        (loads.raise_memory); one still below the best gets its balanced estimate (a
+        simulation of the schedule, which the cut can only miss by imbalance) and, where
+        that beats the best, a quick plan (stages.quick_plan, a fraction of a second)
+        while the time for quick plans lasts. What is left so is "skipped", and counts in
+        the gap at its bound. Then the stage MIPs of the CHUNKED_TRIES best quick plans,
+        started from them and cut off at the best (their MIPs are the hardest: they keep
+        the quick plan where they find no better in CHUNKED_PASS_S)."""
+        self.chunked.sort(key=lambda c: c.bound_s)
+        quick_until = time.perf_counter() + QUICK_PASS_S
+        if self.deadline is not None:  # a budget: up to half of what it has left
+            quick_until = max(quick_until, (time.perf_counter() + self.deadline) / 2)
+        quick_ones = []
+        for c in self.chunked:
+            if self.out_of_time():
+                break
+            if self._quick(c, quick_until):
+                quick_ones.append(c)
+        quick_ones.sort(key=lambda c: c.solution.times.step_s)
+        for c in quick_ones[:CHUNKED_TRIES]:
+            if self.out_of_time():
+                break
+            if c.bound_s >= self.incumbent * (1 - 1e-9):
+                continue
+            kept = c.solution
+            self.tell(_words(c.shape))
+            self.attempt(c, min(self.time_limit_s, CHUNKED_PASS_S))
+            if c.solution is None or c.solution.times.step_s > kept.times.step_s:
+                c.outcome, c.solution = "solved", kept
+            self.tell()
+
+    def _quick(self, c: Candidate, quick_until: float) -> bool:
+        """The chunked pass on one candidate (its docstring): whether it got a quick plan."""
+        incumbent = self.incumbent
+        if _ruled_out(c, incumbent) or not self.loads.raise_memory(c):
+            return False
+        if _ruled_out(c, incumbent):
+            return False
+        if incumbent is not None:  # whole units may rule it out before a quick plan
+            self.loads.raise_bound(c, incumbent, 0.0)
+            if _ruled_out(c, incumbent):
+                return False
+        s = c.shape
+        problem = self.problem_of(s).problem
+        guess = max(estimate(problem, s.pp, s.microbatches, s.schedule, s.chunks), c.bound_s)
+        if incumbent is not None and guess >= incumbent * (1 - 1e-9):
+            c.outcome = "skipped"
+            c.note = f"estimate {guess * 1e3:.3g} ms >= best {incumbent * 1e3:.3g} ms"
+            return False
+        if self.best is not None and time.perf_counter() > quick_until:
+            c.outcome, c.note = "skipped", "not solved: past the time for quick plans"
+            return False
+        t0 = time.perf_counter()
+        quick = quick_plan(problem, s.pp, s.microbatches, s.schedule, self.budget_of(s),
+                           s.chunks)
+        c.seconds += time.perf_counter() - t0
+        self.solve_seconds += time.perf_counter() - t0
+        if quick is None:
+            c.outcome, c.note = "skipped", "not solved: no quick plan fits"
+            return False
+        c.outcome, c.solution = "solved", quick
+        if incumbent is None or quick.times.step_s < incumbent:
+            self.best = c
+        return True
+
+    def refine_chunked(self) -> None:
+        """The chunked candidates left open, least bound first, their bounds raised under
+        the final best to REFINE of it (_refine_chunked): those it reaches are settled,
+        and the least bound left is the search's gap."""
+        if self.best is not None:
+            _refine_chunked(self.chunked, self.incumbent, self.loads, self.seconds_left)
+
+    def second_pass(self) -> None:
+        """What is left open of the one-chunk shapes and might still beat the best, now
+        cut off at it (an integer program whose LP bound is above the cutoff ends at
+        once); chunked candidates get the chunked pass only."""
+        for _, c in self.ranked:
+            if self.out_of_time():
+                break
+            incumbent = self.incumbent
+            open_ = c.outcome == "time_limit" or (c.solution is not None and c is not self.best
+                                                  and c.solution.status != "optimal")
+            if c.shape.chunks > 1:
+                continue
+            if _unvisited(c) and _ruled_out(c, incumbent):
+                continue
+            if (open_ or _unvisited(c)) and (incumbent is None
+                                             or c.bound_s < incumbent * (1 - 1e-9)):
+                self.tell(_words(c.shape))
+                self.attempt(c, self.time_limit_s if open_ else self.first_s)
+                self.tell()
+
+    def polish_best(self) -> None:
+        """What a budget has left goes to the best itself where its own solve stopped
+        short (its first pass was brief), cut off at its plan, which it keeps unless a
+        better one is found."""
+        c = self.best
+        if (self.deadline is None or c is None or c.shape.chunks != 1
+                or c.solution.status == "optimal" or self.out_of_time()):
+            return
+        kept = c.solution
+        self.tell(_words(c.shape))
+        self.attempt(c, self.time_limit_s)
+        if c.solution is None or c.solution.times.step_s > kept.times.step_s:
+            c.solution = kept
+        c.outcome = "solved"
+        self.tell()
+
+    # --- one solve, the progress, the result --------------------------------------------
+
+    def attempt(self, c: Candidate, limit_s: float) -> None:
         """Solve candidate c within `limit_s`, cut off at the incumbent; keep the best."""
-        nonlocal best, solve_seconds
-        incumbent = best.solution.times.step_s if best else None
+        incumbent = self.incumbent
         s = c.shape
         t0 = time.perf_counter()
-        if deadline is not None:
-            limit_s = max(0.1, min(limit_s, deadline - t0))
+        if self.deadline is not None:
+            limit_s = max(0.1, min(limit_s, self.deadline - t0))
         try:
             solution = solve_stages(
-                problem_of(s).problem, s.pp, s.microbatches, s.schedule, budget_of(s),
-                limit_s, relative_gap,
+                self.problem_of(s).problem, s.pp, s.microbatches, s.schedule,
+                self.budget_of(s), limit_s, self.relative_gap,
                 cutoff_s=None if incumbent is None else incumbent * (1 + 1e-9),
                 chunks=s.chunks)
         except TimeLimit as limit:
@@ -831,7 +1030,7 @@ def search(graph: ModelGraph, cluster: Cluster, optimizer: str, budget_bytes: fl
             return
         finally:
             c.seconds += time.perf_counter() - t0
-            solve_seconds += time.perf_counter() - t0
+            self.solve_seconds += time.perf_counter() - t0
         if solution is None:
             c.outcome, c.solution = "infeasible", None
             c.note = "does not fit" if incumbent is None else "nothing beats the incumbent"
@@ -841,174 +1040,42 @@ def search(graph: ModelGraph, cluster: Cluster, optimizer: str, budget_bytes: fl
         # both are lower bounds on this candidate's optimum: the tighter one holds
         c.outcome, c.solution = "solved", solution
         c.bound_s = max(c.bound_s, solution.bound_s)
-        if best is None or solution.times.step_s < best.solution.times.step_s:
-            best = c
+        if self.best is None or solution.times.step_s < self.incumbent:
+            self.best = c
 
-    chunked: list[Candidate] = []
-    loads = _LoadBounds(problem_of, budget_of)
-
-    def tell(current: str = "") -> None:
+    def tell(self, current: str = "") -> None:
         """Report where the search stands: candidates dealt with (dropped, pruned, skipped
         or solved; not those unvisited or at a time limit), and the least bound still open."""
         if not listened():
             return
-        settled = sum(not _unvisited(c) and c.outcome != "time_limit" for c in out)
-        open_bounds = [c.bound_s for _, c in ranked if c.bound_s is not None
+        settled = sum(not _unvisited(c) and c.outcome != "time_limit" for c in self.out)
+        open_bounds = [c.bound_s for _, c in self.ranked if c.bound_s is not None
                        and (_open(c) or _unvisited(c))]
-        report(Progress(len(out), settled, sum(c.seconds > 0 for c in out),
-                        best.solution.times.step_s if best else None,
-                        min(open_bounds, default=None), current))
+        report(Progress(len(self.out), settled, sum(c.seconds > 0 for c in self.out),
+                        self.incumbent, min(open_bounds, default=None), current))
 
-    first_s = min(time_limit_s, FIRST_PASS_S)
-    first_until = None  # a budget: the one-chunk shapes' first pass stops at half of it
-    if search_time_s is not None:
-        first_s = min(first_s, max(0.1, search_time_s * FIRST_PASS_SHARE))
-        first_until = (time.perf_counter() + deadline) / 2
-    interrupted = False
-    try:
-        # First pass, best bound first, each candidate briefly: a hard one met before any
-        # incumbent exists would otherwise spend the whole limit proving a plan far from
-        # best.
-        for _, c in ranked:
-            if out_of_time():
-                break
-            incumbent = best.solution.times.step_s if best else None
-            if _ruled_out(c, incumbent):
-                tell()
-                continue
-            if c.shape.chunks > 1:
-                chunked.append(c)  # after every shape with one chunk per rank (below)
-                continue
-            if best is not None and first_until is not None and \
-                    time.perf_counter() > first_until:
-                continue  # the second pass comes back to it
-            tell(_words(c.shape))
-            attempt(c, first_s)
-            tell()
-        # Chunked schedules, after every one-chunk shape, least bound first: each is checked
-        # against memory with its schedule's own in-flight counts and its bound raised by
-        # each rank's memory row (loads.raise_memory); one still below the best gets its
-        # balanced estimate (a simulation of the schedule, which the cut can only miss by
-        # imbalance) and, where that beats the best, a quick plan (stages.quick_plan, a
-        # fraction of a second) while the time for quick plans lasts. What is left so is
-        # "skipped", and counts in the gap at its bound. Then the stage MIPs of the
-        # CHUNKED_TRIES best quick plans, started from them and cut off at the best (their
-        # MIPs are the hardest: they keep the quick plan where they find no better in
-        # CHUNKED_PASS_S).
-        chunked.sort(key=lambda c: c.bound_s)
-        quick_ones = []
-        quick_until = time.perf_counter() + QUICK_PASS_S
-        if deadline is not None:  # a budget: up to half of what it has left
-            quick_until = max(quick_until, (time.perf_counter() + deadline) / 2)
-        for c in chunked:
-            if out_of_time():
-                break
-            incumbent = best.solution.times.step_s if best else None
-            if _ruled_out(c, incumbent) or not loads.raise_memory(c):
-                continue
-            if _ruled_out(c, incumbent):
-                continue
-            if incumbent is not None:  # whole units may rule it out before a quick plan
-                loads.raise_bound(c, incumbent, 0.0)
-                if _ruled_out(c, incumbent):
-                    continue
-            s = c.shape
-            guess = max(estimate(problem_of(s).problem, s.pp, s.microbatches, s.schedule,
-                                 s.chunks), c.bound_s)
-            if incumbent is not None and guess >= incumbent * (1 - 1e-9):
-                c.outcome = "skipped"
-                c.note = f"estimate {guess * 1e3:.3g} ms >= best {incumbent * 1e3:.3g} ms"
-                continue
-            if best is not None and time.perf_counter() > quick_until:
-                c.outcome = "skipped"
-                c.note = "not solved: past the time for quick plans"
-                continue
-            t0 = time.perf_counter()
-            quick = quick_plan(problem_of(s).problem, s.pp, s.microbatches, s.schedule,
-                               budget_of(s), s.chunks)
-            c.seconds += time.perf_counter() - t0
-            solve_seconds += time.perf_counter() - t0
-            if quick is None:
-                c.outcome, c.note = "skipped", "not solved: no quick plan fits"
-                continue
-            c.outcome, c.solution = "solved", quick
-            quick_ones.append(c)
-            if incumbent is None or quick.times.step_s < incumbent:
-                best = c
-        quick_ones.sort(key=lambda c: c.solution.times.step_s)
-        for c in quick_ones[:CHUNKED_TRIES]:
-            if out_of_time():
-                break
-            incumbent = best.solution.times.step_s
-            if c.bound_s >= incumbent * (1 - 1e-9):
-                continue
-            kept = c.solution
-            tell(_words(c.shape))
-            attempt(c, min(time_limit_s, CHUNKED_PASS_S))
-            if c.solution is None or c.solution.times.step_s > kept.times.step_s:
-                c.outcome, c.solution = "solved", kept
-            tell()
-        # The chunked candidates left open, least bound first, their busiest-rank bound
-        # under the final best to REFINE of it: those it reaches are settled, and the
-        # least bound left is the search's gap (refined until it is one so found)
+    def skip_unvisited(self, note: str) -> None:
+        for _, c in self.ranked:
+            if _unvisited(c):  # or cut short by an interrupt
+                c.outcome, c.note = "skipped", note
+
+    def result(self, interrupted: bool) -> SearchResult:
+        """The best candidate (a quick plan where the budget ran out with none) and what
+        became of every shape."""
+        ran_out = self.out_of_time()
+        fallback = ran_out and self.best is None and not interrupted
+        if fallback:
+            self.best = _fallback(self.ranked, self.problem_of, self.budget_of)
+            self.solve_seconds += sum(c.seconds for _, c in self.ranked
+                                      if c.note == FALLBACK_NOTE)
+        if ran_out:
+            self.skip_unvisited("not solved: the search's time ran out")
+        best = self.best
         if best is not None:
-            _refine_chunked(chunked, best.solution.times.step_s, loads,
-                            lambda: math.inf if deadline is None
-                            else deadline - time.perf_counter())
-        # Second pass: what is left open and might still beat the best, now cut off at it
-        # (an integer program whose LP bound is above the cutoff ends at once).
-        for _, c in ranked:
-            if out_of_time():
-                break
-            incumbent = best.solution.times.step_s if best else None
-            open_ = c.outcome == "time_limit" or (c.solution is not None and c is not best
-                                                  and c.solution.status != "optimal")
-            if c.shape.chunks > 1:
-                continue  # chunked candidates get the first pass only
-            if _unvisited(c) and _ruled_out(c, incumbent):
-                continue
-            if (open_ or _unvisited(c)) and (incumbent is None
-                                             or c.bound_s < incumbent * (1 - 1e-9)):
-                tell(_words(c.shape))
-                attempt(c, time_limit_s if open_ else first_s)
-                tell()
-        # Last, what a budget has left goes to the best itself where its own solve stopped
-        # short (its first pass was brief), cut off at its plan, which it keeps unless a
-        # better one is found
-        c = best
-        if (deadline is not None and c is not None and c.shape.chunks == 1
-                and c.solution.status != "optimal" and not out_of_time()):
-            kept = c.solution
-            tell(_words(c.shape))
-            attempt(c, time_limit_s)
-            if c.solution is None or c.solution.times.step_s > kept.times.step_s:
-                c.solution = kept
-            c.outcome = "solved"
-            tell()
-    except KeyboardInterrupt:
-        # Ctrl-C: the best plan so far, with its gap to what was left open (SCIP is told
-        # not to catch the signal, so it arrives when the solve in progress returns)
-        if best is None:
-            raise
-        interrupted = True
-        for _, c in ranked:
-            if _unvisited(c):  # or cut short by the interrupt
-                c.outcome, c.note = "skipped", "not solved: interrupted"
-    ran_out = out_of_time()
-    fallback = ran_out and best is None and not interrupted
-    if fallback:
-        best = _fallback(ranked, problem_of, budget_of)
-        solve_seconds += sum(c.seconds for _, c in ranked if c.note == FALLBACK_NOTE)
-    if ran_out:
-        for _, c in ranked:
-            if _unvisited(c):
-                c.outcome = "skipped"
-                c.note = "not solved: the search's time ran out"
-    if best is not None:
-        best.outcome = "best"
-    stats = {"layer_costs_computed": cache.misses, "layer_costs_reused": cache.hits,
-             "problems_built": len(built), "solve_seconds": solve_seconds,
-             "interrupted": interrupted, "out_of_time": ran_out,
-             "fallback": fallback and best is not None}
-    return SearchResult(best, problem_of(best.shape) if best else None, out,
-                        time.perf_counter() - started, stats)
+            best.outcome = "best"
+        stats = {"layer_costs_computed": self.cache.misses,
+                 "layer_costs_reused": self.cache.hits, "problems_built": len(self.built),
+                 "solve_seconds": self.solve_seconds, "interrupted": interrupted,
+                 "out_of_time": ran_out, "fallback": fallback and best is not None}
+        return SearchResult(best, self.problem_of(best.shape) if best else None, self.out,
+                            time.perf_counter() - self.started, stats)

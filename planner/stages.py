@@ -24,7 +24,7 @@ The integer program cannot hold a simulation; it minimises a linear stand-in, `o
 
 and `lower_bound` and the cutoff use bounds the simulation cannot beat (a rank does all its
 work m·R_r; with one stage per rank, rank r also waits Σ_{j<r} T_j for the first forward
-to reach it and the last backward to leave). Earlier, the one formula for every schedule:
+to reach it and the last backward to leave). Its terms:
 
     T_k   per-microbatch time of stage k: its layers' forward + backward on one microbatch,
           the collectives inside its tp group, the layout changes on edges into its layers,
@@ -42,26 +42,12 @@ plus each layer's activations times the microbatches the schedule keeps in fligh
 stage (GPipe: all m; 1F1B: min(m, pp - k), the first stage the most; the others: counted
 from their action lists, schedules.in_flight).
 
-The integer program (SCIP through pywraplp, edge variables continuous as in planner.ilp):
-
-    x[l,s] ∈ {0,1}  layer l runs strategy s          Σ_s x[l,s] = 1
-    e[k,i,j] ∈ [0,1] edge k's marginals equal x       (as planner.ilp)
-    z[u,k] ∈ {0,1}  unit u lies in stage ≥ k         z[u,k] ≤ z[u+1,k], z[u,k+1] ≤ z[u,k]
-    y[u,k] = z[u,k] - z[u,k+1]   unit u in stage k;  every stage gets at least one unit
-    A_u, G_u, W_u, V_u   unit u's per-microbatch time, per-step time, weight and activation
-                         memory: linear in x and e
-    v[u,k] ≥ A_u - Mᴬ_u (1 - y[u,k]),  Σ_k v[u,k] ≥ A_u     (the same for G with w)
-    T_k = Σ_u v[u,k] + cut times (only where stages k-1, k sit on different ranks)
-    C ≥ Σ_{k on r} T_k;  S ≥ Σ_{k on r} Σ_u w[u,k]
-    Σ_{k on r} Σ_u q[u,k] ≤ budget,  q[u,k] ≥ W_u + f_k·V_u - Mᵐ_uk (1 - y[u,k])
-    Σ_{s recomputed} x[l,s] equal for every layer l of a block offered recomputed whole
-                         (planner.block_recompute; StageProblem.linked_units)
-    min objective (above)
-
-The big-M constants are each expression's own maximum, and Σ_k v[u,k] ≥ A_u hands the LP
-the balanced-stage bound C ≥ Σ_u A_u / pp. With one stage there is no cut to choose and
-the step is additive over layers and edges: that is planner.ilp's problem, solved there
-with its reductions (seconds to minutes faster on large models).
+The integer program that minimises `objective` over the cut and the options is
+planner.stage_mip (its variables and rows, each family with its builder). With one stage
+there is no cut to choose and the step is additive over layers and edges: that is
+planner.ilp's problem, solved there with its reductions (seconds to minutes faster on
+large models); with one stage per rank and no linked blocks, planner.stage_dp and
+planner.stage_intervals solve it exactly by dynamic programming.
 """
 
 from __future__ import annotations
@@ -76,11 +62,11 @@ from dataclasses import dataclass, replace
 import numpy as np
 from ortools.linear_solver import pywraplp
 
-from planner import ilp, schedules, stage_dp, stage_intervals, stage_loads, unit_least
-from planner.numerics import mip_solver
+from planner import (ilp, schedules, stage_dp, stage_intervals, stage_loads, stage_mip,
+                     unit_least)
 from planner.problem import Edge, Infeasible, Node, Option, Problem
 from planner.schedules import SCHEDULES
-_GB = 1e9
+
 # the dynamic program's share of a solve before the integer program takes over: it proves
 # small and medium pipelines in well under it, and on the largest (a 48-block GPT at pp 8)
 # it would take minutes (planner.stage_dp), so it must give up early
@@ -474,193 +460,51 @@ def solve_stages(problem: StageProblem, pp: int, microbatches: int, schedule: st
                            budget_bytes, cutoff_s, start)
     # in units of the largest single time: SCIP drops coefficients below 1e-9 (planner.ilp)
     unit_s = _time_unit_s(problem)
-    problem = _in_units(problem, unit_s)
-    solver, _ = mip_solver(relative_gap)
-    inf = solver.infinity()
-    units = problem.unit_layers()
-
-    # --- variables: one strategy per layer ---------------------------------------------
-    x = []
-    for i, layer in enumerate(problem.layers):
-        n = len(layer.strategies)
-        if n == 1:
-            x.append([1.0])
-            continue
-        row = [solver.BoolVar(f"x[{i},{s}]") for s in range(n)]
-        solver.Add(sum(row) == 1, f"one_strategy[{i}]")
-        x.append(row)
-
-    # a block recomputed whole: its layers pick recomputed options together or not at all
-    for u, members in linked.items():
-        picked = [sum(xi for xi, r in zip(x[i], problem.layers[i].recomputed) if r)
-                  for i in members]
-        for i, p in zip(members[1:], picked[1:]):
-            solver.Add(p == picked[0], f"recompute_whole[{u},{i}]")
-
-    # --- per-unit linear expressions ----------------------------------------------------
-    def dot(values, xs):
-        return sum(float(v) * xi for v, xi in zip(values, xs) if v != 0.0)
-
-    A = [0.0] * U  # per-microbatch time
-    A_max = [0.0] * U
-    G = [0.0] * U
-    G_max = [0.0] * U
-    W = [0.0] * U
-    V = [0.0] * U
-    W_max = [0.0] * U
-    V_max = [0.0] * U
-    for u, members in enumerate(units):
-        for i in members:
-            L = problem.layers[i]
-            A[u] += dot(L.microbatch_s, x[i])
-            G[u] += dot(L.step_s, x[i])
-            W[u] += dot(L.weight_bytes / _GB, x[i])
-            V[u] += dot(L.activation_bytes / _GB, x[i])
-            A_max[u] += float(L.microbatch_s.max())
-            G_max[u] += float(L.step_s.max())
-            W_max[u] += float(L.weight_bytes.max()) / _GB
-            V_max[u] += float(L.activation_bytes.max()) / _GB
-    for k, edge in enumerate(problem.edges):
-        cost = np.asarray(edge.cost_s, float)
-        if not cost.any():
-            continue
-        u = problem.layers[edge.dst].unit
-        A_max[u] += float(cost.max())
-        xs, xd = x[edge.src], x[edge.dst]
-        if len(xs) == 1 or len(xd) == 1:  # one side fixed: linear in the other
-            A[u] += dot(cost[:, 0], xs) if len(xd) == 1 else dot(cost[0, :], xd)
-            continue
-        a, b = cost[:, 0], cost[0, :] - cost[0, 0]
-        if np.abs(cost - a[:, None] - b[None, :]).max() <= 1e-12 * np.abs(cost).max():
-            A[u] += dot(a, xs) + dot(b, xd)  # additive: no pair variables needed
-            continue
-        e = [[solver.NumVar(0, 1, f"e[{k},{i},{j}]") for j in range(len(xd))]
-             for i in range(len(xs))]
-        for i in range(len(xs)):
-            solver.Add(sum(e[i]) == xs[i], f"edge_src[{k},{i}]")
-        for j in range(len(xd)):
-            solver.Add(sum(e[i][j] for i in range(len(xs))) == xd[j], f"edge_dst[{k},{j}]")
-        A[u] += sum(float(cost[i, j]) * e[i][j] for i in range(len(xs))
-                    for j in range(len(xd)) if cost[i, j] != 0.0)
-
-    # each unit's sums as one variable: the big-M rows below repeat them for every stage,
-    # and pywraplp reads an expression's terms again at every row (a 48-block GPT at pp 8 x
-    # 2 chunks: 2.4 s of rows built in Python, past the chunked MIP's 2 s, so SCIP never
-    # ran; named, the same rows are four terms each)
-    def named(expression, name: str):
-        if isinstance(expression, (int, float)):
-            return float(expression)
-        var = solver.NumVar(-inf, inf, name)
-        solver.Add(var == expression, f"{name}_sum")
-        return var
-
-    A = [named(a, f"A[{u}]") for u, a in enumerate(A)]
-    G = [named(g, f"G[{u}]") for u, g in enumerate(G)]
-    if budget_bytes is not None:
-        W = [named(w, f"W[{u}]") for u, w in enumerate(W)]
-        V = [named(a, f"V[{u}]") for u, a in enumerate(V)]
-    C = solver.NumVar(0, inf, "C")  # the busiest rank's per-microbatch time
-    Smax = solver.NumVar(0, inf, "S")  # the slowest rank's once-per-step time
-    budget = None if budget_bytes is None else budget_bytes / _GB
-    flight = [in_flight(schedule, pp, microbatches, k, chunks) for k in range(S)]
-    ranks = stage_ranks(schedule, pp, chunks)
-    on = [[k for k in range(S) if ranks[k] == r] for r in range(pp)]
-
-    # --- stage cut: z[u][k] = unit u in stage >= k (k = 1..S-1) ---------------------
-    z = [[1.0] + [solver.BoolVar(f"z[{u},{k}]") for k in range(1, S)] + [0.0]
-         for u in range(U)]
-    for k in range(1, S):
-        solver.Add(z[0][k] == 0, f"first_unit_in_stage0[{k}]")
-        solver.Add(z[U - 1][k] == 1, f"last_unit_in_last_stage[{k}]")
-        for u in range(U - 1):
-            solver.Add(z[u][k] <= z[u + 1][k], f"contiguous[{u},{k}]")
-        if k + 1 < S:
-            for u in range(U):
-                solver.Add(z[u][k + 1] <= z[u][k], f"nested[{u},{k}]")
-            solver.Add(sum(z[u][k] for u in range(U))
-                       >= sum(z[u][k + 1] for u in range(U)) + 1, f"stage_nonempty[{k}]")
-    y = [[z[u][k] - z[u][k + 1] for k in range(S)] for u in range(U)]
-    # cut k sits before the unit u where z[u][k] - z[u-1][k] = 1; a cut between stages on
-    # one rank (the turn of a V) sends nothing
-    cut = [0.0] + [sum(problem.cut_s[u] * (z[u][k] - z[u - 1][k])
-                       for u in range(1, U) if problem.cut_s[u])
-                   if ranks[k - 1] != ranks[k] else 0.0 for k in range(1, S)]
-
-    v = [[solver.NumVar(0, inf, f"v[{u},{k}]") for k in range(S)] for u in range(U)]
-    w = [[solver.NumVar(0, inf, f"w[{u},{k}]") for k in range(S)] for u in range(U)]
-    for u in range(U):
-        for k in range(S):
-            solver.Add(v[u][k] >= A[u] - A_max[u] * (1 - y[u][k]), f"unit_time[{u},{k}]")
-            solver.Add(w[u][k] >= G[u] - G_max[u] * (1 - y[u][k]), f"unit_once[{u},{k}]")
-        solver.Add(sum(v[u]) >= A[u], f"unit_time_sum[{u}]")
-        solver.Add(sum(w[u]) >= G[u], f"unit_once_sum[{u}]")
-    stage_time = []  # T_k
-    for k in range(S):
-        sends = (cut[k] + problem.replay_s if k > 0 else 0.0) + (cut[k + 1] if k + 1 < S else 0.0)
-        stage_time.append(sum(v[u][k] for u in range(U)) + sends)
-    for r in range(pp):
-        solver.Add(C >= sum(stage_time[k] for k in on[r]), f"rank_time[{r}]")
-        solver.Add(Smax >= sum(w[u][k] for u in range(U) for k in on[r]), f"rank_once[{r}]")
-    if budget is not None:
-        for r in range(pp):
-            q = []
-            for k in on[r]:
-                for u in range(U):
-                    q.append(solver.NumVar(0, inf, f"q[{u},{k}]"))
-                    big = W_max[u] + flight[k] * V_max[u]
-                    solver.Add(q[-1] >= W[u] + flight[k] * V[u] - big * (1 - y[u][k]),
-                               f"unit_memory[{u},{k}]")
-            solver.Add(sum(q) <= budget, f"memory[{r}]")
-
-    m = microbatches
-    if chunks == 1:
-        objective = sum(stage_time) + (m - 1) * C + Smax
-    else:
-        kappa = _uniform_bubble(schedule, pp, chunks, m, problem.forward_share)
-        D = solver.NumVar(0, inf, "D")  # the largest stage: what fills and drains
-        for k in range(S):
-            solver.Add(D >= stage_time[k], f"stage_time[{k}]")
-        objective = m * C + kappa * D + Smax
-    solver.Minimize(objective)
-    if cutoff_s is not None:  # bounds the simulated step cannot beat (module docstring)
-        solver.Add(m * C + Smax <= cutoff_s / unit_s, "cutoff")
-        if chunks == 1:
-            for r in range(1, pp):
-                solver.Add(sum(stage_time[:r]) + m * stage_time[r] + Smax <= cutoff_s / unit_s,
-                           f"cutoff[{r}]")
+    flights = [in_flight(schedule, pp, microbatches, k, chunks) for k in range(S)]
+    kappa = (None if chunks == 1 else
+             _uniform_bubble(schedule, pp, chunks, microbatches, problem.forward_share))
+    program = stage_mip.build(_in_units(problem, unit_s), microbatches, flights,
+                              stage_ranks(schedule, pp, chunks), kappa, budget_bytes,
+                              None if cutoff_s is None else cutoff_s / unit_s, relative_gap)
     # a start: deep pipelines under a tight budget find none for minutes, and chunked ones
     # start from lopsided cuts (a 2-rank interleaved GPT: 2.77 s at 5 s, 1.60 s at 15 s)
     hint = start_plan or balanced_cut(given, pp, microbatches, schedule, budget_bytes, chunks)
     if hint is not None:
-        _hint_cut(solver, x, z, *hint)
-    solver.SetTimeLimit(max(1, int((time_limit_s - (time.perf_counter() - start)) * 1000)))
-    status = solver.Solve()
+        program.hint(*hint)
+    program.solver.SetTimeLimit(max(1, int((time_limit_s - (time.perf_counter() - start))
+                                           * 1000)))
+    status = program.solver.Solve()
+    if status not in (pywraplp.Solver.OPTIMAL, pywraplp.Solver.FEASIBLE,
+                      pywraplp.Solver.NOT_SOLVED):
+        return None
+    return _answer(given, program, status, hint, pp, microbatches, schedule, chunks,
+                   budget_bytes, cutoff_s, unit_s, start)
+
+
+def _answer(problem: StageProblem, program, status: int, hint, pp: int, microbatches: int,
+            schedule: str, chunks: int, budget_bytes: float | None, cutoff_s: float | None,
+            unit_s: float, start: float) -> StageSolution | None:
+    """The stage program's answer: its solution, or out of time the start where that is
+    the better plan (SCIP completes a partial start rarely within seconds), the least
+    objective of the two that fits; bounded by the no-solve bound (and, for GPipe, whose
+    objective is its makespan, by the program's own bound: for the others the objective
+    only stands in for the step, from above)."""
+    solver = program.solver
 
     def step_bound() -> float:
-        """The solver's bound is on the objective; what bounds the simulated step is the
-        no-solve bound, or the objective's own bound for GPipe, whose objective is its
-        makespan (for the others the objective only stands in for it, from above)."""
-        bound = lower_bound(given, pp, microbatches, schedule, chunks, budget_bytes)
+        bound = lower_bound(problem, pp, microbatches, schedule, chunks, budget_bytes)
         if schedule == "GPipe":
             bound = max(bound, solver.Objective().BestBound() * unit_s)
         return bound
 
-    if status not in (pywraplp.Solver.OPTIMAL, pywraplp.Solver.FEASIBLE,
-                      pywraplp.Solver.NOT_SOLVED):
-        return None
-    # out of time, the start itself may be the better plan (SCIP completes a partial
-    # start rarely within seconds): the least objective of the two, where it fits
     found = []
     if hint is not None and status != pywraplp.Solver.OPTIMAL:
-        t = evaluate(given, *hint, microbatches, schedule, chunks)
+        t = evaluate(problem, *hint, microbatches, schedule, chunks)
         if budget_bytes is None or max(t.memory_bytes) <= budget_bytes * (1 + 1e-9):
             found.append((t.objective_s, *hint, t))
     if status != pywraplp.Solver.NOT_SOLVED:
-        choice = tuple(0 if len(row) == 1 else int(np.argmax([r.solution_value() for r in row]))
-                       for row in x)
-        starts = (0, *(next(u for u in range(U) if z[u][k].solution_value() > 0.5)
-                       for k in range(1, S)))
-        t = evaluate(given, starts, choice, microbatches, schedule, chunks)
+        starts, choice = program.answer()
+        t = evaluate(problem, starts, choice, microbatches, schedule, chunks)
         found.append((t.objective_s, starts, choice, t))
     if not found:
         raise TimeLimit(step_bound())
@@ -949,20 +793,6 @@ def _fitting_choice(problem: StageProblem, starts, pp: int, m: int, schedule: st
     return tuple(choice)
 
 
-def _hint_cut(solver, x, z, starts, choice) -> None:
-    variables, values = [], []
-    for row, c in zip(x, choice):
-        if len(row) > 1:
-            variables += row
-            values += [float(s == c) for s in range(len(row))]
-    for u, row in enumerate(z):
-        for k in range(1, len(row) - 1):
-            if not isinstance(row[k], float):
-                variables.append(row[k])
-                values.append(float(u >= starts[k]))
-    solver.SetHint(variables, values)
-
-
 def _time_unit_s(problem: StageProblem) -> float:
     largest = max((float(max(l.microbatch_s.max(), l.step_s.max())) for l in problem.layers),
                   default=0.0)
@@ -1034,92 +864,78 @@ def lower_bound(problem: StageProblem, pp: int, microbatches: int, schedule: str
     (stage_loads.packing_bound). The bubble is left out, and so is contiguity, which the
     search adds where it matters (stage_loads.busiest_rank_bound: a dynamic program per
     shape, too slow to run for every candidate)."""
+    if pp * chunks > len(problem.units):
+        return math.inf
+    if pp == 1:
+        return _one_stage_bound(problem, microbatches, schedule, budget_bytes)
+    if chunks > 1:
+        return _chunked_bound(problem, pp, microbatches, schedule, chunks, budget_bytes)
+    return _one_chunk_bound(problem, pp, microbatches, schedule, budget_bytes)
+
+
+def _one_stage_bound(problem: StageProblem, m: int, schedule: str,
+                     budget_bytes: float | None) -> float:
+    """lower_bound with one stage: the least work, or the Lagrangian bound of the model's
+    memory row where that is more (+inf where its least memory does not fit)."""
+    tables = problem.tables
+    plain = m * float(tables.unit_least_s.sum()) + tables.step_least_s
+    if budget_bytes is None:
+        return plain
+    f = in_flight(schedule, 1, m, 0)
+    if _least_memory_prefix(problem, [f])[f][-1] > budget_bytes * (1 + 1e-9):
+        return math.inf
+    edges_s = m * float(tables.edge_least_s.sum())
+    dual = _dual_stage_bounds(problem, [f], m, budget_bytes, per_step=True)[f][0, -1]
+    return max(plain, dual + edges_s)
+
+
+def _chunked_bound(problem: StageProblem, pp: int, m: int, schedule: str, chunks: int,
+                   budget_bytes: float | None) -> float:
+    """lower_bound with chunks per rank: a rank's share of the work, one microbatch's
+    chain (forwards down, input gradients up), the units packed whole, and with a budget
+    the ranks' memory together: every stage holding at least one microbatch, the whole
+    model's m·t + s under pp budgets, shared by the ranks (the busiest does at least its
+    share of m·R_r + S_r)."""
+    tables = problem.tables
+    once = tables.step_least_s / pp
+    sends = _least_sends_s(problem, schedule, pp, chunks)
+    work = float(tables.unit_least_s.sum()) + sends
+    share = schedules.parts(problem.forward_share)
+    chain = (share["F"] + share["I"] if schedule in schedules.SPLIT_BACKWARD else 1.0) * work
+    bound = max(m * work / pp + once, chain + once, stage_loads.packing_bound(
+        problem, pp, m, schedule, chunks))
+    if budget_bytes is None:
+        return bound
+    whole = _dual_stage_bounds(problem, [1], m, pp * budget_bytes, per_step=True)[1][0, -1]
+    shared = (whole + m * (float(tables.edge_least_s.sum()) + sends)) / pp
+    return max(bound, shared)
+
+
+def _one_chunk_bound(problem: StageProblem, pp: int, m: int, schedule: str,
+                     budget_bytes: float | None) -> float:
+    """lower_bound with one stage per rank (its docstring): the best contiguous split of
+    the stages' least times under the schedule's waits, with a budget only splits that fit
+    and each stage at least its Lagrangian bound."""
     U = len(problem.units)
     tables = problem.tables
     a = tables.unit_least_s
     once = tables.step_least_s / pp
-    m = microbatches
-    if pp * chunks > U:
-        return math.inf
-    if pp == 1:
-        plain = m * float(a.sum()) + once
-        if budget_bytes is None:
-            return plain
-        f = in_flight(schedule, 1, m, 0)
-        if _least_memory_prefix(problem, [f])[f][-1] > budget_bytes * (1 + 1e-9):
-            return math.inf
-        edges_s = m * float(tables.edge_least_s.sum())
-        dual = _dual_stage_bounds(problem, [f], m, budget_bytes, per_step=True)[f][0, -1]
-        return max(plain, dual + edges_s)
-    if chunks > 1:  # and one microbatch's chain: forwards down, input gradients up
-        sends = _least_sends_s(problem, schedule, pp, chunks)
-        work = float(a.sum()) + sends
-        share = schedules.parts(problem.forward_share)
-        chain = (share["F"] + share["I"] if schedule in schedules.SPLIT_BACKWARD
-                 else 1.0) * work
-        bound = max(m * work / pp + once, chain + once, stage_loads.packing_bound(
-            problem, pp, m, schedule, chunks))
-        if budget_bytes is None:
-            return bound
-        # the ranks' memory together fits pp budgets, every stage holding at least one
-        # microbatch: the Lagrangian bound of the whole model's m·t + s under that, shared
-        # by the ranks (the busiest does at least its share of m·R_r + S_r)
-        whole = _dual_stage_bounds(problem, [1], m, pp * budget_bytes, per_step=True)[1][0, -1]
-        shared = (whole + m * (float(tables.edge_least_s.sum()) + sends)) / pp
-        return max(bound, shared)
     prefix = np.concatenate([[0.0], np.cumsum(a)])
     cut = np.asarray(problem.cut_s, float)
     in_cut = np.concatenate([[0.0], cut[1:], [0.0]])[:, None]  # a stage from unit i
-    out_cut = in_cut.T  # ... to unit j (none after the last)
+    outside = in_cut + in_cut.T  # ... to unit j: its cut transfers (none after the last)
     i_, j_ = np.arange(U + 1)[:, None], np.arange(U + 1)[None, :]
-    body = prefix[j_] - prefix[i_] + in_cut + out_cut  # stage [i, j)'s least T, times m below
+    body = prefix[j_] - prefix[i_] + outside  # stage [i, j)'s least T, times m below
     flights = [in_flight(schedule, pp, m, k) for k in range(pp)]
     stage_m = [m * body] * pp  # per position: m·T of a stage [i, j) there, at least
+    fits, stage_ms = [True] * pp, None
     if budget_bytes is not None:
-        memory = _least_memory_prefix(problem, flights)
-        limit = budget_bytes * (1 + 1e-9)
-        fits = [memory[f][j_] - memory[f][i_] <= limit for f in flights]
-        # and what a stage must spend to fit: its layers' Lagrangian bound (below), with
-        # the cheapest edges and its cuts
-        dual = _dual_stage_bounds(problem, set(flights), m, budget_bytes)
         edge_prefix = np.concatenate([[0.0], np.cumsum(tables.edge_least_s)])
-        outside = edge_prefix[j_] - edge_prefix[i_] + in_cut + out_cut
-        stage_m = [np.maximum(m * body, dual[f] + m * outside) for f in flights]
-
-        def with_step(weight: float, f: int) -> np.ndarray:
-            """weight·T + S of a stage at least, priced with the same options."""
-            return (_dual_stage_bounds(problem, {f}, weight, budget_bytes, per_step=True)[f]
-                    + weight * outside)
-
-        # rank r's own step part S_r joins its m·T_r (step >= Σ_{j<r} T_j + m·T_r + S_r),
-        # priced with the same option: the least m·t + s per layer, not two separate least;
-        # under 1F1B with its idle spells, at least 2R - w·T (R - w·f·T where the two are
-        # one, f the forward's share: _one_f_one_b_idle): (m - w)·T + S + 2R
-        stage_ms = []
-        for k, f in enumerate(flights):
-            s = with_step(m, f)
-            if schedule == "1F1B" and k < pp - 1:
-                w = min(pp - k - 1, m)
-                after = (prefix[-1] - prefix)[None, :]
-                s = np.maximum(s, with_step(m - w, f) + 2 * after if m - 1 > w
-                               else with_step(m - w * problem.forward_share, f) + after)
-            stage_ms.append(s)
-    else:
-        fits = [True] * pp
-        stage_ms = None
-
-    def split(weight: float, stage=stage_m) -> float:
-        """min over contiguous splits that fit of max_k (weight·prefix before k + stage k)."""
-        best = np.full(U + 1, math.inf)
-        best[0] = 0.0
-        for k in range(1, pp + 1):
-            allowed = (i_ >= k - 1) & (j_ > i_) & (j_ <= U - (pp - k)) & fits[k - 1]
-            value = np.maximum(best[:, None], weight * prefix[:, None] + stage[k - 1])
-            best = np.where(allowed, value, math.inf).min(axis=0)
-        return float(best[U])
-
+        outside = outside + edge_prefix[j_] - edge_prefix[i_]
+        fits, stage_m, stage_ms = _stages_that_fit(problem, pp, m, schedule, budget_bytes,
+                                                   flights, body, outside, prefix)
     if schedule == "GPipe":  # Σ_k T_k + (m - 1)·max_k T_k, exactly
-        slowest = split(0.0)
+        slowest = _best_split(prefix, stage_m, fits, 0.0)
         if math.isinf(slowest):  # no split fits the budget (not inf·0 = nan where m = 1)
             return math.inf
         return float(a.sum()) + slowest * (m - 1) / m + once
@@ -1128,10 +944,57 @@ def lower_bound(problem: StageProblem, pp: int, microbatches: int, schedule: str
     waits = [s + _one_f_one_b_idle(s / m, prefix[-1] - prefix, pp, m, k,
                                    problem.forward_share)
              for k, s in enumerate(stage_m)]
-    bound = split(1.0, waits) + once
+    bound = _best_split(prefix, waits, fits, 1.0) + once
     if stage_ms is None:
         return bound
-    return max(bound, split(1.0, stage_ms))
+    return max(bound, _best_split(prefix, stage_ms, fits, 1.0))
+
+
+def _stages_that_fit(problem: StageProblem, pp: int, m: int, schedule: str,
+                     budget_bytes: float, flights, body, outside, prefix):
+    """(fits, stage_m, stage_ms) per stage position k and unit span [i, j): whether its
+    least memory fits; m·T at least, or its layers' Lagrangian bound with the cheapest
+    edges and its cuts; and m·T + S with the stage's own per-step part, priced with the
+    same option per layer (the least m·t + s, not two separate least), under 1F1B with
+    its idle spells at least 2R - w·T (R - w·f·T where the two are one, f the forward's
+    share: _one_f_one_b_idle): (m - w)·T + S + 2R."""
+    U = len(problem.units)
+    i_, j_ = np.arange(U + 1)[:, None], np.arange(U + 1)[None, :]
+    memory = _least_memory_prefix(problem, flights)
+    limit = budget_bytes * (1 + 1e-9)
+    fits = [memory[f][j_] - memory[f][i_] <= limit for f in flights]
+    dual = _dual_stage_bounds(problem, set(flights), m, budget_bytes)
+    stage_m = [np.maximum(m * body, dual[f] + m * outside) for f in flights]
+
+    def with_step(weight: float, f: int) -> np.ndarray:
+        """weight·T + S of a stage at least, priced with the same options."""
+        return (_dual_stage_bounds(problem, {f}, weight, budget_bytes, per_step=True)[f]
+                + weight * outside)
+
+    stage_ms = []
+    after = (prefix[-1] - prefix)[None, :]
+    for k, f in enumerate(flights):
+        s = with_step(m, f)
+        if schedule == "1F1B" and k < pp - 1:
+            w = min(pp - k - 1, m)
+            s = np.maximum(s, with_step(m - w, f) + 2 * after if m - 1 > w
+                           else with_step(m - w * problem.forward_share, f) + after)
+        stage_ms.append(s)
+    return fits, stage_m, stage_ms
+
+
+def _best_split(prefix: np.ndarray, stage, fits, weight: float) -> float:
+    """min over contiguous splits into len(stage) stages that fit of
+    max_k (weight·prefix before k + stage[k][i, j])."""
+    U, pp = len(prefix) - 1, len(stage)
+    i_, j_ = np.arange(U + 1)[:, None], np.arange(U + 1)[None, :]
+    best = np.full(U + 1, math.inf)
+    best[0] = 0.0
+    for k in range(1, pp + 1):
+        allowed = (i_ >= k - 1) & (j_ > i_) & (j_ <= U - (pp - k)) & fits[k - 1]
+        value = np.maximum(best[:, None], weight * prefix[:, None] + stage[k - 1])
+        best = np.where(allowed, value, math.inf).min(axis=0)
+    return float(best[U])
 
 
 def _one_f_one_b_idle(stage_s: np.ndarray, after_s: np.ndarray, pp: int, m: int,
