@@ -21,6 +21,7 @@ program (CBC when SCIP is missing).
 
 from __future__ import annotations
 
+import itertools
 import math
 import time
 from collections.abc import Collection
@@ -29,7 +30,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 from ortools.linear_solver import pywraplp
 
-from planner.numerics import mip_solver
+from planner.numerics import mip_solver, time_unit_s
 from planner.problem import Infeasible, Problem, Solution
 from planner.ties import expand, merge_ties
 
@@ -117,11 +118,10 @@ _SECONDS_KEYS = ("lp_bound_s", "heuristic_s", "solver_objective_s")
 
 
 def _time_unit_s(problem: Problem) -> float:
-    largest = max((abs(o.time_s) for n in problem.nodes for o in n.options), default=0.0)
-    for edge in problem.edges:
-        finite = np.abs(edge.cost_s)[np.isfinite(edge.cost_s)]
-        largest = max(largest, float(finite.max(initial=0.0)))
-    return largest if largest > 0.0 else 1.0
+    """numerics.time_unit_s of every option's and edge's time."""
+    return time_unit_s(itertools.chain(
+        (o.time_s for n in problem.nodes for o in n.options),
+        (c for e in problem.edges for c in np.asarray(e.cost_s, float).ravel())))
 
 
 # An infinite edge cost marks a pair of options that cannot meet (a layout change the

@@ -9,9 +9,19 @@ answer differently from the other on the same numbers.
 
 from __future__ import annotations
 
+import math
+
 from ortools.linear_solver import pywraplp
 
 FEASIBILITY_TOL = 1e-9  # SCIP's numerics/feastol, in the scaled memory units of planner.ilp
+
+
+def time_unit_s(times) -> float:
+    """The time unit a program is written in: the largest of `times` (finite ones), so
+    that every coefficient is at most 1 and none of the small ones falls below SCIP's
+    1e-9, which it drops (both MIPs divide their times by it)."""
+    largest = max((abs(float(t)) for t in times if math.isfinite(t)), default=0.0)
+    return largest if largest > 0.0 else 1.0
 
 
 def mip_solver(relative_gap: float | None = None) -> tuple[pywraplp.Solver, str]:

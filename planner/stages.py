@@ -64,6 +64,7 @@ from ortools.linear_solver import pywraplp
 
 from planner import (ilp, schedules, stage_dp, stage_intervals, stage_loads, stage_mip,
                      unit_least)
+from planner.numerics import time_unit_s
 from planner.problem import Edge, Infeasible, Node, Option, Problem
 from planner.schedules import SCHEDULES
 
@@ -794,12 +795,11 @@ def _fitting_choice(problem: StageProblem, starts, pp: int, m: int, schedule: st
 
 
 def _time_unit_s(problem: StageProblem) -> float:
-    largest = max((float(max(l.microbatch_s.max(), l.step_s.max())) for l in problem.layers),
-                  default=0.0)
-    for e in problem.edges:
-        largest = max(largest, float(np.abs(e.cost_s).max(initial=0.0)))
-    largest = max(largest, *problem.cut_s, problem.replay_s, 0.0)
-    return largest if largest > 0.0 else 1.0
+    """numerics.time_unit_s of every layer's, edge's and transfer's time."""
+    return time_unit_s(itertools.chain(
+        (t for l in problem.layers for t in (l.microbatch_s.max(), l.step_s.max())),
+        (c for e in problem.edges for c in np.asarray(e.cost_s, float).ravel()),
+        problem.cut_s, (problem.replay_s,)))
 
 
 def _in_units(problem: StageProblem, unit_s: float) -> StageProblem:
