@@ -447,96 +447,112 @@ def build(cache: CostCache, pp: int, dp: int, tp: int, rows: int,
     and last stages lie on one rank (a V-shaped schedule), which holds a tied embedding and
     head as one weight: no copy to price."""
     graph, cluster = cache.graph, cache.cluster
+    unit_names, unit_of = _units_of(cache)
+    # processes sharing a machine's cores: a stage waiting for its input holds no core, so
+    # of pp stages, m microbatches, pp·m/(m+pp-1) compute at once on average
+    m = max(1, graph.batch_size // (dp * rows))
+    computing = (cluster.devices_per_node * m / (m + pp - 1) if pp > 1 and cluster.cores
+                 else None)  # devices of their own (GPUs): one price whatever the pipeline
+    # a tied head's copy of the embedding's weight on the last stage: its memory, and its
+    # gradient all-reduced with the first stage's over the pipeline's link (block_cuts)
+    tied_copy = tied_heads(graph) if pp > 1 and not ends_together else {}
+    tied_link = group_link(cluster, pp * dp * tp)
+    priced, entries = [], []
+    for layer in graph.layers:
+        entry = cache.layer(layer, tp, rows, computing)
+        want = pin.get(layer.name) if pin else None
+        copy = tied_copy.get(layer.node)
+        key = (id(entry), dp, want, copy, layer.node in cache.tied)
+        if key not in cache.options:  # identical layers (a transformer's blocks) share one
+            cache.options[key] = _priced_options(cache, entry, layer, dp, tp, want, copy,
+                                                 tied_link)
+        priced.append(cache.options[key])
+        entries.append(entry)
+    options = [LayerOptions(layer.name, unit_of[i], got.names, got.microbatch_s, got.step_s,
+                            got.weight_bytes, got.activation_bytes)
+               for i, (layer, got) in enumerate(zip(graph.layers, priced))]
+    options.append(LayerOptions(OUTPUT, len(unit_names) - 1, ("output",), np.zeros(1),
+                                np.zeros(1), np.zeros(1), np.zeros(1)))
+    scaled_layers = [entry.layer for entry in entries]
+    strategies = [got.strategies for got in priced]
+    edges = _edges(cache, priced, strategies, scaled_layers, rows, tp)
+    # an export graph's stages recompute what depends on positions alone (planner.block_cuts)
+    sent = (carries_weights(graph) if graph.tracer == "export"
+            else {layer.node for layer in graph.layers})
+    cut_s = (_cut_times(cache, scaled_layers, unit_of, len(unit_names), sent,
+                        group_link(cluster, 2 * dp * tp))
+             if pp > 1 else [0.0] * len(unit_names))
+    problem = StageProblem(tuple(options), tuple(edges), tuple(unit_names), tuple(cut_s),
+                           replay_s=_replay_s(graph, options, unit_names, sent)
+                           if pp > 1 else 0.0,
+                           split_backward=graph.split_backward if pp > 1 else 1.0,
+                           forward_share=graph.forward_share)
+    return Built(problem, tuple(strategies), tuple(got.costs for got in priced),
+                 tuple(scaled_layers), tuple(got.local_param_bytes for got in priced),
+                 tuple(got.sharded for got in priced))
+
+
+def _units_of(cache: CostCache) -> tuple[list[str], list[int]]:
+    """(the units' names, each layer's unit): runs of layers of one top-level module."""
     unit_names: list[str] = []
     unit_of: list[int] = []
     for key in cache.unit_keys:
         if not unit_names or unit_names[-1] != key:
             unit_names.append(key)
         unit_of.append(len(unit_names) - 1)
+    return unit_names, unit_of
 
-    # processes sharing a machine's cores: a stage waiting for its input holds no core, so
-    # of pp stages, m microbatches, pp·m/(m+pp-1) compute at once on average
-    m = max(1, graph.batch_size // (dp * rows))
-    computing = (cluster.devices_per_node * m / (m + pp - 1) if pp > 1 and cluster.cores
-                 else None)  # devices of their own (GPUs): one price whatever the pipeline
-    options: list[LayerOptions] = []
-    strategies, costs, scaled_layers, local = [], [], [], []
-    sharded_all = []
-    # a tied head's copy of the embedding's weight on the last stage: its memory, and its
-    # gradient all-reduced with the first stage's over the pipeline's link (block_cuts)
-    tied_copy = tied_heads(graph) if pp > 1 and not ends_together else {}
-    tied_link = group_link(cluster, pp * dp * tp)
-    priced = []
-    for i, layer in enumerate(graph.layers):
-        entry = cache.layer(layer, tp, rows, computing)
-        want = pin.get(layer.name) if pin else None
-        copy = tied_copy.get(layer.node)
-        key = (id(entry), dp, want, copy, layer.node in cache.tied)
-        got = cache.options.get(key)
-        if got is None:  # identical layers (a transformer's blocks) share one
-            got = cache.options[key] = _priced_options(
-                cache, entry, layer, dp, tp, want, copy, tied_link)
-        priced.append(got)
-        options.append(LayerOptions(layer.name, unit_of[i], got.names, got.microbatch_s,
-                                    got.step_s, got.weight_bytes, got.activation_bytes))
-        strategies.append(got.strategies)
-        costs.append(got.costs)
-        sharded_all.append(got.sharded)
-        scaled_layers.append(entry.layer)
-        local.append(got.local_param_bytes)
-    sink = len(options)
-    options.append(LayerOptions(OUTPUT, len(unit_names) - 1, ("output",), np.zeros(1),
-                                np.zeros(1), np.zeros(1), np.zeros(1)))
 
+def _edges(cache: CostCache, priced, strategies, scaled_layers, rows: int, tp: int
+           ) -> list[Edge]:
+    """Every edge priced by planner.price per microbatch (one price between identical
+    layers), and each output's into the sink, handed back as planner.handback says."""
+    graph = cache.graph
     index = {layer.node: i for i, layer in enumerate(graph.layers)}
     edges = []
-    for dst, layer in enumerate(graph.layers):  # priced by planner.price, per microbatch
+    for dst, layer in enumerate(graph.layers):
         for name in layer.inputs:
             src = index[name]
             backward = graph.carries_gradient(graph.layers[src].node)
             readers = graph.readers(name)
             key = (id(priced[src]), id(priced[dst]), rows, tp, backward, readers)
-            cost = cache.edges.get(key)
-            if cost is None:  # between identical layers, one price
+            if key not in cache.edges:
                 kind = edge_kind(scaled_layers[src], [s.gives for s in strategies[src]],
                                  scaled_layers[dst], strategies[dst], rows, tp,
                                  graph.tracer, backward, readers)
-                cost = cache.edges[key] = cache.edge(kind)
-            edges.append(Edge(src, dst, cost))
-    for name in graph.outputs:  # handed back as planner.handback says
+                cache.edges[key] = cache.edge(kind)
+            edges.append(Edge(src, dst, cache.edges[key]))
+    sink = len(graph.layers)
+    for name in graph.outputs:
         src = index[name]
         kind = output_kind(scaled_layers[src], [s.gives for s in strategies[src]], rows, tp,
                            graph.carries_gradient(graph.layers[src].node))
         edges.append(Edge(src, sink, cache.edge(kind)))
+    return edges
 
-    # point-to-point at a cut before unit u: the values made before it and used after it
-    link = group_link(cluster, 2 * dp * tp)
+
+def _cut_times(cache: CostCache, scaled_layers, unit_of: list[int], units: int,
+               sent: set[str], link) -> list[float]:
+    """Per unit u, the point-to-point time of a cut right before it: the values made
+    before it, used after it and sent (not replayed), forward and their gradients back."""
+    graph = cache.graph
+    index = {layer.node: i for i, layer in enumerate(graph.layers)}
     last_use = {}
     for dst, layer in enumerate(graph.layers):
         for name in layer.inputs:
             last_use[index[name]] = max(last_use.get(index[name], -1), unit_of[dst])
     for name in graph.outputs:
-        last_use[index[name]] = len(unit_names)
-    cut_s = [0.0] * len(unit_names)
-    # an export graph's stages recompute what depends on positions alone (planner.block_cuts)
-    sent = (carries_weights(graph) if graph.tracer == "export"
-            else {layer.node for layer in graph.layers})
-    if pp > 1:
-        for u in range(1, len(unit_names)):
-            t = 0.0
-            for src, until in last_use.items():
-                if unit_of[src] < u <= until and graph.layers[src].node in sent:
-                    nbytes = scaled_layers[src].output.nbytes
-                    grad = 0 if scaled_layers[src].is_input else 1
-                    t += (1 + grad) * send_recv_s(nbytes, link)
-            cut_s[u] = t
-    problem = StageProblem(tuple(options), tuple(edges), tuple(unit_names), tuple(cut_s),
-                           replay_s=_replay_s(graph, options, unit_names, sent)
-                           if pp > 1 else 0.0,
-                           split_backward=graph.split_backward if pp > 1 else 1.0,
-                           forward_share=graph.forward_share)
-    return Built(problem, tuple(strategies), tuple(costs), tuple(scaled_layers), tuple(local),
-                 tuple(sharded_all))
+        last_use[index[name]] = units
+    cut_s = [0.0] * units
+    for u in range(1, units):
+        t = 0.0
+        for src, until in last_use.items():
+            if unit_of[src] < u <= until and graph.layers[src].node in sent:
+                nbytes = scaled_layers[src].output.nbytes
+                grad = 0 if scaled_layers[src].is_input else 1
+                t += (1 + grad) * send_recv_s(nbytes, link)
+        cut_s[u] = t
+    return cut_s
 
 
 def _replay_s(graph, options: list[LayerOptions], units: list[str], sent: set[str]) -> float:
