@@ -211,105 +211,138 @@ def _pass(units: _Units, pp: int, microbatches: int, flights: list[int],
           budget_bytes: float | None, cutoff_s: float | None, incumbent: float,
           beam: int | None, deadline: float = math.inf) -> DPSolution | None:
     """One sweep over the units: exact (beam None) below `incumbent`, or keeping the
-    `beam` labels of least bound per state."""
+    `beam` labels of least bound per state. A label is (sumT, maxT, maxS, T, S, mem,
+    back), keyed by (its stage, the open-source options)."""
     problem = units.problem
-    U, m = len(problem.units), microbatches
-    budget = math.inf if budget_bytes is None else budget_bytes / _GB * (1 + 1e-9)
-    cutoff = math.inf if cutoff_s is None else cutoff_s * (1 + 1e-9)
-    cut = [float(c) for c in problem.cut_s]
-    replay = float(problem.replay_s)  # paid by every stage opened after the first
-    # rest[u]: the least units u.. add to Σ T (each layer's cheapest option and edge)
-    least = np.zeros(U + 1)
+    sweep = _Sweep(units, pp, microbatches, flights,
+                   math.inf if budget_bytes is None else budget_bytes / _GB * (1 + 1e-9),
+                   math.inf if cutoff_s is None else cutoff_s * (1 + 1e-9), incumbent,
+                   _rest(problem), deadline)
+    labels: dict = {(0, ()): [(0.0, 0.0, 0.0, 0.0, 0.0, 0.0, None)]}
+    for u in range(len(problem.units)):
+        labels = sweep.kept(sweep.grown(labels, u), u, beam)
+        if not labels:
+            return None
+    return sweep.best(labels)
+
+
+def _rest(problem) -> np.ndarray:
+    """rest[u]: the least the units after u add to Σ T (each layer's cheapest option and
+    edge)."""
+    least = np.zeros(len(problem.units) + 1)
     for l in problem.layers:
         least[l.unit] += float(l.microbatch_s.min())
     for e in problem.edges:
         least[problem.layers[e.dst].unit] += float(np.asarray(e.cost_s).min())
-    rest = np.concatenate([np.cumsum(least[::-1])[::-1][1:], [0.0]])  # rest[u] = Σ_{>u}
+    return np.concatenate([np.cumsum(least[::-1])[::-1][1:], [0.0]])
 
-    def bound(lab, u, k):
+
+@dataclass
+class _Sweep:
+    """One pass's fixed numbers and its steps per unit: grow the labels, keep those that
+    may win, and at the end read the best plan out."""
+
+    units: _Units
+    pp: int
+    m: int
+    flights: list[int]
+    budget: float  # GB, +inf for none
+    cutoff: float
+    incumbent: float
+    rest: np.ndarray
+    deadline: float
+
+    def bound(self, lab, u: int, k: int) -> float:
         """No completion of label `lab` (units ..u in stages ..k) has a smaller objective:
         stages k.. share at least T + rest, so the largest is at least its share."""
         sumT, maxT, maxS, T, S = lab[:5]
-        share = (T + rest[u]) / (pp - k)
-        return sumT + rest[u] + (m - 1) * max(maxT, T, share) + max(maxS, S)
+        share = (T + self.rest[u]) / (self.pp - k)
+        return sumT + self.rest[u] + (self.m - 1) * max(maxT, T, share) + max(maxS, S)
 
-    # label: (sumT, maxT, maxS, T, S, mem, back)  keyed by (stage, open-source options)
-    labels: dict = {(0, ()): [(0.0, 0.0, 0.0, 0.0, 0.0, 0.0, None)]}
-    for u in range(U):
+    def grown(self, labels: dict, u: int) -> dict:
+        """Each label extended by unit u's option points, in its stage or opening the
+        next (the cut's transfer and the replay paid there), where it fits, stays under
+        the cutoff and may beat the incumbent."""
+        problem, pp, m = self.units.problem, self.pp, self.m
+        U = len(problem.units)
+        cut, replay = float(problem.cut_s[u]), float(problem.replay_s)
         grown: dict = {}
         grown_count = 0
         for (k, state), group in labels.items():
-            if time.perf_counter() > deadline:
+            if time.perf_counter() > self.deadline:
                 raise TooLarge(f"out of time at unit {u}")
             grown_count += len(group)
             if grown_count > MAX_LABELS:
                 raise TooLarge(f"over {MAX_LABELS} labels into unit {u}")
-            pts = units.points(u, state)
-            moves = [(k, False)]
-            if u > 0 and k + 1 < pp:
-                moves.append((k + 1, True))
+            pts = self.units.points(u, state)
+            moves = [(k, False)] + ([(k + 1, True)] if u > 0 and k + 1 < pp else [])
             for nk, opens in moves:
-                if U - u < pp - nk:  # too few units left for the stages still to open
-                    continue
-                if not opens and U - u - 1 < pp - 1 - nk:
-                    continue
-                f = flights[nk]
+                if U - u < pp - nk or (not opens and U - u - 1 < pp - 1 - nk):
+                    continue  # too few units left for the stages still to open
+                f = self.flights[nk]
                 for out_state, plist in pts.items():
                     bucket = grown.setdefault((nk, out_state), [])
                     for lab in group:
                         sumT, maxT, maxS, T, S, mem, _ = lab
                         if opens:  # close stage k at this cut, open stage k + 1
-                            c = cut[u]
-                            maxT, maxS = max(maxT, T + c), max(maxS, S)
-                            sumT, T, S, mem = sumT + 2 * c + replay, c + replay, 0.0, 0.0
+                            maxT, maxS = max(maxT, T + cut), max(maxS, S)
+                            sumT, T, S, mem = sumT + 2 * cut + replay, cut + replay, 0.0, 0.0
                         for A, G, W, V, ch in plist:
                             nmem = mem + W + f * V
-                            if nmem > budget:
+                            if nmem > self.budget:
                                 continue
                             nT, nS = T + A, S + G
-                            if m * max(maxT, nT) + max(maxS, nS) > cutoff:
+                            if m * max(maxT, nT) + max(maxS, nS) > self.cutoff:
                                 continue
                             new = (sumT + A, maxT, maxS, nT, nS, nmem, (lab, u, opens, ch))
-                            if bound(new, u, nk) < incumbent:
+                            if self.bound(new, u, nk) < self.incumbent:
                                 bucket.append(new)
                     if len(bucket) > 4 * MAX_LABELS:
                         raise TooLarge(f"over {4 * MAX_LABELS} labels grown at unit {u}")
+        return grown
+
+    def kept(self, grown: dict, u: int, beam: int | None) -> dict:
+        """Per state the Pareto-least labels (with a beam, those of least bound)."""
         labels = {}
         total = 0
         for key, bucket in grown.items():
-            if bucket:
-                if beam is not None:
-                    bucket = sorted(bucket, key=lambda lab: bound(lab, u, key[0]))[:beam * 4]
-                labels[key] = _pareto(bucket, 6)
-                if beam is not None:
-                    labels[key] = labels[key][:beam] if len(labels[key]) <= beam else sorted(
-                        labels[key], key=lambda lab: bound(lab, u, key[0]))[:beam]
-                total += len(labels[key])
+            if not bucket:
+                continue
+            if beam is not None:
+                bucket = sorted(bucket, key=lambda lab: self.bound(lab, u, key[0]))[:beam * 4]
+            labels[key] = _pareto(bucket, 6)
+            if beam is not None:
+                labels[key] = labels[key][:beam] if len(labels[key]) <= beam else sorted(
+                    labels[key], key=lambda lab: self.bound(lab, u, key[0]))[:beam]
+            total += len(labels[key])
         if total > MAX_LABELS:
             raise TooLarge(f"{total} labels after unit {u}")
-        if time.perf_counter() > deadline:
+        if time.perf_counter() > self.deadline:
             raise TooLarge(f"out of time after unit {u} ({total} labels)")
-        if not labels:
+        return labels
+
+    def best(self, labels: dict) -> DPSolution | None:
+        """The least objective over the labels that end in the last stage, read back
+        through their parents into stage starts and options."""
+        best = None  # (objective, label)
+        for (k, _), group in labels.items():
+            if k != self.pp - 1:
+                continue
+            for lab in group:
+                sumT, maxT, maxS, T, S, _, _ = lab
+                value = sumT + (self.m - 1) * max(maxT, T) + max(maxS, S)
+                if best is None or value < best[0]:
+                    best = (value, lab)
+        if best is None:
             return None
-    best = None  # (objective, label)
-    for (k, _), group in labels.items():
-        if k != pp - 1:
-            continue
-        for lab in group:
-            sumT, maxT, maxS, T, S, _, _ = lab
-            value = sumT + (m - 1) * max(maxT, T) + max(maxS, S)
-            if best is None or value < best[0]:
-                best = (value, lab)
-    if best is None:
-        return None
-    choice = [0] * len(problem.layers)
-    starts = []
-    lab = best[1]
-    while lab[6] is not None:
-        parent, u, opens, ch = lab[6]
-        for i, o in zip(units.members[u], ch):
-            choice[i] = o
-        if opens:
-            starts.append(u)
-        lab = parent
-    return DPSolution((0, *reversed(starts)), tuple(choice), best[0])
+        choice = [0] * len(self.units.problem.layers)
+        starts = []
+        lab = best[1]
+        while lab[6] is not None:
+            parent, u, opens, ch = lab[6]
+            for i, o in zip(self.units.members[u], ch):
+                choice[i] = o
+            if opens:
+                starts.append(u)
+            lab = parent
+        return DPSolution((0, *reversed(starts)), tuple(choice), best[0])
