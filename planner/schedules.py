@@ -227,6 +227,48 @@ def _memory(schedule, pp, v, m, activation_bytes):
     return tuple(peak), tuple(peak_bytes)
 
 
+class _Ends:
+    """End times per (stage, microbatch) of the forward, the input gradient (what the
+    stage before waits for) and the weight gradient, None until done; and when an action
+    may start, the transfer between ranks included."""
+
+    def __init__(self, stages: int, m: int, ranks, hop_s: float):
+        self.f = [[None] * m for _ in range(stages)]
+        self.g = [[None] * m for _ in range(stages)]
+        self.w = [[None] * m for _ in range(stages)]
+        self.ranks, self.hop_s, self.last = ranks, hop_s, stages - 1
+
+    def _hop(self, a: int, b: int) -> float:
+        return self.hop_s if self.ranks[a] != self.ranks[b] else 0.0
+
+    def ready(self, s: int, kind: str, i: int) -> float | None:
+        """When action (s, kind, i) may start; None while what it waits for is not done:
+        a forward, the one before it; a weight gradient, its input gradient; a backward or
+        input gradient, its own forward and the next stage's input gradient."""
+        if kind == "F":
+            if s == 0:
+                return 0.0
+            t = self.f[s - 1][i]
+            return None if t is None else t + self._hop(s - 1, s)
+        if kind == "W":
+            return self.g[s][i]
+        ready = self.f[s][i]
+        if ready is None or s == self.last:
+            return ready
+        t = self.g[s + 1][i]
+        return None if t is None else max(ready, t + self._hop(s + 1, s))
+
+    def done(self, s: int, kind: str, i: int, end: float) -> None:
+        if kind == "F":
+            self.f[s][i] = end
+        elif kind == "B":
+            self.g[s][i] = self.w[s][i] = end
+        elif kind == "I":
+            self.g[s][i] = end
+        else:
+            self.w[s][i] = end
+
+
 def simulate(schedule: str, pp: int, v: int, m: int, forward_s, input_s, weight_s,
              hop_s: float = 0.0, activation_bytes=None, record: bool = True) -> Simulation:
     """Run the schedule's action lists with per-global-stage times (a full backward takes
@@ -243,14 +285,7 @@ def simulate(schedule: str, pp: int, v: int, m: int, forward_s, input_s, weight_
                 "W": [float(x) for x in weight_s]}
     duration["B"] = [i + w for i, w in zip(duration["I"], duration["W"])]
 
-    def hop(a: int, b: int) -> float:
-        return hop_s if ranks[a] != ranks[b] else 0.0
-
-    # end times per (stage, microbatch): forward, input gradient (G: what the previous
-    # stage waits for) and weight gradient; None until done
-    f_end = [[None] * m for _ in range(S)]
-    g_end = [[None] * m for _ in range(S)]
-    w_end = [[None] * m for _ in range(S)]
+    ends = _Ends(S, m, ranks, hop_s)
     free = [0.0] * pp
     busy = [0.0] * pp
     nxt = [0] * pp
@@ -262,39 +297,14 @@ def simulate(schedule: str, pp: int, v: int, m: int, forward_s, input_s, weight_
             order = orders[r]
             while nxt[r] < len(order):
                 s, kind, i = order[nxt[r]]
-                if kind == "F":
-                    if s > 0:
-                        t = f_end[s - 1][i]
-                        if t is None:
-                            break
-                        ready = t + hop(s - 1, s)
-                    else:
-                        ready = 0.0
-                elif kind == "W":
-                    ready = g_end[s][i]
-                    if ready is None:
-                        break
-                else:  # B or I: after its own forward and the next stage's input gradient
-                    ready = f_end[s][i]
-                    if ready is None:
-                        break
-                    if s < S - 1:
-                        t = g_end[s + 1][i]
-                        if t is None:
-                            break
-                        ready = max(ready, t + hop(s + 1, s))
+                ready = ends.ready(s, kind, i)
+                if ready is None:
+                    break
                 start = max(free[r], ready)
                 end = start + duration[kind][s]
                 if record:
                     timed.append(Timed(r, s, kind, i, start, end))
-                if kind == "F":
-                    f_end[s][i] = end
-                elif kind == "B":
-                    g_end[s][i] = w_end[s][i] = end
-                elif kind == "I":
-                    g_end[s][i] = end
-                else:
-                    w_end[s][i] = end
+                ends.done(s, kind, i, end)
                 free[r] = end
                 busy[r] += end - start
                 nxt[r] += 1
