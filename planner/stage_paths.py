@@ -178,10 +178,7 @@ def relaxed_path_bound(problem, pp: int, microbatches: int, schedule: str,
     problem = problem.for_schedule(schedule)
     tables = problem.tables
     ranks = schedules.placement(schedule, pp, chunks) if pp > 1 else (0,) * S
-    hops = sum(ranks[k - 1] != ranks[k] for k in range(1, S))
-    cuts = sorted(problem.cut_s[1:])
-    work = (float(tables.unit_least_s.sum()) + (S - 1) * problem.replay_s
-            + 2 * float(sum(cuts[:hops])))
+    work = _least_work(problem, ranks)
     once = tables.step_least_s / pp  # the slowest rank's per-step part, at least the mean
     if work <= 0:
         return once
@@ -192,19 +189,7 @@ def relaxed_path_bound(problem, pp: int, microbatches: int, schedule: str,
     x = [solver.NumVar(smallest / work + (problem.replay_s / work if k else 0.0),
                        solver.infinity(), f"x[{k}]") for k in range(S)]
     solver.Add(sum(x) >= 1.0, "least_work")
-    z = solver.NumVar(0.0, solver.infinity(), "makespan")
-    ends = []
-    for stage, kind, waits in action_graph(schedule, pp, chunks, microbatches):
-        end = solver.NumVar(0.0, solver.infinity(), "")
-        for q in waits:
-            solver.Add(end >= ends[q] + share[kind] * x[stage])
-        if not waits:
-            solver.Add(end >= share[kind] * x[stage])
-        ends.append(end)
-    # the ends of each rank's last action and of every action without a successor bound
-    # the makespan; every end is at most one of those, so all of them is simplest
-    for end in ends:
-        solver.Add(z >= end)
+    z = _makespan_rows(solver, x, share, action_graph(schedule, pp, chunks, microbatches))
     if budget_bytes is not None and flights is not None and pp > 1:
         # the slowest rank's per-step part, from the same rows as its memory
         slowest = _memory_rows(solver, x, problem, pp, microbatches, ranks, budget_bytes,
@@ -217,6 +202,35 @@ def relaxed_path_bound(problem, pp: int, microbatches: int, schedule: str,
         return tables.step_least_s / pp  # no answer is no bound
     # the LP's own rounding: its optimum read a hair low errs on the bound's side
     return solver.Objective().Value() * work * (1 - 1e-7) + once
+
+
+def _least_work(problem, ranks) -> float:
+    """The least Σ_k T_k of any cut: every unit's least, the replay of every stage but the
+    first, and each hop between ranks paid by both its stages at the least cut."""
+    S = len(ranks)
+    hops = sum(ranks[k - 1] != ranks[k] for k in range(1, S))
+    cuts = sorted(problem.cut_s[1:])
+    return (float(problem.tables.unit_least_s.sum()) + (S - 1) * problem.replay_s
+            + 2 * float(sum(cuts[:hops])))
+
+
+def _makespan_rows(solver, x, share, actions):
+    """The makespan variable of relaxed_path_bound's program: each action's end at least
+    what it waits for plus its share of its stage's time x; the makespan at least every
+    end (the ends of each rank's last action and of every action without a successor
+    bound it, and every end is at most one of those, so all of them is simplest)."""
+    z = solver.NumVar(0.0, solver.infinity(), "makespan")
+    ends = []
+    for stage, kind, waits in actions:
+        end = solver.NumVar(0.0, solver.infinity(), "")
+        for q in waits:
+            solver.Add(end >= ends[q] + share[kind] * x[stage])
+        if not waits:
+            solver.Add(end >= share[kind] * x[stage])
+        ends.append(end)
+    for end in ends:
+        solver.Add(z >= end)
+    return z
 
 
 MEMORY_LAMBDAS = 16  # multipliers of each rank's memory row in relaxed_path_bound
