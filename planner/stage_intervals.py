@@ -202,56 +202,72 @@ class _Solver:
         return out
 
     def run(self, incumbent: float, narrow: bool, bounds: dict | None = None):
-        """(objective, starts, choice) of the best plan below `incumbent`, or None."""
-        U, pp, m = self.U, self.pp, self.m
-        bound_cap = incumbent
-        # labels per (next unit, state): arrays sumT, maxT, maxS and back-references
+        """(objective, starts, choice) of the best plan below `incumbent`, or None.
+        Labels per (next unit, state): arrays sumT, maxT, maxS and back-references."""
         groups = {(0, ()): (np.zeros(1), np.zeros(1), np.zeros(1), [None])}
-        for k in range(pp):
-            grown: dict = {}
-            for (i, state), (sumT, maxT, maxS, back) in groups.items():
-                fronts_by_end = self.interval(k, i, state, incumbent, narrow)
-                for n, fronts in enumerate(fronts_by_end):
-                    j = i + n + 1
-                    if k == pp - 1 and j != U:
-                        continue
-                    cut_out = self.cut[j] if k < pp - 1 else 0.0
-                    cut_in = self.cut[i] + self.replay if k > 0 else 0.0
-                    rest = self.prefix[-1] - self.prefix[j]
-                    share = rest / (pp - 1 - k) if k < pp - 1 else 0.0
-                    for s_out, fr in fronts.items():
-                        if bounds is not None:
-                            rest, share = bounds.get((k + 1, j, s_out), (math.inf, math.inf))
-                            if not math.isfinite(rest):
-                                continue
-                        pts = fr.ts
-                        t = fr.T[pts] + cut_in + cut_out
-                        s = fr.S[pts]
-                        nsum = (sumT[:, None] + t[None, :]).ravel()
-                        nmax = np.maximum(maxT[:, None], t[None, :]).ravel()
-                        nS = np.maximum(maxS[:, None], s[None, :]).ravel()
-                        value = nsum + rest + (m - 1) * np.maximum(nmax, share) + nS
-                        ok = (value < bound_cap) & (m * nmax + nS <= self.cutoff)
-                        idx = np.flatnonzero(ok)
-                        if len(idx):
-                            grown.setdefault((j, s_out), []).append(
-                                (nsum[idx], nmax[idx], nS[idx], back, idx // len(pts),
-                                 pts[idx % len(pts)], fr, i))
-            groups = {}
-            for key, parts in grown.items():
-                self._check_time(f"placing stage {k}")
-                (sumT, maxT, maxS), part, prev, pt, keep = _merged(
-                    parts, narrow, lambda sumT, maxT, maxS: sumT + (m - 1) * maxT + maxS)
-                back = [(parts[part[r]][3], int(prev[r]), parts[part[r]][6], int(pt[r]),
-                         parts[part[r]][7]) for r in keep]
-                groups[key] = (sumT[keep], maxT[keep], maxS[keep], back)
+        for k in range(self.pp):
+            groups = self._kept(self._placed(groups, k, incumbent, narrow, bounds), k, narrow)
             if not groups:
                 return None
+        return self._best(groups)
+
+    def _placed(self, groups: dict, k: int, incumbent: float, narrow: bool,
+                bounds: dict | None) -> dict:
+        """Stage k placed after each label, from its next unit to every end its intervals
+        reach, where the objective's bound stays below `incumbent` and the cutoff holds."""
+        U, pp, m = self.U, self.pp, self.m
+        grown: dict = {}
+        for (i, state), (sumT, maxT, maxS, back) in groups.items():
+            fronts_by_end = self.interval(k, i, state, incumbent, narrow)
+            for n, fronts in enumerate(fronts_by_end):
+                j = i + n + 1
+                if k == pp - 1 and j != U:
+                    continue
+                cut_out = self.cut[j] if k < pp - 1 else 0.0
+                cut_in = self.cut[i] + self.replay if k > 0 else 0.0
+                rest = self.prefix[-1] - self.prefix[j]
+                share = rest / (pp - 1 - k) if k < pp - 1 else 0.0
+                for s_out, fr in fronts.items():
+                    if bounds is not None:
+                        rest, share = bounds.get((k + 1, j, s_out), (math.inf, math.inf))
+                        if not math.isfinite(rest):
+                            continue
+                    pts = fr.ts
+                    t = fr.T[pts] + cut_in + cut_out
+                    s = fr.S[pts]
+                    nsum = (sumT[:, None] + t[None, :]).ravel()
+                    nmax = np.maximum(maxT[:, None], t[None, :]).ravel()
+                    nS = np.maximum(maxS[:, None], s[None, :]).ravel()
+                    value = nsum + rest + (m - 1) * np.maximum(nmax, share) + nS
+                    ok = (value < incumbent) & (m * nmax + nS <= self.cutoff)
+                    idx = np.flatnonzero(ok)
+                    if len(idx):
+                        grown.setdefault((j, s_out), []).append(
+                            (nsum[idx], nmax[idx], nS[idx], back, idx // len(pts),
+                             pts[idx % len(pts)], fr, i))
+        return grown
+
+    def _kept(self, grown: dict, k: int, narrow: bool) -> dict:
+        """Per (next unit, state) the labels merged and kept (_merged)."""
+        m = self.m
+        groups = {}
+        for key, parts in grown.items():
+            self._check_time(f"placing stage {k}")
+            (sumT, maxT, maxS), part, prev, pt, keep = _merged(
+                parts, narrow, lambda sumT, maxT, maxS: sumT + (m - 1) * maxT + maxS)
+            back = [(parts[part[r]][3], int(prev[r]), parts[part[r]][6], int(pt[r]),
+                     parts[part[r]][7]) for r in keep]
+            groups[key] = (sumT[keep], maxT[keep], maxS[keep], back)
+        return groups
+
+    def _best(self, groups: dict):
+        """(objective, starts, choice) of the least label that ends at the last unit,
+        read back through its references; None where none does."""
         best = None
         for (j, _), (sumT, maxT, maxS, back) in groups.items():
-            if j != U:
+            if j != self.U:
                 continue
-            value = sumT + (m - 1) * maxT + maxS
+            value = sumT + (self.m - 1) * maxT + maxS
             r = int(np.argmin(value))
             if best is None or value[r] < best[0]:
                 best = (float(value[r]), back, r)
