@@ -58,7 +58,8 @@ def assemble(graph, cluster: Cluster, optimizer: str, choices: Choices, solution
             row_factor=layer.output.row_factor, strategy=split_name(strategy.name)[0],
             input_layout=strategy.takes.value, output_layout=strategy.gives.value,
             model_parallel=strategy.model_parallel, compute_s=cost.compute_s,
-            communication_s=cost.communication_s, update_s=cost.update_s,
+            communication_s=cost.communication_s + row.prices[choice[i]].sync_serial_s,
+            update_s=cost.update_s,
             reshard_in_s=reshard_in[i] + reshard_out[i], memory_bytes=cost.memory_bytes,
             param_bytes=layer.param_bytes, params=list(layer.params), reason=why[i], inputs=list(layer.inputs),
             **lever_fields(strategy, cost)))

@@ -9,7 +9,8 @@ here once:
 
 - the group-link rule (`group_link`): a group of consecutive ranks stays on the intra-node
   link only inside one node;
-- the gradient sync (`price`): DDP's bucket fit (strategies.collectives) over the replicas
+- the gradient sync (`price`, through strategies.catalog.gradient_sync, its one price):
+  DDP's bucket fit (strategies.collectives) over the replicas
   that hold the same weights: dp x tp for layers that split rows (or tokens) over their tp
   group, dp for the rest, with DDP's copies into and out of its buckets, once per step; on
   a GPU only what it takes beyond the backward beside it (strategies.overlap);
@@ -37,10 +38,10 @@ from planner import dp_shard
 from planner.handback import output_layout
 from profiler.graph import Layer, ModelGraph
 from strategies.catalog import (
-    Cost, CostContext, Strategy, compute_s, memory_s, update_s, weights_memory,
+    Cost, CostContext, Strategy, compute_s, gradient_sync, update_s, weights_memory,
 )
 from strategies.cluster import Cluster
-from strategies.collectives import all_reduce_s, bucketed_all_reduce_s
+from strategies.collectives import all_reduce_s
 from strategies.devices import LinkSpec
 from strategies.edges import edge_matrix
 from strategies.layouts import Layout
@@ -137,6 +138,7 @@ class Price:
     activation_bytes: float
     local_param_bytes: float  # this device's share of the layer's weights
     sync_s: float  # the gradient sync part of step_s (with DDP's bucket copies)
+    sync_serial_s: float = 0.0  # the same, none of it beside compute
 
     @property
     def time_s(self) -> float:
@@ -162,9 +164,7 @@ def price(layer: Layer, strategy: Strategy, ctx: CostContext, dp: int = 1,
     local = layer.param_bytes / tp if strategy.model_parallel or tp_sharded else layer.param_bytes
     weights = weights_memory(local, ctx, sharded=tp_sharded)
     activations = cost.memory_bytes - weights
-    # the catalog's own DDP sync over the tp group is replaced by the sync over the replicas
-    own_sync = cost.notes.get("gradient_all_reduce_s", 0.0) + cost.notes.get("bucket_copies_s", 0.0)
-    microbatch = cost.compute_s + cost.communication_s - own_sync
+    microbatch = cost.compute_s + cost.communication_s
     link = group_link(ctx.cluster, dp * tp)  # a dp group spans dp·tp consecutive ranks
     share = forward_share(layer.fwd_flops, layer.bwd_flops)
     if sharded:
@@ -176,15 +176,12 @@ def price(layer: Layer, strategy: Strategy, ctx: CostContext, dp: int = 1,
         replicas, held = dp * tp, layer.param_bytes
     else:
         replicas, held = dp, local
-    sync = 0.0
-    if replicas > 1 and held > 0:
-        # on a GPU beside the last microbatch's backward (strategies.overlap)
-        sync = exposed_s(0.0, bucketed_all_reduce_s(ctx.precision.reduce_bytes(held),
-                                                    replicas, link),
-                         cost.compute_s, share, ctx.cluster.overlap_cover)
-        # DDP copies gradients into its flat buckets and back out: two passes over memory
-        sync += memory_s(2 * 2 * held, ctx)
-    return Price(cost, microbatch, cost.update_s + sync, weights, activations, local, sync)
+    synced = gradient_sync(held, replicas, link, ctx)
+    # on a GPU the all-reduce runs beside the last microbatch's backward (strategies.overlap)
+    sync = exposed_s(0.0, synced.all_reduce_s, cost.compute_s, share,
+                     ctx.cluster.overlap_cover) + synced.copies_s
+    return Price(cost, microbatch, cost.update_s + sync, weights, activations, local, sync,
+                 synced.all_reduce_s + synced.copies_s)
 
 
 def with_tied_copy(priced: Price, strategy: Strategy, copy_bytes: float, ctx: CostContext,
@@ -198,9 +195,10 @@ def with_tied_copy(priced: Price, strategy: Strategy, copy_bytes: float, ctx: Co
     base = split_name(strategy.name)[0]
     local = copy_bytes / tp if strategy.model_parallel else copy_bytes
     replicas = dp * tp if base in dp_shard.SUMMED_OVER_TP else dp
-    reduce_bytes = ctx.precision.reduce_bytes(local)
-    sync = bucketed_all_reduce_s(reduce_bytes, replicas, group_link(ctx.cluster, dp * tp))
-    sync += all_reduce_s(reduce_bytes, 2, pipeline_link)  # one blocking call (executor)
+    # the all-reduce over the replicas as the sync prices it, not beside any compute
+    sync = gradient_sync(local, replicas, group_link(ctx.cluster, dp * tp), ctx).all_reduce_s
+    # one blocking call (executor)
+    sync += all_reduce_s(ctx.precision.reduce_bytes(local), 2, pipeline_link)
     return replace(priced, step_s=priced.step_s + sync + update_s(local, ctx),
                    weight_bytes=priced.weight_bytes + weights_memory(local, ctx),
                    sync_s=priced.sync_s + sync)

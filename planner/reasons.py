@@ -41,7 +41,7 @@ def _traffic(choices: Choices, choice: list[int], node: int, option: int) -> str
     strategy, cost, priced = row.strategies[option], row.costs[option], row.prices[option]
     if strategy.name in ("data_parallel", "fsdp") and row.layer.param_bytes:
         if strategy.name == "data_parallel":  # the sync as priced: on a GPU beside backward
-            waited, serial = priced.sync_s, cost.communication_s
+            waited, serial = priced.sync_s, priced.sync_serial_s
             text = f"all-reduce of its {_mb(row.layer.param_bytes)} of gradients {_ms(waited)}"
         else:
             waited = cost.communication_s

@@ -216,19 +216,39 @@ class DataParallel(Strategy):
         return ctx.batch % ctx.ranks == 0 and _rowwise(layer, ctx.batch)
 
     def cost(self, layer, ctx):
-        sync = bucketed_all_reduce_s(ctx.precision.reduce_bytes(layer.param_bytes),
-                                     ctx.ranks, ctx.link)
-        # DDP copies gradients into its flat buckets and back out: two passes over memory
-        copies = 0.0
-        if ctx.ranks > 1 and layer.param_bytes:
-            copies = memory_s(2 * 2 * layer.param_bytes, ctx)
+        """Its compute on its rows, and no collective per microbatch: the gradient sync is
+        once a step over the replicas of the shape, which planner.price charges
+        (gradient_sync); the notes give it over this group, as explain and the
+        calibration read it."""
+        sync = gradient_sync(layer.param_bytes, ctx.ranks, ctx.link, ctx)
         memory = weights_memory(layer.param_bytes, ctx) + layer.output.nbytes / ctx.ranks
-        return Cost(compute_s(layer, 1 / ctx.ranks, ctx), sync + copies, memory,
+        return Cost(compute_s(layer, 1 / ctx.ranks, ctx), 0.0, memory,
                     update_s(layer.param_bytes, ctx),
-                    {"gradient_bytes": layer.param_bytes, "gradient_all_reduce_s": sync,
-                     "bucket_copies_s": copies,
-                     "communication_bytes": collective_bytes("all_reduce", layer.param_bytes,
-                                                             ctx.ranks)})
+                    {"gradient_bytes": layer.param_bytes,
+                     "gradient_all_reduce_s": sync.all_reduce_s,
+                     "bucket_copies_s": sync.copies_s, "communication_bytes": sync.sent_bytes})
+
+
+@dataclass(frozen=True)
+class GradientSync:
+    """DDP's sync of one layer's gradients in a step: its share of the bucketed all-reduce,
+    the copies into the flat bucket and back out, and the bytes it sends."""
+
+    all_reduce_s: float
+    copies_s: float
+    sent_bytes: float
+
+
+def gradient_sync(param_bytes: float, replicas: int, link, ctx: CostContext) -> GradientSync:
+    """The one price of data parallelism's gradient sync: DDP's bucketed all-reduce of the
+    layer's gradients (in the reduce dtype) over `replicas`, and its two copies, a read
+    and a write each, into its flat buckets and back out."""
+    if replicas <= 1 or not param_bytes:
+        return GradientSync(0.0, 0.0, 0.0)
+    return GradientSync(
+        bucketed_all_reduce_s(ctx.precision.reduce_bytes(param_bytes), replicas, link),
+        memory_s(2 * 2 * param_bytes, ctx),
+        collective_bytes("all_reduce", param_bytes, replicas))
 
 
 @dataclass(frozen=True)
