@@ -16,6 +16,7 @@ from planner.price import (
     Price, edge_cost, edge_kind, in_rhythm, output_kind, price, tp_context,
 )
 from planner.problem import Edge, Node, Option, Problem
+from planner.ties import TIED_STRATEGIES, tied_allowed
 from profiler.graph import Layer, ModelGraph
 from strategies.catalog import Cost, CostContext, Strategy, candidates
 from strategies.cluster import Cluster
@@ -94,7 +95,7 @@ def layer_choices(graph: ModelGraph, cluster: Cluster, optimizer: str,
         if layer.node in sharing:
             # a shared parameter is held whole in every plan kind: a baseline's rule (all
             # split, all sharded) does not apply to the layers that read it
-            options = [s for s in options if split_name(s.name)[0] in TIED_STRATEGIES]
+            options = tied_allowed(options)
         elif only is not None:
             kept = [s for s in options if s.name in only]
             options = kept or [s for s in options if s.name == "replicate"]
@@ -139,12 +140,6 @@ def layer_choices(graph: ModelGraph, cluster: Cluster, optimizer: str,
         edges.append(Edge(src, sink, edge_cost(kind, ctx.cluster)))
     problem = Problem(tuple(nodes), tuple(edges), memory_budget_bytes, ties)
     return Choices(problem, tuple(rows), ctx)
-
-
-# What layers sharing a parameter may run: every reader holds it whole, and its gradient
-# is a per-rank partial that one all-reduce sums (data parallel) or complete everywhere
-# (replicate). A split or sharded placement would need every reader split alike.
-TIED_STRATEGIES = ("data_parallel", "replicate")
 
 
 def tied(graph: ModelGraph, rows: list[LayerChoices], index: dict[str, int]):

@@ -4,8 +4,7 @@ a layout change between two layers costs.
 Every plan shape reads its costs from here: the 3-D search (planner.search.build, and so
 its lower bounds, the baselines it prices, explain() and the pictures of a 3-D plan) and
 the 1-D planner (planner.choices), whose one group of all N devices is the 3-D shape
-pp = 1, dp = 1, tp = N at one microbatch. The rules both used to apply on their own live
-here once:
+pp = 1, dp = 1, tp = N at one microbatch. The rules both apply live here once:
 
 - the group-link rule (`group_link`): a group of consecutive ranks stays on the intra-node
   link only inside one node;
@@ -218,12 +217,9 @@ def batch_free_takes(producer: Layer, takes: Layout, batch: int) -> Layout:
 
 def time_shared(cluster: Cluster) -> bool:
     """Do a node's processes share cores (more CPU processes than cores)? Only there do
-    blocking collectives follow the gap curve's rhythm. With a core each (2 gloo
-    processes on 2 cores), the curve's cheap collectives after short gaps did not show in
-    steps: priced by it, the 2-process tensor plans ran 7-26% over their prices; priced at
-    their fits, five ran 5-11% over and the two Hugging Face ones 7-17% under (one
-    calibration, replanned, 2026-11-26). Where processes outnumber cores, the curve took
-    the 4-process median error from 29% to 14%."""
+    blocking collectives follow the gap curve's rhythm: with a core each, the curve's
+    cheap collectives after short gaps do not show in steps (the measurements are in
+    benchmarks/results/HISTORY.md, "Calibration choices")."""
     return bool(cluster.cores) and (cluster.devices_per_node * cluster.threads_per_device
                                     > cluster.cores)
 

@@ -61,6 +61,7 @@ from planner.price import (
 )
 from planner.problem import Edge
 from planner.progress import Progress, listened, report
+from planner.ties import data_parallel_else_replicate
 from planner import schedules
 from planner.schedules import SCHEDULES, V_SHAPED, chunks_allowed, refusal
 from planner.stage_loads import busiest_rank_bound, memory_bound
@@ -289,14 +290,6 @@ def _scaled(layer: Layer, batch: int, rows: int) -> Layer:
                    bwd_flops=int(layer.bwd_flops * f), attrs=attrs)
 
 
-def tied_options(options: list) -> list:
-    """What a layer sharing a parameter may run in the 3-D search, the same for every
-    member of its group: data parallel where it applies, else replicated (the stage
-    problem has no tie rows; planner.ties gives the 1-D search the full choice)."""
-    dp = [s for s in options if s.name == "data_parallel"]
-    return dp or [s for s in options if s.name == "replicate"]
-
-
 @dataclass
 class LayerEntry:
     """A distinct layer on one tp group and microbatch: its options and their prices."""
@@ -348,7 +341,7 @@ class CostCache:
         if self.graph.tracer == "export":
             options = module_executor_options(scaled, options)
         if tied:
-            options = tied_options(options)
+            options = data_parallel_else_replicate(options)
         value = LayerEntry(scaled, tuple(options), ctx)
         self._layer[key] = value
         return value

@@ -20,6 +20,26 @@ from dataclasses import replace
 import numpy as np
 
 from planner.problem import Edge, Node, Option, Problem
+from strategies.memory import split_name
+
+# What layers sharing a parameter may run: every reader holds it whole, and its gradient
+# is a per-rank partial that one all-reduce sums (data parallel) or complete everywhere
+# (replicate). A split or sharded placement would need every reader split alike.
+TIED_STRATEGIES = ("data_parallel", "replicate")
+
+
+def tied_allowed(options: list) -> list:
+    """The options a reader of a shared parameter may take, where the integer program
+    picks one for the whole group (the 1-D problem's ties, below)."""
+    return [s for s in options if split_name(s.name)[0] in TIED_STRATEGIES]
+
+
+def data_parallel_else_replicate(options: list) -> list:
+    """One of TIED_STRATEGIES fixed for every reader where a program has no tie rows (the
+    3-D search's stage problem): data parallel where it applies, else replicated. Also
+    the DDP baseline's rule (planner.baseline)."""
+    dp = [s for s in options if s.name == "data_parallel"]
+    return dp or [s for s in options if s.name == "replicate"]
 
 
 def shared_names(nodes: list[Node]) -> list[str]:
