@@ -305,7 +305,7 @@ def parallelize_decoder_3d(model: nn.Module, plan: Plan) -> StageModel:
         run_in_precision(module, plan.training_precision, plan.mesh.device_type, last=last)
         modules.append(module)
     out = staged(modules, mine, plan, mesh, stage_index, device, stage_groups[stage_index],
-                 sharded, num_stages)
+                 sharded)
     _tie_copies(out, model, plan, num_stages, sharded)
     return out
 
@@ -338,7 +338,7 @@ def _tie_copies(stage_model: StageModel, model: nn.Module, plan: Plan, num_stage
     if any(name in sharded for name in tied):
         raise ValueError(f"pipeline: the tied weight {sorted(tied)} is sharded over dp, which "
                          f"the embedding group's all-reduce does not sum; plan it unsharded")
-    stage_model.tied_copies, stage_model.tied_group = copies, group
+    stage_model.tie(copies, group)
 
 
 def tensor_parallel(stage: DecoderStage, model: nn.Module, plan: Plan, k: int,

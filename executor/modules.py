@@ -15,6 +15,7 @@ layers' weights, summing).
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -199,46 +200,51 @@ def apply_module_layouts(model: nn.Module, layers: list[LayerPlan], inputs, outp
     whether this call applies a layer's style and hooks (a pipeline stage applies its own
     layers', executor.hf_stages); the layouts are derived from all of `layers`. Returns
     the layout the model's code holds module outputs in: rows, or whole where the rows
-    do not split over the mesh (planner.handback)."""
-    gives = {i.name: (Layout(i.layout), i.shape, None) for i in inputs}
-    gives.update({l.node: (Layout(l.output_layout), l.output_shape, l.row_factor)
-                  for l in layers})
-    readers = _readers(layers)
-    outputs = set(outputs)
-    held = output_layout(batch, mesh.size())
+    do not split over the mesh (planner.handback). A plan's layouts are refused before
+    any hook is installed."""
+    layouts = derive_layouts(layers, inputs, outputs, batch, mesh.size(), paths)
+    check_ops_between_modules(layers, layouts, paths)
+    calls = hooked_calls(layers, layouts, paths, here)
+    install_layout_hooks(model, calls, layouts, mesh)
+    return layouts.held
 
-    def wanted(src: str, reader: LayerPlan) -> Layout:
+
+@dataclass(frozen=True)
+class ModuleLayouts:
+    """The layouts an exported plan's values travel in: `gives`, each value's layout,
+    shape and row factor as its producer makes it; `handed`, the layout it is handed on
+    in; `held`, the layout the model's own code holds module outputs in (rows, or whole
+    where `batch` rows do not split over the mesh: planner.handback)."""
+    gives: dict[str, tuple[Layout, list[int], int | None]]
+    readers: dict[str, list[LayerPlan]]
+    handed: dict[str, Layout]
+    held: Layout
+    batch: int
+
+    def wanted(self, src: str, reader: LayerPlan) -> Layout:
+        """The layout `reader` takes `src` in: a value without the batch's rows, where
+        the reader takes rows, is whole with a per-rank partial gradient."""
         want = Layout(reader.input_layout)
-        _, shape, factor = gives[src]
-        if want == Layout.BATCH and not rows_in_dim0(shape, batch, factor):
+        _, shape, factor = self.gives[src]
+        if want == Layout.BATCH and not rows_in_dim0(shape, self.batch, factor):
             return Layout.REPLICATE_PARTIAL_GRAD
         return want
 
-    # what each module hands on: the layout its readers outside modules take, if not its own
+
+def derive_layouts(layers: list[LayerPlan], inputs, outputs, batch: int, ranks: int,
+                   paths: dict[str, str | None]) -> ModuleLayouts:
+    """What each value hands on, `batch` rows split over `ranks`: an input and an op
+    outside modules their own layout (ops there cannot change layouts), a module the one
+    its readers outside modules take (`_handed_on`)."""
+    gives = {i.name: (Layout(i.layout), i.shape, None) for i in inputs}
+    gives.update({l.node: (Layout(l.output_layout), l.output_shape, l.row_factor)
+                  for l in layers})
     handed: dict[str, Layout] = {}
+    layouts = ModuleLayouts(gives, _readers(layers), handed, output_layout(batch, ranks), batch)
+    outputs = set(outputs)
     for layer in layers:
-        own = Layout(layer.output_layout)
-        if paths[layer.node] is None:
-            handed[layer.node] = own
-            continue
-        outside = {wanted(layer.node, r) for r in readers.get(layer.node, [])
-                   if paths[r.node] is None and r.kind not in READS_METADATA_ONLY}
-        # rows whole: readers that all take it feature-split get each rank's feature shard,
-        # a local tensor (planner.price._through_rows; torchtitan's colwise MLP); only
-        # element-wise ops between modules take it so outside modules
-        takes = {Layout(r.input_layout) for r in readers.get(layer.node, [])}
-        local = takes == {Layout.FEATURE} and held != Layout.BATCH
-        if layer.node in outputs or (rows_in_dim0(layer.output_shape, batch, layer.row_factor)
-                                     and not local):
-            # a module's output is what the model's own code holds next: it may read its
-            # sizes to shape another tensor (`hidden_states.shape[0]` to view q, k, v), so
-            # every batch-sized tensor the code sees is split by rows alike (or whole
-            # alike, where the rows do not split over the mesh: planner.handback)
-            outside.add(held)
-        if len(outside) > 1:
-            raise ValueError(f"plan: layer {layer.name!r} feeds ops that want {sorted(outside)}; "
-                             f"re-plan (the module executor makes one change per module output)")
-        handed[layer.node] = outside.pop() if outside else own
+        handed[layer.node] = (Layout(layer.output_layout) if paths[layer.node] is None
+                              else _handed_on(layer, layouts, outputs, paths))
     for i in inputs:
         handed[i.name] = Layout(i.layout)
     # a module's output without the batch (a position table) that meets rows: its gradient
@@ -246,60 +252,116 @@ def apply_module_layouts(model: nn.Module, layers: list[LayerPlan], inputs, outp
     for layer in layers:
         if (paths[layer.node] is not None and handed[layer.node] == Layout.REPLICATE
                 and not rows_in_dim0(layer.output_shape, batch, layer.row_factor)
-                and _meets_rows(layer.node, readers, paths, at_modules=True)):
+                and _meets_rows(layer.node, layouts.readers, paths, at_modules=True)):
             handed[layer.node] = Layout.REPLICATE_PARTIAL_GRAD
-    for layer in layers:  # ops outside modules cannot change layouts
-        # (one that reads only its input's dtype and device reads any layout as it is)
-        if paths[layer.node] is None and layer.kind not in READS_METADATA_ONLY:
-            for src in layer.inputs:
-                if src in handed and handed[src] != wanted(src, layer) and not (
-                        handed[src] in (Layout.REPLICATE, Layout.REPLICATE_PARTIAL_GRAD)
-                        and wanted(src, layer) in (Layout.REPLICATE, Layout.REPLICATE_PARTIAL_GRAD)):
-                    raise ValueError(
-                        f"plan: op {layer.name!r} wants {wanted(src, layer).value} from "
-                        f"{src!r}, which arrives {handed[src].value}; the module executor "
-                        f"changes layouts only at modules: re-plan with this hyplan")
+    return layouts
 
-    tp_styles = {}
-    hooked: dict[str, tuple] = {}  # module path -> the hand-over its hooks make
+
+def _handed_on(layer: LayerPlan, layouts: ModuleLayouts, outputs: set[str],
+               paths: dict[str, str | None]) -> Layout:
+    """The one layout a module hands its output on in: the layout its readers outside
+    modules take, if not its own; refused where they want two."""
+    readers = layouts.readers.get(layer.node, [])
+    outside = {layouts.wanted(layer.node, r) for r in readers
+               if paths[r.node] is None and r.kind not in READS_METADATA_ONLY}
+    # rows whole: readers that all take it feature-split get each rank's feature shard,
+    # a local tensor (planner.price._through_rows; torchtitan's colwise MLP); only
+    # element-wise ops between modules take it so outside modules
+    local = ({Layout(r.input_layout) for r in readers} == {Layout.FEATURE}
+             and layouts.held != Layout.BATCH)
+    if layer.node in outputs or (rows_in_dim0(layer.output_shape, layouts.batch, layer.row_factor)
+                                 and not local):
+        # a module's output is what the model's own code holds next: it may read its
+        # sizes to shape another tensor (`hidden_states.shape[0]` to view q, k, v), so
+        # every batch-sized tensor the code sees is split by rows alike (or whole
+        # alike, where the rows do not split over the mesh: planner.handback)
+        outside.add(layouts.held)
+    if len(outside) > 1:
+        raise ValueError(f"plan: layer {layer.name!r} feeds ops that want {sorted(outside)}; "
+                         f"re-plan (the module executor makes one change per module output)")
+    return outside.pop() if outside else Layout(layer.output_layout)
+
+
+def check_ops_between_modules(layers: list[LayerPlan], layouts: ModuleLayouts,
+                              paths: dict[str, str | None]) -> None:
+    """Refuse, by name, an op outside modules that needs one of its inputs in another
+    layout than the one it arrives in: only a module's hooks change layouts. An op that
+    reads only its input's dtype and device reads any layout as it is, and a whole value
+    is whole to its reader whether or not its gradient is summed yet."""
+    whole = (Layout.REPLICATE, Layout.REPLICATE_PARTIAL_GRAD)
+    for layer in layers:
+        if paths[layer.node] is not None or layer.kind in READS_METADATA_ONLY:
+            continue
+        for src in layer.inputs:
+            if src not in layouts.handed:
+                continue
+            arrives, want = layouts.handed[src], layouts.wanted(src, layer)
+            if arrives != want and not (arrives in whole and want in whole):
+                raise ValueError(
+                    f"plan: op {layer.name!r} wants {want.value} from {src!r}, which "
+                    f"arrives {arrives.value}; the module executor changes layouts only at "
+                    f"modules: re-plan with this hyplan")
+
+
+def hooked_calls(layers: list[LayerPlan], layouts: ModuleLayouts,
+                 paths: dict[str, str | None], here=None) -> dict[str, tuple[LayerPlan, str]]:
+    """{module path: (the layer it is a call of, its main input)}: the modules this call
+    hooks (`here`), each once. A module called more than once (ALBERT's shared layer:
+    "path", "path#2", ...) must need the same hand-over at every call, and a
+    model-parallel one cannot hand on a partial gradient: both refused by name."""
+    calls: dict[str, tuple[LayerPlan, str]] = {}
+    handovers: dict[str, tuple] = {}
     for layer in layers:
         path = paths[layer.node]
         if path is None or (here is not None and not here(layer)):
             continue
-        module = model.get_submodule(path)
-        main = next((s for s in layer.inputs if s in gives), None)
+        main = next((s for s in layer.inputs if s in layouts.gives), None)
         if main is None:
             continue
-        arrives, shape = handed[main], gives[main][1]
-        own = Layout(layer.output_layout)
-        # a module called more than once (ALBERT's shared layer: "path", "path#2", ...)
-        # gets its hooks once; every call must need the same hand-over
-        handover = (layer.strategy, arrives, wanted(main, layer), own, handed[layer.node])
-        if path in hooked:
-            if hooked[path] != handover:
+        handover = (layer.strategy, layouts.handed[main], layouts.wanted(main, layer),
+                    Layout(layer.output_layout), layouts.handed[layer.node])
+        if path in handovers:
+            if handovers[path] != handover:
                 raise ValueError(f"plan: module {path!r} is called more than once, and its "
-                                 f"calls need different layout changes ({hooked[path]} vs "
+                                 f"calls need different layout changes ({handovers[path]} vs "
                                  f"{handover}); re-plan with this hyplan")
             continue
-        hooked[path] = handover
+        handovers[path] = handover
+        calls[path] = (layer, main)
+    styled = {path for path, (layer, _) in calls.items() if layer.model_parallel}
+    for layer in layers:
+        partial = layouts.handed[layer.node] == Layout.REPLICATE_PARTIAL_GRAD
+        if paths[layer.node] in styled and partial:
+            raise ValueError(f"plan: {layer.name!r}: unsupported output hand-over")
+    return calls
+
+
+def install_layout_hooks(model: nn.Module, calls: dict[str, tuple[LayerPlan, str]],
+                         layouts: ModuleLayouts, mesh: DeviceMesh) -> None:
+    """Each hooked module's hand-over: a model-parallel module gets its DTensor parallel
+    style, told the layout its input arrives in and the one it hands on; any other a
+    forward pre-hook that changes its input to the layout it takes and, where it hands on
+    another layout than its own, a forward hook that changes its output."""
+    tp_styles = {}
+    for path, (layer, main) in calls.items():
+        module = model.get_submodule(path)
+        arrives, shape = layouts.handed[main], layouts.gives[main][1]
+        handed = layouts.handed[layer.node]
         if layer.model_parallel:
             tp_styles[path] = tensor_parallel_style(
-                layer.strategy, handed[layer.node], placement(arrives.forward, shape),
-                layer.output_shape, module)
+                layer.strategy, handed, placement(arrives.forward, shape), layer.output_shape,
+                module)
             continue
-        want = wanted(main, layer)
+        want = layouts.wanted(main, layer)
         if arrives == Layout.REPLICATE_PARTIAL_GRAD and want == Layout.REPLICATE:
             arrives = want  # already summed where it left its module
         reshard_in = _owned(Reshard(mesh, arrives, want, shape)) if arrives != want else None
         module.register_forward_pre_hook(
             _pre_hook(reshard_in, mesh, gather_others=want != Layout.BATCH), with_kwargs=True)
-        if handed[layer.node] != own:
+        own = Layout(layer.output_layout)
+        if handed != own:
             module.register_forward_hook(
-                _post_hook(_owned(Reshard(mesh, own, handed[layer.node], layer.output_shape))))
-    for layer in layers:  # model-parallel modules that hand on another layout
-        path = paths[layer.node]
-        if path in tp_styles and handed[layer.node] == Layout.REPLICATE_PARTIAL_GRAD:
-            raise ValueError(f"plan: {layer.name!r}: unsupported output hand-over")
+                _post_hook(_owned(Reshard(mesh, own, handed, layer.output_shape))))
     if tp_styles:
         parallelize_module(model, mesh, tp_styles)
         # after the styles' own hooks, on what they hand on: no graph here says which
@@ -307,5 +369,3 @@ def apply_module_layouts(model: nn.Module, layers: list[LayerPlan], inputs, outp
         # view is copied
         for path in tp_styles:
             model.get_submodule(path).register_forward_hook(own_output)
-    return held
-

@@ -86,8 +86,8 @@ class Drift:
                                 for l in timed)
         untimed_compute = sum(l.compute_s for l in self.plan.layers if l.name not in self.layer_s)
         # a term predicted at a sliver of the step is not rescaled: its measured share holds
-        # hook overheads and noise of the same size (a plan whose timed layers were priced
-        # at microseconds read "compute ran 666x")
+        # hook overheads and noise of the same size (a plan whose timed layers are priced
+        # at microseconds would read "compute ran 666x")
         floor_s = MIN_TERM_SHARE * self.predicted_s
         compute = (sum(self.layer_s.values()) / predicted_compute
                    if predicted_compute > floor_s else 1.0)

@@ -28,6 +28,9 @@ In a fixed order, like torchtitan's parallelize functions:
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable, Iterator
+
 import torch
 import torch.distributed as dist
 import torch.fx as fx
@@ -38,13 +41,14 @@ from torch.distributed.pipelining import (
     PipelineStage, Schedule1F1B, ScheduleDualPipeV, ScheduleGPipe, ScheduleInterleaved1F1B,
     ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble,
 )
+from torch.distributed.pipelining.schedules import PipelineScheduleMulti, PipelineScheduleSingle
 from torch.distributed.tensor import DTensor
 
 from executor.agree import traced_as_planned
 from executor.graph_rewrite import (apply_tensor_parallel, device_of, insert_reshards,
                                    reshard_paths)
 from executor.levers import apply_levers
-from executor.precision import run_in_precision
+from executor.precision import LossScaler, run_in_precision
 from executor.styles import summed_params
 from executor.view_outputs import (own_written_outputs, silence_safe_view_warnings,
                                    view_safety)
@@ -129,6 +133,37 @@ def split_stages(gm: fx.GraphModule, stage_of: dict[str, int], pp: int) -> list[
     return stages
 
 
+def plain_tuple_output(stage: nn.Module) -> type | None:
+    """A last stage whose model returns a namedtuple (Inception-v3's `InceptionOutputs`:
+    its logits and its auxiliary classifier's) made to return a plain tuple, and the
+    namedtuple's type, for MicrobatchLoss to hand the loss the model's own output; None,
+    and the stage left as it is, for any other output. torch.distributed.pipelining takes a
+    stage's output as a tensor or a plain tuple of them: anything else it wraps in a
+    1-tuple, and after the backward it detaches each element (`t._is_view()`), which a
+    namedtuple has not."""
+    if not isinstance(stage, fx.GraphModule):
+        return None
+    output = next(n for n in stage.graph.nodes if n.op == "output")
+    value = output.args[0]
+    if isinstance(value, tuple) and type(value) is not tuple and hasattr(value, "_fields"):
+        kind, fields = type(value), tuple(value)  # fx kept the namedtuple of nodes
+    elif (isinstance(value, fx.Node) and value.op == "call_function"
+          and isinstance(value.target, type) and issubclass(value.target, tuple)
+          and hasattr(value.target, "_fields") and len(value.users) == 1):
+        kind = value.target  # fx recorded the namedtuple's construction: a call
+        named = dict(zip(kind._fields, value.args), **value.kwargs)
+        if set(named) != set(kind._fields):
+            return None  # a default left out: not rebuilt here
+        fields = tuple(named[f] for f in kind._fields)
+    else:
+        return None
+    output.args = (fields,)
+    if isinstance(value, fx.Node):
+        stage.graph.erase_node(value)
+    stage.recompile()
+    return kind
+
+
 def _merged(chunks: list[fx.GraphModule]) -> nn.Module:
     """One module whose parameters are the chunks', under the model's own names (a chunk
     holds its submodules at their original paths), so a rank with two chunks names its
@@ -146,10 +181,60 @@ def _merged(chunks: list[fx.GraphModule]) -> nn.Module:
     return holder
 
 
+class MicrobatchLoss:
+    """The loss a pipeline schedule applies to each microbatch's output on the last stage:
+    the loss function of the step under way, scaled by its loss scaler under fp16.
+
+    The schedule is built with the stages, at `parallelize`, as torchtitan builds its
+    own; the loss function is first known at `executor.train_step`, which may be handed
+    another one (or another optimizer, so another scaler) each step. So the schedule holds
+    this object for good, and `StageModel.run_schedule` says what it computes for one step.
+    """
+
+    def __init__(self) -> None:
+        self.loss_fn: Callable | None = None
+        self.scaler: LossScaler | None = None
+        self.output_type: type | None = None  # see plain_tuple_output
+
+    @contextlib.contextmanager
+    def using(self, loss_fn: Callable, scaler: LossScaler | None) -> Iterator[None]:
+        self.loss_fn, self.scaler = loss_fn, scaler
+        try:
+            yield
+        finally:  # the user's loss function is not kept past its step
+            self.loss_fn = self.scaler = None
+
+    def __call__(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        assert self.loss_fn is not None, "a pipeline schedule ran outside StageModel.run_schedule"
+        if self.output_type is not None:
+            output = self.output_type(*output)
+        loss = self.loss_fn(output, target)
+        return loss if self.scaler is None else self.scaler.scale(loss)
+
+
+def pipeline_schedule(plan: Plan, stages: list[PipelineStage], loss_fn: Callable
+                      ) -> PipelineScheduleSingle | PipelineScheduleMulti:
+    """The plan's schedule over this rank's stages (one, or one per chunk for the
+    multi-stage schedules), as torchtitan's build_pipeline_schedule makes it. Gradients
+    stay sums over the microbatches (`scale_grads=False`): the schedule's own scaling
+    divides per stage, so twice for a weight two of a rank's stages share (a tied
+    embedding and head at the two ends of a V); StageModel.run_schedule divides once per
+    parameter instead."""
+    name = plan.pipeline.schedule
+    return SCHEDULE_CLASSES[name](stages if name in MULTI_STAGE else stages[0],
+                                  n_microbatches=plan.microbatches, loss_fn=loss_fn,
+                                  scale_grads=False)
+
+
 class StageModel(nn.Module):
     """This rank's part of a 3-D plan: its stages' modules (one per chunk, each
     tensor-parallel over its tp group), the process groups, and the schedule that runs
-    them. `parameters()` are the ones this rank updates; train with `executor.train_step`."""
+    them. `parameters()` are the ones this rank updates; train with `executor.train_step`.
+
+    With more than one pipeline rank, `pipeline_stages` (one PipelineStage per chunk, over
+    the pp group) and `schedule` (the plan's schedule class over them) are built here,
+    with the stages; with one, both are empty and train_step runs the microbatches
+    through `forward` itself."""
 
     def __init__(self, chunks: list[fx.GraphModule], indices: list[int], plan: Plan, mesh,
                  stage_index: int, device, stage_group, sharded: frozenset[str] = frozenset()):
@@ -164,7 +249,6 @@ class StageModel(nn.Module):
         self.stage_group = stage_group  # the dp x tp ranks of this stage
         self.tp_rank = mesh.get_local_rank("tp")
         self.dp_rank = mesh.get_local_rank("dp")
-        self.schedule = None
         # rows (or tokens) split over dp x tp: data- and sequence-parallel layers'
         # parameters (their module's or bare ones) hold partial gradients over the stage group
         split_rows = summed_params(plan) if self.tp > 1 else set()
@@ -176,9 +260,49 @@ class StageModel(nn.Module):
             if name in sharded:
                 continue  # FSDP2 reduce-scatters it over dp in backward
             (self.sum_over_stage if name in split_rows else self.sum_over_dp).append(param)
+        self.pipeline_stages: list[PipelineStage] = []
+        self.schedule: PipelineScheduleSingle | PipelineScheduleMulti | None = None
+        self.microbatch_loss = MicrobatchLoss()
+        if self.pp > 1:
+            if self.has_last:  # the model's namedtuple output rebuilt for the loss
+                self.microbatch_loss.output_type = plain_tuple_output(
+                    chunks[indices.index(num_stages - 1)])
+            group = mesh.get_group("pp")
+            self.pipeline_stages = [PipelineStage(chunk, k, num_stages, device, group=group)
+                                    for k, chunk in zip(indices, chunks)]
+            self.schedule = pipeline_schedule(plan, self.pipeline_stages, self.microbatch_loss)
 
     def forward(self, *args):
         return self.chunks[0](*args)
+
+    def run_schedule(self, inputs: list[torch.Tensor], targets: list[torch.Tensor],
+                     loss_fn: Callable, scaler: LossScaler | None = None) -> list[torch.Tensor]:
+        """Forward and backward of every microbatch through the pipeline, `loss_fn` (scaled
+        by `scaler`) on the last stage's outputs. `inputs` and `targets`: this rank's rows
+        of all the microbatches, in order (read on the first and the last stage). Leaves
+        each gradient the mean over the microbatches; returns the last stage's losses, one
+        per microbatch, as scaled (none on the other ranks)."""
+        assert self.schedule is not None, "one pipeline rank: train_step runs no schedule"
+        if len(targets) > 1:
+            raise ValueError("batch: a pipelined plan takes one target tensor")
+        losses: list[torch.Tensor] = []
+        kwargs = {"target": targets[0], "losses": losses} if self.has_last else {}
+        with self.microbatch_loss.using(loss_fn, scaler):
+            # return_outputs=False: the last stage keeps no microbatch's output past its
+            # loss (torch's output_chunks would hold all m of them through the step)
+            self.schedule.step(*(inputs if self.has_first else ()), return_outputs=False,
+                               **kwargs)
+        # each parameter once, though two of this rank's stages may share it
+        shared = {id(p): p for s in self.pipeline_stages for p in s.submod.parameters()}
+        for p in shared.values():
+            if p.grad is not None:
+                p.grad.div_(self.plan.microbatches)
+        return losses
+
+    def tie(self, copies: list[nn.Parameter], group) -> None:
+        """Sum the gradients of `copies` (a tied weight's, held on the first and the last
+        pipeline rank) over `group` after the dp sums (executor.hf_stages)."""
+        self.tied_copies, self.tied_group = copies, group
 
     @property
     def is_last(self) -> bool:
@@ -263,7 +387,7 @@ def parallelize_3d(model: nn.Module, plan: Plan, *, leaf_modules=()) -> StageMod
 
     silence_safe_view_warnings(views)
     return staged(modules, mine, plan, mesh, stage_index, device, stage_groups[stage_index],
-                  sharded, num_stages)
+                  sharded)
 
 
 def pipeline_ranks(plan: Plan):
@@ -313,16 +437,11 @@ def _device_mesh(device_type: str, pp: int, dp: int, tp: int, shard_ranks: int):
 
 
 def staged(modules: list, mine: list[int], plan: Plan, mesh, stage_index: int, device,
-           stage_group, sharded: set[str], num_stages: int) -> "StageModel":
-    """This rank's StageModel over its stage modules, with one PipelineStage per chunk it
-    holds when there is more than one pipeline rank (fx stages and a decoder's alike)."""
-    model = StageModel(modules, mine, plan, mesh, stage_index, device, stage_group,
-                       frozenset(sharded))
-    if plan.mesh.size("pp") > 1:
-        model._pipeline_stages = [
-            PipelineStage(module, k, num_stages, device, group=mesh.get_group("pp"))
-            for k, module in zip(mine, modules)]
-    return model
+           stage_group, sharded: set[str]) -> "StageModel":
+    """This rank's StageModel over its stage modules (fx stages and a decoder's alike),
+    its pipeline stages and schedule built with it."""
+    return StageModel(modules, mine, plan, mesh, stage_index, device, stage_group,
+                      frozenset(sharded))
 
 
 def dp_sharded(module: fx.GraphModule, layers: dict) -> list:

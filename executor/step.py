@@ -123,7 +123,7 @@ def _step_3d(model, plan: Plan, batch, loss_fn, scaler=None) -> float:
                for y in batch[n:]]
     m = plan.microbatches
     losses: list[torch.Tensor] = []
-    if model.pp == 1:
+    if model.schedule is None:  # one pipeline rank
         chunks_in = [x.chunk(m) for x in inputs]
         chunks_t = [y.chunk(m) for y in targets]
         for j in range(m):
@@ -131,32 +131,7 @@ def _step_3d(model, plan: Plan, batch, loss_fn, scaler=None) -> float:
             _scaled(loss / m, scaler).backward()
             losses.append(loss.detach())
     else:
-        schedule = getattr(model, "_schedule", None)
-        if schedule is None:
-            from executor.pipeline import MULTI_STAGE, SCHEDULE_CLASSES
-
-            def pipeline_loss(output, target):
-                return _scaled(loss_fn(output, target), scaler)
-
-            name = plan.pipeline.schedule
-            stages = model._pipeline_stages
-            # the mean over microbatches taken here, once per parameter: the schedule's
-            # own scale_grads divides per stage, twice for a weight two of a rank's
-            # stages share (a tied embedding and head at the two ends of a V)
-            schedule = SCHEDULE_CLASSES[name](
-                stages if name in MULTI_STAGE else stages[0], n_microbatches=m,
-                loss_fn=pipeline_loss, scale_grads=False)
-            model._schedule = schedule
-            # each parameter once, though two of this rank's stages may share it
-            model._schedule_params = list({id(p): p for s in model._pipeline_stages
-                                           for p in s.submod.parameters()}.values())
-        if len(targets) > 1:
-            raise ValueError("batch: a pipelined plan takes one target tensor")
-        kwargs = {"target": targets[0], "losses": losses} if model.has_last else {}
-        schedule.step(*(inputs if model.has_first else ()), **kwargs)
-        for p in model._schedule_params:
-            if p.grad is not None:
-                p.grad.div_(m)
+        losses = model.run_schedule(inputs, targets, loss_fn, scaler)
     model.sync_gradients()
 
     total = torch.zeros((), device=model.device)

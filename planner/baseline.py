@@ -4,9 +4,10 @@
 split, gradients all-reduced); `"tensor"` is Megatron-style tensor parallelism (every layer
 that has a model-parallel strategy uses one, the rest run on the whole batch on every
 device); `"fsdp"` shards every layer's weights, gradients and optimizer state over the
-devices (FSDP2) and, like DDP, runs every layer on its rank's rows. Each of these is one entry of `BASELINES`: a rule that says which of a
-layer's candidate strategies the baseline allows; the integer program then picks among
-those (e.g. column vs row split), so each baseline is the best plan of its kind.
+devices (FSDP2) and, like DDP, runs every layer on its rank's rows. Each of these is one
+entry of `BASELINES`: a rule that says which of a layer's candidate strategies the
+baseline allows; the integer program then picks among those (e.g. column vs row split), so
+each baseline is the best plan of its kind.
 `summarize` is what a plan records of each: step time, communication (time and bytes sent
 per device), memory per device and whether it fits; one that does not fit is reported by
 what it needs, never as a speed to beat.
@@ -44,6 +45,7 @@ from planner.price import step_overhead_s
 from planner.problem import Solution
 from planner.profiled import profiled_graph
 from planner.search import Shape, shapes
+from planner.ties import data_parallel_else_replicate
 from planner.volume import communication_bytes
 from profiler.graph import Layer, ModelGraph
 from strategies.catalog import Strategy
@@ -54,8 +56,7 @@ Rule = Callable[[Layer, list[Strategy]], list[Strategy]]
 
 
 def _ddp(layer: Layer, options: list[Strategy]) -> list[Strategy]:
-    kept = [s for s in options if s.name == "data_parallel"]
-    return kept or [s for s in options if s.name == "replicate"]
+    return data_parallel_else_replicate(options)
 
 
 def _tensor(layer: Layer, options: list[Strategy]) -> list[Strategy]:
@@ -83,14 +84,14 @@ def _ep(layer: Layer, options: list[Strategy]) -> list[Strategy]:
     return [s for s in options if s.name == "expert_parallel"] or _ddp(layer, options)
 
 
-# kind -> (rule, the strategy that must exist for it, what to tell the user otherwise)
-BASELINES: dict[str, tuple[Rule, str | None, str]] = {
-    "ddp": (_ddp, None, ""),
-    "tensor": (_tensor, None, ""),
-    "fsdp": (_fsdp, "fsdp", "needs the FSDP strategy (issue 4), not in this build"),
-    "pipeline": (None, None, ""),  # not a per-layer rule: mesh shapes of the 3-D search
-    "fsdp_tp": (None, None, ""),  # likewise, with every shardable layer pinned to +fsdp
-    "ep": (_ep, "expert_parallel", "needs strategies.experts, not in this build"),
+# kind -> the rule that keeps a layer's strategies of that kind
+BASELINES: dict[str, Rule | None] = {
+    "ddp": _ddp,
+    "tensor": _tensor,
+    "fsdp": _fsdp,
+    "pipeline": None,  # not a per-layer rule: mesh shapes of the 3-D search
+    "fsdp_tp": None,  # likewise, with every shardable layer pinned to +fsdp
+    "ep": _ep,
 }
 # the kinds that are one integer program over a 1-D mesh: cheap enough that optimize()
 # prices each of them beside every plan it makes
@@ -101,35 +102,15 @@ LABELS = {"ddp": "DDP (pure data parallel)", "tensor": "tensor parallel (Megatro
 
 
 def available(kinds: Sequence[str] | None = None) -> list[str]:
-    """The baseline kinds this build can cost (all of `kinds`, default every kind)."""
-    return [k for k in (kinds or BASELINES) if _missing(k) is None]
+    """The baseline kinds of `kinds` (default every kind): every kind is costed."""
+    return list(kinds or BASELINES)
 
 
-def _strategy_names() -> set[str]:
-    """Names of every Strategy class defined (imported) in this build."""
-    seen, todo = set(), [Strategy]
-    while todo:
-        cls = todo.pop()
-        seen.add(cls.name)
-        todo.extend(cls.__subclasses__())
-    return seen
-
-
-def _missing(kind: str) -> str | None:
-    needs = BASELINES[kind][1]
-    if needs is None:
-        return None
-    return None if needs in _strategy_names() else BASELINES[kind][2]
-
-
-def _check(kind: str) -> Rule:
+def _check(kind: str) -> Rule | None:
+    """The rule of a known `kind` (None for the kinds the 3-D search makes)."""
     if kind not in BASELINES:
         raise ValueError(f"baseline: unknown kind {kind!r}; known: {', '.join(BASELINES)}")
-    why = _missing(kind)
-    if why is not None:
-        raise ValueError(f"baseline: {kind!r} is not available yet ({why}); use one of "
-                         f"{', '.join(available())}")
-    return BASELINES[kind][0]
+    return BASELINES[kind]
 
 
 def solve_baseline(graph: ModelGraph, cluster: Cluster, optimizer: str, kind: str,
@@ -167,7 +148,8 @@ def baseline(model: nn.Module, devices, kind: str, example_inputs: Sequence | No
     """The `kind` baseline ("ddp", "tensor", "fsdp", "pipeline", "fsdp_tp" or "ep") for `model`
     on `devices`, as a Plan the executor runs like any other; `tracer` as optimize's."""
     started = time.perf_counter()
-    if _check(kind) is None and kind == "pipeline":
+    _check(kind)  # an unknown kind stops here, before the model is traced
+    if kind == "pipeline":
         return _pipeline(model, devices, example_inputs, example_kwargs, optimizer,
                          leaf_modules, measure, time_limit_s, started)
     graph, cluster = profiled_graph(model, devices, example_inputs, example_kwargs,

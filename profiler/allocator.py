@@ -12,12 +12,11 @@ tcmalloc for the same reason; `mallopt` does it without preloading another alloc
 Threads are the other half. glibc gives each thread that allocates its own arena, whose
 heaps are mmap()ed 64 MB at a time and given back as they empty, and gloo's worker threads
 allocate a collective's scratch there: with the main heap kept and the arenas not, a
-67 MB FSDP2 layer on 2 gloo processes still faulted ~32k pages (128 MB) a step and cost
-245-350 ms, a 64 MB all-gather 17k pages a call and 79-87 ms; with one arena for every
-thread, no faults after the first steps, 205-290 ms, and 32-39 ms once warm (2026-11-26,
-this 2-core VM). Where a step faults pages in anew, how many depends on the process's
-history and what each costs on the host's mood: calibrations an hour apart priced that
-FSDP layer 237-504 ms.
+67 MB FSDP2 layer on 2 gloo processes still faults ~32k pages (128 MB) a step, a 64 MB
+all-gather 17k pages a call; with one arena for every thread, none after the first steps.
+Pages faulted in anew make a step's time depend on the process's history and the host's
+load, so a price measured under them does not repeat (the figures:
+benchmarks/results/HISTORY.md, "Calibration choices").
 
 Layer timing (profiler.profile), the ranks hyplan starts (profiler.launch), `hyplan train`
 before its process group starts gloo's threads, and every CPU run (executor.parallelize)

@@ -21,9 +21,9 @@ from profiler.per_model import PerModel
 from profiler.rounds import medians_in_rounds
 
 # model -> {(batch, rows, threads, input shapes): seconds}: one measurement per model and
-# shape in a process, as the layer times are cached by shape. Measured again at every
-# planning, the step moved by up to 13% between two plannings of one model here (one slow
-# window: glue 1.13 against 1.0), and two plans of the same program were priced apart.
+# shape in a process, as the layer times are cached by shape, so that two plans of one
+# program are priced alike: measured at every planning, the step moves with the host's
+# load (up to 13% between two plannings of one model here).
 _STEPS = PerModel()
 
 

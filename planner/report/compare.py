@@ -2,8 +2,8 @@
 planner.cli.compare, prints it).
 
 Every row is costed by the same model on the same profiled graph (layer timings are cached
-by shape, so the baselines cost no extra measuring). A baseline this build cannot cost gets
-a row that says why.
+by shape, so the baselines cost no extra measuring). A baseline with no plan on these
+devices (`fsdp_tp` on two) gets a row that says why.
 
     hyplan compare examples/mlp.py --devices 2xcpu --batch 64
 """
@@ -18,7 +18,7 @@ from rich.console import Console
 from rich.table import Table
 from torch import nn
 
-from planner.baseline import BASELINES, LABELS, _missing, baseline
+from planner.baseline import BASELINES, LABELS, baseline
 from planner.optimize import optimize
 from planner.plan import Plan
 from planner.report.explain import _gb, _ms, does_not_fit
@@ -28,7 +28,7 @@ from planner.report.explain import _gb, _ms, does_not_fit
 class Row:
     kind: str  # "hyplan" or a baseline kind
     label: str
-    plan: Plan | None  # None: not available in this build
+    plan: Plan | None  # None: no plan of that kind on these devices (the note says why)
     note: str = ""
 
 
@@ -40,10 +40,6 @@ def compare(model: nn.Module, devices, example_inputs: Sequence, *, optimizer: s
                       memory_limit_bytes=memory_limit_bytes, leaf_modules=leaf_modules)
     rows = [Row("hyplan", "hyplan (chosen per layer)", chosen)]
     for kind in kinds or BASELINES:
-        why = _missing(kind)
-        if why is not None:
-            rows.append(Row(kind, LABELS[kind], None, f"not available yet: {why}"))
-            continue
         try:
             plan = baseline(model, chosen.cluster, kind, example_inputs, optimizer=optimizer,
                             leaf_modules=leaf_modules)
@@ -79,8 +75,7 @@ def table(rows: list[Row]) -> Table:
         t.add_column(header, justify=justify, no_wrap=justify == "right")
     for row in rows:
         if row.plan is None:
-            what = "not available yet" if row.note.startswith("not available") else "none here"
-            t.add_row(row.label, f"{what} (below)", *["-"] * 7)
+            t.add_row(row.label, "none here (below)", *["-"] * 7)
             continue
         p = row.plan.predicted
         memory = max(p.memory_bytes)
