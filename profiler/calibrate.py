@@ -50,8 +50,8 @@ SIZES = (1 << 10, 16 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 32 << 20, 64 
 # prices
 QUICK_SIZES = (1 << 10, 256 << 10, 8 << 20, 32 << 20, 64 << 20, 128 << 20)
 # How long every rank computes before a collective timed as a step meets it
-# (`_in_step_spans`). Past ~4 ms the cost no longer grows: a 16 KB all-reduce cost 2.53 ms
-# after 5.3 ms and after 10 ms of compute (the gap curve of 2026-11-26's quick calibration).
+# (`_in_step_spans`). Past ~4 ms the cost stops growing: a 16 KB all-reduce costs the same
+# 2.53 ms after 5.3 ms and after 10 ms of compute (a quick calibration's gap curve).
 # Every timed call pays one, so it sets most of the calibration's minute: at 8 ms, sized by
 # the fastest matmul (10 ms real), ~2,500 of them took 25 s.
 BURST_S = 6e-3
@@ -317,10 +317,9 @@ def _interleaved_times(steps: dict, device, rounds: int) -> dict[str, float]:
     rank's end, the mean of the middle 80%; the same figure on every rank. Not each
     rank's own duration: a step that holds a collective waits in it for the ranks still
     in their burst before it, which is compute the cost model prices apart. Where 4
-    processes time-share 2 cores their bursts end milliseconds apart, and by each rank's
-    duration DTensor's redistribute read 6.7 ms beyond its all-gather where it reads 0.9
-    ms so, its parallel layer 6.6-7.7 ms against 4.7 (2 processes, either way: ~1 and
-    1.4-2.4 ms; 2026-11-26)."""
+    processes time-share 2 cores their bursts end milliseconds apart, and each rank's own
+    duration would charge that wait to the collective (several times its cost:
+    benchmarks/results/HISTORY.md, "Calibration choices")."""
     spans = _interleaved_spans({key: (fn, False) for key, fn in steps.items()}, device, rounds)
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, spans)
@@ -388,11 +387,9 @@ def _dtensor_overheads(rank: int, world: int, device, repeats: int) -> dict[str,
     bookkeeping, which run on this thread while the collective's own work and wait do not.
 
     CPU time, not wall: the wall of a tiny collective on gloo swings 0.4-3.4 ms from
-    spell to spell, so the wall difference of the two read anywhere in 0-1 ms (by the
-    link's fit, 0), where the thread's CPU reads 1.1-1.4 ms of redistribute against
-    0.15-0.19 ms of all-gather in every spell (2 processes, 2026-11-26); every layout
-    change of a plan was priced ~1 ms short, the transformers' tensor plans 9-34%. A
-    layer's own cost is `_tp_pairs`'."""
+    spell to spell, more than the ~1 ms DTensor adds, which the thread's CPU reads alike
+    in every spell (benchmarks/results/HISTORY.md, "Calibration choices"). A layer's own
+    cost is `_tp_pairs`'."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Replicate, Shard
 
@@ -546,30 +543,20 @@ FSDP_LAYERS = ((128, 8), (1024, 2), (2048, 2), (3072, 2), (3584, 2), (4096, 2))
 # calibration's seconds), and 4 small layers (each new root's first step costs ~0.2 s on 4
 # processes)
 FSDP_LAYERS_QUICK = ((128, 4), (1024, 2), (3072, 1), (4096, 1))
-# Past 1024 wide the first steps of a new width are warm-up: in three quick calibrations
-# (2026-11-24's host, FSDP2's default, see below) the per-layer cost of 67 MB layers ran
-# 436 318 120 163 212 228, 385 280 255 196 286 134 and 265 362 200 131 251 202 ms, round
-# by round (new 64 MB buffers faulted in, FSDP2's first gathers), where fc_cnn's FSDP
-# plan, timed after 4 warm-up steps, runs its two at ~200 ms each. Two rounds dropped
-# (until 2026-11-26) were not always enough: once freed memory is kept, glibc reuses a
-# big block only when its heap has room for it in one piece, and a 67 MB layer's steps
-# faulted in new pages for their first 4-5 calls on 2 processes (every one of 6 on 4).
-# So each step is first called until it faults in no new memory (`warm_up`), then
-# FSDP_BIG_ROUNDS rounds are timed (on 2 processes after it: 165-204 ms a round, where 4
-# processes with 3 rounds and nothing dropped had priced the layer 980 ms against
-# 360-444 warm). Each layer here is its own FSDP2 root resharded after forward and
-# gathered again in backward, as executor.levers wraps a plan's fsdp layers: at FSDP2's
-# default (a root keeps its weights gathered until backward) a 67 MB layer cost 245-271
-# ms a step on 2026-11-25's host against 374-414 ms resharded, and every FSDP plan of
-# benchmarks/fidelity.py (2 processes, two runs) measured 17-38% above its price.
+# Each step is first called until it faults in no new memory (`warm_up`), then
+# FSDP_BIG_ROUNDS rounds are timed: a new width's first steps fault in fresh pages (glibc
+# reuses a big freed block only where its heap has room for it in one piece) and run
+# FSDP2's first gathers, which a training step past its warm-up does not pay. Each layer
+# is its own FSDP2 root resharded after forward and gathered again in backward, as
+# executor.levers wraps a plan's fsdp layers, not FSDP2's cheaper default (a root keeps
+# its weights gathered until backward). The measurements behind both:
+# benchmarks/results/HISTORY.md, "Calibration choices".
 FSDP_BIG_ROUNDS = 4
 # The latency-bound layer (weights under SMALL_BYTES) takes this many times the rounds: its
 # per-layer figure is a difference of two means whose FSDP2 step holds 3 bimodal
-# collectives a layer (see SMALL_REPEATS), and with 9 rounds five measurements of the
-# 64 KB layer on 2 processes read 3.8-6.2 ms (3.7-7.0 over a day's calibrations), with 36
-# rounds 4.6-5.4 (6 and 24 rounds on 4 processes: 18.2-24.0 and 19.3-21.5 ms). It priced
-# every layer of a transformer's FSDP plan: hf_llama's 15 went +27% at 6.1 ms and +4% at
-# 5.3. The extra rounds cost ~1 s on 2 processes, ~2 s on 4 (2026-11-27).
+# collectives a layer (see SMALL_REPEATS), and it prices every layer of a transformer's
+# FSDP plan, so its spread becomes theirs; four times the rounds halve it for ~1 s more
+# (benchmarks/results/HISTORY.md, "Calibration choices").
 FSDP_SMALL_ROUNDS = 4
 
 
@@ -617,9 +604,9 @@ def _fsdp_layers(device, repeats: int = 9, sizes=FSDP_LAYERS, big_rounds: int = 
 
 # A contention trial during which other processes used more than this many cores is run
 # again (up to `trials` times), after waiting up to REDO_QUIET_WAIT_S for them to pause:
-# at first use, a user's other work (here, a test starting 4 processes for ~10 s) put the
-# all-at-once compute slowdown of 2 processes at 1.70x where it reads 1.0x, and every plan
-# that computes on both ranks at once was priced 30-68% over.
+# a user's other work inflates the all-at-once compute slowdown (a test starting 4
+# processes puts 2 processes' at 1.70x where it reads 1.0x), and with it the price of
+# every plan that computes on both ranks at once.
 DISTURBED_CORES = 0.25
 REDO_QUIET_WAIT_S = 2.0
 
@@ -689,8 +676,8 @@ def repeats_for(nbytes: int, repeats: int, least: int = 3) -> int:
     and its spread is small against its size (`least`: the fewest of those; 5, as the full
     calibration takes, where ranks have a core each, for ~1 s more; 2 where more processes
     than cores take 2-4x as long). More calls narrow only the spread within the few
-    seconds they take: a 67 MB bucket all-reduce priced 43-54 ms in four quick
-    calibrations with 5 and 44-57 ms in four with 3 (2026-11-26, 17:52-18:35)."""
+    seconds they take, not the host's drift between calibrations, which is larger
+    (benchmarks/results/HISTORY.md, "Calibration choices")."""
     if nbytes >= 64 << 20:
         return max(least, repeats // 5)
     if nbytes >= 16 << 20:
@@ -698,9 +685,9 @@ def repeats_for(nbytes: int, repeats: int, least: int = 3) -> int:
     return repeats
 
 
-def _rank_measure(rank: int, world: int, sizes, repeats: int, quiet_wait_s: float = 0.0,
-                  quick: bool = False) -> dict:
-    device = torch.device("cuda", rank) if dist.get_backend() == "nccl" else torch.device("cpu")
+def _rounds_scale(device, world: int, quick: bool) -> tuple[int, bool, int]:
+    """(shared, sparse, fewer): how far a rank's measurements cut their rounds where more
+    processes than cores time-share them, and further in the quick calibration."""
     # more processes than cores: each call takes ~2-5x longer (time-sharing), fewer rounds
     shared = 2 if device.type == "cpu" and world > (os.cpu_count() or 1) else 1
     # and fewer still in the quick calibration (`sparse`), whose figures there are several
@@ -712,96 +699,137 @@ def _rank_measure(rank: int, world: int, sizes, repeats: int, quiet_wait_s: floa
     # median 9%, worst 49% against 12% and 65% the hour before
     sparse = quick and shared > 1
     fewer = 4 if sparse else shared
-    phases: dict[str, float] = {}  # seconds each measurement took, for the log
-    clock = time.perf_counter()
+    return shared, sparse, fewer
 
-    def lap(name: str) -> None:
-        nonlocal clock
+
+class _Laps:
+    """Seconds each measurement of a rank took, for the log: `lap(name)` closes one."""
+
+    def __init__(self):
+        self.phases: dict[str, float] = {}
+        self._clock = time.perf_counter()
+
+    def lap(self, name: str) -> None:
         now = time.perf_counter()
-        phases[name] = now - clock
-        clock = now
+        self.phases[name] = now - self._clock
+        self._clock = now
 
+
+def _measured_names(world: int) -> list[str]:
+    """The collectives of MEASURED this rank times on `world` ranks and this backend."""
+    return [name for name in MEASURED
+            if not (name == "send_recv" and world != 2)  # one pair is enough: 2 ranks
+            # DTensor runs it as an all-gather on gloo: calibrate() copies those
+            and not (name == "all_to_all" and dist.get_backend() == "gloo")]
+
+
+def _unsupported(error: RuntimeError) -> bool:
+    """Whether `error` says the backend lacks a collective."""
+    text = str(error).lower()
+    return "not supported" in text or "unsupported" in text
+
+
+def _small_spans(names, sizes, rank: int, world: int, device, rounds: int) -> list:
+    """(name, nbytes, spans) of the collectives up to SMALL_BYTES, timed in turn."""
+    small = [(name, nbytes) for name in names for nbytes in sizes if nbytes <= SMALL_BYTES]
+    try:
+        taken = _interleaved_spans(
+            {(name, nbytes): (_collective_call(name, nbytes, rank, world, device),
+                              name == "bucket_all_reduce") for name, nbytes in small},
+            device, rounds)
+    except RuntimeError as error:  # e.g. a collective the backend lacks
+        if not _unsupported(error):
+            raise
+        taken = {}
+    return [(name, nbytes, taken[(name, nbytes)])
+            for name in names for nbytes in sizes if (name, nbytes) in taken]
+
+
+def _large_spans(names, sizes, rank: int, world: int, device, quiet_wait_s: float,
+                 repeats: int, least: int) -> list:
+    """(name, nbytes, spans) of the collectives past SMALL_BYTES, one block each."""
+    out = []
+    for name in names:
+        for nbytes in sizes:
+            if nbytes <= SMALL_BYTES:
+                continue
+            if quiet_wait_s > 0:  # on a shared machine, measure between others' bursts
+                if rank == 0:
+                    wait_for_quiet(quiet_wait_s)
+                dist.barrier()
+            try:
+                timing = _together_spans if name == "bucket_all_reduce" else _in_step_spans
+                calls = timing(_collective_call(name, nbytes, rank, world, device), device,
+                               repeats_for(nbytes, repeats, least=least))
+            except RuntimeError as error:  # e.g. a collective the backend lacks
+                if _unsupported(error):
+                    break
+                raise
+            out.append((name, nbytes, calls))
+    return out
+
+
+def _layer_overheads(rank: int, world: int, device, quick: bool, shared: int, fewer: int,
+                     laps: _Laps) -> dict:
+    """DTensor's, the DDP step's, FSDP2 layers' and tensor-parallel pairs' figures."""
+    # DTensor's and the DDP step's figures are each a difference of two means whose calls
+    # hold a bimodal collective (see SMALL_REPEATS): 21-31 rounds moved them by 1-1.5 ms
+    # between calibrations. Where more processes than cores time-share them, the quick
+    # calibration takes a quarter of the rounds (`fewer`)
+    dtensor = _dtensor_overheads(rank, world, device, 90 // fewer)
+    laps.lap("dtensor")
+    step = _step_overhead(device, 60 // fewer)
+    laps.lap("ddp step")
+    # more processes than cores: 3 rounds (each 0.5-1 s of a 67 MB layer on 4 processes)
+    fsdp = _fsdp_layers(device, (9 if fewer == 1 else 6) if quick else 15,
+                        FSDP_LAYERS_QUICK if quick else FSDP_LAYERS,
+                        big_rounds=FSDP_BIG_ROUNDS if shared == 1 else 3)
+    laps.lap("fsdp layers")
+    tp = _tp_pairs(device, (7 if quick else 11) // shared,
+                   TP_WIDTHS_QUICK if quick else TP_WIDTHS, 80 // fewer)
+    laps.lap("tp pairs")
+    return {"dtensor": dtensor, "step": step, "fsdp": fsdp, "tp": tp}
+
+
+def _rank_measure(rank: int, world: int, sizes, repeats: int, quiet_wait_s: float = 0.0,
+                  quick: bool = False) -> dict:
+    """Every figure one rank of `measure_collectives` takes, in the order all ranks share."""
+    device = torch.device("cuda", rank) if dist.get_backend() == "nccl" else torch.device("cpu")
+    shared, sparse, fewer = _rounds_scale(device, world, quick)
+    laps = _Laps()
     # where ranks time-share cores: 4 shorter trials, not 2 (whose median is their mean:
     # one thrashed trial put 4 processes' compute slowdown at 3.07-3.18x, against 2.0-2.5x
     # in nine other quick measurements, and priced such plans up to +90%)
     together = _contention(rank, device, quiet_wait_s,
                            trials=(3 if shared == 1 else 4) if quick else 5,
                            repeats=(5 if shared == 1 else 3) if quick else 9)
-    lap("contention")
-    names = [name for name in MEASURED
-             if not (name == "send_recv" and world != 2)  # one pair is enough: 2 ranks
-             # DTensor runs it as an all-gather on gloo: calibrate() copies those
-             and not (name == "all_to_all" and dist.get_backend() == "gloo")]
-    small = [(name, nbytes) for name in names for nbytes in sizes if nbytes <= SMALL_BYTES]
-    try:
-        taken = _interleaved_spans(
-            {(name, nbytes): (_collective_call(name, nbytes, rank, world, device),
-                              name == "bucket_all_reduce") for name, nbytes in small},
-            device, max(repeats, SMALL_REPEATS // (3 if sparse else shared)))
-    except RuntimeError as error:  # e.g. a collective the backend lacks
-        if "not supported" not in str(error).lower() and "unsupported" not in str(error).lower():
-            raise
-        taken = {}
-    lap("small collectives")
-    def large_spans() -> list:
-        """(name, nbytes, spans) of the collectives past SMALL_BYTES, one block each."""
-        out = []
-        for name in names:
-            for nbytes in sizes:
-                if nbytes <= SMALL_BYTES:
-                    continue
-                if quiet_wait_s > 0:  # on a shared machine, measure between others' bursts
-                    if rank == 0:
-                        wait_for_quiet(quiet_wait_s)
-                    dist.barrier()
-                try:
-                    timing = _together_spans if name == "bucket_all_reduce" else _in_step_spans
-                    calls = timing(_collective_call(name, nbytes, rank, world, device), device,
-                                   repeats_for(nbytes, repeats // shared if quick else repeats,
-                                               least=2 if sparse else 5))
-                except RuntimeError as error:  # e.g. a collective the backend lacks
-                    text = str(error).lower()
-                    if "not supported" in text or "unsupported" in text:
-                        break
-                    raise
-                out.append((name, nbytes, calls))
-        return out
-
-    spans = [(name, nbytes, taken[(name, nbytes)])
-             for name in names for nbytes in sizes if (name, nbytes) in taken]
-    spans += large_spans()
-    lap("large collectives")
+    laps.lap("contention")
+    names = _measured_names(world)
+    spans = _small_spans(names, sizes, rank, world, device,
+                         max(repeats, SMALL_REPEATS // (3 if sparse else shared)))
+    laps.lap("small collectives")
+    large = {"names": names, "sizes": sizes, "rank": rank, "world": world, "device": device,
+             "quiet_wait_s": quiet_wait_s, "repeats": repeats // shared if quick else repeats,
+             "least": 2 if sparse else 5}
+    spans += _large_spans(**large)
+    laps.lap("large collectives")
     # gloo's wake-up after compute, where processes outnumber cores too (there the bursts
     # time-share: the curve is read by the wall gap); not on GPUs (NCCL's kernels queue
     # behind compute)
     gap = (_gap_spans(_collective_call("all_reduce", GAP_BYTES, rank, world, device), device)
            if device.type == "cpu" else None)
-    lap("gap curve")
-    # DTensor's and the DDP step's figures are each a difference of two means whose calls
-    # hold a bimodal collective (see SMALL_REPEATS): 21-31 rounds moved them by 1-1.5 ms
-    # between calibrations. Where more processes than cores time-share them, the quick
-    # calibration takes a quarter of the rounds (`fewer`)
-    dtensor = _dtensor_overheads(rank, world, device, 90 // fewer)
-    lap("dtensor")
-    step = _step_overhead(device, 60 // fewer)
-    lap("ddp step")
-    # more processes than cores: 3 rounds (each 0.5-1 s of a 67 MB layer on 4 processes)
-    fsdp = _fsdp_layers(device, (9 if fewer == 1 else 6) if quick else 15,
-                        FSDP_LAYERS_QUICK if quick else FSDP_LAYERS,
-                        big_rounds=FSDP_BIG_ROUNDS if shared == 1 else 3)
-    lap("fsdp layers")
-    tp = _tp_pairs(device, (7 if quick else 11) // shared,
-                   TP_WIDTHS_QUICK if quick else TP_WIDTHS, 80 // fewer)
-    lap("tp pairs")
+    laps.lap("gap curve")
+    overheads = _layer_overheads(rank, world, device, quick, shared, fewer, laps)
     # the large ones once more, last (after the FSDP2 layers, whose figures the buffers'
     # heap moves): `collective_samples` keeps the faster window of each. One window is a
     # few seconds, and a slow spell of the host within it (a 67 MB bucket all-reduce read
     # 81.9 ms beside a 46 ms all-reduce, against 38-48 in seven calibrations) priced the
     # FC-heavy CNN's DDP plan 283 ms, measured 227
-    late = large_spans()
-    lap("large collectives again")
-    return {"spans": spans, "late": late, "gap": gap, "dtensor": dtensor,
-            "contention": together, "step": step, "fsdp": fsdp, "tp": tp, "phases": phases}
+    late = _large_spans(**large)
+    laps.lap("large collectives again")
+    return {"spans": spans, "late": late, "gap": gap, "dtensor": overheads["dtensor"],
+            "contention": together, "step": overheads["step"], "fsdp": overheads["fsdp"],
+            "tp": overheads["tp"], "phases": laps.phases}
 
 
 # --- compute ---------------------------------------------------------------------------------

@@ -207,9 +207,42 @@ def graph_of_program(model: nn.Module, program: torch.export.ExportedProgram, ar
     apart so that profiler.repeat_blocks can read the program's node names too)."""
     batch = _batch(args)
     graph = program.graph_module.graph
+    group, members, order = group_ops(program, model, unit_types)
+    layers, node_of, scopes = _program_layers(model, program, args, kwargs, batch,
+                                              members, order)
+    resolve = _resolver(group, node_of)
+    by_name = {n.name: n for n in graph.nodes}
+    fixed = []
+    for layer in layers:
+        inputs = []
+        for src_name in layer.inputs:
+            src = by_name[src_name]
+            inputs.extend(r for r in resolve(src) if r != layer.node)
+        fixed.append(replace(layer, inputs=tuple(dict.fromkeys(inputs))))
+    layers = _mark_between_modules(_dense_blocks_in_order(in_order(fixed, batch), fixed, model))
+
+    output_node = next(n for n in graph.nodes if n.op == "output")
+    outputs = []
+    for n in pytree.tree_leaves(output_node.args):
+        if isinstance(n, fx.Node) and n.name in (program.graph_signature.user_outputs or ()):
+            outputs.extend(resolve(n))
+    flops = _count_flops(program, args, kwargs, group, node_of)
+    layers = [_with_flops(l, flops.get(l.node, 0)) for l in count_once(layers, model)]
+    blocks, why = decoder_blocks(model)
+    return ModelGraph(type(model).__name__, tuple(layers), tuple(dict.fromkeys(outputs)), batch,
+                      fingerprint_modules(model), module=None, example_kwargs=kwargs,
+                      tracer="export", blocks=blocks, scopes=scopes, no_blocks_why=why,
+                      units=tuple(unit_types))
+
+
+def _program_layers(model: nn.Module, program: torch.export.ExportedProgram, args: tuple,
+                    kwargs: dict, batch: int, members: dict,
+                    order: list) -> tuple[list[Layer], dict[str, str], dict[str, str]]:
+    """(a Layer per group of ops, in `order`, its inputs still the fx nodes it reads; the
+    fx node that carries each layer key's output; the innermost module that ran each
+    layer's node)."""
     modules = dict(model.named_modules())
     user_inputs = set(program.graph_signature.user_inputs)
-    group, members, order = group_ops(program, model, unit_types)
     factors = row_factors(model, args, kwargs, batch, program)
     # what each op's memory-bound kernels move under each precision (GPU pricing reads it)
     moved = {p: traffic(program, p, batch) for p in COUNTED}
@@ -222,7 +255,6 @@ def graph_of_program(model: nn.Module, program: torch.export.ExportedProgram, ar
     read = {ph: names[id(model.get_parameter(fqn))]
             for ph, fqn in program.graph_signature.inputs_to_parameters.items()
             if id(model.get_parameter(fqn)) in names}
-    # a tuple-valued op (split) is no layer: its items' readers read what it read
     layers: list[Layer] = []
     node_of: dict[str, str] = {}  # layer key -> the fx node that carries its output
     scopes: dict[str, str] = {}  # layer node -> the innermost module that ran it
@@ -246,8 +278,12 @@ def graph_of_program(model: nn.Module, program: torch.export.ExportedProgram, ar
                                       for p, m in moved.items()})
         layer = replace(layer, attrs={**layer.attrs, "traffic": per_precision})
         layers.append(replace(layer, params=_params_read(key, nodes, modules, read, names)))
+    return layers, node_of, scopes
 
-    by_key = {l.name: l for l in layers}
+
+def _resolver(group: dict[str, str], node_of: dict[str, str]):
+    """A function from an fx node to the layer nodes whose outputs it carries: a
+    tuple-valued op (split) is no layer, so its items' readers read what it read."""
     produced = {node_of[k]: k for k in node_of}
 
     def resolve(src: fx.Node, seen=()) -> list[str]:
@@ -259,29 +295,7 @@ def graph_of_program(model: nn.Module, program: torch.export.ExportedProgram, ar
         return [r for s in src.all_input_nodes if s.name not in seen
                 for r in resolve(s, seen + (src.name,))]
 
-    by_name = {n.name: n for n in graph.nodes}
-    fixed = []
-    for layer in layers:
-        inputs = []
-        for src_name in layer.inputs:
-            src = by_name[src_name]
-            inputs.extend(r for r in resolve(src) if r != layer.node)
-        fixed.append(replace(layer, inputs=tuple(dict.fromkeys(inputs))))
-    layers = _mark_between_modules(_dense_blocks_in_order(in_order(fixed, batch), fixed, model))
-
-    output_node = next(n for n in graph.nodes if n.op == "output")
-    outputs = []
-    for n in pytree.tree_leaves(output_node.args):
-        if isinstance(n, fx.Node) and n.name in (program.graph_signature.user_outputs or ()):
-            outputs.extend(resolve(n))
-    flops = _count_flops(program, args, kwargs, group, node_of)
-    layers = [_with_flops(l, flops.get(l.node, 0)) for l in count_once(layers, model)]
-    del by_key
-    blocks, why = decoder_blocks(model)
-    return ModelGraph(type(model).__name__, tuple(layers), tuple(dict.fromkeys(outputs)), batch,
-                      fingerprint_modules(model), module=None, example_kwargs=kwargs,
-                      tracer="export", blocks=blocks, scopes=scopes, no_blocks_why=why,
-                      units=tuple(unit_types))
+    return resolve
 
 
 def _dense_blocks_in_order(ordered: list[Layer], traced: list[Layer],

@@ -225,61 +225,79 @@ def count_flops_and_traffic(graph: ModelGraph) -> tuple[dict, dict]:
         if node.op == "output":
             continue
         layer = graph._by_node.get(node.name)
-        if node.op == "placeholder":
-            values[node.name] = _placeholder_value(layer, graph, node, "meta", batch)
-            needs_grad[node.name] = False
+        if node.op in ("placeholder", "get_attr"):
+            _input_value(node, layer, graph, gm, modules, values, needs_grad, records, batch)
             if layer is not None:
                 result[node.name] = (0, 0)
-            if isinstance(values[node.name], torch.Tensor):
-                for p in COUNTED:
-                    records[p][node.name] = constant(values[node.name], batch)
-            continue
-        if node.op == "get_attr":  # a bare parameter or buffer: counted as a meta tensor,
-            # as everything else here is (a GPU model's weight met by a meta input fails in
-            # backward: "expected device cuda:0 but got meta")
-            attr = run_node(node, values, modules, gm)
-            values[node.name] = to_meta(attr)
-            needs_grad[node.name] = isinstance(attr, torch.Tensor) and attr.requires_grad
-            if layer is not None:
-                result[node.name] = (0, 0)
-            if isinstance(attr, torch.Tensor):
-                for p in COUNTED:
-                    records[p][node.name] = Seen(values[node.name], attr.dtype,
-                                                 needs_grad[node.name], False)
             continue
         key = _node_key(node, modules, values, needs_grad)
         if key in counted:
             fwd, bwd, value, grad, ran = counted[key]
         else:
-            try:
-                fwd, bwd, out, ran = _node_flops(node, values, needs_grad, modules, gm, meta=True)
-            except Exception:  # data-dependent Python in a leaf module: count it on zeros
-                home = weights_device(modules[node.target] if node.op == "call_module" else None)
-                real = {n.name: materialize(values.get(n.name), home)
-                        for n in node.all_input_nodes}
-                fwd, bwd, out, ran = _node_flops(node, real, needs_grad, modules, gm,
-                                                 meta=False)
-                out = to_meta(out)
-            grad = isinstance(out, torch.Tensor) and out.requires_grad
-            value = out.detach() if isinstance(out, torch.Tensor) else out
+            fwd, bwd, value, grad, ran = _count_node(node, values, needs_grad, modules, gm)
             if key is not None:
                 counted[key] = (fwd, bwd, value, grad, ran)
         needs_grad[node.name] = grad
         values[node.name] = value
         attrs, outs = _traffic(node, ran, records, batch)
-        for p, record in outs.items():
-            records[p][node.name] = record
-            for src in dict.fromkeys(node.all_input_nodes):  # a second reader of a tensor
-                # adds its gradient to the first's (paid here, as profiler.traffic does)
-                upstream = records[p].get(src.name)
-                if src.name in read and isinstance(upstream, Seen):
-                    extra = accumulation(upstream, 2)
-                    attrs[p] = tuple(a + b for a, b in zip(attrs[p], extra.as_attr()))
+        _record_outputs(node, attrs, outs, records, read)
         read.update(src.name for src in node.all_input_nodes)
         if layer is not None:
             result[node.name] = (fwd, bwd)
             moved[node.name] = with_float16(attrs)
     return result, moved
+
+
+def _input_value(node, layer, graph: ModelGraph, gm, modules: dict, values: dict,
+                 needs_grad: dict, records: dict, batch: int) -> None:
+    """A placeholder's or get_attr's value, gradient flag and traffic record, as meta
+    tensors."""
+    if node.op == "placeholder":
+        values[node.name] = _placeholder_value(layer, graph, node, "meta", batch)
+        needs_grad[node.name] = False
+        if isinstance(values[node.name], torch.Tensor):
+            for p in COUNTED:
+                records[p][node.name] = constant(values[node.name], batch)
+        return
+    # a bare parameter or buffer: counted as a meta tensor, as everything else here is (a
+    # GPU model's weight met by a meta input fails in backward: "expected device cuda:0
+    # but got meta")
+    attr = run_node(node, values, modules, gm)
+    values[node.name] = to_meta(attr)
+    needs_grad[node.name] = isinstance(attr, torch.Tensor) and attr.requires_grad
+    if isinstance(attr, torch.Tensor):
+        for p in COUNTED:
+            records[p][node.name] = Seen(values[node.name], attr.dtype,
+                                         needs_grad[node.name], False)
+
+
+def _count_node(node, values: dict, needs_grad: dict, modules: dict, gm) -> tuple:
+    """(fwd, bwd, output as a meta value, whether it needs grad, what ran) of one node."""
+    try:
+        fwd, bwd, out, ran = _node_flops(node, values, needs_grad, modules, gm, meta=True)
+    except Exception:  # data-dependent Python in a leaf module: count it on zeros
+        home = weights_device(modules[node.target] if node.op == "call_module" else None)
+        real = {n.name: materialize(values.get(n.name), home)
+                for n in node.all_input_nodes}
+        fwd, bwd, out, ran = _node_flops(node, real, needs_grad, modules, gm,
+                                         meta=False)
+        out = to_meta(out)
+    grad = isinstance(out, torch.Tensor) and out.requires_grad
+    value = out.detach() if isinstance(out, torch.Tensor) else out
+    return fwd, bwd, value, grad, ran
+
+
+def _record_outputs(node, attrs: dict, outs: dict, records: dict, read: set[str]) -> None:
+    """Keep the node's output records, and add to `attrs` the gradient accumulation of
+    each input some earlier node has read already."""
+    for p, record in outs.items():
+        records[p][node.name] = record
+        for src in dict.fromkeys(node.all_input_nodes):  # a second reader of a tensor
+            # adds its gradient to the first's (paid here, as profiler.traffic does)
+            upstream = records[p].get(src.name)
+            if src.name in read and isinstance(upstream, Seen):
+                extra = accumulation(upstream, 2)
+                attrs[p] = tuple(a + b for a, b in zip(attrs[p], extra.as_attr()))
 
 
 def median_time(fn, repeats: int = 5, budget_s: float = 0.3, clock=time.perf_counter) -> float:

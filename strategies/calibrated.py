@@ -338,26 +338,21 @@ def device_spec(rates: ComputeRates) -> DeviceSpec:
 
 # --- the whole calibration -------------------------------------------------------------------
 
-def calibrate(processes=(2, 4), quick: bool = False, repeats: int | None = None,
-              log=print, quiet_wait_s: float = 0.0, kind: str | None = None) -> ClusterProfile:
-    """Measure this machine: compute at the threads each of max(processes) gets, and the
-    collectives on every process count of at least 2 in `processes` (`(1,)`: compute
-    only). `quiet_wait_s`: before each measurement, wait up to that long for other
-    processes' load to pause. `kind`: "cpu" or "cuda" (default: CUDA where this machine
-    has max(processes) GPUs)."""
-    started = time.perf_counter()
+def _use_cuda(processes, kind: str | None) -> bool:
+    """Whether to calibrate CUDA devices: `kind` where given (checked), else CUDA where
+    this machine has max(processes) GPUs."""
     cuda = torch.cuda.is_available() and torch.cuda.device_count() >= max(processes)
     if kind is not None:
         if kind == "cuda" and not cuda:
             raise ValueError(f"calibrate: {max(processes)} CUDA devices asked for, this "
                              f"machine has {torch.cuda.device_count()}")
         cuda = kind == "cuda"
-    backend = "nccl" if cuda else "gloo"
-    sizes = QUICK_SIZES if quick else SIZES
-    repeats = repeats or (10 if quick else 25)
-    cores = os.cpu_count() or 1
-    threads = torch.get_num_threads() if cuda else cpu_threads_per_device(max(processes))
+    return cuda
 
+
+def _measure_device(threads: int, cuda: bool, quiet_wait_s: float, log,
+                    started: float) -> DeviceSpec:
+    """One device's compute rates, as a DeviceSpec, logged."""
     log(f"compute: matmul, conv2d and a 256 MB copy with {threads} thread(s)")
     if quiet_wait_s > 0:
         wait_for_quiet(quiet_wait_s)
@@ -367,42 +362,95 @@ def calibrate(processes=(2, 4), quick: bool = False, repeats: int | None = None,
         + (f", conv2d {device.op_flops['conv2d'] / 1e9:.1f} GFLOP/s" if device.op_flops else "")
         + f", copy {device.memory_bandwidth_bytes_per_s / 1e9:.1f} GB/s"
         + f" ({time.perf_counter() - started:.1f} s)")
+    return device
+
+
+def _measure_link(world: int, sizes, repeats: int, quiet_wait_s: float, quick: bool,
+                  backend: str, threads: int, device: DeviceSpec, log):
+    """(link, samples, tensor-parallel samples, each rank's raw figures) of `world` ranks:
+    the collectives measured and their link fitted."""
+    log(f"collectives on {world} {backend} ranks: {', '.join(MEASURED)}, "
+        f"{len(sizes)} sizes x {repeats} repeats")
+    samples, per_rank = measure_collectives(world, sizes, repeats, quiet_wait_s, quick,
+                                            backend, threads)
+    samples += fsdp_layer_samples(per_rank, world)
+    log("  measured in " + ", ".join(f"{name} {seconds:.1f} s"
+                                     for name, seconds in per_rank[0]["phases"].items()))
+    # on CPU the regimes change where the processes' data spills the shared cache
+    link = fit_link(samples, f"{backend} ({world} processes)",
+                    f"fitted by hyplan calibrate on {platform.node()}",
+                    split_bytes=device.cache_bytes or None)
+    if per_rank[0].get("gap") is not None:  # gloo
+        link = link.model_copy(update={"gap_curve": gap_curve(per_rank)})
+    tp_samples = tp_layer_samples(per_rank, world, link)
+    if tp_samples:  # fitted on its own (absolute seconds, weights' bytes): see there
+        link = link.model_copy(update={"collectives": {
+            **link.collectives, "tp_layer": tp_layer_fit(tp_samples)}})
+    samples += tp_samples
+    return link, samples, tp_samples, per_rank
+
+
+def _log_fits(link: LinkSpec, log) -> None:
+    """Each collective's fit, with its regimes, and the gap curve where there is one."""
+    for name, fit in link.collectives.items():
+        line = (f"  {name:<17} alpha {fit.latency_s * 1e3:7.3f} ms   beta "
+                f"{fit.bandwidth_bytes_per_s / 1e9:6.2f} GB/s")
+        for r in fit.regimes:
+            line += (f"; past {r.above_bytes / 2**20:g} MB: alpha {r.latency_s * 1e3:.3f} "
+                     f"ms, beta {r.bandwidth_bytes_per_s / 1e9:.2f} GB/s")
+        log(line)
+    if link.gap_curve is not None:
+        curve = link.gap_curve
+        log(f"  a {GAP_BYTES // 1024} KB all-reduce after " + ", ".join(
+            f"{g * 1e3:.2g} ms: {t * 1e3:.2f} ms" for g, t in zip(curve.gaps_s, curve.seconds))
+            + " of compute")
+
+
+def _log_overheads(world: int, link: LinkSpec, tp_samples, redone: int, compute_slowdown: float,
+                   memory_slowdown: float, layer_overhead: float,
+                   reshard_overhead: float, log) -> None:
+    """The slowdown of all ranks at once and DTensor's and a tensor-parallel Linear's
+    own costs on `world` ranks."""
+    log(f"  all {world} at once: compute {compute_slowdown:.2f}x, memory "
+        f"{memory_slowdown:.2f}x slower than one process alone"
+        + (f" ({redone} trials run again: other processes worked meanwhile)"
+           if redone else ""))
+    log(f"  DTensor: {layer_overhead * 1e3:.2f} ms per parallel layer, "
+        f"{reshard_overhead * 1e3:.2f} ms per redistribute (fwd + bwd)")
+    if "tp_layer" in link.collectives:
+        tp = link.collectives["tp_layer"]
+        per_mb_ms = 2**20 / tp.bandwidth_bytes_per_s * 1e3
+        log(f"  a tensor-parallel Linear beyond its math and collectives: "
+            f"{tp.latency_s * 1e3:.2f} ms + {per_mb_ms:.3f} ms per MB of its weight on "
+            f"each rank (pairs at "
+            + ", ".join(f"{s.nbytes / 2**20:.2g} MB: {s.seconds * 1e3:.2f} ms"
+                        for s in tp_samples) + ")")
+
+
+def calibrate(processes=(2, 4), quick: bool = False, repeats: int | None = None,
+              log=print, quiet_wait_s: float = 0.0, kind: str | None = None) -> ClusterProfile:
+    """Measure this machine: compute at the threads each of max(processes) gets, and the
+    collectives on every process count of at least 2 in `processes` (`(1,)`: compute
+    only). `quiet_wait_s`: before each measurement, wait up to that long for other
+    processes' load to pause. `kind`: "cpu" or "cuda" (default: CUDA where this machine
+    has max(processes) GPUs)."""
+    started = time.perf_counter()
+    cuda = _use_cuda(processes, kind)
+    backend = "nccl" if cuda else "gloo"
+    sizes = QUICK_SIZES if quick else SIZES
+    repeats = repeats or (10 if quick else 25)
+    cores = os.cpu_count() or 1
+    threads = torch.get_num_threads() if cuda else cpu_threads_per_device(max(processes))
+    device = _measure_device(threads, cuda, quiet_wait_s, log, started)
 
     links, layer_overhead, reshard_overhead, all_samples = {}, {}, {}, []
     compute_slowdown, memory_slowdown, step_overhead = {}, {}, {}
     for world in (p for p in processes if p >= 2):
-        log(f"collectives on {world} {backend} ranks: {', '.join(MEASURED)}, "
-            f"{len(sizes)} sizes x {repeats} repeats")
-        samples, per_rank = measure_collectives(world, sizes, repeats, quiet_wait_s, quick,
-                                                backend, threads)
-        samples += fsdp_layer_samples(per_rank, world)
-        log("  measured in " + ", ".join(f"{name} {seconds:.1f} s"
-                                         for name, seconds in per_rank[0]["phases"].items()))
-        # on CPU the regimes change where the processes' data spills the shared cache
-        link = fit_link(samples, f"{backend} ({world} processes)",
-                        f"fitted by hyplan calibrate on {platform.node()}",
-                        split_bytes=device.cache_bytes or None)
-        if per_rank[0].get("gap") is not None:  # gloo
-            link = link.model_copy(update={"gap_curve": gap_curve(per_rank)})
-        tp_samples = tp_layer_samples(per_rank, world, link)
-        if tp_samples:  # fitted on its own (absolute seconds, weights' bytes): see there
-            link = link.model_copy(update={"collectives": {
-                **link.collectives, "tp_layer": tp_layer_fit(tp_samples)}})
-        samples += tp_samples
+        link, samples, tp_samples, per_rank = _measure_link(
+            world, sizes, repeats, quiet_wait_s, quick, backend, threads, device, log)
         all_samples += samples
         links[world] = link
-        for name, fit in link.collectives.items():
-            line = (f"  {name:<17} alpha {fit.latency_s * 1e3:7.3f} ms   beta "
-                    f"{fit.bandwidth_bytes_per_s / 1e9:6.2f} GB/s")
-            for r in fit.regimes:
-                line += (f"; past {r.above_bytes / 2**20:g} MB: alpha {r.latency_s * 1e3:.3f} "
-                         f"ms, beta {r.bandwidth_bytes_per_s / 1e9:.2f} GB/s")
-            log(line)
-        if link.gap_curve is not None:
-            curve = link.gap_curve
-            log(f"  a {GAP_BYTES // 1024} KB all-reduce after " + ", ".join(
-                f"{g * 1e3:.2g} ms: {t * 1e3:.2f} ms" for g, t in zip(curve.gaps_s, curve.seconds))
-                + " of compute")
+        _log_fits(link, log)
         # a layer's fixed part (the tp_layer fit's latency): what prices a layer where a
         # profile has no fit, and what StepMonitor's refit scales
         layer_overhead[world] = link.collectives["tp_layer"].latency_s if tp_samples else 0.0
@@ -411,21 +459,9 @@ def calibrate(processes=(2, 4), quick: bool = False, repeats: int | None = None,
         reshard_overhead[world] = _reshard_overhead(per_rank)
         step_overhead[world] = _fixed_step(per_rank, world, link)
         log(f"  a distributed step's fixed cost: {step_overhead[world] * 1e3:.2f} ms")
-        redone = per_rank[0]["contention"].get("redone", 0)
-        log(f"  all {world} at once: compute {compute_slowdown[world]:.2f}x, memory "
-            f"{memory_slowdown[world]:.2f}x slower than one process alone"
-            + (f" ({redone} trials run again: other processes worked meanwhile)"
-               if redone else ""))
-        log(f"  DTensor: {layer_overhead[world] * 1e3:.2f} ms per parallel layer, "
-            f"{reshard_overhead[world] * 1e3:.2f} ms per redistribute (fwd + bwd)")
-        if "tp_layer" in link.collectives:
-            tp = link.collectives["tp_layer"]
-            per_mb_ms = 2**20 / tp.bandwidth_bytes_per_s * 1e3
-            log(f"  a tensor-parallel Linear beyond its math and collectives: "
-                f"{tp.latency_s * 1e3:.2f} ms + {per_mb_ms:.3f} ms per MB of its weight on "
-                f"each rank (pairs at "
-                + ", ".join(f"{s.nbytes / 2**20:.2g} MB: {s.seconds * 1e3:.2f} ms"
-                            for s in tp_samples) + ")")
+        _log_overheads(world, link, tp_samples, per_rank[0]["contention"].get("redone", 0),
+                       compute_slowdown[world], memory_slowdown[world],
+                       layer_overhead[world], reshard_overhead[world], log)
     return ClusterProfile(
         created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         host=platform.node(), torch_version=torch.__version__, backend=backend, cores=cores,
@@ -441,10 +477,9 @@ def calibrate(processes=(2, 4), quick: bool = False, repeats: int | None = None,
 def _reshard_overhead(per_rank: list[dict]) -> float:
     """DTensor's own seconds per redistribute: its CPU beyond the plain op and the
     all-gather it issues (profiler.calibrate._dtensor_overheads), the most any rank spent.
-    Not scaled by the all-at-once compute slowdown where processes outnumber cores: on 4
-    processes that read 2.3 ms where the wall of a redistribute beyond its all-gather's fit
-    read 0.9 ms and the CPU alone 1.1 ms (2026-11-26), and the Hugging Face tensor plans
-    there already ran 34-49% under their prices."""
+    Not scaled by the all-at-once compute slowdown where processes outnumber cores: scaled,
+    it reads more than twice the wall a redistribute adds there
+    (benchmarks/results/HISTORY.md, "Calibration choices")."""
     d = {k: max(r["dtensor"][k] for r in per_rank) for k in ("plain", "gather", "reshard")}
     return max(0.0, d["reshard"] - d["plain"] - d["gather"])
 

@@ -143,6 +143,30 @@ def read_torchtitan(text: str, devices: int | None = None, *,
     """A torchtitan job file as a JobConfig. `devices`: the world size, which fills a
     degree of -1 (torchtitan's "the rest"); `overrides` {"section.field": value} as on
     torchtitan's command line (the published runs change a field or two of the file)."""
+    data = _job_tables(text, overrides)
+    training = data.get("training", {})
+    parallel = {**training, **data.get("experimental", {}), **data.get("parallelism", {})}
+    degrees = _degrees(parallel, devices)
+    global_batch, microbatches = _batching(training, parallel, degrees)
+    schedule, chunks = _schedule(data, parallel, degrees["pp"])
+    recompute, every = _recompute(data)
+    compile_ = data.get("compile", {})
+    compiled = bool(compile_.get("enable", training.get("compile", False))
+                    if isinstance(compile_, dict) else compile_)
+    dtype = str(training.get("mixed_precision_param", "bfloat16"))
+    precision = {v: k for k, v in PRECISIONS.items()}.get(dtype, "bf16-mixed")
+    return JobConfig(global_batch=global_batch, seq_len=int(training.get("seq_len", 0)),
+                     schedule=schedule, microbatches=microbatches, chunks=chunks,
+                     recompute=recompute, recompute_every=every, precision=precision,
+                     # torchtitan runs its norms sequence parallel wherever tp > 1
+                     sequence_parallel=degrees["tp"] > 1,
+                     compile=compiled, float8=_float8(data),
+                     async_tp=bool(parallel.get("enable_async_tensor_parallel", False)),
+                     **degrees)
+
+
+def _job_tables(text: str, overrides: dict[str, object] | None) -> dict:
+    """The job file's tables, with `overrides` ("section.field": value) written over them."""
     try:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as error:
@@ -153,10 +177,13 @@ def read_torchtitan(text: str, devices: int | None = None, *,
         for part in path:
             table = table.setdefault(part, {})
         table[last] = value
-    training = data.get("training", {})
-    parallel = {**training, **data.get("experimental", {}), **data.get("parallelism", {})}
-    get = parallel.get
-    degrees = {k: int(get(f, 1)) for k, f in (
+    return data
+
+
+def _degrees(parallel: dict, devices: int | None) -> dict[str, int]:
+    """Each parallel degree, a data_parallel_shard_degree of -1 filled from `devices`,
+    checked to multiply to `devices` where given."""
+    degrees = {k: int(parallel.get(f, 1)) for k, f in (
         ("dp_replicate", "data_parallel_replicate_degree"),
         ("dp_shard", "data_parallel_shard_degree"), ("tp", "tensor_parallel_degree"),
         ("pp", "pipeline_parallel_degree"), ("cp", "context_parallel_degree"),
@@ -174,6 +201,12 @@ def read_torchtitan(text: str, devices: int | None = None, *,
     elif devices is not None and known != devices:
         raise JobFileError(f"torchtitan job: its degrees multiply to {known} devices, not "
                            f"the {devices} given; fix a degree or --devices")
+    return degrees
+
+
+def _batching(training: dict, parallel: dict, degrees: dict[str, int]) -> tuple[int, int]:
+    """(global batch, microbatches per step): gradient accumulation, and the pipeline's
+    microbatches of each local batch, as microbatches."""
     dp = degrees["dp_replicate"] * degrees["dp_shard"]
     local = int(training.get("local_batch_size", training.get("batch_size", 8)))
     global_batch = int(training.get("global_batch_size", -1))
@@ -183,25 +216,34 @@ def read_torchtitan(text: str, devices: int | None = None, *,
         raise JobFileError(f"torchtitan job: global_batch_size {global_batch} is not a "
                            f"multiple of local_batch_size {local} x data-parallel degree {dp}")
     accumulation = global_batch // (local * dp)
-    if degrees["pp"] > 1:
-        rows = int(get("pipeline_parallel_microbatch_size", 1))
-        if local % rows:
-            raise JobFileError(f"torchtitan job: local_batch_size {local} does not split into "
-                               f"microbatches of pipeline_parallel_microbatch_size {rows}")
-        microbatches = local // rows * accumulation
-    else:
-        microbatches = accumulation
-    schedule = str(get("pipeline_parallel_schedule", "1F1B"))
+    if degrees["pp"] <= 1:
+        return global_batch, accumulation
+    rows = int(parallel.get("pipeline_parallel_microbatch_size", 1))
+    if local % rows:
+        raise JobFileError(f"torchtitan job: local_batch_size {local} does not split into "
+                           f"microbatches of pipeline_parallel_microbatch_size {rows}")
+    return global_batch, local // rows * accumulation
+
+
+def _schedule(data: dict, parallel: dict, pp: int) -> tuple[str, int]:
+    """(pipeline schedule, model chunks per stage): 2 chunks for a multi-chunk schedule
+    unless the file's layers per stage say otherwise."""
+    schedule = str(parallel.get("pipeline_parallel_schedule", "1F1B"))
     if schedule not in SCHEDULES:
         raise JobFileError(f"torchtitan job: pipeline_parallel_schedule {schedule!r} is not "
                            f"one hyplan prices; known: {', '.join(SCHEDULES)}")
     chunks = 1
-    if degrees["pp"] > 1 and (schedule.startswith("Interleaved") or schedule in (
+    if pp > 1 and (schedule.startswith("Interleaved") or schedule in (
             "ZBVZeroBubble", "DualPipeV")):
-        per_stage = get("pipeline_parallel_layers_per_stage")
+        per_stage = parallel.get("pipeline_parallel_layers_per_stage")
         layers = _layers(data)
-        chunks = (max(1, layers // (int(per_stage) * degrees["pp"])) if per_stage and layers
+        chunks = (max(1, layers // (int(per_stage) * pp)) if per_stage and layers
                   else 2)
+    return schedule, chunks
+
+
+def _recompute(data: dict) -> tuple[str, int]:
+    """(recompute mode, every n-th block) from [activation_checkpoint]."""
     ac = data.get("activation_checkpoint", {})
     mode = str(ac.get("mode", "selective"))
     option = str(ac.get("selective_ac_option", "2"))
@@ -210,7 +252,12 @@ def read_torchtitan(text: str, devices: int | None = None, *,
         recompute, every = "full", max(1, int(option))
     elif mode == "memory_budget":
         recompute = "selective"
-    float8 = ""
+    return recompute, every
+
+
+def _float8(data: dict) -> str:
+    """The float8 recipe where the file enables float8 Linears, in the old [float8] or the
+    new [quantize.linear.float8] and model converters; "" where it does not."""
     old = data.get("float8", {})
     new = data.get("quantize", {}).get("linear", {}).get("float8", {})
     converters = data.get("model", {}).get("converters", [])
@@ -218,19 +265,8 @@ def read_torchtitan(text: str, devices: int | None = None, *,
         converters = converters.split(",")
     if old.get("enable_float8_linear") or "float8" in converters or any(
             "float8" in c for c in converters):
-        float8 = str(new.get("recipe_name") or old.get("recipe_name") or "tensorwise")
-    compile_ = data.get("compile", {})
-    compiled = bool(compile_.get("enable", training.get("compile", False))
-                    if isinstance(compile_, dict) else compile_)
-    dtype = str(training.get("mixed_precision_param", "bfloat16"))
-    precision = {v: k for k, v in PRECISIONS.items()}.get(dtype, "bf16-mixed")
-    return JobConfig(global_batch=global_batch, seq_len=int(training.get("seq_len", 0)),
-                     schedule=schedule, microbatches=microbatches, chunks=chunks,
-                     recompute=recompute, recompute_every=every, precision=precision,
-                     # torchtitan runs its norms sequence parallel wherever tp > 1
-                     sequence_parallel=degrees["tp"] > 1,
-                     compile=compiled, float8=float8,
-                     async_tp=bool(get("enable_async_tensor_parallel", False)), **degrees)
+        return str(new.get("recipe_name") or old.get("recipe_name") or "tensorwise")
+    return ""
 
 
 def _layers(data: dict) -> int:
