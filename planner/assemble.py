@@ -4,26 +4,64 @@ reason (planner.reasons) and costs, the input layouts, and the predicted step.
 
 from __future__ import annotations
 
+import math
+
 from planner.choices import OUTPUT, Choices
-from planner.price import step_overhead_s
 from planner.plan import InputPlan, LayerPlan, MeshPlan, Plan, Predicted, SolverReport
+from planner.price import step_overhead_s
 from planner.problem import Solution
 from planner.reasons import reasons
 from planner.volume import communication_bytes
 from strategies.cluster import Cluster
+from strategies.layouts import Layout
 from strategies.memory import lever_fields, split_name
-from strategies.step_memory import step_held_bytes
+from strategies.step_memory import (
+    loss_held_bytes,
+    one_d_layer,
+    reshard_copy_bytes,
+    step_held_bytes,
+)
 
 
-def held_beside_layers(choices: Choices, choice, optimizer: str, cluster: Cluster) -> float:
+def held_beside_layers(choices: Choices, choice, optimizer: str, cluster: Cluster,
+                       outputs=()) -> float:
     """What the step holds beyond the per-layer memory the integer program sums
-    (strategies.step_memory), for one assignment of the 1-D problem."""
-    held = []
+    (strategies.step_memory), for one assignment of the 1-D problem; `outputs`: the
+    graph's output nodes, whose loss holds copies of them."""
+    ranks = cluster.num_devices
+    held = [one_d_layer(split_name(row.strategies[c].name)[0], row.layer.param_bytes,
+                        row.strategies[c].model_parallel, ranks)
+            for row, c in zip(choices.layers, choice)]
+    loss = loss_held_bytes(output_numel(choices, choice, ranks, outputs))
+    return step_held_bytes(held, optimizer, cluster.device.kind, loss_bytes=loss,
+                           saved_bytes=reshard_copies(choices, choice, ranks))
+
+
+def reshard_copies(choices: Choices, choice, ranks: int) -> float:
+    """The copies the layout changes between layers make, kept for backward
+    (strategies.step_memory.reshard_copy_bytes)."""
+    nodes, total = choices.problem.nodes, 0.0
+    for e in choices.problem.edges:
+        if nodes[e.dst].name == OUTPUT:
+            continue
+        src, dst = choices.layers[e.src], choices.layers[e.dst]
+        total += reshard_copy_bytes(src.layer.output.nbytes,
+                                    src.strategies[choice[e.src]].gives,
+                                    dst.strategies[choice[e.dst]].takes, ranks)
+    return total
+
+
+def output_numel(choices: Choices, choice, ranks: int, outputs) -> float:
+    """Elements of the model's outputs one device holds for the loss: split where the layer
+    that makes one gives it split by rows or tokens (a data-parallel head), whole
+    otherwise (handed back whole: planner.handback)."""
+    outputs, total = set(outputs), 0.0
     for row, c in zip(choices.layers, choice):
-        strategy = row.strategies[c]
-        held.append((split_name(strategy.name)[0], row.layer.param_bytes,
-                     strategy.model_parallel))
-    return step_held_bytes(held, cluster.num_devices, optimizer, cluster.device.kind)
+        if row.layer.node in outputs:
+            numel = math.prod(row.layer.output.shape)
+            split = row.strategies[c].gives in (Layout.BATCH, Layout.SEQUENCE)
+            total += numel / ranks if split else numel
+    return total
 
 
 def assemble(graph, cluster: Cluster, optimizer: str, choices: Choices, solution: Solution,
@@ -68,7 +106,7 @@ def assemble(graph, cluster: Cluster, optimizer: str, choices: Choices, solution
     update = sum(l.update_s for l in layers)
     ranks = cluster.num_devices
     memory = problem.memory_of(choice) + held_beside_layers(choices, choice, optimizer,
-                                                            cluster)
+                                                            cluster, graph.outputs)
     fixed = step_overhead_s(cluster)
     predicted = Predicted(
         step_time_s=solution.objective_s + fixed, compute_s=compute, other_s=update,

@@ -8,8 +8,8 @@ parallelism on the same devices, and one device) so the plan can say what it gai
 from __future__ import annotations
 
 import time
-from dataclasses import replace
 from collections.abc import Iterable, Sequence
+from dataclasses import replace
 
 from torch import nn
 
@@ -109,7 +109,8 @@ def _plan_1d(graph, cluster: Cluster, optimizer: str, budget: float, pin, time_l
              started: float, prefer_standard: float = 0.0) -> Plan:
     """The integer program over one mesh dim of all devices, and its two baselines."""
     choices = layer_choices(graph, cluster, optimizer, budget, pin=pin)
-    solution = _solve_within_memory(choices, budget, time_limit_s, optimizer, cluster)
+    solution = _solve_within_memory(choices, budget, time_limit_s, optimizer, cluster,
+                                    graph.outputs)
     dp_choices = layer_choices(graph, cluster, optimizer, None, only={"data_parallel"})
     data_parallel = solve(dp_choices.problem, time_limit_s)
     single = solve(layer_choices(graph, cluster.with_devices(1, 1), optimizer, None).problem,
@@ -177,7 +178,7 @@ def _with_baselines(plan: Plan, solved: dict, cluster: Cluster, budget: float) -
 
 
 def _solve_within_memory(choices: Choices, budget: float, time_limit_s: float,
-                         optimizer: str, cluster: Cluster) -> Solution:
+                         optimizer: str, cluster: Cluster, outputs=()) -> Solution:
     """The optimum whose memory, as the step holds it (the per-layer sum the integer program
     sees and what the step holds beside it: planner.assemble.held_beside_layers), fits the
     budget. That second part depends on the assignment (DDP's buckets, the largest FSDP
@@ -187,7 +188,7 @@ def _solve_within_memory(choices: Choices, budget: float, time_limit_s: float,
     try:
         for _ in range(4):
             solution = solve(problem, time_limit_s)
-            held = held_beside_layers(choices, solution.choice, optimizer, cluster)
+            held = held_beside_layers(choices, solution.choice, optimizer, cluster, outputs)
             if problem.memory_of(solution.choice) + held <= budget:
                 return solution
             problem = replace(problem, memory_budget_bytes=budget - held)

@@ -14,21 +14,44 @@ from collections.abc import Iterable, Sequence
 from torch import nn
 
 from planner import dp_shard
-from planner.block_cuts import recorded_module, why_no_blocks
+from planner.block_cuts import carries_weights, recorded_module, why_no_blocks
 from planner.once import plan_once
-from planner.profiled import GB, PlanDoesNotFit, check_arguments, profiled_graph
 from planner.plan import (
-    CandidateReport, InputPlan, LayerPlan, MemoryBreakdown, MeshPlan, PipelinePlan, Plan,
-    Predicted, SearchReport, SolverReport, StagePlan,
+    CandidateReport,
+    InputPlan,
+    LayerPlan,
+    MemoryBreakdown,
+    MeshPlan,
+    PipelinePlan,
+    Plan,
+    Predicted,
+    SearchReport,
+    SolverReport,
+    StagePlan,
 )
 from planner.price import group_link, step_overhead_s
-from planner.search import (
-    DEFAULT_SEARCH_TIME_S, SearchResult, Shape, build, rank_groups, search, time_left,
-)
+from planner.profiled import GB, PlanDoesNotFit, check_arguments, profiled_graph
 from planner.schedules import LABELS, SPLIT_BACKWARD
+from planner.search import (
+    DEFAULT_SEARCH_TIME_S,
+    SearchResult,
+    Shape,
+    build,
+    rank_groups,
+    search,
+    time_left,
+)
 from planner.stages import evaluate, in_flight, stage_ranks
 from strategies.catalog import OPTIMIZER_STATE_FACTOR, CostContext, update_s
 from strategies.cluster import Cluster
+from strategies.layouts import Layout
+from strategies.step_memory import (
+    HeldLayer,
+    loss_held_bytes,
+    pipeline_buffer_bytes,
+    reshard_copy_bytes,
+    step_held_bytes,
+)
 
 
 @plan_once
@@ -100,7 +123,58 @@ def plan_3d(graph, cluster: Cluster, optimizer: str, budget: float, started: flo
     if any(normalizes_over_batch(layer) for layer in graph.layers):
         max_microbatches = 1
         only = None if only is None else [s for s in only if s.microbatches == 1]
-    result = search(graph, cluster, optimizer, budget, max_microbatches=max_microbatches,
+    kw = {"max_microbatches": max_microbatches, "time_limit_s": time_limit_s,
+          "relative_gap": relative_gap, "only": only, "pin": pin,
+          "search_time_s": search_time_s}
+    result = _search(graph, cluster, optimizer, budget, budget, started, **kw)
+    first = to_plan(graph, cluster, optimizer, budget, result, time.perf_counter() - started)
+    plan, search_budget = first, budget
+    for _ in range(RESOLVES):
+        over = max(plan.predicted.memory_bytes) - budget
+        if over <= 0:
+            return plan if plan is first else _resolved(plan, first)
+        # the chosen shape again within the budget less what its step holds beside the
+        # layers: a stage solve, not the whole search again (its budget is spent)
+        search_budget -= over
+        try:
+            result = _search(graph, cluster, optimizer, budget, search_budget,
+                             time.perf_counter(), **dict(kw, only=[result.best.shape],
+                                                         search_time_s=RESOLVE_S))
+        except PlanDoesNotFit:  # that shape fits nothing there: every shape again, briefly
+            result = _search(graph, cluster, optimizer, budget, search_budget,
+                             time.perf_counter(), **dict(kw, search_time_s=RESOLVE_S))
+        plan = to_plan(graph, cluster, optimizer, budget, result,
+                       time.perf_counter() - started)
+    raise PlanDoesNotFit(
+        f"plan does not fit: the stage problems' plans fit {budget / GB:.1f} GB per device "
+        f"on {cluster.num_devices} devices only without what the step holds beside the "
+        f"layers (strategies.step_memory); add devices, lower the batch, use "
+        f"optimizer='sgd', or raise memory_limit_bytes")
+
+
+RESOLVES = 4  # solves of the chosen shape with what its step holds beside the layers
+RESOLVE_S = 10.0  # seconds each
+
+
+def _resolved(plan: Plan, first: Plan) -> Plan:
+    """`plan` (the chosen shape solved again in a lower budget) with the whole search's
+    report and bound: that bound holds for the lower budget too (less room only slows the
+    optimum), so the gap is against every shape, not the one solved again."""
+    solver = plan.solver.model_copy(update={
+        "status": "feasible", "bound_s": min(first.solver.bound_s, plan.solver.bound_s),
+        "note": f"{first.mesh.shape} solved again within the memory its step leaves beside "
+                f"the layers (strategies.step_memory); the bound is the whole search's"
+                + (f"; {first.solver.note}" if first.solver.note else "")})
+    return plan.model_copy(update={"solver": solver, "search": first.search})
+
+
+def _search(graph, cluster: Cluster, optimizer: str, budget: float, search_budget: float,
+            started: float, *, max_microbatches, time_limit_s, relative_gap, only, pin,
+            search_time_s) -> SearchResult:
+    """The 3-D search within `search_budget` (the budget less what the step holds beside
+    the layers, where a plan did not fit with it: as planner.optimize's 1-D path), or
+    PlanDoesNotFit naming `budget`."""
+    result = search(graph, cluster, optimizer, search_budget, max_microbatches=max_microbatches,
                     time_limit_s=time_limit_s, relative_gap=relative_gap, only=only,
                     pin=pin, search_time_s=time_left(search_time_s, started))
     if result.best is None and result.stats.get("out_of_time"):
@@ -116,7 +190,7 @@ def plan_3d(graph, cluster: Cluster, optimizer: str, budget: float, started: flo
             f"{budget / GB:.1f} GB per device on {cluster.num_devices} devices "
             f"({smallest}); add devices, lower the batch, use optimizer='sgd', or raise "
             f"memory_limit_bytes")
-    return to_plan(graph, cluster, optimizer, budget, result, time.perf_counter() - started)
+    return result
 
 
 def to_plan(graph, cluster: Cluster, optimizer: str, budget: float, result: SearchResult,
@@ -236,13 +310,16 @@ def to_plan(graph, cluster: Cluster, optimizer: str, budget: float, result: Sear
                                 bubble_fraction=bubble_s / (bubble_s + busy) if busy else 0.0,
                                 stages=stages, why=why_schedule(result, shape, times))
     per_device = [breakdown[r // (dp * tp)] for r in range(pp * dp * tp)]
+    held = held_beside_stages(built, choice, stage, ranks_of, shape, cluster, optimizer,
+                              set(graph.outputs), flight, _sent(graph))
     (data_parallel, data_parallel_memory), single = _baselines(result, graph, cluster,
                                                                optimizer)
     fixed = step_overhead_s(cluster)  # outside every choice, as in a 1-D plan
     predicted = Predicted(
         step_time_s=step + fixed, compute_s=compute_s, other_s=other_s, bubble_s=bubble_s,
         communication_s=step - compute_s - other_s - bubble_s, fixed_s=fixed,
-        memory_bytes=[b.total_bytes for b in per_device], memory_limit_bytes=budget,
+        memory_bytes=[b.total_bytes + held[r // (dp * tp)] for r, b in enumerate(per_device)],
+        memory_limit_bytes=budget,
         memory_breakdown=per_device, data_parallel_step_time_s=data_parallel,
         data_parallel_memory_bytes=data_parallel_memory, single_device_step_time_s=single)
     links = {"tp": group_link(cluster, tp).name}
@@ -277,6 +354,108 @@ def to_plan(graph, cluster: Cluster, optimizer: str, budget: float, result: Sear
                 mesh=mesh, inputs=inputs, layers=layers, predicted=predicted, solver=report,
                 pipeline=pipeline, microbatches=m, search=search_report, tracer=graph.tracer,
                 outputs=list(graph.outputs), recompute_blocks=recomputed)
+
+
+def held_beside_stages(built, choice, stage: list[int], ranks_of: list[int], shape: Shape,
+                       cluster: Cluster, optimizer: str, outputs_of=(),
+                       flight: list[int] | None = None, sent=None) -> list[float]:
+    """Per pipeline rank, what its step holds beyond the per-layer memory the stage problem
+    sums (strategies.step_memory, the rule 1-D plans follow too): its layers as the
+    executor keeps them (_held_layers), the loss of one microbatch where the model's
+    outputs are made (`outputs_of`: their nodes), and what is kept throughout
+    (_kept_bytes; `sent`: the nodes whose values stages send, None for all)."""
+    flight = flight or [1] * (max(stage, default=0) + 1)
+    layers = _held_layers(built, choice, stage, ranks_of, shape, cluster)
+    numel = [0.0] * shape.pp
+    for i, share in _outputs(built, choice, outputs_of, shape.tp):
+        numel[ranks_of[stage[i]]] += math.prod(built.layers[i].output.shape) * share
+    kept = _kept_bytes(built, choice, stage, ranks_of, shape, sent)
+    saved = _reshard_copies(built, choice, stage, ranks_of, shape, flight)
+    return [step_held_bytes(mine, optimizer, cluster.device.kind, kept_buckets=False,
+                            loss_bytes=loss_held_bytes(n), saved_bytes=copies,
+                            kept_bytes=keep)
+            for mine, n, copies, keep in zip(layers, numel, saved, kept)]
+
+
+def _held_layers(built, choice, stage, ranks_of, shape: Shape,
+                 cluster: Cluster) -> list[list[HeldLayer]]:
+    """Each pipeline rank's layers as executor.pipeline keeps them: a replicated layer's
+    gradient summed in flat buckets after the backward, an FSDP layer gathered over dp, an
+    HSDP one over the dp ranks of a node."""
+    dp, tp = shape.dp, shape.tp
+    split = dp_shard.hsdp_split(dp, tp, cluster.devices_per_node)
+    gather = {"": 0, dp_shard.SUFFIX: dp, dp_shard.HSDP_SUFFIX: split[1] if split else dp}
+    layers: list[list[HeldLayer]] = [[] for _ in range(shape.pp)]
+    for i in range(len(built.layers)):
+        c = choice[i]
+        local = float(built.local_param_bytes[i][c])
+        sharded = built.sharded[i][c] if built.sharded else ""
+        summed = dp > 1 or (tp > 1 and not built.strategies[i][c].model_parallel)
+        layers[ranks_of[stage[i]]].append(HeldLayer(local, local * gather[sharded],
+                                                    bucketed=not sharded and summed))
+    return layers
+
+
+def _outputs(built, choice, outputs_of, tp: int):
+    """(layer index, the share of its output one device holds) of each layer that makes a
+    model output: split over tp where it gives rows or tokens split."""
+    for i, layer in enumerate(built.layers):
+        if layer.node in outputs_of:
+            split = built.strategies[i][choice[i]].gives in (Layout.BATCH, Layout.SEQUENCE)
+            yield i, 1 / tp if split else 1.0
+
+
+def _sent(graph) -> set[str] | None:
+    """The nodes whose values pipeline stages send each other: a torch.export graph's
+    stages compute again what depends on positions alone (planner.block_cuts.
+    carries_weights); an fx graph's send every value (None)."""
+    return carries_weights(graph) if graph.tracer == "export" else None
+
+
+def _crossings(built, choice, stage, tp: int, sent=None):
+    """(sending stage, receiving stage, bytes on one device) of each layer output read by a
+    later stage, once per receiving stage; only those in `sent` where given (a torch.export
+    model's stages compute again what depends on positions alone: planner.block_cuts)."""
+    index = {layer.node: i for i, layer in enumerate(built.layers)}
+    seen = set()
+    for i, layer in enumerate(built.layers):
+        for name in layer.inputs:
+            j = index.get(name)
+            if (j is None or stage[j] >= stage[i] or (j, stage[i]) in seen
+                    or sent is not None and name not in sent):
+                continue
+            seen.add((j, stage[i]))
+            split = built.strategies[j][choice[j]].gives in (Layout.BATCH, Layout.FEATURE,
+                                                             Layout.SEQUENCE)
+            yield stage[j], stage[i], built.layers[j].output.nbytes / (tp if split else 1)
+
+
+def _kept_bytes(built, choice, stage, ranks_of, shape: Shape, sent=None) -> list[float]:
+    """Per pipeline rank, what lives beside everything else: with pipeline stages, the
+    buffers of each tensor crossing a cut (pipeline_buffer_bytes). The last stage keeps
+    no outputs: executor.pipeline steps its schedule with return_outputs=False."""
+    kept = [0.0] * shape.pp
+    if shape.pp > 1:
+        for src, dst, nbytes in _crossings(built, choice, stage, shape.tp, sent):
+            buffers = pipeline_buffer_bytes(nbytes, shape.microbatches)
+            kept[ranks_of[src]] += buffers  # its gradient's receive buffers
+            kept[ranks_of[dst]] += buffers  # the activation's
+    return kept
+
+
+def _reshard_copies(built, choice, stage, ranks_of, shape: Shape,
+                    flight: list[int]) -> list[float]:
+    """Per pipeline rank, the copies layout changes over tp make (reshard_copy_bytes), one
+    per microbatch in flight on their stage."""
+    saved = [0.0] * shape.pp
+    for e in built.problem.edges if shape.tp > 1 else ():
+        if e.dst >= len(built.layers):  # the sink
+            continue
+        k = stage[e.dst]
+        saved[ranks_of[k]] += flight[k] * reshard_copy_bytes(
+            built.layers[e.src].output.nbytes, built.strategies[e.src][choice[e.src]].gives,
+            built.strategies[e.dst][choice[e.dst]].takes, shape.tp)
+    return saved
 
 
 def _stage_modules(graph, stage: list[int], k: int, units) -> list[str]:
@@ -402,7 +581,7 @@ def _best_per_shape(result: SearchResult, fixed_s: float) -> list[CandidateRepor
             pp=s.pp, dp=s.dp, tp=s.tp, microbatches=s.microbatches, schedule=s.schedule,
             chunks=s.chunks, outcome=c.outcome,
             step_time_s=c.solution.times.step_s + fixed_s if c.solution else None,
-            bound_s=None if c.bound_s is None else c.bound_s + fixed_s, note=c.note))
+            bound_s=None if c.bound_s is None or math.isinf(c.bound_s) else c.bound_s + fixed_s, note=c.note))
     return out
 
 

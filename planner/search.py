@@ -75,6 +75,8 @@ from profiler.traffic import scaled_rows
 from strategies.catalog import CostContext, candidates
 from strategies.cluster import Cluster
 from strategies.collectives import send_recv_s
+from strategies.layouts import Layout
+from strategies.step_memory import loss_held_bytes, pipeline_buffer_bytes
 
 FIRST_PASS_S = 5.0  # seconds per candidate in the search's first pass
 # ... and at most this share of a budgeted search's time each, so that the chunked
@@ -428,6 +430,7 @@ class Built:
     local_param_bytes: tuple[np.ndarray, ...]
     sharded: tuple[tuple[str, ...], ...] = ()  # per layer and option: "", "+fsdp", "+hsdp"
     transient_bytes: float = 0.0  # held once per rank beside the problem's memory
+    cut_bytes: float = 0.0  # the most one microbatch sends across a cut (its buffers)
 
 
 def build(cache: CostCache, pp: int, dp: int, tp: int, rows: int,
@@ -461,9 +464,12 @@ def build(cache: CostCache, pp: int, dp: int, tp: int, rows: int,
                                                  tied_link)
         priced.append(cache.options[key])
         entries.append(entry)
+    outputs = set(graph.outputs)
     options = [LayerOptions(layer.name, unit_of[i], got.names, got.microbatch_s, got.step_s,
-                            got.weight_bytes, got.activation_bytes)
-               for i, (layer, got) in enumerate(zip(graph.layers, priced))]
+                            got.weight_bytes + _loss_bytes(entry.layer, got.strategies, tp)
+                            if layer.node in outputs else got.weight_bytes,
+                            got.activation_bytes)
+               for i, (layer, got, entry) in enumerate(zip(graph.layers, priced, entries))]
     options.append(LayerOptions(OUTPUT, len(unit_names) - 1, ("output",), np.zeros(1),
                                 np.zeros(1), np.zeros(1), np.zeros(1)))
     scaled_layers = [entry.layer for entry in entries]
@@ -472,9 +478,9 @@ def build(cache: CostCache, pp: int, dp: int, tp: int, rows: int,
     # an export graph's stages recompute what depends on positions alone (planner.block_cuts)
     sent = (carries_weights(graph) if graph.tracer == "export"
             else {layer.node for layer in graph.layers})
-    cut_s = (_cut_times(cache, scaled_layers, unit_of, len(unit_names), sent,
-                        group_link(cluster, 2 * dp * tp))
-             if pp > 1 else [0.0] * len(unit_names))
+    cut_s, cut_bytes = (_cut_times(cache, scaled_layers, unit_of, len(unit_names), sent,
+                                   group_link(cluster, 2 * dp * tp))
+                        if pp > 1 else ([0.0] * len(unit_names), 0.0))
     problem = StageProblem(tuple(options), tuple(edges), tuple(unit_names), tuple(cut_s),
                            replay_s=_replay_s(graph, options, unit_names, sent)
                            if pp > 1 else 0.0,
@@ -482,7 +488,18 @@ def build(cache: CostCache, pp: int, dp: int, tp: int, rows: int,
                            forward_share=graph.forward_share)
     return Built(problem, tuple(strategies), tuple(got.costs for got in priced),
                  tuple(scaled_layers), tuple(got.local_param_bytes for got in priced),
-                 tuple(got.sharded for got in priced))
+                 tuple(got.sharded for got in priced), cut_bytes=cut_bytes)
+
+
+def _loss_bytes(layer: Layer, strategies, tp: int) -> np.ndarray:
+    """Per option of a layer that makes a model output, what the loss holds on its rank
+    for one microbatch of it (strategies.step_memory.loss_held_bytes: the logits' fp32
+    copies for a 128 K vocabulary are GBs), so that the stage problem fits it where it
+    lives: on the last stage, not beside every rank's layers. Split over tp where the
+    option gives rows or tokens split."""
+    numel = math.prod(layer.output.shape)
+    return np.array([loss_held_bytes(numel / tp if s.gives in (Layout.BATCH, Layout.SEQUENCE)
+                                     else numel) for s in strategies])
 
 
 def _units_of(cache: CostCache) -> tuple[list[str], list[int]]:
@@ -525,9 +542,10 @@ def _edges(cache: CostCache, priced, strategies, scaled_layers, rows: int, tp: i
 
 
 def _cut_times(cache: CostCache, scaled_layers, unit_of: list[int], units: int,
-               sent: set[str], link) -> list[float]:
-    """Per unit u, the point-to-point time of a cut right before it: the values made
-    before it, used after it and sent (not replayed), forward and their gradients back."""
+               sent: set[str], link) -> tuple[list[float], float]:
+    """(per unit u, the point-to-point time of a cut right before it: the values made
+    before it, used after it and sent (not replayed), forward and their gradients back;
+    the most bytes such a cut sends per microbatch)."""
     graph = cache.graph
     index = {layer.node: i for i, layer in enumerate(graph.layers)}
     last_use = {}
@@ -536,16 +554,17 @@ def _cut_times(cache: CostCache, scaled_layers, unit_of: list[int], units: int,
             last_use[index[name]] = max(last_use.get(index[name], -1), unit_of[dst])
     for name in graph.outputs:
         last_use[index[name]] = units
-    cut_s = [0.0] * units
+    cut_s, most = [0.0] * units, 0.0
     for u in range(1, units):
-        t = 0.0
+        t = sent_bytes = 0.0
         for src, until in last_use.items():
             if unit_of[src] < u <= until and graph.layers[src].node in sent:
                 nbytes = scaled_layers[src].output.nbytes
                 grad = 0 if scaled_layers[src].is_input else 1
                 t += (1 + grad) * send_recv_s(nbytes, link)
-        cut_s[u] = t
-    return cut_s
+                sent_bytes += nbytes
+        cut_s[u], most = t, max(most, sent_bytes)
+    return cut_s, most
 
 
 def _replay_s(graph, options: list[LayerOptions], units: list[str], sent: set[str]) -> float:
@@ -825,10 +844,15 @@ class _Search:
         return self.built[key]
 
     def budget_of(self, shape: Shape) -> float | None:
-        """The budget the stage problem may fill: less the recompute transient."""
+        """The budget the stage problem may fill: less the recompute transient and, in a
+        pipeline, the buffers torch.distributed.pipelining keeps for every microbatch at
+        each of a rank's stages, an activation's coming in and a gradient's going back
+        (strategies.step_memory.pipeline_buffer_bytes), at the largest cut."""
         if self.budget_bytes is None:
             return None
-        return self.budget_bytes - self.problem_of(shape).transient_bytes
+        built = self.problem_of(shape)
+        buffers = 2 * shape.chunks * pipeline_buffer_bytes(built.cut_bytes, shape.microbatches)
+        return self.budget_bytes - built.transient_bytes - (buffers if shape.pp > 1 else 0.0)
 
     def out_of_time(self) -> bool:
         return self.deadline is not None and time.perf_counter() >= self.deadline
@@ -872,11 +896,11 @@ class _Search:
             # with chunks: one microbatch in flight until the chunked pass (the schedule's
             # order is simulated only for shapes a bound leaves in)
             need = min_memory_bytes(b.problem, shape.pp, shape.microbatches, shape.schedule,
-                                    shape.chunks, 1 if shape.chunks > 1 else None
-                                    ) + b.transient_bytes
-            if self.budget_bytes is not None and need > self.budget_bytes:
+                                    shape.chunks, 1 if shape.chunks > 1 else None)
+            if self.budget_bytes is not None and need > self.budget_of(shape):
+                beside = self.budget_bytes - self.budget_of(shape)
                 self.out.append(Candidate(shape, "does_not_fit", note=f"needs at least "
-                                          f"{need / 1e9:.1f} GB per device"))
+                                          f"{(need + beside) / 1e9:.1f} GB per device"))
                 continue
             bound = lower_bound(b.problem, shape.pp, shape.microbatches, shape.schedule,
                                 shape.chunks, self.budget_of(shape))

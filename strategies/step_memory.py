@@ -1,11 +1,14 @@
 """What a training step holds beside each layer's weights, gradients, optimizer state and
 saved activations (strategies.catalog.weights_memory, the per-layer part): the executor's
 buffers and the optimizer's temporaries, as torch 2.13 allocates them. One function,
-`step_held_bytes`, gives it for one device; a 1-D plan's reported memory adds it
-(planner.assemble.held_beside_layers), and its integer program is solved again with the
-budget lowered by it where a solution would not fit with it (planner.optimize). Not yet
-read: the 3-D plans (planner.plan3d), bf16-mixed's copies, DTensor redistribute outputs,
-the loss's logits.
+`step_held_bytes`, gives it for one device, from a `HeldLayer` per layer on it; a 1-D
+plan's reported memory adds it (planner.assemble.held_beside_layers), a 3-D plan's adds it
+per pipeline rank (planner.plan3d.held_beside_stages), and each solve is repeated with the
+budget lowered by it where a solution would not fit with it (planner.optimize,
+planner.plan3d.plan_3d). Not priced here: bf16-mixed's copies, and saved tensors the
+per-layer rule (a layer keeps its output) misses, which are per-layer activations, not
+step buffers: Hugging Face's tanh GELU (`NewGELUActivation`) saves four tensors of its
+output's size, the per-layer rule counts one; DTensor redistribute outputs a consumer saves.
 
 The terms, in fp32 bytes of the parameters as the layers hold them on one device (a
 model-parallel or FSDP layer: its 1/ranks share):
@@ -22,6 +25,9 @@ model-parallel or FSDP layer: its 1/ranks share):
   reduce-scatter input, the whole gradient, lives with them at the end of its backward,
   and the backward prefetches the next group's all-gather (`_backward_prefetch`): at
   worst the two largest groups gathered and the largest one's whole gradient.
+- The loss (loss_held_bytes): cross-entropy's saved log-softmax and two gradients of the
+  output's size at the backward's start (a pipeline's last stage keeps no outputs beside
+  it: executor.pipeline steps its schedule with return_outputs=False).
 - The optimizer step's temporaries (torch/optim/adamw.py): the for-loop AdamW, torch's
   default for CPU tensors (`_default_to_fused_or_foreach` picks foreach only on CUDA-like
   devices), makes `denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)` per
@@ -33,8 +39,12 @@ model-parallel or FSDP layer: its 1/ranks share):
 
 Peak, not sum: the optimizer's temporaries live during `optimizer.step()`; FSDP's
 gathered group and its whole gradient (the reduce-scatter input) live together during
-that group's backward, when there are no optimizer temporaries; DDP's buckets live
-throughout. So this is buckets + max(optimizer temporaries, FSDP's backward).
+that group's backward, the loss's tensors at the backward's start, neither with the
+optimizer temporaries; the copies layout changes make live with the activations, until
+the backward; DDP's buckets, a last stage's kept outputs and a stage's receive buffers
+live throughout. So this is kept + max(optimizer temporaries, copies + max(FSDP's
+backward, the loss)), and a 3-D plan's flat bucket (one at a time, between backward and
+optimizer step) joins the max.
 The per-layer part keeps the activations in full beside both (an upper bound by at most
 the activations, which the step has freed by the optimizer step). Measured on gloo ranks
 (benchmarks/memory.py), the 19 M-parameter MLP over the per-layer sum: DDP +121 MiB on 2
@@ -46,6 +56,12 @@ and, when the prefetch lands inside that window, the next layer gathered, 16).
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass
+
+from strategies.collectives import DDP_BUCKET_CAP_BYTES
+from strategies.layouts import Layout
+
+_WHOLE = (Layout.REPLICATE, Layout.REPLICATE_PARTIAL_GRAD)
 
 # optimizer -> fp32 parameter-sized temporaries made per parameter (for-loop) / per group
 # (foreach): torch/optim/adamw.py, sgd.py
@@ -53,30 +69,98 @@ _FOR_LOOP_TEMPS = {"sgd": 0, "sgd_momentum": 0, "adam": 2, "adamw": 2}
 _FOREACH_TEMPS = {"sgd": 0, "sgd_momentum": 0, "adam": 1, "adamw": 1}
 
 
-def step_held_bytes(layers: Iterable[tuple[str, float, bool]], ranks: int, optimizer: str,
-                    device_kind: str = "cpu") -> float:
+@dataclass(frozen=True)
+class HeldLayer:
+    """What one layer on a device contributes to step_held_bytes: `local_bytes`, the fp32
+    parameter bytes the device keeps; `gathered_bytes`, what FSDP2 all-gathers whole before
+    its forward and backward (0: not sharded by FSDP); `bucketed`, whether its gradient is
+    all-reduced over replicas through flat buckets."""
+
+    local_bytes: float
+    gathered_bytes: float = 0.0
+    bucketed: bool = False
+
+
+_SUMMED = ("data_parallel", "sequence_parallel")
+
+
+def one_d_layer(strategy: str, param_bytes: float, model_parallel: bool,
+                ranks: int) -> HeldLayer:
+    """A layer of a 1-D plan: model-parallel and FSDP layers keep 1/ranks, FSDP gathers the
+    whole; only a layer whose gradient is a partial sum over the ranks (data- or
+    sequence-parallel: executor.styles.summed_params) goes through DDP's buckets, a
+    replicated one (every rank the whole batch) is left out of DDP
+    (executor.styles.data_parallel_over)."""
+    fsdp = strategy.startswith("fsdp")
+    local = param_bytes / ranks if (model_parallel or fsdp) else param_bytes
+    return HeldLayer(local, param_bytes if fsdp else 0.0,
+                     bucketed=ranks > 1 and strategy in _SUMMED)
+
+
+def loss_held_bytes(output_numel: float) -> float:
+    """What the loss holds beyond the output the last layer's activations price, for a
+    cross-entropy over `output_numel` outputs on the device: torch's `cross_entropy` is
+    `log_softmax` then `nll_loss` (torch/nn/functional.py); `_log_softmax` saves its fp32
+    result for its backward (tools/autograd/derivatives.yaml: `_log_softmax_backward_data
+    (grad, result, ...)`), and the backward's start makes `nll_loss_backward`'s gradient and
+    then `_log_softmax_backward_data`'s, both the output's size, while the result is still
+    saved: three output-sized tensors at once, the logits themselves freed by then. Measured
+    (benchmarks/memory.py, GPT-2's 4096-wide vocabulary): the step's peak is there, 3 x the
+    logits above the forward's end."""
+    return 2 * 4 * output_numel
+
+
+def reshard_copy_bytes(whole_bytes: float, gives: Layout, takes: Layout, ranks: int) -> float:
+    """The tensor a layout change between two layers makes, which the consumer keeps for
+    its backward wherever it saves its input (a Linear, a norm, an activation): DTensor's
+    `redistribute_local_tensor` (torch/distributed/tensor/_redistribute.py) all-gathers a
+    split tensor into a new whole one (`Shard._to_replicate_tensor`), returns "the
+    corresponding cloned local shard" of a whole one (`Shard._replicate_to_shard`), and
+    all-to-alls one split into another (`_to_new_shard_dim`): `whole_bytes` (the producer's
+    output, whole) or its 1/ranks share. A whole layout taken as the other whole one
+    (replicate, replicate/partial-grad: both Replicate forward) is no copy. Measured on
+    GPT-2's tensor plan (benchmarks/memory.py): 15 MiB of such copies alive at the peak on
+    each of 2 ranks, 13 by this rule."""
+    if gives == takes or (gives in _WHOLE and takes in _WHOLE):
+        return 0.0
+    return whole_bytes if takes in _WHOLE else whole_bytes / ranks
+
+
+def pipeline_buffer_bytes(boundary_bytes: float, microbatches: int) -> float:
+    """What torch.distributed.pipelining allocates for one tensor crossing a stage cut, on
+    each side, and keeps for the schedule's life: the receiving stage one buffer per
+    microbatch for the activation (torch/distributed/pipelining/stage.py,
+    `_prepare_forward_infra`: `buffer=_make_tensor_from_meta(meta, ...)` for every
+    `chunk_id in range(num_microbatches)`), the sending stage one per microbatch for its
+    gradient (`_setup_backward_recv_info` -> `_create_grad_recv_info`). Measured
+    (benchmarks/memory.py): the MLP's two-stage pipeline from -0.7% to -0.1% with them."""
+    return boundary_bytes * microbatches
+
+
+def step_held_bytes(layers: Iterable[HeldLayer], optimizer: str, device_kind: str = "cpu",
+                    *, kept_buckets: bool = True, loss_bytes: float = 0.0,
+                    saved_bytes: float = 0.0, kept_bytes: float = 0.0) -> float:
     """Bytes one device holds during a step beyond the per-layer weights, gradients,
-    optimizer state and saved activations. `layers`: (strategy name, the layer's fp32
-    parameter bytes whole, whether it is model-parallel) for each layer on the device;
-    `ranks`: the devices a model-parallel or FSDP layer is split over."""
-    buckets, local, largest = 0.0, 0.0, 0.0
-    groups: list[float] = []
-    for strategy, param_bytes, model_parallel in layers:
-        if not param_bytes:
-            continue
-        split = model_parallel or strategy.startswith("fsdp")
-        mine = param_bytes / ranks if split else param_bytes
-        local += mine
-        largest = max(largest, mine)
-        if strategy.startswith("fsdp"):
-            groups.append(param_bytes)
-        elif not model_parallel:
-            buckets += param_bytes
+    optimizer state and saved activations, for the layers on that device. `kept_buckets`:
+    DDP's Reducer keeps its buckets for the module's life (1-D plans); the pipeline
+    executor's `sum_in_buckets` (executor.pipeline, 3-D plans) flattens one bucket of at
+    most DDP_BUCKET_CAP_BYTES at a time after the backward, freed before the optimizer
+    step. `loss_bytes`: loss_held_bytes of the output on this device (0 where it holds
+    none), live at the backward's start, when neither the optimizer's temporaries nor an
+    FSDP group's backward are. `saved_bytes`: kept from the forward to the backward beside
+    the activations and freed with them, before the optimizer step (reshard_copy_bytes).
+    `kept_bytes`: held throughout the step beside all of it (pipeline_buffer_bytes)."""
+    layers = [l for l in layers if l.local_bytes]
+    bucketed = sum(l.local_bytes for l in layers if l.bucketed)
+    largest = max((l.local_bytes for l in layers), default=0.0)
     if device_kind == "cpu":
         temps = _FOR_LOOP_TEMPS.get(optimizer, 0) * largest
     else:
-        temps = _FOREACH_TEMPS.get(optimizer, 0) * local
-    two = sorted(groups, reverse=True)[:2]
+        temps = _FOREACH_TEMPS.get(optimizer, 0) * sum(l.local_bytes for l in layers)
+    two = sorted((l.gathered_bytes for l in layers if l.gathered_bytes), reverse=True)[:2]
     # a group's backward: its gathered parameters and whole gradient, the next one prefetched
     backward = 2 * two[0] + (two[1] if len(two) > 1 else 0.0) if two else 0.0
-    return buckets + max(temps, backward)
+    during_backward = saved_bytes + max(backward, loss_bytes)
+    if kept_buckets:
+        return kept_bytes + bucketed + max(temps, during_backward)
+    return kept_bytes + max(temps, during_backward, min(bucketed, DDP_BUCKET_CAP_BYTES))
