@@ -75,8 +75,7 @@ from profiler.traffic import scaled_rows
 from strategies.catalog import CostContext, candidates
 from strategies.cluster import Cluster
 from strategies.collectives import send_recv_s
-from strategies.layouts import Layout
-from strategies.step_memory import loss_held_bytes, pipeline_buffer_bytes
+from strategies.step_memory import pipeline_buffer_bytes
 
 FIRST_PASS_S = 5.0  # seconds per candidate in the search's first pass
 # ... and at most this share of a budgeted search's time each, so that the chunked
@@ -464,12 +463,9 @@ def build(cache: CostCache, pp: int, dp: int, tp: int, rows: int,
                                                  tied_link)
         priced.append(cache.options[key])
         entries.append(entry)
-    outputs = set(graph.outputs)
     options = [LayerOptions(layer.name, unit_of[i], got.names, got.microbatch_s, got.step_s,
-                            got.weight_bytes + _loss_bytes(entry.layer, got.strategies, tp)
-                            if layer.node in outputs else got.weight_bytes,
-                            got.activation_bytes)
-               for i, (layer, got, entry) in enumerate(zip(graph.layers, priced, entries))]
+                            got.weight_bytes, got.activation_bytes)
+               for i, (layer, got) in enumerate(zip(graph.layers, priced))]
     options.append(LayerOptions(OUTPUT, len(unit_names) - 1, ("output",), np.zeros(1),
                                 np.zeros(1), np.zeros(1), np.zeros(1)))
     scaled_layers = [entry.layer for entry in entries]
@@ -489,17 +485,6 @@ def build(cache: CostCache, pp: int, dp: int, tp: int, rows: int,
     return Built(problem, tuple(strategies), tuple(got.costs for got in priced),
                  tuple(scaled_layers), tuple(got.local_param_bytes for got in priced),
                  tuple(got.sharded for got in priced), cut_bytes=cut_bytes)
-
-
-def _loss_bytes(layer: Layer, strategies, tp: int) -> np.ndarray:
-    """Per option of a layer that makes a model output, what the loss holds on its rank
-    for one microbatch of it (strategies.step_memory.loss_held_bytes: the logits' fp32
-    copies for a 128 K vocabulary are GBs), so that the stage problem fits it where it
-    lives: on the last stage, not beside every rank's layers. Split over tp where the
-    option gives rows or tokens split."""
-    numel = math.prod(layer.output.shape)
-    return np.array([loss_held_bytes(numel / tp if s.gives in (Layout.BATCH, Layout.SEQUENCE)
-                                     else numel) for s in strategies])
 
 
 def _units_of(cache: CostCache) -> tuple[list[str], list[int]]:

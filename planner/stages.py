@@ -88,9 +88,7 @@ class LayerOptions:
     strategies: tuple[str, ...]
     microbatch_s: np.ndarray  # forward + backward on one microbatch, with its own collectives
     step_s: np.ndarray  # once per step: gradient all-reduce over the dp group + optimizer
-    # parameters + gradients + optimizer state on one device; for a layer that makes a
-    # model output, also what its loss holds (planner.search._loss_bytes)
-    weight_bytes: np.ndarray
+    weight_bytes: np.ndarray  # parameters + gradients + optimizer state on one device
     activation_bytes: np.ndarray  # kept for backward, per microbatch in flight
     # per option: is it the block-recomputed variant (planner.block_recompute)? None: no
     # such variants. Recomputed options follow the plain ones, in the same order.
