@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import time
+from dataclasses import dataclass
 from collections.abc import Iterable, Sequence
 
 from torch import nn
@@ -195,39 +196,126 @@ def _search(graph, cluster: Cluster, optimizer: str, budget: float, search_budge
 
 def to_plan(graph, cluster: Cluster, optimizer: str, budget: float, result: SearchResult,
             seconds: float) -> Plan:
-    """The Plan of the search's best candidate."""
+    """The Plan of the search's best candidate: its layers, stages and mesh, the step's
+    split, memory per device (the layers' breakdown and what the step holds beside it)
+    and how sure the search is."""
     shape, solution, built = result.best.shape, result.best.solution, result.built
     problem, choice, times = built.problem, solution.choice, solution.times
     pp, dp, tp, m, v = shape.pp, shape.dp, shape.tp, shape.microbatches, shape.chunks
-    S = pp * v
-    ranks_of = stage_ranks(shape.schedule, pp, v)
-    starts = list(solution.starts) + [len(problem.units)]
-    stage_of_unit = [k for k in range(S) for _ in range(starts[k], starts[k + 1])]
-    stage = [stage_of_unit[l.unit] for l in problem.layers]
+    at = _Placement.of(shape, solution, built)
+    layers, inputs, memory, stage_memory, compute, stage_compute, update = _layer_plans(
+        graph, cluster, optimizer, built, choice, at, shape)
+    compute, stage_compute = _as_run(problem, shape, at, compute, stage_compute)
+    recomputed = [problem.units[u] for u in problem.recomputed_units(choice)]
+    if recomputed:  # one block's activations, live again in its backward
+        for r in {at.ranks_of[at.stage_of_unit[u]] for u in problem.recomputed_units(choice)}:
+            memory[r]["activations_bytes"] += built.transient_bytes
+    breakdown = [MemoryBreakdown(**b) for b in memory]
+    stages = _stage_plans(graph, at, times, shape, stage_compute, stage_memory, problem.units)
+    # the step split: the busiest rank's microbatches, the bubble (its idle time in the
+    # simulated schedule, planner.schedules), the per-step part of the slowest rank
+    load = [sum(times.microbatch_s[k] for k in range(pp * v) if at.ranks_of[k] == r)
+            for r in range(pp)]
+    once_rank = [sum(times.once_s[k] for k in range(pp * v) if at.ranks_of[k] == r)
+                 for r in range(pp)]
+    slow = max(range(pp), key=lambda r: load[r])
+    once = max(range(pp), key=lambda r: once_rank[r])
+    step, compute_s, other_s, bubble_s = times.step_s, m * compute[slow], update[once], times.bubble_s
+    pipeline = None
+    if pp > 1:
+        busy = m * load[slow]
+        pipeline = PipelinePlan(schedule=shape.schedule, chunks=v, microbatches=m,
+                                forward_share=problem.forward_share,
+                                microbatch_rows=shape.rows(graph.batch_size),
+                                bubble_fraction=bubble_s / (bubble_s + busy) if busy else 0.0,
+                                stages=stages, why=why_schedule(result, shape, times))
+    per_device = [breakdown[r // (dp * tp)] for r in range(pp * dp * tp)]
+    held = held_beside_stages(built, choice, at.stage, at.ranks_of, shape, cluster, optimizer,
+                              set(graph.outputs), at.flight, _sent(graph))
+    (data_parallel, data_parallel_memory), single = _baselines(result, graph, cluster,
+                                                               optimizer)
+    fixed = step_overhead_s(cluster)  # outside every choice, as in a 1-D plan
+    predicted = Predicted(
+        step_time_s=step + fixed, compute_s=compute_s, other_s=other_s, bubble_s=bubble_s,
+        communication_s=step - compute_s - other_s - bubble_s, fixed_s=fixed,
+        memory_bytes=[b.total_bytes + held[r // (dp * tp)] for r, b in enumerate(per_device)],
+        memory_limit_bytes=budget,
+        memory_breakdown=per_device, data_parallel_step_time_s=data_parallel,
+        data_parallel_memory_bytes=data_parallel_memory, single_device_step_time_s=single)
+    return Plan(model=graph.model_name, fingerprint=graph.fingerprint,
+                global_batch=graph.batch_size, optimizer=optimizer, cluster=cluster,
+                mesh=_mesh_plan(cluster, shape, layers), inputs=inputs, layers=layers,
+                predicted=predicted, solver=_solver_report(result, solution, step, seconds),
+                pipeline=pipeline, microbatches=m,
+                search=SearchReport(candidates=len(result.candidates), solved=result.solved,
+                                    pruned=result.pruned, seconds=result.seconds,
+                                    best_per_shape=_best_per_shape(result, fixed)),
+                tracer=graph.tracer, outputs=list(graph.outputs), recompute_blocks=recomputed)
+
+
+def _as_run(problem, shape: Shape, at: "_Placement", compute, stage_compute):
+    """Per rank and per stage compute as the schedule runs it: the backward split in two
+    where the schedule splits it (StageProblem.for_schedule), and each later stage
+    rerunning what depends on positions alone."""
+    if shape.schedule in SPLIT_BACKWARD:
+        compute = [c * problem.split_backward for c in compute]
+        stage_compute = [c * problem.split_backward for c in stage_compute]
+    for k in range(1, len(at.ranks_of)):
+        compute[at.ranks_of[k]] += problem.replay_s
+        stage_compute[k] += problem.replay_s
+    return compute, stage_compute
+
+
+@dataclass(frozen=True)
+class _Placement:
+    """Where a solution puts things: each stage's rank and microbatches in flight, each
+    unit's and each layer's stage, and the units where the stages start (one past the
+    last at the end)."""
+
+    ranks_of: tuple[int, ...]
+    flight: tuple[int, ...]
+    starts: tuple[int, ...]
+    stage_of_unit: tuple[int, ...]
+    stage: tuple[int, ...]
+
+    @staticmethod
+    def of(shape: Shape, solution, built) -> "_Placement":
+        S = shape.pp * shape.chunks
+        problem = built.problem
+        starts = tuple(solution.starts) + (len(problem.units),)
+        stage_of_unit = tuple(k for k in range(S) for _ in range(starts[k], starts[k + 1]))
+        return _Placement(
+            stage_ranks(shape.schedule, shape.pp, shape.chunks),
+            tuple(in_flight(shape.schedule, shape.pp, shape.microbatches, k, shape.chunks)
+                  for k in range(S)),
+            starts, stage_of_unit, tuple(stage_of_unit[l.unit] for l in problem.layers))
+
+
+def _layer_plans(graph, cluster: Cluster, optimizer: str, built, choice, at: _Placement,
+                 shape: Shape):
+    """(LayerPlans, InputPlans, per-rank and per-stage memory breakdowns as dicts, per-rank
+    and per-stage compute, per-rank update time) of the chosen options."""
+    problem = built.problem
+    pp, S, m, tp = shape.pp, len(at.ranks_of), shape.microbatches, shape.tp
     state = OPTIMIZER_STATE_FACTOR[optimizer]
     precision = cluster.training_precision
-    groups = rank_groups(pp, dp, tp)
     rows = shape.rows(graph.batch_size)
-
     edge_in = [0.0] * len(problem.layers)
     for e in problem.edges:
         edge_in[e.dst] += float(e.cost_s[choice[e.src], choice[e.dst]])
-
-    layers, inputs = [], []
-    flight = [in_flight(shape.schedule, pp, m, k, v) for k in range(S)]
     memory = [dict(parameters_bytes=0.0, gradients_bytes=0.0, optimizer_state_bytes=0.0,
                    activations_bytes=0.0,
-                   microbatches_in_flight=max(flight[k] for k in range(S) if ranks_of[k] == r))
+                   microbatches_in_flight=max(at.flight[k] for k in range(S)
+                                              if at.ranks_of[k] == r))
               for r in range(pp)]
-    stage_memory = [dict(memory[ranks_of[k]], parameters_bytes=0.0, gradients_bytes=0.0,
+    stage_memory = [dict(memory[at.ranks_of[k]], parameters_bytes=0.0, gradients_bytes=0.0,
                          optimizer_state_bytes=0.0, activations_bytes=0.0,
-                         microbatches_in_flight=flight[k]) for k in range(S)]
-    compute = [0.0] * pp
-    stage_compute = [0.0] * S
-    update = [0.0] * pp
+                         microbatches_in_flight=at.flight[k]) for k in range(S)]
+    compute, stage_compute, update = [0.0] * pp, [0.0] * S, [0.0] * pp
+    layers, inputs = [], []
     for i, layer in enumerate(graph.layers):
-        c, k = choice[i], stage[i]
-        r = ranks_of[k]
+        c, k = choice[i], at.stage[i]
+        r = at.ranks_of[k]
         strategy, cost, opts = built.strategies[i][c], built.costs[i][c], problem.layers[i]
         local = float(built.local_param_bytes[i][c])
         sharded = bool(built.sharded and built.sharded[i][c])
@@ -238,7 +326,7 @@ def to_plan(graph, cluster: Cluster, optimizer: str, budget: float, result: Sear
             mem["parameters_bytes"] += local + copy
             mem["gradients_bytes"] += local
             mem["optimizer_state_bytes"] += state * local
-            mem["activations_bytes"] += float(opts.activation_bytes[c]) * flight[k]
+            mem["activations_bytes"] += float(opts.activation_bytes[c]) * at.flight[k]
         # the optimizer steps this device's weights: a sharded option's shard only
         upd = (update_s(local, CostContext(cluster=cluster, ranks=tp, batch=rows,
                                            optimizer=optimizer))
@@ -261,99 +349,64 @@ def to_plan(graph, cluster: Cluster, optimizer: str, budget: float, result: Sear
             model_parallel=strategy.model_parallel, compute_s=cost.compute_s * m,
             communication_s=per_mb_comm * m + sync, update_s=upd,
             reshard_in_s=edge_in[i] * m,
-            memory_bytes=float(opts.weight_bytes[c]) + float(opts.activation_bytes[c]) * flight[k],
+            memory_bytes=float(opts.weight_bytes[c]) + float(opts.activation_bytes[c]) * at.flight[k],
             param_bytes=layer.param_bytes, params=list(layer.params), stage=k,
             inputs=list(layer.inputs),
             reason=_reason(strategy, k, S, tp, cost, opts, c),
             **_shard_fields(opts, opts.plain_index(c), m, sharded)))
-    if shape.schedule in SPLIT_BACKWARD:  # its backward split in two (StageProblem.for_schedule)
-        compute = [c * problem.split_backward for c in compute]
-        stage_compute = [c * problem.split_backward for c in stage_compute]
-    for k in range(1, S):  # each later stage reruns what depends on positions alone
-        compute[ranks_of[k]] += problem.replay_s
-        stage_compute[k] += problem.replay_s
-    recomputed = [problem.units[u] for u in problem.recomputed_units(choice)]
-    if recomputed:  # one block's activations, live again in its backward
-        holding = {ranks_of[stage_of_unit[u]] for u in problem.recomputed_units(choice)}
-        for r in holding:
-            memory[r]["activations_bytes"] += built.transient_bytes
-    breakdown = [MemoryBreakdown(**b) for b in memory]
+    return layers, inputs, memory, stage_memory, compute, stage_compute, update
 
-    unit_names = problem.units
+
+def _stage_plans(graph, at: _Placement, times, shape: Shape, stage_compute, stage_memory,
+                 unit_names) -> list[StagePlan]:
+    """One StagePlan per stage: its rank, layers, modules, ranks, times and memory."""
+    groups = rank_groups(shape.pp, shape.dp, shape.tp)
+    dp = shape.dp
     stages = []
-    for k in range(S):
-        r = ranks_of[k]
+    for k in range(len(at.ranks_of)):
+        r = at.ranks_of[k]
         stages.append(StagePlan(
             index=k, pipeline_rank=r,
-            layers=[l.name for l, s in zip(graph.layers, stage) if s == k and not l.is_input],
-            modules=_stage_modules(graph, stage, k, unit_names[starts[k]:starts[k + 1]]),
+            layers=[l.name for l, s in zip(graph.layers, at.stage) if s == k and not l.is_input],
+            modules=_stage_modules(graph, list(at.stage), k,
+                                   unit_names[at.starts[k]:at.starts[k + 1]]),
             ranks=sorted(q for g in groups["tp"][r * dp:(r + 1) * dp] for q in g),
             microbatch_s=times.microbatch_s[k], send_s=times.send_s[k],
             compute_s=min(stage_compute[k], times.microbatch_s[k]),
             step_s=times.once_s[k], memory=MemoryBreakdown(**stage_memory[k])))
-    # the step split: the busiest rank's microbatches, the bubble (its idle time in the
-    # simulated schedule, planner.schedules), the per-step part of the slowest rank
-    load = [sum(times.microbatch_s[k] for k in range(S) if ranks_of[k] == r) for r in range(pp)]
-    once_rank = [sum(times.once_s[k] for k in range(S) if ranks_of[k] == r) for r in range(pp)]
-    slow = max(range(pp), key=lambda r: load[r])
-    once = max(range(pp), key=lambda r: once_rank[r])
-    step = times.step_s
-    compute_s = m * compute[slow]
-    other_s = update[once]
-    bubble_s = times.bubble_s
-    pipeline = None
-    if pp > 1:
-        busy = m * load[slow]
-        pipeline = PipelinePlan(schedule=shape.schedule, chunks=v, microbatches=m,
-                                forward_share=problem.forward_share,
-                                microbatch_rows=shape.rows(graph.batch_size),
-                                bubble_fraction=bubble_s / (bubble_s + busy) if busy else 0.0,
-                                stages=stages, why=why_schedule(result, shape, times))
-    per_device = [breakdown[r // (dp * tp)] for r in range(pp * dp * tp)]
-    held = held_beside_stages(built, choice, stage, ranks_of, shape, cluster, optimizer,
-                              set(graph.outputs), flight, _sent(graph))
-    (data_parallel, data_parallel_memory), single = _baselines(result, graph, cluster,
-                                                               optimizer)
-    fixed = step_overhead_s(cluster)  # outside every choice, as in a 1-D plan
-    predicted = Predicted(
-        step_time_s=step + fixed, compute_s=compute_s, other_s=other_s, bubble_s=bubble_s,
-        communication_s=step - compute_s - other_s - bubble_s, fixed_s=fixed,
-        memory_bytes=[b.total_bytes + held[r // (dp * tp)] for r, b in enumerate(per_device)],
-        memory_limit_bytes=budget,
-        memory_breakdown=per_device, data_parallel_step_time_s=data_parallel,
-        data_parallel_memory_bytes=data_parallel_memory, single_device_step_time_s=single)
+    return stages
+
+
+def _mesh_plan(cluster: Cluster, shape: Shape, layers) -> MeshPlan:
+    """The (pp, dp, tp) mesh, its groups and links; HSDP layers split the dp dim into
+    replicas across nodes and shards inside one."""
+    pp, dp, tp = shape.pp, shape.dp, shape.tp
     links = {"tp": group_link(cluster, tp).name}
     if dp > 1:
         links["dp"] = group_link(cluster, dp * tp).name
     if pp > 1:
         links["pp"] = group_link(cluster, 2 * dp * tp).name
-    # HSDP layers: the dp dim splits into (replicate across nodes, shard inside one)
     split = dp_shard.hsdp_split(dp, tp, cluster.devices_per_node)
     shard_ranks = split[1] if any(l.hsdp for l in layers) else 1
-    mesh = MeshPlan(shape=[pp, dp, tp], dim_names=["pp", "dp", "tp"],
+    return MeshPlan(shape=[pp, dp, tp], dim_names=["pp", "dp", "tp"],
                     device_type=cluster.device.kind, nodes=cluster.nodes,
-                    devices_per_node=cluster.devices_per_node, groups=groups,
+                    devices_per_node=cluster.devices_per_node, groups=rank_groups(pp, dp, tp),
                     group_links=links, dp_shard_ranks=shard_ranks)
-    # a candidate left open (time limit, skipped, unproven) matters only while its bound is
-    # below the chosen plan
+
+
+def _solver_report(result: SearchResult, solution, step: float, seconds: float) -> SolverReport:
+    """How sure the search is: a candidate left open (time limit, skipped, unproven)
+    matters only while its bound is below the chosen plan."""
     open_bound = result.open_bound_s()
     bound = min(solution.bound_s, open_bound if open_bound is not None else math.inf)
     status = "optimal" if open_bound is None else "feasible"
     if result.interrupted:
         status = "interrupted"
-    report = SolverReport(
+    return SolverReport(
         status=status, objective_s=step, bound_s=bound,
         seconds=result.stats["solve_seconds"], backend="SCIP (stage MIP) + search",
         num_variables=solution.num_variables, num_constraints=solution.num_constraints,
         planning_seconds=seconds, note=result.stop_note() if status == "feasible" else "")
-    search_report = SearchReport(candidates=len(result.candidates), solved=result.solved,
-                                 pruned=result.pruned, seconds=result.seconds,
-                                 best_per_shape=_best_per_shape(result, fixed))
-    return Plan(model=graph.model_name, fingerprint=graph.fingerprint,
-                global_batch=graph.batch_size, optimizer=optimizer, cluster=cluster,
-                mesh=mesh, inputs=inputs, layers=layers, predicted=predicted, solver=report,
-                pipeline=pipeline, microbatches=m, search=search_report, tracer=graph.tracer,
-                outputs=list(graph.outputs), recompute_blocks=recomputed)
 
 
 def held_beside_stages(built, choice, stage: list[int], ranks_of: list[int], shape: Shape,
