@@ -15,7 +15,7 @@ from collections.abc import Iterable, Sequence
 from torch import nn
 
 from planner import dp_shard
-from planner.block_cuts import carries_weights, recorded_module, why_no_blocks
+from planner.block_cuts import recorded_module, why_no_blocks
 from planner.once import plan_once
 from planner.plan import (
     CandidateReport,
@@ -141,20 +141,36 @@ def plan_3d(graph, cluster: Cluster, optimizer: str, budget: float, started: flo
             result = _search(graph, cluster, optimizer, budget, search_budget,
                              time.perf_counter(), **dict(kw, only=[result.best.shape],
                                                          search_time_s=RESOLVE_S))
-        except PlanDoesNotFit:  # that shape fits nothing there: every shape again, briefly
-            result = _search(graph, cluster, optimizer, budget, search_budget,
-                             time.perf_counter(), **dict(kw, search_time_s=RESOLVE_S))
+        except PlanDoesNotFit:  # that shape fits nothing there: every shape, briefly
+            try:
+                result = _search(graph, cluster, optimizer, budget, search_budget,
+                                 time.perf_counter(),
+                                 **dict(kw, search_time_s=RESEARCH_S
+                                        if search_time_s is not None else None))
+            except PlanDoesNotFit:
+                break
         plan = to_plan(graph, cluster, optimizer, budget, result,
                        time.perf_counter() - started)
-    raise PlanDoesNotFit(
-        f"plan does not fit: the stage problems' plans fit {budget / GB:.1f} GB per device "
-        f"on {cluster.num_devices} devices only without what the step holds beside the "
-        f"layers (strategies.step_memory); add devices, lower the batch, use "
-        f"optimizer='sgd', or raise memory_limit_bytes")
+    return _over_budget(first, budget)
 
 
-RESOLVES = 4  # solves of the chosen shape with what its step holds beside the layers
+RESOLVES = 3  # solves of the chosen shape with what its step holds beside the layers
 RESOLVE_S = 10.0  # seconds each
+RESEARCH_S = 30.0  # seconds for every shape again where the chosen one fits nothing
+
+
+def _over_budget(plan: Plan, budget: float) -> Plan:
+    """The search's plan where what its step holds beside the layers does not fit and the
+    chosen shape solved again in less room finds nothing: handed back as it is, the
+    memory it predicts over the limit (explain says "does not fit") and the solver's note
+    saying why; the 3-D search does not yet fit those terms itself."""
+    over = max(plan.predicted.memory_bytes) - budget
+    note = (f"does not fit by {over / GB:.1f} GB with what the step holds beside the layers "
+            f"(strategies.step_memory), which the 3-D search does not yet fit itself: raise "
+            f"memory_limit_bytes, add devices or lower the batch")
+    solver = plan.solver.model_copy(update={
+        "note": note + (f"; {plan.solver.note}" if plan.solver.note else "")})
+    return plan.model_copy(update={"solver": solver})
 
 
 def _resolved(plan: Plan, first: Plan) -> Plan:
@@ -231,7 +247,7 @@ def to_plan(graph, cluster: Cluster, optimizer: str, budget: float, result: Sear
                                 stages=stages, why=why_schedule(result, shape, times))
     per_device = [breakdown[r // (dp * tp)] for r in range(pp * dp * tp)]
     held = held_beside_stages(built, choice, at.stage, at.ranks_of, shape, cluster, optimizer,
-                              set(graph.outputs), at.flight, _sent(graph))
+                              set(graph.outputs), at.flight)
     (data_parallel, data_parallel_memory), single = _baselines(result, graph, cluster,
                                                                optimizer)
     fixed = step_overhead_s(cluster)  # outside every choice, as in a 1-D plan
@@ -411,18 +427,18 @@ def _solver_report(result: SearchResult, solution, step: float, seconds: float) 
 
 def held_beside_stages(built, choice, stage: list[int], ranks_of: list[int], shape: Shape,
                        cluster: Cluster, optimizer: str, outputs_of=(),
-                       flight: list[int] | None = None, sent=None) -> list[float]:
+                       flight: list[int] | None = None) -> list[float]:
     """Per pipeline rank, what its step holds beyond the per-layer memory the stage problem
     sums (strategies.step_memory, the rule 1-D plans follow too): its layers as the
     executor keeps them (_held_layers), the loss of one microbatch where the model's
     outputs are made (`outputs_of`: their nodes), and what is kept throughout
-    (_kept_bytes; `sent`: the nodes whose values stages send, None for all)."""
+    (_kept_bytes)."""
     flight = flight or [1] * (max(stage, default=0) + 1)
     layers = _held_layers(built, choice, stage, ranks_of, shape, cluster)
     numel = [0.0] * shape.pp
     for i, share in _outputs(built, choice, outputs_of, shape.tp):
         numel[ranks_of[stage[i]]] += math.prod(built.layers[i].output.shape) * share
-    kept = _kept_bytes(built, choice, stage, ranks_of, shape, sent)
+    kept = _kept_bytes(built, stage, ranks_of, shape)
     saved = _reshard_copies(built, choice, stage, ranks_of, shape, flight)
     return [step_held_bytes(mine, optimizer, cluster.device.kind, kept_buckets=False,
                             loss_bytes=loss_held_bytes(n), saved_bytes=copies,
@@ -458,41 +474,25 @@ def _outputs(built, choice, outputs_of, tp: int):
             yield i, 1 / tp if split else 1.0
 
 
-def _sent(graph) -> set[str] | None:
-    """The nodes whose values pipeline stages send each other: a torch.export graph's
-    stages compute again what depends on positions alone (planner.block_cuts.
-    carries_weights); an fx graph's send every value (None)."""
-    return carries_weights(graph) if graph.tracer == "export" else None
-
-
-def _crossings(built, choice, stage, tp: int, sent=None):
-    """(sending stage, receiving stage, bytes on one device) of each layer output read by a
-    later stage, once per receiving stage; only those in `sent` where given (a torch.export
-    model's stages compute again what depends on positions alone: planner.block_cuts)."""
-    index = {layer.node: i for i, layer in enumerate(built.layers)}
-    seen = set()
-    for i, layer in enumerate(built.layers):
-        for name in layer.inputs:
-            j = index.get(name)
-            if (j is None or stage[j] >= stage[i] or (j, stage[i]) in seen
-                    or sent is not None and name not in sent):
-                continue
-            seen.add((j, stage[i]))
-            split = built.strategies[j][choice[j]].gives in (Layout.BATCH, Layout.FEATURE,
-                                                             Layout.SEQUENCE)
-            yield stage[j], stage[i], built.layers[j].output.nbytes / (tp if split else 1)
-
-
-def _kept_bytes(built, choice, stage, ranks_of, shape: Shape, sent=None) -> list[float]:
+def _kept_bytes(built, stage, ranks_of, shape: Shape) -> list[float]:
     """Per pipeline rank, what lives beside everything else: with pipeline stages, the
-    buffers of each tensor crossing a cut (pipeline_buffer_bytes). The last stage keeps
-    no outputs: executor.pipeline steps its schedule with return_outputs=False."""
+    buffers of what crosses each of its stages' cuts, the activations coming in and their
+    gradients going back (pipeline_buffer_bytes), at the bytes the search prices the cut
+    with (planner.search: what the executor sends, not what its stages compute again).
+    The last stage keeps no outputs: executor.pipeline steps its schedule with
+    return_outputs=False."""
     kept = [0.0] * shape.pp
-    if shape.pp > 1:
-        for src, dst, nbytes in _crossings(built, choice, stage, shape.tp, sent):
-            buffers = pipeline_buffer_bytes(nbytes, shape.microbatches)
-            kept[ranks_of[src]] += buffers  # its gradient's receive buffers
-            kept[ranks_of[dst]] += buffers  # the activation's
+    if shape.pp == 1 or not built.cut_bytes:
+        return kept
+    S = len(ranks_of)
+    starts = sorted({0, *(min(l.unit for l, k in zip(built.problem.layers, stage) if k == q)
+                          for q in range(1, S))})
+    for k in range(1, S):
+        if ranks_of[k - 1] == ranks_of[k]:
+            continue  # the turn of a V stays on one rank
+        buffers = pipeline_buffer_bytes(built.cut_bytes[starts[k]], shape.microbatches)
+        kept[ranks_of[k]] += buffers  # the activation's receive buffers
+        kept[ranks_of[k - 1]] += buffers  # its gradient's
     return kept
 
 

@@ -429,7 +429,8 @@ class Built:
     local_param_bytes: tuple[np.ndarray, ...]
     sharded: tuple[tuple[str, ...], ...] = ()  # per layer and option: "", "+fsdp", "+hsdp"
     transient_bytes: float = 0.0  # held once per rank beside the problem's memory
-    cut_bytes: float = 0.0  # the most one microbatch sends across a cut (its buffers)
+    # per unit: what one microbatch sends across a cut right before it (pipeline buffers)
+    cut_bytes: tuple[float, ...] = ()
 
 
 def build(cache: CostCache, pp: int, dp: int, tp: int, rows: int,
@@ -476,7 +477,7 @@ def build(cache: CostCache, pp: int, dp: int, tp: int, rows: int,
             else {layer.node for layer in graph.layers})
     cut_s, cut_bytes = (_cut_times(cache, scaled_layers, unit_of, len(unit_names), sent,
                                    group_link(cluster, 2 * dp * tp))
-                        if pp > 1 else ([0.0] * len(unit_names), 0.0))
+                        if pp > 1 else ([0.0] * len(unit_names), [0.0] * len(unit_names)))
     problem = StageProblem(tuple(options), tuple(edges), tuple(unit_names), tuple(cut_s),
                            replay_s=_replay_s(graph, options, unit_names, sent)
                            if pp > 1 else 0.0,
@@ -484,7 +485,7 @@ def build(cache: CostCache, pp: int, dp: int, tp: int, rows: int,
                            forward_share=graph.forward_share)
     return Built(problem, tuple(strategies), tuple(got.costs for got in priced),
                  tuple(scaled_layers), tuple(got.local_param_bytes for got in priced),
-                 tuple(got.sharded for got in priced), cut_bytes=cut_bytes)
+                 tuple(got.sharded for got in priced), cut_bytes=tuple(cut_bytes))
 
 
 def _units_of(cache: CostCache) -> tuple[list[str], list[int]]:
@@ -527,10 +528,10 @@ def _edges(cache: CostCache, priced, strategies, scaled_layers, rows: int, tp: i
 
 
 def _cut_times(cache: CostCache, scaled_layers, unit_of: list[int], units: int,
-               sent: set[str], link) -> tuple[list[float], float]:
+               sent: set[str], link) -> tuple[list[float], list[float]]:
     """(per unit u, the point-to-point time of a cut right before it: the values made
     before it, used after it and sent (not replayed), forward and their gradients back;
-    the most bytes such a cut sends per microbatch)."""
+    and the bytes such a cut sends per microbatch)."""
     graph = cache.graph
     index = {layer.node: i for i, layer in enumerate(graph.layers)}
     last_use = {}
@@ -539,7 +540,7 @@ def _cut_times(cache: CostCache, scaled_layers, unit_of: list[int], units: int,
             last_use[index[name]] = max(last_use.get(index[name], -1), unit_of[dst])
     for name in graph.outputs:
         last_use[index[name]] = units
-    cut_s, most = [0.0] * units, 0.0
+    cut_s, cut_bytes = [0.0] * units, [0.0] * units
     for u in range(1, units):
         t = sent_bytes = 0.0
         for src, until in last_use.items():
@@ -548,8 +549,8 @@ def _cut_times(cache: CostCache, scaled_layers, unit_of: list[int], units: int,
                 grad = 0 if scaled_layers[src].is_input else 1
                 t += (1 + grad) * send_recv_s(nbytes, link)
                 sent_bytes += nbytes
-        cut_s[u], most = t, max(most, sent_bytes)
-    return cut_s, most
+        cut_s[u], cut_bytes[u] = t, sent_bytes
+    return cut_s, cut_bytes
 
 
 def _replay_s(graph, options: list[LayerOptions], units: list[str], sent: set[str]) -> float:
@@ -836,7 +837,8 @@ class _Search:
         if self.budget_bytes is None:
             return None
         built = self.problem_of(shape)
-        buffers = 2 * shape.chunks * pipeline_buffer_bytes(built.cut_bytes, shape.microbatches)
+        buffers = 2 * shape.chunks * pipeline_buffer_bytes(max(built.cut_bytes, default=0.0),
+                                                            shape.microbatches)
         return self.budget_bytes - built.transient_bytes - (buffers if shape.pp > 1 else 0.0)
 
     def out_of_time(self) -> bool:
