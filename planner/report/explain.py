@@ -175,7 +175,11 @@ def pipeline_lines(plan: Plan) -> list[str]:
         b = plan.predicted.memory_breakdown
         lines.append("Pipeline: none (one stage)")
         if b:
-            lines.append(f"  memory per device: {memory_line(b[0])}")
+            held = max(plan.predicted.memory_bytes) - b[0].total_bytes
+            lines.append(f"  memory per device: {memory_line(b[0])}"
+                         + (f" + what the step holds beside the layers {_gb(held)} (loss, "
+                            f"buffers, optimizer temporaries: strategies.step_memory)"
+                            if held > 0 else ""))
         return lines
     chunks = (f" ({len(q.stages) // q.chunks} ranks x {q.chunks} chunks)"
               if q.chunks > 1 else "")
