@@ -13,13 +13,9 @@ from planner.problem import Solution
 from planner.reasons import reasons
 from planner.volume import communication_bytes
 from strategies.cluster import Cluster
-from strategies.layouts import Layout
 from strategies.memory import lever_fields, split_name
 from strategies.step_memory import (
-    loss_held_bytes,
-    one_d_layer,
-    reshard_copy_bytes,
-    step_held_bytes,
+    loss_held_bytes, one_d_layer, output_share, reshard_copy_bytes, step_held_bytes,
 )
 
 
@@ -52,16 +48,10 @@ def reshard_copies(choices: Choices, choice, ranks: int) -> float:
 
 
 def output_numel(choices: Choices, choice, ranks: int, outputs) -> float:
-    """Elements of the model's outputs one device holds for the loss: split where the layer
-    that makes one gives it split by rows or tokens (a data-parallel head), whole
-    otherwise (handed back whole: planner.handback)."""
-    outputs, total = set(outputs), 0.0
-    for row, c in zip(choices.layers, choice):
-        if row.layer.node in outputs:
-            numel = math.prod(row.layer.output.shape)
-            split = row.strategies[c].gives in (Layout.BATCH, Layout.SEQUENCE)
-            total += numel / ranks if split else numel
-    return total
+    """Elements of the model's outputs one device holds for the loss (output_share)."""
+    outputs = set(outputs)
+    return sum(math.prod(row.layer.output.shape) * output_share(row.strategies[c].gives, ranks)
+               for row, c in zip(choices.layers, choice) if row.layer.node in outputs)
 
 
 def assemble(graph, cluster: Cluster, optimizer: str, choices: Choices, solution: Solution,

@@ -18,39 +18,20 @@ from planner import dp_shard
 from planner.block_cuts import recorded_module, why_no_blocks
 from planner.once import plan_once
 from planner.plan import (
-    CandidateReport,
-    InputPlan,
-    LayerPlan,
-    MemoryBreakdown,
-    MeshPlan,
-    PipelinePlan,
-    Plan,
-    Predicted,
-    SearchReport,
-    SolverReport,
-    StagePlan,
+    CandidateReport, InputPlan, LayerPlan, MemoryBreakdown, MeshPlan, PipelinePlan, Plan,
+    Predicted, SearchReport, SolverReport, StagePlan,
 )
 from planner.price import group_link, step_overhead_s
 from planner.profiled import GB, PlanDoesNotFit, check_arguments, profiled_graph
 from planner.schedules import LABELS, SPLIT_BACKWARD
 from planner.search import (
-    DEFAULT_SEARCH_TIME_S,
-    SearchResult,
-    Shape,
-    build,
-    rank_groups,
-    search,
-    time_left,
+    DEFAULT_SEARCH_TIME_S, SearchResult, Shape, build, rank_groups, search, time_left,
 )
 from planner.stages import evaluate, in_flight, stage_ranks
 from strategies.catalog import OPTIMIZER_STATE_FACTOR, CostContext, update_s
 from strategies.cluster import Cluster
-from strategies.layouts import Layout
 from strategies.step_memory import (
-    HeldLayer,
-    loss_held_bytes,
-    pipeline_buffer_bytes,
-    reshard_copy_bytes,
+    HeldLayer, loss_held_bytes, output_share, pipeline_buffer_bytes, reshard_copy_bytes,
     step_held_bytes,
 )
 
@@ -467,11 +448,10 @@ def _held_layers(built, choice, stage, ranks_of, shape: Shape,
 
 def _outputs(built, choice, outputs_of, tp: int):
     """(layer index, the share of its output one device holds) of each layer that makes a
-    model output: split over tp where it gives rows or tokens split."""
+    model output (strategies.step_memory.output_share over tp)."""
     for i, layer in enumerate(built.layers):
         if layer.node in outputs_of:
-            split = built.strategies[i][choice[i]].gives in (Layout.BATCH, Layout.SEQUENCE)
-            yield i, 1 / tp if split else 1.0
+            yield i, output_share(built.strategies[i][choice[i]].gives, tp)
 
 
 def _kept_bytes(built, stage, ranks_of, shape: Shape) -> list[float]:
@@ -485,8 +465,9 @@ def _kept_bytes(built, stage, ranks_of, shape: Shape) -> list[float]:
     if shape.pp == 1 or not built.cut_bytes:
         return kept
     S = len(ranks_of)
-    starts = sorted({0, *(min(l.unit for l, k in zip(built.problem.layers, stage) if k == q)
-                          for q in range(1, S))})
+    starts: dict[int, int] = {}  # stage -> its first unit (layers run in unit order)
+    for layer, k in zip(built.problem.layers, stage):
+        starts.setdefault(k, layer.unit)
     for k in range(1, S):
         if ranks_of[k - 1] == ranks_of[k]:
             continue  # the turn of a V stays on one rank

@@ -584,8 +584,9 @@ def _fewer_recomputed(problem: StageProblem, starts, choice, pp: int, m: int, sc
         load[r] += m * float(l.microbatch_s[c])
         held[r] += float(l.weight_bytes[c]) + flight_of_unit[l.unit] * float(l.activation_bytes[c])
     gains = []  # (rank, time saved, bytes added, the unit's layers)
+    linked = problem.linked_units()
     for u in problem.recomputed_units(choice):
-        members = problem.linked_units()[u]
+        members = linked[u]
         f, saved, added = flight_of_unit[u], 0.0, 0.0
         for i in members:
             l, c = problem.layers[i], choice[i]

@@ -97,6 +97,13 @@ def one_d_layer(strategy: str, param_bytes: float, model_parallel: bool,
                      bucketed=ranks > 1 and strategy in _SUMMED)
 
 
+def output_share(gives: Layout, ranks: int) -> float:
+    """The share of a model output one device holds for the loss: 1/ranks where the layer
+    that makes it gives it split by rows or tokens (a data-parallel head), all of it
+    otherwise (handed back whole: planner.handback)."""
+    return 1 / ranks if gives in (Layout.BATCH, Layout.SEQUENCE) else 1.0
+
+
 def loss_held_bytes(output_numel: float) -> float:
     """What the loss holds beyond the output the last layer's activations price, for a
     cross-entropy over `output_numel` outputs on the device: torch's `cross_entropy` is
