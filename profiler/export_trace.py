@@ -28,6 +28,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from profiler.blocks import decoder_blocks
 from profiler.graph import Layer, ModelGraph, TensorMeta, canonical_names, count_once
 from profiler.row_factors import in_order, row_factors
+from profiler.saved import first_layer, per_output, run_recorded
 from profiler.trace import TraceError, _module_attrs, call_facts, fingerprint_modules
 from profiler.traffic import COUNTED, layer_traffic, traffic, with_float16
 
@@ -228,6 +229,8 @@ def graph_of_program(model: nn.Module, program: torch.export.ExportedProgram, ar
             outputs.extend(resolve(n))
     flops = _count_flops(program, args, kwargs, group, node_of)
     layers = [_with_flops(l, flops.get(l.node, 0)) for l in count_once(layers, model)]
+    ratios = _saved_per_output(program, args, kwargs, group, node_of, layers)
+    layers = [replace(l, saved_per_output=ratios.get(l.node)) for l in layers]
     blocks, why = decoder_blocks(model)
     return ModelGraph(type(model).__name__, tuple(layers), tuple(dict.fromkeys(outputs)), batch,
                       fingerprint_modules(model), module=None, example_kwargs=kwargs,
@@ -391,20 +394,57 @@ def _with_flops(layer: Layer, fwd: int) -> Layer:
     return replace(layer, fwd_flops=fwd, bwd_flops=bwd)
 
 
+def _fake_feeds(program, args, kwargs, mode: FakeTensorMode, grads: bool = False) -> list:
+    """The exported graph's inputs as fake tensors: its parameters, buffers and constants
+    from the program, the user's from (`args`, `kwargs`); with `grads`, parameters that
+    train require grad."""
+    sig = program.graph_signature
+    state = {**program.state_dict, **program.constants}
+    user = iter(pytree.tree_leaves((args, kwargs)))
+    feeds = []
+    for spec in sig.input_specs:
+        value = next(user) if spec.kind.name == "USER_INPUT" else state[spec.target]
+        fake = mode.from_tensor(value) if isinstance(value, torch.Tensor) else value
+        if (grads and spec.kind.name == "PARAMETER" and value.requires_grad
+                and not fake.requires_grad):
+            fake.requires_grad_(True)
+        feeds.append(fake)
+    return feeds
+
+
+def _saved_per_output(program, args, kwargs, group: dict, node_of: dict,
+                      layers: list[Layer]) -> dict[str, float]:
+    """{layer node: bytes autograd keeps for backward that the layer produced, per byte of
+    its output} (profiler.saved), the exported graph run once on fake tensors with its
+    parameters requiring grad; {} where it cannot run so."""
+    user_inputs = set(program.graph_signature.user_inputs)
+
+    def layer_of(n: fx.Node) -> str | None:
+        return node_of.get(group.get(n.name))
+
+    def owner(n: fx.Node) -> str | None:
+        if n.op == "placeholder" and n.name not in user_inputs:
+            return None  # a parameter, buffer or constant
+        return first_layer(n, layer_of)
+
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    try:
+        feeds = _fake_feeds(program, args, kwargs, mode, grads=True)
+        with mode:
+            saved = run_recorded(program.graph_module, feeds, owner)
+    except Exception:  # noqa: BLE001 - the layers then keep their outputs
+        return {}
+    return per_output(saved, layers)
+
+
 def _count_flops(program, args, kwargs, group: dict, node_of: dict) -> dict[str, int]:
     """{output node of each layer: forward FLOPs}, running the exported graph on fake
     tensors. Fake tensors keep each tensor's device as metadata, so a graph that moves a
     buffer with `.to(device)` (a rotary `inv_freq`, inside a higher-order op's subgraph
     too) runs whether the model was built on the CPU, on meta or under torch.device(...),
     and nothing is allocated."""
-    sig = program.graph_signature
-    state = {**program.state_dict, **program.constants}
-    user = iter(pytree.tree_leaves((args, kwargs)))
     mode = FakeTensorMode(allow_non_fake_inputs=True)
-    feeds = []
-    for spec in sig.input_specs:
-        value = next(user) if spec.kind.name == "USER_INPUT" else state[spec.target]
-        feeds.append(mode.from_tensor(value) if isinstance(value, torch.Tensor) else value)
+    feeds = _fake_feeds(program, args, kwargs, mode)
     per_layer: dict[str, int] = {}
     counter = FlopCounterMode(display=False)
 

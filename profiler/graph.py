@@ -81,10 +81,23 @@ class Layer:
     measured_shards: dict = field(default_factory=dict)
     measured_parts: int | None = None
     shards_batch: int | None = None
+    # bytes autograd keeps for backward that this layer produced (its output where some
+    # op saves it, what it makes and saves inside), per byte of its output, measured on
+    # the traced forward (profiler.saved); None: not measured
+    saved_per_output: float | None = None
 
     @property
     def is_input(self) -> bool:
         return self.op == "placeholder"
+
+    @property
+    def activation_bytes(self) -> float:
+        """The bytes this layer keeps for backward: measured (`saved_per_output`) where
+        it was, else its output. A ratio to the output, so that a layer re-sized to a
+        microbatch's rows or a precision's activation bytes keeps the same share."""
+        if self.saved_per_output is None:
+            return self.output.nbytes
+        return self.output.nbytes * self.saved_per_output
 
 
 def count_once(layers: list[Layer], model: torch.nn.Module) -> list[Layer]:

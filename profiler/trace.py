@@ -15,8 +15,10 @@ from dataclasses import replace
 import torch
 import torch.fx as fx
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 from profiler.graph import Layer, ModelGraph, TensorMeta, canonical_names, count_once
+from profiler.saved import first_layer, per_output, run_recorded
 
 
 class TraceError(ValueError):
@@ -179,8 +181,76 @@ def trace(
         j for i in outputs for j in ((i,) if i in known else through.get(i, ()))))
     batch = tensors[0].shape[0]
     layers = count_once(layers, gm)
+    fed = [values[n.name] for n in gm.graph.nodes if n.op == "placeholder"]
+    ratios = saved_per_output(gm, layers, fed, modules)
+    layers = [replace(l, saved_per_output=ratios.get(l.node)) for l in layers]
     return ModelGraph(type(model).__name__, tuple(layers), outputs, batch, fingerprint(gm),
                       module=gm, example_kwargs=dict(example_kwargs or {}))
+
+
+def saved_per_output(gm: fx.GraphModule, layers: list[Layer], inputs: list,
+                     modules: dict) -> dict[str, float]:
+    """{layer node: bytes autograd keeps for backward that the layer produced, per byte of
+    its output} (profiler.saved), the graph run once on fake CPU tensors with its modules'
+    parameters as fake tensors requiring grad where theirs do; {} where some node cannot
+    run on fake tensors (data-dependent Python in a leaf module: its layers then keep
+    their outputs, the rule without a measurement)."""
+    nodes = {l.node for l in layers}
+    weights: dict[str, dict] = {}  # module path or get_attr target -> its fake tensors
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+
+    def layer_of(n: fx.Node) -> str | None:
+        return n.name if n.name in nodes else None
+
+    def owner(n: fx.Node) -> str | None:
+        return None if n.op == "get_attr" else first_layer(n, layer_of)
+
+    def run(interp, n: fx.Node):
+        if n.op == "get_attr":
+            attr = operator.attrgetter(n.target)(gm)
+            if n.target not in weights:
+                weights[n.target] = {"": _on_cpu(_meta_weight(attr))}
+            interp.recorder.produced(weights[n.target][""], None)
+            return weights[n.target][""]
+        if n.op == "call_module":
+            if n.target not in weights:
+                weights[n.target] = _on_cpu(meta_params(modules[n.target]))
+            interp.recorder.produced(weights[n.target], None)
+            args, kwargs = interp.fetch_args_kwargs_from_env(n)
+            return torch.func.functional_call(modules[n.target], weights[n.target],
+                                              tuple(args), kwargs)
+        return fx.Interpreter.run_node(interp, n)
+
+    try:
+        with mode:
+            saved = run_recorded(gm, _on_cpu(inputs), owner, run=run)
+    except Exception:  # noqa: BLE001 - a module that cannot run on fake tensors
+        return {}
+    return per_output(saved, layers)
+
+
+def _on_cpu(value):
+    """Meta tensors as fake CPU tensors of the same shape, dtype and requires_grad (made
+    inside a FakeTensorMode): a meta tensor runs ops as no device does, and what autograd
+    saves follows the kernel a device picks (scaled_dot_product_attention on meta takes
+    its math path and saves the whole score matrix, a CPU or GPU its flash kernel, which
+    saves its output and a row statistic)."""
+    if isinstance(value, torch.Tensor) and value.is_meta:
+        fake = torch.empty(value.shape, dtype=value.dtype, device="cpu")
+        return fake.requires_grad_(True) if value.requires_grad else fake
+    if isinstance(value, (list, tuple)):
+        return type(value)(_on_cpu(v) for v in value)
+    if isinstance(value, dict):
+        return {k: _on_cpu(v) for k, v in value.items()}
+    return value
+
+
+def _meta_weight(value):
+    """A bare attribute as a meta tensor, requiring grad where the parameter does."""
+    meta = to_meta(value)
+    if isinstance(value, nn.Parameter) and value.requires_grad:
+        meta.requires_grad_(True)
+    return meta
 
 
 def _params_read(node: fx.Node, gm: fx.GraphModule, modules: dict,

@@ -4,7 +4,8 @@ A strategy is a small frozen dataclass: the layout it takes, the layout it gives
 `cost` method. Costs are per device, for one training step of the whole global batch over
 a 1-D group of `ranks` devices: compute (forward + backward), the collectives the layer
 issues itself (gradient all-reduce, a row-parallel output reduction) and memory (weights,
-gradients, optimizer state and the activation kept for backward). Layout changes *between*
+gradients, optimizer state and the activations kept for backward: Layer.activation_bytes,
+what autograd was measured to keep, shared as the output is). Layout changes *between*
 layers are priced on the edges by `strategies.edges`.
 
 The registry maps a layer to its candidates: `register(ModuleType, *strategies)` lets a user
@@ -221,7 +222,7 @@ class DataParallel(Strategy):
         (gradient_sync); the notes give it over this group, as explain and the
         calibration read it."""
         sync = gradient_sync(layer.param_bytes, ctx.ranks, ctx.link, ctx)
-        memory = weights_memory(layer.param_bytes, ctx) + layer.output.nbytes / ctx.ranks
+        memory = weights_memory(layer.param_bytes, ctx) + layer.activation_bytes / ctx.ranks
         return Cost(compute_s(layer, 1 / ctx.ranks, ctx), 0.0, memory,
                     update_s(layer.param_bytes, ctx),
                     {"gradient_bytes": layer.param_bytes,
@@ -260,7 +261,7 @@ class Replicate(Strategy):
     gives: Layout = Layout.REPLICATE
 
     def cost(self, layer, ctx):
-        memory = weights_memory(layer.param_bytes, ctx) + layer.output.nbytes
+        memory = weights_memory(layer.param_bytes, ctx) + layer.activation_bytes
         return Cost(compute_s(layer, 1.0, ctx), 0.0, memory, update_s(layer.param_bytes, ctx))
 
 
@@ -278,7 +279,7 @@ class FeatureParallel(Strategy):
 
     def cost(self, layer, ctx):
         return Cost(compute_s(layer, 1 / ctx.ranks, ctx, "feature"), 0.0,
-                    layer.output.nbytes / ctx.ranks)
+                    layer.activation_bytes / ctx.ranks)
 
 
 @dataclass(frozen=True)
@@ -297,7 +298,7 @@ class ColumnParallel(Strategy):
 
     def cost(self, layer, ctx):
         local = layer.param_bytes / ctx.ranks
-        memory = weights_memory(local, ctx) + layer.output.nbytes / ctx.ranks
+        memory = weights_memory(local, ctx) + layer.activation_bytes / ctx.ranks
         return Cost(split_compute_s(layer, ctx, "out"), 0.0, memory, update_s(local, ctx))
 
 
@@ -332,11 +333,11 @@ class RowParallel(Strategy):
             comm = reduce_scatter_s(n, ctx.ranks, ctx.link) + all_gather_s(n, ctx.ranks, ctx.link)
             sent = (collective_bytes("reduce_scatter", n, ctx.ranks)
                     + collective_bytes("all_gather", n, ctx.ranks))
-            kept = n / ctx.ranks
+            kept = layer.activation_bytes / ctx.ranks
         else:
             comm = all_reduce_s(n, ctx.ranks, ctx.link)
             sent = collective_bytes("all_reduce", n, ctx.ranks)
-            kept = n
+            kept = layer.activation_bytes
         local = layer.param_bytes / ctx.ranks
         memory = weights_memory(local, ctx) + kept
         return Cost(split_compute_s(layer, ctx, "in"), comm, memory, update_s(local, ctx),

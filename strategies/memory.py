@@ -58,7 +58,7 @@ class ShardedDataParallel(DataParallel):
         sent = (2 * collective_bytes("all_gather", precision.gather_bytes(p), ctx.ranks)
                 + collective_bytes("reduce_scatter", precision.reduce_bytes(p), ctx.ranks))
         local = p / ctx.ranks
-        memory = weights_memory(local, ctx, sharded=True) + layer.output.nbytes / ctx.ranks
+        memory = weights_memory(local, ctx, sharded=True) + layer.activation_bytes / ctx.ranks
         compute = compute_s(layer, 1 / ctx.ranks, ctx)
         # on a GPU a step waits only for what they take beyond the compute beside them
         share, cover = forward_share(layer.fwd_flops, layer.bwd_flops), ctx.cluster.overlap_cover
@@ -90,7 +90,7 @@ def fsdp_copies_s(param_bytes: float, ranks: int, link, ctx: CostContext) -> flo
     return memory_s(2 * (2 * p.gather_bytes(param_bytes) + p.reduce_bytes(param_bytes)), ctx)
 
 
-def _weights_part(inner: Strategy, layer: Layer, ctx: CostContext) -> float:
+def weights_part(inner: Strategy, layer: Layer, ctx: CostContext) -> float:
     """The part of `inner`'s memory that is weights, gradients and optimizer state."""
     sharded = inner.name == "fsdp"
     split = inner.model_parallel or sharded
@@ -138,7 +138,7 @@ class Recompute(Strategy):
 
     def cost(self, layer, ctx):
         base = self.inner.cost(layer, ctx)
-        activations = base.memory_bytes - _weights_part(self.inner, layer, ctx)
+        activations = base.memory_bytes - weights_part(self.inner, layer, ctx)
         kept = input_bytes(layer, self.inner, ctx)
         extra = recompute_s(layer, base.compute_s)
         notes = dict(base.notes, recompute_saved_bytes=activations - kept, recompute_s=extra,

@@ -72,18 +72,33 @@ def _heads(layer: Layer) -> tuple[int, int]:
 
 def _output_reduction(layer: Layer, gives: Layout, ctx) -> tuple[float, float, float]:
     """(time, bytes kept, bytes sent per rank) of summing a row-split layer's partial
-    outputs into `gives` (and its gradient back)."""
-    n = layer.output.nbytes
+    outputs into `gives` (and its gradient back); kept: the layer's activations
+    (Layer.activation_bytes), split as its output is."""
+    n, kept = layer.output.nbytes, layer.activation_bytes
     if gives in (Layout.BATCH, Layout.SEQUENCE):
         return (reduce_scatter_s(n, ctx.ranks, ctx.link) + all_gather_s(n, ctx.ranks, ctx.link),
-                n / ctx.ranks, (collective_bytes("reduce_scatter", n, ctx.ranks)
+                kept / ctx.ranks, (collective_bytes("reduce_scatter", n, ctx.ranks)
                     + collective_bytes("all_gather", n, ctx.ranks)))
-    return all_reduce_s(n, ctx.ranks, ctx.link), n, collective_bytes("all_reduce", n, ctx.ranks)
+    return (all_reduce_s(n, ctx.ranks, ctx.link), kept,
+            collective_bytes("all_reduce", n, ctx.ranks))
 
 
 def _tokens_ok(gives: Layout, layer: Layer, ctx) -> bool:
     """A reduce-scatter into the sequence layout needs an output it can split by tokens."""
     return gives != Layout.SEQUENCE or sequence_splits(layer, ctx.batch, ctx.ranks)
+
+
+def _head_parallel_kept(layer: Layer, gives: Layout, ctx) -> float:
+    """What a head-parallel attention keeps for backward on one rank: its heads' share of
+    what the whole layer was measured to keep (Layer.activation_bytes: q, k, v, the
+    attention output, the softmax's statistics; GPT-2's: 4.27 outputs' worth); unmeasured,
+    q, k, v and the attention output of its heads (four outputs' worth over the ranks)
+    beside its reduced output, whole or split as `gives` has it."""
+    if layer.saved_per_output is not None:
+        return layer.activation_bytes / ctx.ranks
+    n = layer.output.nbytes
+    out = n / ctx.ranks if gives in (Layout.BATCH, Layout.SEQUENCE) else n
+    return out + 4 * n / ctx.ranks
 
 
 @dataclass(frozen=True)
@@ -104,10 +119,9 @@ class HeadParallel(Strategy):
                 and _tokens_ok(self.gives, layer, ctx))
 
     def cost(self, layer, ctx):
-        comm, kept, sent = _output_reduction(layer, self.gives, ctx)
+        comm, _, sent = _output_reduction(layer, self.gives, ctx)
         local = layer.param_bytes / ctx.ranks
-        # q, k, v and the attention output of this rank's heads are kept for backward
-        memory = weights_memory(local, ctx) + kept + 4 * layer.output.nbytes / ctx.ranks
+        memory = weights_memory(local, ctx) + _head_parallel_kept(layer, self.gives, ctx)
         # the executor's style runs DTensor as a row-parallel layer does (its input made
         # whole from a DTensor, its output reduced as one), and its weights are DTensors
         return Cost(split_compute_s(layer, ctx), comm, memory, update_s(local, ctx),

@@ -27,7 +27,10 @@ def _model():
 
 
 PARAMS = 64 * 128 + 128 + 128 * 128 + 128 + 128 * 16 + 16  # 26,896 weights
-OUTPUTS = BATCH * (128 + 128 + 128 + 128 + 16)  # elements every layer hands on
+# elements autograd keeps for backward (profiler.saved): each ReLU's output (it saves its
+# result, the next Linear its input) and the last Linear's (returned to the loss); a Linear
+# before a ReLU keeps none of its own
+KEPT = BATCH * (128 + 128 + 16)
 INPUT = BATCH * 64
 
 
@@ -47,11 +50,11 @@ def test_data_parallel_memory_is_the_byte_arithmetic_of_each_precision():
     pin = {name: "data_parallel" for name in ("0", "1", "2", "3", "4")}
     fp32, bf16 = _plan("fp32", pin), _plan("bf16-mixed", pin)
     ranks, adam = 2, 2
-    # fp32: weights, gradients and 2 Adam moments at 4 bytes; each rank keeps its rows' outputs
-    expected_fp32 = PARAMS * 4 * (2 + adam) + (OUTPUTS + INPUT) * 4 / ranks
+    # fp32: weights, gradients and 2 Adam moments at 4 bytes; each rank keeps its rows' share
+    expected_fp32 = PARAMS * 4 * (2 + adam) + (KEPT + INPUT) * 4 / ranks
     # bf16-mixed: the same fp32 masters, gradients and state, plus autocast's 2-byte copy of
     # each weight; activations in bf16; the input as the user passes it (fp32)
-    expected_bf16 = PARAMS * (4 * (2 + adam) + 2) + OUTPUTS * 2 / ranks + INPUT * 4 / ranks
+    expected_bf16 = PARAMS * (4 * (2 + adam) + 2) + KEPT * 2 / ranks + INPUT * 4 / ranks
     # and what the step holds beside them in either precision (strategies.step_memory):
     # DDP's buckets, an fp32 gradient's copy, and foreach Adam's sqrt of every moment
     held = PARAMS * 4 + PARAMS * 4
@@ -74,7 +77,7 @@ def test_fsdp_keeps_no_low_precision_copy_and_gathers_half_the_bytes():
         return row.costs[[s.name for s in row.strategies].index(strategy)]
 
     p = (128 * 128 + 128) * 4  # layer "2": fp32 bytes of its weights
-    out = BATCH * 128
+    out = 0  # kept for backward: none of its output (the ReLU after it saves its result)
     f32, f16 = cost(rows32, "2", "fsdp"), cost(rows16, "2", "fsdp")
     assert f32.memory_bytes == pytest.approx(p / 2 * 4 + out * 4 / 2)  # w, g, 2 moments
     assert f16.memory_bytes == pytest.approx(p / 2 * 4 + out * 2 / 2)  # the same, bf16 rows

@@ -81,8 +81,8 @@ def test_norm_on_its_tokens_keeps_a_quarter_of_the_activation_on_four_ranks():
     assert "sequence_parallel" in names and "data_parallel" not in names
     sp = SequenceParallel().cost(norm, ctx)
     whole = next(s for s in candidates(norm, ctx) if s.name == "replicate").cost(norm, ctx)
-    weights = whole.memory_bytes - norm.output.nbytes
-    assert sp.memory_bytes - weights == pytest.approx(norm.output.nbytes / 4)
+    weights = whole.memory_bytes - norm.activation_bytes
+    assert sp.memory_bytes - weights == pytest.approx(norm.activation_bytes / 4)
 
 
 def test_offered_only_where_the_sequence_splits():
