@@ -10,10 +10,10 @@ from planner.choices import OUTPUT, Choices
 from planner.plan import InputPlan, LayerPlan, MeshPlan, Plan, Predicted, SolverReport
 from planner.price import step_overhead_s
 from planner.problem import Solution
-from planner.reasons import reasons
+from planner.reasons import of_choices, reasons
 from planner.volume import communication_bytes
 from strategies.cluster import Cluster
-from strategies.memory import lever_fields, split_name
+from strategies.memory import lever_fields, split_name, weights_part
 from strategies.step_memory import (
     loss_held_bytes, one_d_layer, output_share, reshard_copy_bytes, step_held_bytes,
 )
@@ -26,11 +26,20 @@ def held_beside_layers(choices: Choices, choice, optimizer: str, cluster: Cluste
     graph's output nodes, whose loss holds copies of them."""
     ranks = cluster.num_devices
     held = [one_d_layer(split_name(row.strategies[c].name)[0], row.layer.param_bytes,
-                        row.strategies[c].model_parallel, ranks)
+                        row.strategies[c].model_parallel, ranks,
+                        activation_bytes=activation_part(row.strategies[c], row.layer,
+                                                         row.costs[c], choices.context))
             for row, c in zip(choices.layers, choice)]
     loss = loss_held_bytes(output_numel(choices, choice, ranks, outputs))
     return step_held_bytes(held, optimizer, cluster.device.kind, loss_bytes=loss,
                            saved_bytes=reshard_copies(choices, choice, ranks))
+
+
+def activation_part(strategy, layer, cost, ctx) -> float:
+    """What a layer's cost prices as kept for backward: its memory less its weights,
+    gradients and optimizer state (strategies.memory.weights_part)."""
+    inner = getattr(strategy, "inner", strategy)  # a Recompute's own strategy
+    return cost.memory_bytes - weights_part(inner, layer, ctx)
 
 
 def reshard_copies(choices: Choices, choice, ranks: int) -> float:
@@ -70,7 +79,7 @@ def assemble(graph, cluster: Cluster, optimizer: str, choices: Choices, solution
             reshard_out[e.src] += cost
         else:
             reshard_in[e.dst] += cost
-    why = reasons(choices, choice)
+    why = reasons(of_choices(choices), choice)
 
     layers, inputs = [], []
     for i, row in enumerate(choices.layers):

@@ -56,6 +56,8 @@ def recompute_blocks(built, graph: ModelGraph):
     layers = list(problem.layers)
     strategies, costs = list(built.strategies), list(built.costs)
     local, sharded = list(built.local_param_bytes), list(built.sharded)
+    temps = list(built.temp_bytes)
+    syncs, serials = list(built.sync_s), list(built.sync_serial_s)
     transient = 0.0
     members_of = problem.unit_layers()  # once: per unit, a scan of every layer took minutes
     for u, name in enumerate(problem.units):
@@ -73,6 +75,9 @@ def recompute_blocks(built, graph: ModelGraph):
                                          kept_bytes if j == 0 else 0.0)
             strategies[i], costs[i] = strategies[i] * 2, costs[i] * 2
             local[i] = np.concatenate([local[i], local[i]])
+            for per_option in (temps, syncs, serials):
+                if per_option:
+                    per_option[i] = np.concatenate([per_option[i], per_option[i]])
             if sharded:
                 sharded[i] = sharded[i] * 2
     doubled = {i for i, l in enumerate(layers) if l.recomputed is not None}
@@ -82,7 +87,8 @@ def recompute_blocks(built, graph: ModelGraph):
     return replace(built, problem=replace(problem, layers=tuple(layers), edges=edges),
                    strategies=tuple(strategies), costs=tuple(costs),
                    local_param_bytes=tuple(local), sharded=tuple(sharded),
-                   transient_bytes=transient)
+                   temp_bytes=tuple(temps), sync_s=tuple(syncs),
+                   sync_serial_s=tuple(serials), transient_bytes=transient)
 
 
 def _with_recomputed(options: LayerOptions, built, i: int, kept_bytes: float) -> LayerOptions:

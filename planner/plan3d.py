@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
 from collections.abc import Iterable, Sequence
 
 from torch import nn
@@ -18,22 +17,35 @@ from planner import dp_shard
 from planner.block_cuts import recorded_module, why_no_blocks
 from planner.once import plan_once
 from planner.plan import (
-    CandidateReport, InputPlan, LayerPlan, MemoryBreakdown, MeshPlan, PipelinePlan, Plan,
-    Predicted, SearchReport, SolverReport, StagePlan,
+    CandidateReport,
+    InputPlan,
+    LayerPlan,
+    MemoryBreakdown,
+    MeshPlan,
+    PipelinePlan,
+    Plan,
+    Predicted,
+    SearchReport,
+    SolverReport,
+    StagePlan,
 )
 from planner.price import group_link, step_overhead_s
 from planner.profiled import GB, PlanDoesNotFit, check_arguments, profiled_graph
+from planner.reasons import Options, of_built, reasons
 from planner.schedules import LABELS, SPLIT_BACKWARD
 from planner.search import (
-    DEFAULT_SEARCH_TIME_S, SearchResult, Shape, build, rank_groups, search, time_left,
+    DEFAULT_SEARCH_TIME_S,
+    SearchResult,
+    Shape,
+    build,
+    rank_groups,
+    search,
+    time_left,
 )
-from planner.stages import evaluate, in_flight, stage_ranks
+from planner.stage_held import Placement, peak_bytes
+from planner.stages import evaluate
 from strategies.catalog import OPTIMIZER_STATE_FACTOR, CostContext, update_s
 from strategies.cluster import Cluster
-from strategies.step_memory import (
-    HeldLayer, loss_held_bytes, output_share, pipeline_buffer_bytes, reshard_copy_bytes,
-    step_held_bytes,
-)
 
 
 @plan_once
@@ -108,71 +120,30 @@ def plan_3d(graph, cluster: Cluster, optimizer: str, budget: float, started: flo
     kw = {"max_microbatches": max_microbatches, "time_limit_s": time_limit_s,
           "relative_gap": relative_gap, "only": only, "pin": pin,
           "search_time_s": search_time_s}
-    result = _search(graph, cluster, optimizer, budget, budget, started, **kw)
-    first = to_plan(graph, cluster, optimizer, budget, result, time.perf_counter() - started)
-    plan, search_budget = first, budget
-    for _ in range(RESOLVES):
-        over = max(plan.predicted.memory_bytes) - budget
-        if over <= 0:
-            return plan if plan is first else _resolved(plan, first)
-        # the chosen shape again within the budget less what its step holds beside the
-        # layers: a stage solve, not the whole search again (its budget is spent)
-        search_budget -= over
-        try:
-            result = _search(graph, cluster, optimizer, budget, search_budget,
-                             time.perf_counter(), **dict(kw, only=[result.best.shape],
-                                                         search_time_s=RESOLVE_S))
-        except PlanDoesNotFit:  # that shape fits nothing there: every shape, briefly
-            try:
-                result = _search(graph, cluster, optimizer, budget, search_budget,
-                                 time.perf_counter(),
-                                 **dict(kw, search_time_s=RESEARCH_S
-                                        if search_time_s is not None else None))
-            except PlanDoesNotFit:
-                break
-        plan = to_plan(graph, cluster, optimizer, budget, result,
-                       time.perf_counter() - started)
-    return _over_budget(first, budget)
-
-
-RESOLVES = 3  # solves of the chosen shape with what its step holds beside the layers
-RESOLVE_S = 10.0  # seconds each
-RESEARCH_S = 30.0  # seconds for every shape again where the chosen one fits nothing
+    result = _search(graph, cluster, optimizer, budget, started, **kw)
+    plan = to_plan(graph, cluster, optimizer, budget, result, time.perf_counter() - started)
+    return plan if max(plan.predicted.memory_bytes) <= budget else _over_budget(plan, budget)
 
 
 def _over_budget(plan: Plan, budget: float) -> Plan:
-    """The search's plan where what its step holds beside the layers does not fit and the
-    chosen shape solved again in less room finds nothing: handed back as it is, the
-    memory it predicts over the limit (explain says "does not fit") and the solver's note
-    saying why; the 3-D search does not yet fit those terms itself."""
+    """A plan over the budget (the search fits every plan it keeps to what its step holds,
+    planner.search._Search.refit; this guards the figure the Plan reports): handed back
+    as it is, the memory it predicts over the limit (explain says "does not fit") and the
+    solver's note saying why."""
     over = max(plan.predicted.memory_bytes) - budget
     note = (f"does not fit by {over / GB:.1f} GB with what the step holds beside the layers "
-            f"(strategies.step_memory), which the 3-D search does not yet fit itself: raise "
-            f"memory_limit_bytes, add devices or lower the batch")
+            f"(strategies.step_memory): raise memory_limit_bytes, add devices or lower the "
+            f"batch")
     solver = plan.solver.model_copy(update={
         "note": note + (f"; {plan.solver.note}" if plan.solver.note else "")})
     return plan.model_copy(update={"solver": solver})
 
 
-def _resolved(plan: Plan, first: Plan) -> Plan:
-    """`plan` (the chosen shape solved again in a lower budget) with the whole search's
-    report and bound: that bound holds for the lower budget too (less room only slows the
-    optimum), so the gap is against every shape, not the one solved again."""
-    solver = plan.solver.model_copy(update={
-        "status": "feasible", "bound_s": min(first.solver.bound_s, plan.solver.bound_s),
-        "note": f"{first.mesh.shape} solved again within the memory its step leaves beside "
-                f"the layers (strategies.step_memory); the bound is the whole search's"
-                + (f"; {first.solver.note}" if first.solver.note else "")})
-    return plan.model_copy(update={"solver": solver, "search": first.search})
-
-
-def _search(graph, cluster: Cluster, optimizer: str, budget: float, search_budget: float,
-            started: float, *, max_microbatches, time_limit_s, relative_gap, only, pin,
+def _search(graph, cluster: Cluster, optimizer: str, budget: float, started: float, *,
+            max_microbatches, time_limit_s, relative_gap, only, pin,
             search_time_s) -> SearchResult:
-    """The 3-D search within `search_budget` (the budget less what the step holds beside
-    the layers, where a plan did not fit with it: as planner.optimize's 1-D path), or
-    PlanDoesNotFit naming `budget`."""
-    result = search(graph, cluster, optimizer, search_budget, max_microbatches=max_microbatches,
+    """The 3-D search within `budget`, or PlanDoesNotFit naming it."""
+    result = search(graph, cluster, optimizer, budget, max_microbatches=max_microbatches,
                     time_limit_s=time_limit_s, relative_gap=relative_gap, only=only,
                     pin=pin, search_time_s=time_left(search_time_s, started))
     if result.best is None and result.stats.get("out_of_time"):
@@ -199,7 +170,7 @@ def to_plan(graph, cluster: Cluster, optimizer: str, budget: float, result: Sear
     shape, solution, built = result.best.shape, result.best.solution, result.built
     problem, choice, times = built.problem, solution.choice, solution.times
     pp, dp, tp, m, v = shape.pp, shape.dp, shape.tp, shape.microbatches, shape.chunks
-    at = _Placement.of(shape, solution, built)
+    at = Placement.of(shape, solution, built)
     layers, inputs, memory, stage_memory, compute, stage_compute, update = _layer_plans(
         graph, cluster, optimizer, built, choice, at, shape)
     compute, stage_compute = _as_run(problem, shape, at, compute, stage_compute)
@@ -227,15 +198,14 @@ def to_plan(graph, cluster: Cluster, optimizer: str, budget: float, result: Sear
                                 bubble_fraction=bubble_s / (bubble_s + busy) if busy else 0.0,
                                 stages=stages, why=why_schedule(result, shape, times))
     per_device = [breakdown[r // (dp * tp)] for r in range(pp * dp * tp)]
-    held = held_beside_stages(built, choice, at.stage, at.ranks_of, shape, cluster, optimizer,
-                              set(graph.outputs), at.flight)
+    peak = peak_bytes(built, solution, shape, cluster, optimizer, set(graph.outputs))
     (data_parallel, data_parallel_memory), single = _baselines(result, graph, cluster,
                                                                optimizer)
     fixed = step_overhead_s(cluster)  # outside every choice, as in a 1-D plan
     predicted = Predicted(
         step_time_s=step + fixed, compute_s=compute_s, other_s=other_s, bubble_s=bubble_s,
         communication_s=step - compute_s - other_s - bubble_s, fixed_s=fixed,
-        memory_bytes=[b.total_bytes + held[r // (dp * tp)] for r, b in enumerate(per_device)],
+        memory_bytes=[peak[r // (dp * tp)] for r in range(pp * dp * tp)],
         memory_limit_bytes=budget,
         memory_breakdown=per_device, data_parallel_step_time_s=data_parallel,
         data_parallel_memory_bytes=data_parallel_memory, single_device_step_time_s=single)
@@ -250,7 +220,7 @@ def to_plan(graph, cluster: Cluster, optimizer: str, budget: float, result: Sear
                 tracer=graph.tracer, outputs=list(graph.outputs), recompute_blocks=recomputed)
 
 
-def _as_run(problem, shape: Shape, at: "_Placement", compute, stage_compute):
+def _as_run(problem, shape: Shape, at: "Placement", compute, stage_compute):
     """Per rank and per stage compute as the schedule runs it: the backward split in two
     where the schedule splits it (StageProblem.for_schedule), and each later stage
     rerunning what depends on positions alone."""
@@ -263,32 +233,7 @@ def _as_run(problem, shape: Shape, at: "_Placement", compute, stage_compute):
     return compute, stage_compute
 
 
-@dataclass(frozen=True)
-class _Placement:
-    """Where a solution puts things: each stage's rank and microbatches in flight, each
-    unit's and each layer's stage, and the units where the stages start (one past the
-    last at the end)."""
-
-    ranks_of: tuple[int, ...]
-    flight: tuple[int, ...]
-    starts: tuple[int, ...]
-    stage_of_unit: tuple[int, ...]
-    stage: tuple[int, ...]
-
-    @staticmethod
-    def of(shape: Shape, solution, built) -> "_Placement":
-        S = shape.pp * shape.chunks
-        problem = built.problem
-        starts = tuple(solution.starts) + (len(problem.units),)
-        stage_of_unit = tuple(k for k in range(S) for _ in range(starts[k], starts[k + 1]))
-        return _Placement(
-            stage_ranks(shape.schedule, shape.pp, shape.chunks),
-            tuple(in_flight(shape.schedule, shape.pp, shape.microbatches, k, shape.chunks)
-                  for k in range(S)),
-            starts, stage_of_unit, tuple(stage_of_unit[l.unit] for l in problem.layers))
-
-
-def _layer_plans(graph, cluster: Cluster, optimizer: str, built, choice, at: _Placement,
+def _layer_plans(graph, cluster: Cluster, optimizer: str, built, choice, at: Placement,
                  shape: Shape):
     """(LayerPlans, InputPlans, per-rank and per-stage memory breakdowns as dicts, per-rank
     and per-stage compute, per-rank update time) of the chosen options."""
@@ -309,6 +254,8 @@ def _layer_plans(graph, cluster: Cluster, optimizer: str, built, choice, at: _Pl
                          optimizer_state_bytes=0.0, activations_bytes=0.0,
                          microbatches_in_flight=at.flight[k]) for k in range(S)]
     compute, stage_compute, update = [0.0] * pp, [0.0] * S, [0.0] * pp
+    weighed = of_built(built, m, shape.dp, at.stage if S > 1 else None)
+    why = reasons(weighed, choice)
     layers, inputs = [], []
     for i, layer in enumerate(graph.layers):
         c, k = choice[i], at.stage[i]
@@ -346,15 +293,22 @@ def _layer_plans(graph, cluster: Cluster, optimizer: str, built, choice, at: _Pl
             model_parallel=strategy.model_parallel, compute_s=cost.compute_s * m,
             communication_s=per_mb_comm * m + sync, update_s=upd,
             reshard_in_s=edge_in[i] * m,
-            memory_bytes=float(opts.weight_bytes[c]) + float(opts.activation_bytes[c]) * at.flight[k],
+            memory_bytes=float(opts.weight_bytes[c]) - _temp(built, i, c)
+            + float(opts.activation_bytes[c]) * at.flight[k],
             param_bytes=layer.param_bytes, params=list(layer.params), stage=k,
             inputs=list(layer.inputs),
-            reason=_reason(strategy, k, S, tp, cost, opts, c),
-            **_shard_fields(opts, opts.plain_index(c), m, sharded)))
+            reason=why[i],
+            **_shard_fields(weighed.layers[i], opts, opts.plain_index(c), sharded)))
     return layers, inputs, memory, stage_memory, compute, stage_compute, update
 
 
-def _stage_plans(graph, at: _Placement, times, shape: Shape, stage_compute, stage_memory,
+def _temp(built, i: int, c: int) -> float:
+    """The optimizer temporaries the stage problem's weights carry for layer i's option c
+    (planner.search.Built.temp_bytes), which the plan reports beside the layers."""
+    return float(built.temp_bytes[i][c]) if built.temp_bytes else 0.0
+
+
+def _stage_plans(graph, at: Placement, times, shape: Shape, stage_compute, stage_memory,
                  unit_names) -> list[StagePlan]:
     """One StagePlan per stage: its rank, layers, modules, ranks, times and memory."""
     groups = rank_groups(shape.pp, shape.dp, shape.tp)
@@ -395,7 +349,10 @@ def _solver_report(result: SearchResult, solution, step: float, seconds: float) 
     """How sure the search is: a candidate left open (time limit, skipped, unproven)
     matters only while its bound is below the chosen plan."""
     open_bound = result.open_bound_s()
-    bound = min(solution.bound_s, open_bound if open_bound is not None else math.inf)
+    # the best shape's own bound: its solve's, or the search's for the shape where higher
+    # (the memory rows' Lagrangian bound, the relaxed schedule: planner.search._LoadBounds)
+    own = max(solution.bound_s, result.best.bound_s or 0.0)
+    bound = min(own, open_bound if open_bound is not None else math.inf)
     status = "optimal" if open_bound is None else "feasible"
     if result.interrupted:
         status = "interrupted"
@@ -404,92 +361,6 @@ def _solver_report(result: SearchResult, solution, step: float, seconds: float) 
         seconds=result.stats["solve_seconds"], backend="SCIP (stage MIP) + search",
         num_variables=solution.num_variables, num_constraints=solution.num_constraints,
         planning_seconds=seconds, note=result.stop_note() if status == "feasible" else "")
-
-
-def held_beside_stages(built, choice, stage: list[int], ranks_of: list[int], shape: Shape,
-                       cluster: Cluster, optimizer: str, outputs_of=(),
-                       flight: list[int] | None = None) -> list[float]:
-    """Per pipeline rank, what its step holds beyond the per-layer memory the stage problem
-    sums (strategies.step_memory, the rule 1-D plans follow too): its layers as the
-    executor keeps them (_held_layers), the loss of one microbatch where the model's
-    outputs are made (`outputs_of`: their nodes), and what is kept throughout
-    (_kept_bytes)."""
-    flight = flight or [1] * (max(stage, default=0) + 1)
-    layers = _held_layers(built, choice, stage, ranks_of, shape, cluster)
-    numel = [0.0] * shape.pp
-    for i, share in _outputs(built, choice, outputs_of, shape.tp):
-        numel[ranks_of[stage[i]]] += math.prod(built.layers[i].output.shape) * share
-    kept = _kept_bytes(built, stage, ranks_of, shape)
-    saved = _reshard_copies(built, choice, stage, ranks_of, shape, flight)
-    return [step_held_bytes(mine, optimizer, cluster.device.kind, kept_buckets=False,
-                            loss_bytes=loss_held_bytes(n), saved_bytes=copies,
-                            kept_bytes=keep)
-            for mine, n, copies, keep in zip(layers, numel, saved, kept)]
-
-
-def _held_layers(built, choice, stage, ranks_of, shape: Shape,
-                 cluster: Cluster) -> list[list[HeldLayer]]:
-    """Each pipeline rank's layers as executor.pipeline keeps them: a replicated layer's
-    gradient summed in flat buckets after the backward, an FSDP layer gathered over dp, an
-    HSDP one over the dp ranks of a node."""
-    dp, tp = shape.dp, shape.tp
-    split = dp_shard.hsdp_split(dp, tp, cluster.devices_per_node)
-    gather = {"": 0, dp_shard.SUFFIX: dp, dp_shard.HSDP_SUFFIX: split[1] if split else dp}
-    layers: list[list[HeldLayer]] = [[] for _ in range(shape.pp)]
-    for i in range(len(built.layers)):
-        c = choice[i]
-        local = float(built.local_param_bytes[i][c])
-        sharded = built.sharded[i][c] if built.sharded else ""
-        summed = dp > 1 or (tp > 1 and not built.strategies[i][c].model_parallel)
-        layers[ranks_of[stage[i]]].append(HeldLayer(local, local * gather[sharded],
-                                                    bucketed=not sharded and summed))
-    return layers
-
-
-def _outputs(built, choice, outputs_of, tp: int):
-    """(layer index, the share of its output one device holds) of each layer that makes a
-    model output (strategies.step_memory.output_share over tp)."""
-    for i, layer in enumerate(built.layers):
-        if layer.node in outputs_of:
-            yield i, output_share(built.strategies[i][choice[i]].gives, tp)
-
-
-def _kept_bytes(built, stage, ranks_of, shape: Shape) -> list[float]:
-    """Per pipeline rank, what lives beside everything else: with pipeline stages, the
-    buffers of what crosses each of its stages' cuts, the activations coming in and their
-    gradients going back (pipeline_buffer_bytes), at the bytes the search prices the cut
-    with (planner.search: what the executor sends, not what its stages compute again).
-    The last stage keeps no outputs: executor.pipeline steps its schedule with
-    return_outputs=False."""
-    kept = [0.0] * shape.pp
-    if shape.pp == 1 or not built.cut_bytes:
-        return kept
-    S = len(ranks_of)
-    starts: dict[int, int] = {}  # stage -> its first unit (layers run in unit order)
-    for layer, k in zip(built.problem.layers, stage):
-        starts.setdefault(k, layer.unit)
-    for k in range(1, S):
-        if ranks_of[k - 1] == ranks_of[k]:
-            continue  # the turn of a V stays on one rank
-        buffers = pipeline_buffer_bytes(built.cut_bytes[starts[k]], shape.microbatches)
-        kept[ranks_of[k]] += buffers  # the activation's receive buffers
-        kept[ranks_of[k - 1]] += buffers  # its gradient's
-    return kept
-
-
-def _reshard_copies(built, choice, stage, ranks_of, shape: Shape,
-                    flight: list[int]) -> list[float]:
-    """Per pipeline rank, the copies layout changes over tp make (reshard_copy_bytes), one
-    per microbatch in flight on their stage."""
-    saved = [0.0] * shape.pp
-    for e in built.problem.edges if shape.tp > 1 else ():
-        if e.dst >= len(built.layers):  # the sink
-            continue
-        k = stage[e.dst]
-        saved[ranks_of[k]] += flight[k] * reshard_copy_bytes(
-            built.layers[e.src].output.nbytes, built.strategies[e.src][choice[e.src]].gives,
-            built.strategies[e.dst][choice[e.dst]].takes, shape.tp)
-    return saved
 
 
 def _stage_modules(graph, stage: list[int], k: int, units) -> list[str]:
@@ -546,9 +417,10 @@ def why_schedule(result: SearchResult, shape: Shape, times) -> str:
     return head + ("; vs " + "; ".join(parts) if parts else "") + note
 
 
-def _shard_fields(opts, c: int, m: int, sharded: bool) -> dict:
+def _shard_fields(row: Options, opts, c: int, sharded: bool) -> dict:
     """LayerPlan fields of an fsdp-over-dp layer: the flag, and what it saves and costs
-    per step against the same strategy replicated over dp (when that was an option)."""
+    per step (the times its reason weighs, planner.reasons) against the same strategy
+    replicated over dp (when that was an option)."""
     if not sharded:
         return {}
     base, suffix = dp_shard.split(opts.strategies[c])
@@ -556,22 +428,8 @@ def _shard_fields(opts, c: int, m: int, sharded: bool) -> dict:
     if base not in opts.strategies:
         return flags
     j = opts.strategies.index(base)
-    lever_s = (m * (opts.microbatch_s[c] - opts.microbatch_s[j])
-               + opts.step_s[c] - opts.step_s[j])
     return {**flags, "saved_bytes": float(opts.weight_bytes[j] - opts.weight_bytes[c]),
-            "lever_s": float(lever_s)}
-
-
-def _reason(strategy, stage: int, pp: int, tp: int, cost, opts, c: int) -> str:
-    where = f"stage {stage}: " if pp > 1 else ""
-    if len(opts.strategies) == 1:
-        return (f"{where}{opts.strategies[c]}: the only strategy that applies on a group "
-                f"of {tp}")
-    others = [f"{name} {opts.microbatch_s[j] * 1e3:.2f} ms"
-              for j, name in enumerate(opts.strategies) if j != c]
-    return (f"{where}{opts.strategies[c]} over the {tp}-device tp group, "
-            f"{opts.microbatch_s[c] * 1e3:.2f} ms per microbatch (alone; others: "
-            f"{', '.join(others)}; edges decide the rest)")
+            "lever_s": row.time_s[c] - row.time_s[j]}
 
 
 def _baselines(result: SearchResult, graph, cluster: Cluster, optimizer: str):

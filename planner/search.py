@@ -50,32 +50,53 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
+from planner import block_recompute, dp_shard, schedules
 from planner.block_cuts import (
-    BEFORE, block_units, carries_weights, tied_heads, why_no_blocks,
+    BEFORE,
+    block_units,
+    carries_weights,
+    tied_heads,
+    why_no_blocks,
 )
-from planner import block_recompute, dp_shard
 from planner.choices import OUTPUT, module_executor_options
 from planner.price import (
-    EdgeKind, Price, edge_cost, edge_kind, group_link, in_rhythm, layer_compute_s, output_kind,
-    price, tp_context, with_tied_copy,
+    EdgeKind,
+    Price,
+    edge_cost,
+    edge_kind,
+    group_link,
+    in_rhythm,
+    layer_compute_s,
+    output_kind,
+    price,
+    tp_context,
+    with_tied_copy,
 )
 from planner.problem import Edge
 from planner.progress import Progress, listened, report
-from planner.ties import data_parallel_else_replicate
-from planner import schedules
 from planner.schedules import SCHEDULES, V_SHAPED, chunks_allowed, refusal
+from planner.stage_held import peak_bytes
 from planner.stage_loads import busiest_rank_bound, memory_bound
 from planner.stage_paths import path_bound, relaxed_path_bound
 from planner.stages import (
-    LayerOptions, StageProblem, StageSolution, TimeLimit, estimate, in_flight, lower_bound,
-    min_memory_bytes, quick_plan, solve_stages,
+    LayerOptions,
+    StageProblem,
+    StageSolution,
+    TimeLimit,
+    estimate,
+    in_flight,
+    lower_bound,
+    min_memory_bytes,
+    quick_plan,
+    solve_stages,
 )
+from planner.ties import data_parallel_else_replicate
 from profiler.graph import Layer, ModelGraph
 from profiler.traffic import scaled_rows
 from strategies.catalog import CostContext, candidates
 from strategies.cluster import Cluster
 from strategies.collectives import send_recv_s
-from strategies.step_memory import pipeline_buffer_bytes
+from strategies.step_memory import pipeline_buffer_bytes, summed_temp_bytes
 
 FIRST_PASS_S = 5.0  # seconds per candidate in the search's first pass
 # ... and at most this share of a budgeted search's time each, so that the chunked
@@ -89,6 +110,8 @@ CHUNKED_PASS_S = 2.0  # seconds for a chunked stage MIP (one pass only): started
 CHUNKED_TRIES = 1  # chunked candidates whose stage MIP runs: the best quick plans
 QUICK_PASS_S = 3.0  # seconds for quick plans of chunked candidates (stages.quick_plan),
 # or half of what a budgeted search has left where that is more
+# seconds for the stage MIP of an open chunked candidate with no plan (_refine_chunked)
+PROOF_S = 5.0
 REFINE = 5e-3  # relative width to which open chunked bounds are refined at the end
 # actions (stages x microbatches x 3) up to which a chunked candidate's bound is raised by
 # stage_paths.relaxed_path_bound: 0.1 s at 1,536 (pp 8 x 2 chunks x 16 microbatches on a
@@ -103,6 +126,9 @@ ACTIONS_PER_S = 2000  # what that program's size takes at most, on this count
 # it; proving their optimum took about 20 minutes. None asks for the proof.
 DEFAULT_SEARCH_TIME_S = 60.0
 FALLBACK_S = 10.0  # at most this long for quick plans when the budget ends with none
+# solves of a shape again in less room where its plan holds more than the budget beside
+# the stage rows (_Search.refit)
+REFITS = 2
 
 
 @dataclass(frozen=True)
@@ -390,6 +416,8 @@ class _PricedOptions:
     weight_bytes: np.ndarray
     activation_bytes: np.ndarray
     local_param_bytes: np.ndarray
+    sync_s: np.ndarray  # of step_s, the gradient sync (planner.price.Price.sync_s)
+    sync_serial_s: np.ndarray  # that sync, none of it beside compute
 
 
 def _priced_options(cache: "CostCache", entry: LayerEntry, layer: Layer, dp: int, tp: int,
@@ -415,7 +443,8 @@ def _priced_options(cache: "CostCache", entry: LayerEntry, layer: Layer, dp: int
         tuple(p.cost for p in prices), np.array([p.microbatch_s for p in prices]),
         np.array([p.step_s for p in prices]), np.array([p.weight_bytes for p in prices]),
         np.array([p.activation_bytes for p in prices]),
-        np.array([p.local_param_bytes for p in prices]))
+        np.array([p.local_param_bytes for p in prices]), np.array([p.sync_s for p in prices]),
+        np.array([p.sync_serial_s for p in prices]))
 
 
 @dataclass(frozen=True)
@@ -431,6 +460,13 @@ class Built:
     transient_bytes: float = 0.0  # held once per rank beside the problem's memory
     # per unit: what one microbatch sends across a cut right before it (pipeline buffers)
     cut_bytes: tuple[float, ...] = ()
+    # per layer and option: the optimizer temporaries its weight_bytes carry
+    # (strategies.step_memory.summed_temp_bytes), which the plan reports beside the layers
+    temp_bytes: tuple[np.ndarray, ...] = ()
+    # per layer and option: of its step_s, the gradient sync as waited and as run alone
+    # (planner.price.Price), which a layer's reason quotes (planner.reasons)
+    sync_s: tuple[np.ndarray, ...] = ()
+    sync_serial_s: tuple[np.ndarray, ...] = ()
 
 
 def build(cache: CostCache, pp: int, dp: int, tp: int, rows: int,
@@ -464,9 +500,13 @@ def build(cache: CostCache, pp: int, dp: int, tp: int, rows: int,
                                                  tied_link)
         priced.append(cache.options[key])
         entries.append(entry)
+    # the optimizer step's temporaries that add up over a rank's layers ride on each
+    # option's weights: the rows then hold what the step holds at the optimizer step
+    temps = [summed_temp_bytes(got.local_param_bytes, cache.optimizer, cluster.device.kind)
+             for got in priced]
     options = [LayerOptions(layer.name, unit_of[i], got.names, got.microbatch_s, got.step_s,
-                            got.weight_bytes, got.activation_bytes)
-               for i, (layer, got) in enumerate(zip(graph.layers, priced))]
+                            got.weight_bytes + temp, got.activation_bytes)
+               for i, (layer, got, temp) in enumerate(zip(graph.layers, priced, temps))]
     options.append(LayerOptions(OUTPUT, len(unit_names) - 1, ("output",), np.zeros(1),
                                 np.zeros(1), np.zeros(1), np.zeros(1)))
     scaled_layers = [entry.layer for entry in entries]
@@ -485,7 +525,10 @@ def build(cache: CostCache, pp: int, dp: int, tp: int, rows: int,
                            forward_share=graph.forward_share)
     return Built(problem, tuple(strategies), tuple(got.costs for got in priced),
                  tuple(scaled_layers), tuple(got.local_param_bytes for got in priced),
-                 tuple(got.sharded for got in priced), cut_bytes=tuple(cut_bytes))
+                 tuple(got.sharded for got in priced), cut_bytes=tuple(cut_bytes),
+                 temp_bytes=tuple(np.asarray(t, dtype=float) for t in temps),
+                 sync_s=tuple(got.sync_s for got in priced),
+                 sync_serial_s=tuple(got.sync_serial_s for got in priced))
 
 
 def _units_of(cache: CostCache) -> tuple[list[str], list[int]]:
@@ -665,27 +708,35 @@ def _ruled_out(c: Candidate, best_s: float | None) -> bool:
 
 
 def _refine_chunked(chunked: list[Candidate], best_s: float, loads: _LoadBounds,
-                    seconds_left) -> None:
+                    seconds_left, prove) -> None:
     """Raise the bounds of chunked candidates still open below `best_s` by each rank's
     memory and the busiest rank's work, least bound first, until the least is one so
     raised (the gap needs only the least): those raised to the best are settled ("pruned
     by bound"). The schedule's action program only where `seconds_left()` allows it
-    (ACTIONS_PER_S)."""
-    done: set[int] = set()
+    (ACTIONS_PER_S). Where the least so raised has no plan (no quick plan fits), `prove`
+    runs its stage MIP briefly: where memory binds, that program proves in seconds what
+    the relaxed bounds cannot, that nothing fits (a 70 B Llama over 256 H100s, 32 ranks of
+    2 chunks: 2 s, its bound 9.85 s against plans of 11 s)."""
+    raised: set[int] = set()
+    proved: set[int] = set()
     while seconds_left() > 0:
         left = [c for c in chunked if c.bound_s < best_s * (1 - 1e-9)
                 and c.outcome not in ("does_not_fit", "infeasible")]
         if not left:
             return
         c = min(left, key=lambda c: c.bound_s)
-        if id(c) in done:
+        if id(c) not in raised:
+            raised.add(id(c))
+            if loads.raise_memory(c):
+                loads.raise_bound(c, best_s, REFINE,
+                                  int(min(REFINE_ACTIONS, ACTIONS_PER_S * seconds_left())))
+            if c.solution is None and _ruled_out(c, best_s):
+                c.outcome = "pruned_by_bound"
+            continue
+        if id(c) in proved or c.solution is not None:
             return
-        done.add(id(c))
-        if loads.raise_memory(c):
-            loads.raise_bound(c, best_s, REFINE,
-                              int(min(REFINE_ACTIONS, ACTIONS_PER_S * seconds_left())))
-        if c.solution is None and _ruled_out(c, best_s):
-            c.outcome = "pruned_by_bound"
+        proved.add(id(c))
+        prove(c)
 
 
 FALLBACK_NOTE = "a quick plan: the search's time ran out before any solve found one"
@@ -697,34 +748,6 @@ def time_left(search_time_s: float | None, started: float) -> float | None:
     if search_time_s is None:
         return None
     return max(0.0, search_time_s - (time.perf_counter() - started))
-
-
-def _fallback(ranked: list[tuple[float, Candidate]], problem_of, budget_of
-              ) -> Candidate | None:
-    """The search ran out of time with no plan: quick plans (stages.quick_plan, no proof)
-    of the candidates not ruled out, least bound first, for FALLBACK_S at most; the
-    fastest, or None where none fits in that time."""
-    best: Candidate | None = None
-    until = time.perf_counter() + FALLBACK_S
-    for _, c in ranked:
-        if time.perf_counter() > until:
-            break
-        if c.solution is not None or c.outcome in ("does_not_fit", "infeasible"):
-            continue
-        s = c.shape
-        if best is not None and c.bound_s >= best.solution.times.step_s * (1 - 1e-9):
-            continue
-        t0 = time.perf_counter()
-        quick = quick_plan(problem_of(s).problem, s.pp, s.microbatches, s.schedule,
-                           budget_of(s), s.chunks)
-        c.seconds += time.perf_counter() - t0
-        if quick is None:
-            continue
-        c.outcome, c.solution, c.note = "solved", quick, FALLBACK_NOTE
-        c.bound_s = max(c.bound_s, quick.bound_s)
-        if best is None or quick.times.step_s < best.solution.times.step_s:
-            best = c
-    return best
 
 
 def search(graph: ModelGraph, cluster: Cluster, optimizer: str, budget_bytes: float | None,
@@ -809,7 +832,12 @@ class _Search:
         self.chunked: list[Candidate] = []
         self.best: Candidate | None = None
         self.solve_seconds = 0.0
-        self.loads = _LoadBounds(self.problem_of, self.budget_of)
+        self.outputs = set(graph.outputs)
+        # shape -> bytes taken off its budget: what its plans held beside the stage rows
+        # past the budget (stage_held.peak_bytes), so that its next solve leaves the room
+        self.room: dict[Shape, float] = {}
+        # bounds read the rows as they are: a relaxation of what the plans must fit
+        self.loads = _LoadBounds(self.problem_of, self.rows_budget)
         self.first_s = min(time_limit_s, FIRST_PASS_S)
         self.first_until = None  # a budget: the one-chunk first pass stops at half of it
         if search_time_s is not None:
@@ -829,17 +857,53 @@ class _Search:
                                               ends_together=together))
         return self.built[key]
 
-    def budget_of(self, shape: Shape) -> float | None:
-        """The budget the stage problem may fill: less the recompute transient and, in a
-        pipeline, the buffers torch.distributed.pipelining keeps for every microbatch at
-        each of a rank's stages, an activation's coming in and a gradient's going back
-        (strategies.step_memory.pipeline_buffer_bytes), at the largest cut."""
+    def rows_budget(self, shape: Shape) -> float | None:
+        """The budget the stage problem's rows may fill: less the recompute transient and,
+        in a pipeline, the buffers torch.distributed.pipelining keeps for every microbatch
+        at each of a rank's stages, an activation's coming in and a gradient's going back
+        (strategies.step_memory.pipeline_buffer_bytes), at the largest cut. The rows carry
+        the optimizer's temporaries (build); what else the step holds beside them (the
+        loss, FSDP's gathered groups: stage_held.held_beside_stages) is at least 0, so a
+        bound within this budget is a bound of every plan that fits, but for two terms
+        taken off every rank alike: the recompute transient, which a rank recomputing no
+        block does not hold, and the buffers at the largest cut, a rank's first and last
+        stage at most one buffer each above what they hold."""
         if self.budget_bytes is None:
             return None
         built = self.problem_of(shape)
         buffers = 2 * shape.chunks * pipeline_buffer_bytes(max(built.cut_bytes, default=0.0),
                                                             shape.microbatches)
         return self.budget_bytes - built.transient_bytes - (buffers if shape.pp > 1 else 0.0)
+
+    def budget_of(self, shape: Shape) -> float | None:
+        """What a solve of `shape` may fill: rows_budget less the room its earlier plans
+        were found to need beside the rows (refit)."""
+        budget = self.rows_budget(shape)
+        return None if budget is None else budget - self.room.get(shape, 0.0)
+
+    def over_bytes(self, shape: Shape, solution) -> float:
+        """By how much the plan's fullest rank holds more than the budget in its step
+        (stage_held.peak_bytes, the figure the Plan reports); <= 0 where it fits."""
+        if self.budget_bytes is None:
+            return 0.0
+        peak = peak_bytes(self.problem_of(shape), solution, shape, self.cache.cluster,
+                          self.cache.optimizer, self.outputs)
+        return max(peak) - self.budget_bytes
+
+    def refit(self, shape: Shape, solution, solve):
+        """`solution`, or where it does not fit with what its step holds beside the rows,
+        `solve()` again with the shape's budget lowered by the excess, up to REFITS times;
+        None where none of them fits. A solution so found proves nothing for the shape
+        (another choice may hold less beside the rows): its bound stays the relaxed one."""
+        for _ in range(REFITS + 1):
+            if solution is None:
+                return None
+            over = self.over_bytes(shape, solution)
+            if over <= 0:
+                return solution
+            self.room[shape] = self.room.get(shape, 0.0) + over
+            solution = solve()
+        return solution if solution is not None and self.over_bytes(shape, solution) <= 0 else None
 
     def out_of_time(self) -> bool:
         return self.deadline is not None and time.perf_counter() >= self.deadline
@@ -884,13 +948,13 @@ class _Search:
             # order is simulated only for shapes a bound leaves in)
             need = min_memory_bytes(b.problem, shape.pp, shape.microbatches, shape.schedule,
                                     shape.chunks, 1 if shape.chunks > 1 else None)
-            if self.budget_bytes is not None and need > self.budget_of(shape):
-                beside = self.budget_bytes - self.budget_of(shape)
+            if self.budget_bytes is not None and need > self.rows_budget(shape):
+                beside = self.budget_bytes - self.rows_budget(shape)
                 self.out.append(Candidate(shape, "does_not_fit", note=f"needs at least "
                                           f"{(need + beside) / 1e9:.1f} GB per device"))
                 continue
             bound = lower_bound(b.problem, shape.pp, shape.microbatches, shape.schedule,
-                                shape.chunks, self.budget_of(shape))
+                                shape.chunks, self.rows_budget(shape))
             c = Candidate(shape, "pruned_by_bound", bound_s=bound)
             self.ranked.append((bound, c))
             self.out.append(c)
@@ -975,8 +1039,12 @@ class _Search:
             c.outcome, c.note = "skipped", "not solved: past the time for quick plans"
             return False
         t0 = time.perf_counter()
-        quick = quick_plan(problem, s.pp, s.microbatches, s.schedule, self.budget_of(s),
-                           s.chunks)
+
+        def plan():
+            return quick_plan(problem, s.pp, s.microbatches, s.schedule, self.budget_of(s),
+                              s.chunks)
+
+        quick = self.refit(s, plan(), plan)
         c.seconds += time.perf_counter() - t0
         self.solve_seconds += time.perf_counter() - t0
         if quick is None:
@@ -992,7 +1060,8 @@ class _Search:
         the final best to REFINE of it (_refine_chunked): those it reaches are settled,
         and the least bound left is the search's gap."""
         if self.best is not None:
-            _refine_chunked(self.chunked, self.incumbent, self.loads, self.seconds_left)
+            _refine_chunked(self.chunked, self.incumbent, self.loads, self.seconds_left,
+                            lambda c: self.attempt(c, min(self.time_limit_s, PROOF_S)))
 
     def second_pass(self) -> None:
         """What is left open of the one-chunk shapes and might still beat the best, now
@@ -1039,29 +1108,79 @@ class _Search:
         t0 = time.perf_counter()
         if self.deadline is not None:
             limit_s = max(0.1, min(limit_s, self.deadline - t0))
-        try:
-            solution = solve_stages(
+        until = t0 + limit_s
+
+        def solve():
+            return solve_stages(
                 self.problem_of(s).problem, s.pp, s.microbatches, s.schedule,
-                self.budget_of(s), limit_s, self.relative_gap,
+                self.budget_of(s), max(0.1, until - time.perf_counter()), self.relative_gap,
                 cutoff_s=None if incumbent is None else incumbent * (1 + 1e-9),
                 chunks=s.chunks)
+
+        relaxed = s not in self.room  # its rows' budget: what it proves holds for the shape
+        try:
+            solution = solve()
+            if solution is not None and relaxed:
+                # both are lower bounds on this candidate's optimum: the tighter one holds
+                c.bound_s = max(c.bound_s, solution.bound_s)
+            solution = self.refit(s, solution, solve)
         except TimeLimit as limit:
-            c.outcome, c.bound_s = "time_limit", max(c.bound_s, limit.bound_s)
+            c.outcome = "time_limit"
+            if relaxed and s not in self.room:
+                c.bound_s = max(c.bound_s, limit.bound_s)
             return
         finally:
             c.seconds += time.perf_counter() - t0
             self.solve_seconds += time.perf_counter() - t0
+        if solution is None and not (relaxed and s not in self.room):
+            c.outcome, c.note = "skipped", "no plan found that fits what its step holds"
+            return
         if solution is None:
             c.outcome, c.solution = "infeasible", None
             c.note = "does not fit" if incumbent is None else "nothing beats the incumbent"
             if incumbent is not None:
                 c.bound_s = max(c.bound_s, incumbent)
             return
-        # both are lower bounds on this candidate's optimum: the tighter one holds
+        if s in self.room:  # found in less room than the rows': no proof for the shape
+            solution = replace(solution, status="feasible", settles=False,
+                               bound_s=min(solution.bound_s, c.bound_s))
         c.outcome, c.solution = "solved", solution
-        c.bound_s = max(c.bound_s, solution.bound_s)
         if self.best is None or solution.times.step_s < self.incumbent:
             self.best = c
+
+    def fallback(self) -> Candidate | None:
+        """The search ran out of time with no plan: quick plans (stages.quick_plan, no
+        proof) of the candidates not ruled out, least bound first, each fitted to what its
+        step holds (refit), for FALLBACK_S at most; the fastest, or None where none fits in
+        that time."""
+        best: Candidate | None = None
+        until = time.perf_counter() + FALLBACK_S
+        for _, c in self.ranked:
+            if time.perf_counter() > until:
+                break
+            if c.solution is not None or c.outcome in ("does_not_fit", "infeasible"):
+                continue
+            s = c.shape
+            if best is not None and c.bound_s >= best.solution.times.step_s * (1 - 1e-9):
+                continue
+            t0 = time.perf_counter()
+
+            def plan(s=s):
+                return quick_plan(self.problem_of(s).problem, s.pp, s.microbatches,
+                                  s.schedule, self.budget_of(s), s.chunks)
+
+            relaxed = s not in self.room
+            quick = plan()
+            if quick is not None and relaxed:
+                c.bound_s = max(c.bound_s, quick.bound_s)
+            quick = self.refit(s, quick, plan)
+            c.seconds += time.perf_counter() - t0
+            if quick is None:
+                continue
+            c.outcome, c.solution, c.note = "solved", quick, FALLBACK_NOTE
+            if best is None or quick.times.step_s < best.solution.times.step_s:
+                best = c
+        return best
 
     def tell(self, current: str = "") -> None:
         """Report where the search stands: candidates dealt with (dropped, pruned, skipped
@@ -1085,7 +1204,7 @@ class _Search:
         ran_out = self.out_of_time()
         fallback = ran_out and self.best is None and not interrupted
         if fallback:
-            self.best = _fallback(self.ranked, self.problem_of, self.budget_of)
+            self.best = self.fallback()
             self.solve_seconds += sum(c.seconds for _, c in self.ranked
                                       if c.note == FALLBACK_NOTE)
         if ran_out:

@@ -3,12 +3,13 @@ saved activations (strategies.catalog.weights_memory, the per-layer part): the e
 buffers and the optimizer's temporaries, as torch 2.13 allocates them. One function,
 `step_held_bytes`, gives it for one device, from a `HeldLayer` per layer on it; a 1-D
 plan's reported memory adds it (planner.assemble.held_beside_layers), a 3-D plan's adds it
-per pipeline rank (planner.plan3d.held_beside_stages), and each solve is repeated with the
-budget lowered by it where a solution would not fit with it (planner.optimize,
-planner.plan3d.plan_3d). Not priced here: bf16-mixed's copies, and saved tensors the
-per-layer rule (a layer keeps its output) misses, which are per-layer activations, not
-step buffers: Hugging Face's tanh GELU (`NewGELUActivation`) saves four tensors of its
-output's size, the per-layer rule counts one; DTensor redistribute outputs a consumer saves.
+per pipeline rank (planner.stage_held.held_beside_stages); a 1-D solve is repeated with
+the budget lowered by it where a solution would not fit with it (planner.optimize), the
+3-D search carries the optimizer's temporaries in its memory rows (summed_temp_bytes) and
+solves a shape again in less room where the rest does not fit (planner.search). Not priced here: bf16-mixed's copies, and the saved activations,
+which are per-layer (Layer.activation_bytes: what autograd was measured to keep,
+profiler.saved), not step buffers; DTensor redistribute outputs a consumer saves are
+(reshard_copy_bytes).
 
 The terms, in fp32 bytes of the parameters as the layers hold them on one device (a
 model-parallel or FSDP layer: its 1/ranks share):
@@ -23,8 +24,13 @@ model-parallel or FSDP layer: its 1/ranks share):
   `_fsdp_collectives.foreach_all_gather`): a group's parameters are all-gathered whole
   before its forward and its backward and freed after (reshard_after_forward); its
   reduce-scatter input, the whole gradient, lives with them at the end of its backward,
-  and the backward prefetches the next group's all-gather (`_backward_prefetch`): at
-  worst the two largest groups gathered and the largest one's whole gradient.
+  the backward prefetches the next group's all-gather (`_backward_prefetch`), and the
+  previous group's reduce-scatter input is kept until this group's reduce
+  (`reduce_scatter_states`, `reduce_scatter_max_input_buffers` = 1): at worst the
+  largest group gathered with its whole gradient, and two more groups' worth, the next
+  one gathered and the previous one's gradient. Measured (benchmarks/memory.py,
+  ResNet-18 FSDP on 4 ranks): six of layer4's 9 MiB groups mid-backward, where one
+  group fewer priced it 11% short.
 - The loss (loss_held_bytes): cross-entropy's saved log-softmax and two gradients of the
   output's size at the backward's start (a pipeline's last stage keeps no outputs beside
   it: executor.pipeline steps its schedule with return_outputs=False).
@@ -45,8 +51,11 @@ the backward; DDP's buckets, a last stage's kept outputs and a stage's receive b
 live throughout. So this is kept + max(optimizer temporaries, copies + max(FSDP's
 backward, the loss)), and a 3-D plan's flat bucket (one at a time, between backward and
 optimizer step) joins the max.
-The per-layer part keeps the activations in full beside both (an upper bound by at most
-the activations, which the step has freed by the optimizer step). Measured on gloo ranks
+The per-layer part keeps the activations and the gradients in full beside both, which
+they never are together in full (the step zeroes its gradients to None before the
+forward, and frees the activations by the optimizer step); where the caller says what
+each layer keeps for backward (HeldLayer.activation_bytes), step_held_bytes takes the
+excess back (not_together_bytes). Measured on gloo ranks
 (benchmarks/memory.py), the 19 M-parameter MLP over the per-layer sum: DDP +121 MiB on 2
 ranks (58 of buckets + 2 x 32 of temporaries), tensor parallel +31 (2 x 16), FSDP +66 on
 2 ranks and +70 to +86 on 4 (the largest layer gathered, 32, its whole gradient, 32,
@@ -74,18 +83,44 @@ class HeldLayer:
     """What one layer on a device contributes to step_held_bytes: `local_bytes`, the fp32
     parameter bytes the device keeps; `gathered_bytes`, what FSDP2 all-gathers whole before
     its forward and backward (0: not sharded by FSDP); `bucketed`, whether its gradient is
-    all-reduced over replicas through flat buckets."""
+    all-reduced over replicas through flat buckets; `activation_bytes`, what its cost
+    prices as kept for backward (None: not told; `step_held_bytes` then prices the
+    gradients and activations as alive together)."""
 
     local_bytes: float
     gathered_bytes: float = 0.0
     bucketed: bool = False
+    activation_bytes: float | None = None
+
+
+def not_together_bytes(layers: list[HeldLayer], temps: float, start: float,
+                       during: float) -> float:
+    """What the per-layer sum counts too much where the gradients and the activations are
+    not alive at once, for `layers` in execution order (all with `activation_bytes`): a
+    step zeroes its gradients to None first (executor.step.train_step), so the backward
+    starts with every activation and no gradient (`start`: beside them then, the loss);
+    while it runs, a layer's activations are freed as its gradient is made, the layers
+    from the last one back (`during`: beside them, an FSDP group's backward); the
+    optimizer step holds every gradient and no activation (`temps`: its temporaries). The
+    sum prices gradients + activations + max(temps, start, during). Measured
+    (benchmarks/memory.py, GPT-2 4 layers, DDP on 2 ranks): the peak at the backward's
+    start, no gradient alive, 16 MiB below the sum."""
+    grads = [l.local_bytes for l in layers]
+    acts = [l.activation_bytes or 0.0 for l in layers]
+    gradient, activation = sum(grads), sum(acts)
+    backward, made, kept = activation, 0.0, activation
+    for g, a in zip(reversed(grads), reversed(acts)):  # the backward, last layer first
+        made, kept = made + g, kept - a
+        backward = max(backward, made + kept)
+    peak = max(gradient + temps, activation + start, backward + during)
+    return gradient + activation + max(temps, start, during) - peak
 
 
 _SUMMED = ("data_parallel", "sequence_parallel")
 
 
 def one_d_layer(strategy: str, param_bytes: float, model_parallel: bool,
-                ranks: int) -> HeldLayer:
+                ranks: int, activation_bytes: float | None = None) -> HeldLayer:
     """A layer of a 1-D plan: model-parallel and FSDP layers keep 1/ranks, FSDP gathers the
     whole; only a layer whose gradient is a partial sum over the ranks (data- or
     sequence-parallel: executor.styles.summed_params) goes through DDP's buckets, a
@@ -94,7 +129,8 @@ def one_d_layer(strategy: str, param_bytes: float, model_parallel: bool,
     fsdp = strategy.startswith("fsdp")
     local = param_bytes / ranks if (model_parallel or fsdp) else param_bytes
     return HeldLayer(local, param_bytes if fsdp else 0.0,
-                     bucketed=ranks > 1 and strategy in _SUMMED)
+                     bucketed=ranks > 1 and strategy in _SUMMED,
+                     activation_bytes=activation_bytes)
 
 
 def output_share(gives: Layout, ranks: int) -> float:
@@ -144,6 +180,17 @@ def pipeline_buffer_bytes(boundary_bytes: float, microbatches: int) -> float:
     return boundary_bytes * microbatches
 
 
+def summed_temp_bytes(local_bytes, optimizer: str, device_kind: str = "cpu") -> float:
+    """The part of the optimizer step's temporaries that is a sum over the layers on a
+    device, one layer's share of it: foreach AdamW's fp32 copy of every local parameter
+    (`_FOREACH_TEMPS`, the CUDA default); 0 for the for-loop step (CPU tensors), whose
+    temporaries are the largest parameter's, one at a time. The 3-D search adds it to each
+    option's weights (planner.search.build), so its memory rows hold weights + activations
+    + these temporaries, never more than step_held_bytes prices with them: a relaxation
+    of the plan's memory, which keeps the search's bounds bounds."""
+    return (0 if device_kind == "cpu" else _FOREACH_TEMPS.get(optimizer, 0)) * local_bytes
+
+
 def step_held_bytes(layers: Iterable[HeldLayer], optimizer: str, device_kind: str = "cpu",
                     *, kept_buckets: bool = True, loss_bytes: float = 0.0,
                     saved_bytes: float = 0.0, kept_bytes: float = 0.0) -> float:
@@ -156,18 +203,28 @@ def step_held_bytes(layers: Iterable[HeldLayer], optimizer: str, device_kind: st
     none), live at the backward's start, when neither the optimizer's temporaries nor an
     FSDP group's backward are. `saved_bytes`: kept from the forward to the backward beside
     the activations and freed with them, before the optimizer step (reshard_copy_bytes).
-    `kept_bytes`: held throughout the step beside all of it (pipeline_buffer_bytes)."""
-    layers = [l for l in layers if l.local_bytes]
+    `kept_bytes`: held throughout the step beside all of it (pipeline_buffer_bytes).
+    Where every layer says what it keeps for backward (HeldLayer.activation_bytes), less
+    what the per-layer sum counts of gradients and activations at moments they are not
+    alive together (not_together_bytes): then negative where that is more than the rest."""
+    every = list(layers)
+    layers = [l for l in every if l.local_bytes]
     bucketed = sum(l.local_bytes for l in layers if l.bucketed)
     largest = max((l.local_bytes for l in layers), default=0.0)
     if device_kind == "cpu":
         temps = _FOR_LOOP_TEMPS.get(optimizer, 0) * largest
     else:
         temps = _FOREACH_TEMPS.get(optimizer, 0) * sum(l.local_bytes for l in layers)
-    two = sorted((l.gathered_bytes for l in layers if l.gathered_bytes), reverse=True)[:2]
-    # a group's backward: its gathered parameters and whole gradient, the next one prefetched
-    backward = 2 * two[0] + (two[1] if len(two) > 1 else 0.0) if two else 0.0
-    during_backward = saved_bytes + max(backward, loss_bytes)
-    if kept_buckets:
-        return kept_bytes + bucketed + max(temps, during_backward)
-    return kept_bytes + max(temps, during_backward, min(bucketed, DDP_BUCKET_CAP_BYTES))
+    top = sorted((l.gathered_bytes for l in layers if l.gathered_bytes), reverse=True)[:3]
+    # a group's backward: its gathered parameters and whole gradient, the next one
+    # prefetched, the previous one's reduce-scatter input still kept
+    backward = top[0] + sum(top) if top else 0.0
+    # with the gradients (after the backward): the optimizer's temporaries, or a 3-D
+    # plan's flat bucket, one at a time between the backward and the optimizer step
+    with_gradients = temps if kept_buckets else max(temps, min(bucketed, DDP_BUCKET_CAP_BYTES))
+    held = (kept_bytes + (bucketed if kept_buckets else 0.0)
+            + max(with_gradients, saved_bytes + max(backward, loss_bytes)))
+    if every and all(l.activation_bytes is not None for l in every):
+        held -= not_together_bytes(every, with_gradients, saved_bytes + loss_bytes,
+                                   saved_bytes + backward)
+    return held

@@ -51,17 +51,22 @@ def test_fsdp_memory_is_the_sharded_state_plus_this_ranks_activations():
     """(weights + gradients + 2 Adam moments) / P, plus the input and each Linear's output
     at the per-rank batch (64 / 4 = 16 rows), plus what FSDP2's backward holds beside them
     (strategies.step_memory: the largest layer gathered with its whole gradient, the next
-    largest prefetched), which outweighs the optimizer's foreach temporaries here."""
+    prefetched, the previous one's reduce-scatter input), which outweighs the optimizer's
+    foreach temporaries here."""
     x = (torch.randn(64, 16),)
     plan = planner.baseline(_linears(), V100_FP32, "fsdp", x, optimizer="adam", measure=False)
     assert {l.strategy for l in plan.layers} == {"fsdp"}
     rows = 64 // 4
     activations = rows * (16 + 32 + 32 + 8) * F32
-    two = sorted((l.param_bytes for l in plan.layers), reverse=True)[:2]
-    backward = 2 * two[0] + two[1]
+    top = sorted((l.param_bytes for l in plan.layers), reverse=True)[:3]
+    backward = top[0] + sum(top)
     assert backward > WEIGHT_BYTES / 4  # the foreach temporaries: one copy of the shards
-    assert max(plan.predicted.memory_bytes) == pytest.approx(
-        4 * WEIGHT_BYTES / 4 + activations + backward)
+    # the sum prices every gradient beside every activation, which a step that zeroes its
+    # gradients to None never holds together (step_memory.not_together_bytes): at most the
+    # smaller of the two less
+    summed = 4 * WEIGHT_BYTES / 4 + activations + backward
+    overcount = min(WEIGHT_BYTES / 4, activations)
+    assert summed - overcount <= max(plan.predicted.memory_bytes) <= summed
 
 
 def test_fsdp_baseline_trains_like_one_process():

@@ -68,7 +68,7 @@ def test_ctrl_c_before_any_plan_is_a_keyboard_interrupt():
 
 
 def test_a_search_time_budget_hands_back_the_first_plan_with_its_gap():
-    # no time at all: no solve runs; the best quick plan (planner.search._fallback) is the
+    # no time at all: no solve runs; the best quick plan (planner.search._Search.fallback) is the
     # plan, the rest "skipped" and open
     plan = optimize_3d(_model(), "2x2xV100", (torch.randn(32, 64),), measure=False,
                        search_time_s=0.0)
