@@ -128,7 +128,8 @@ DEFAULT_SEARCH_TIME_S = 60.0
 FALLBACK_S = 10.0  # at most this long for quick plans when the budget ends with none
 # solves of a shape again in less room where its plan holds more than the budget beside
 # the stage rows (_Search.refit)
-REFITS = 2
+REFITS = 3
+REFIT_MARGIN = 0.002  # of the budget, beside the excess, taken off a shape refit solves again
 
 
 @dataclass(frozen=True)
@@ -901,7 +902,12 @@ class _Search:
             over = self.over_bytes(shape, solution)
             if over <= 0:
                 return solution
-            self.room[shape] = self.room.get(shape, 0.0) + over
+            # rows below this plan's fullest by the excess and a little more (the next
+            # plan's own held bytes differ): less room than the budget alone would leave
+            # where the plan did not fill it
+            fullest = min(self.budget_of(shape), max(solution.times.memory_bytes))
+            target = fullest - over - REFIT_MARGIN * self.budget_bytes
+            self.room[shape] = self.rows_budget(shape) - target
             solution = solve()
         return solution if solution is not None and self.over_bytes(shape, solution) <= 0 else None
 
@@ -1111,9 +1117,15 @@ class _Search:
         until = t0 + limit_s
 
         def solve():
+            # a solve again in less room (refit) gets half the limit at least, within the
+            # search's deadline
+            now = time.perf_counter()
+            left = max(until - now, limit_s / 2)
+            if self.deadline is not None:
+                left = min(left, self.deadline - now)
             return solve_stages(
                 self.problem_of(s).problem, s.pp, s.microbatches, s.schedule,
-                self.budget_of(s), max(0.1, until - time.perf_counter()), self.relative_gap,
+                self.budget_of(s), max(0.1, left), self.relative_gap,
                 cutoff_s=None if incumbent is None else incumbent * (1 + 1e-9),
                 chunks=s.chunks)
 

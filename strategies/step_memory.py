@@ -26,11 +26,11 @@ model-parallel or FSDP layer: its 1/ranks share):
   reduce-scatter input, the whole gradient, lives with them at the end of its backward,
   the backward prefetches the next group's all-gather (`_backward_prefetch`), and the
   previous group's reduce-scatter input is kept until this group's reduce
-  (`reduce_scatter_states`, `reduce_scatter_max_input_buffers` = 1): at worst the
-  largest group gathered with its whole gradient, and two more groups' worth, the next
-  one gathered and the previous one's gradient. Measured (benchmarks/memory.py,
-  ResNet-18 FSDP on 4 ranks): six of layer4's 9 MiB groups mid-backward, where one
-  group fewer priced it 11% short.
+  (`reduce_scatter_states`, `reduce_scatter_max_input_buffers` = 1): at most the largest
+  group gathered with its whole gradient and the next two largest groups' worth.
+  Measured (benchmarks/memory.py, ResNet-18 FSDP on 4 ranks): layer4's 9 MiB groups, four
+  of them mid-backward, where three priced it 11% short (and a group's neighbours
+  alone, 10%).
 - The loss (loss_held_bytes): cross-entropy's saved log-softmax and two gradients of the
   output's size at the backward's start (a pipeline's last stage keeps no outputs beside
   it: executor.pipeline steps its schedule with return_outputs=False).
