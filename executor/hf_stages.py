@@ -52,7 +52,7 @@ from executor.pipeline import (
 from executor.precision import run_in_precision
 from executor.styles import MeanOverRanks
 from planner.plan import Plan
-from planner.stages import stage_ranks
+from planner.pipeline.stages import stage_ranks
 from profiler.blocks import decoder_blocks
 from strategies.layouts import Layout
 

@@ -12,7 +12,7 @@ In a fixed order, like torchtitan's parallelize functions:
    a sum;
 4. the schedule: torch.distributed.pipelining's PipelineStage over the pp group, one per
    chunk this rank holds (pp x chunks stages; looped r, r + pp, ... or V-shaped r,
-   2pp - 1 - r, as planner.schedules places them), run by the plan's schedule class
+   2pp - 1 - r, as planner.pipeline.schedules places them), run by the plan's schedule class
    (ScheduleGPipe, Schedule1F1B, ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble,
    ScheduleZBVZeroBubble, ScheduleDualPipeV; all divide gradients by the microbatch
    count); with one stage, a plain loop over microbatches;
@@ -54,7 +54,7 @@ from executor.view_outputs import (own_written_outputs, silence_safe_view_warnin
                                    view_safety)
 from strategies.collectives import DDP_BUCKET_BYTES, DDP_BUCKET_CAP_BYTES
 from planner.plan import Plan
-from planner.stages import stage_ranks
+from planner.pipeline.stages import stage_ranks
 from strategies.layouts import Layout
 
 SCHEDULE_CLASSES = {"1F1B": Schedule1F1B, "GPipe": ScheduleGPipe,

@@ -33,7 +33,8 @@ from dataclasses import replace
 
 from torch import nn
 
-from planner import block_recompute, dp_shard
+from planner import dp_shard
+from planner.pipeline import block_recompute
 from planner.assemble import assemble
 from planner.block_cuts import why_no_blocks
 from planner.choices import Choices, layer_choices

@@ -1,6 +1,6 @@
 """The one SCIP setup every integer program of the planner is solved with.
 
-Both MIPs (one stage's strategies, `planner.ilp`; the stage cut, `planner.stages`) need
+Both MIPs (one stage's strategies, `planner.ilp`; the stage cut, `planner.pipeline.stages`) need
 the same settings, for reasons found against brute force (tests/test_ilp.py keeps the
 instances): a feasibility tolerance fine enough for memory rows scaled to coefficients
 <= 1, and no probing in presolve. A MIP that built its own solver without them would

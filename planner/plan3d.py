@@ -32,7 +32,7 @@ from planner.plan import (
 from planner.price import group_link, step_overhead_s
 from planner.profiled import GB, PlanDoesNotFit, check_arguments, profiled_graph
 from planner.reasons import Options, of_built, reasons
-from planner.schedules import LABELS, SPLIT_BACKWARD
+from planner.pipeline.schedules import LABELS, SPLIT_BACKWARD
 from planner.search import (
     DEFAULT_SEARCH_TIME_S,
     SearchResult,
@@ -42,8 +42,8 @@ from planner.search import (
     search,
     time_left,
 )
-from planner.stage_held import Placement, peak_bytes
-from planner.stages import evaluate
+from planner.pipeline.stage_held import Placement, peak_bytes
+from planner.pipeline.stages import evaluate
 from strategies.catalog import OPTIMIZER_STATE_FACTOR, CostContext, update_s
 from strategies.cluster import Cluster
 
@@ -181,7 +181,7 @@ def to_plan(graph, cluster: Cluster, optimizer: str, budget: float, result: Sear
     breakdown = [MemoryBreakdown(**b) for b in memory]
     stages = _stage_plans(graph, at, times, shape, stage_compute, stage_memory, problem.units)
     # the step split: the busiest rank's microbatches, the bubble (its idle time in the
-    # simulated schedule, planner.schedules), the per-step part of the slowest rank
+    # simulated schedule, planner.pipeline.schedules), the per-step part of the slowest rank
     load = [sum(times.microbatch_s[k] for k in range(pp * v) if at.ranks_of[k] == r)
             for r in range(pp)]
     once_rank = [sum(times.once_s[k] for k in range(pp * v) if at.ranks_of[k] == r)

@@ -1,7 +1,7 @@
 """The 3-D search: pipeline x data x tensor parallel, microbatches and schedule.
 
 For every factorization of the device count into pp x dp x tp, every microbatch count m
-that splits each replica's rows evenly, and both schedules, `planner.stages` cuts the
+that splits each replica's rows evenly, and both schedules, `planner.pipeline.stages` cuts the
 layers into pp contiguous stages and picks each layer's strategy over its tp group. Ranks
 are laid out (pp, dp, tp) with tp innermost, so a tp group is consecutive devices and stays
 inside a node whenever tp divides the devices per node; dp and pp groups span more devices
@@ -15,13 +15,13 @@ Keeping it fast as the space widens:
   stages, less with unbalanced ones for 1F1B) and keeps more activations: it is dominated
   and never solved where 1F1B runs (1F1B needs m >= pp);
 - the schedules with chunks per rank (interleaved, zero-bubble, DualPipeV) are candidates
-  of their own, each priced by simulating its action list (planner.schedules), which is
+  of their own, each priced by simulating its action list (planner.pipeline.schedules), which is
   done only for those a bound does not rule out; they come after every one-chunk shape,
-  each with a quick plan (planner.stages.quick_plan, not a proof), and only the best of
+  each with a quick plan (planner.pipeline.stages.quick_plan, not a proof), and only the best of
   those gets a short stage MIP (their MIPs are the hardest, and rarely better in seconds);
   before its quick plan, and again at the end for those still open (least bound first),
   each meets the busiest rank's work over contiguous cuts of whole units
-  (planner.stage_loads), which settles those it lifts to the best and narrows the gap
+  (planner.pipeline.stage_loads), which settles those it lifts to the best and narrows the gap
   (on a 48-block GPT over 64 A100s, with the pigeonhole bound on whole units in the
   chunked bound itself: 8.6%, where sharing the work evenly said 24%);
 - a shape whose smallest possible memory exceeds the budget is dropped unsolved;
@@ -50,7 +50,8 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from planner import block_recompute, dp_shard, schedules
+from planner import dp_shard
+from planner.pipeline import block_recompute, schedules
 from planner.block_cuts import (
     BEFORE,
     block_units,
@@ -74,11 +75,11 @@ from planner.price import (
 )
 from planner.problem import Edge
 from planner.progress import Progress, listened, report
-from planner.schedules import SCHEDULES, V_SHAPED, chunks_allowed, refusal
-from planner.stage_held import peak_bytes
-from planner.stage_loads import busiest_rank_bound, memory_bound
-from planner.stage_paths import path_bound, relaxed_path_bound
-from planner.stages import (
+from planner.pipeline.schedules import SCHEDULES, V_SHAPED, chunks_allowed, refusal
+from planner.pipeline.stage_held import peak_bytes
+from planner.pipeline.stage_loads import busiest_rank_bound, memory_bound
+from planner.pipeline.stage_paths import path_bound, relaxed_path_bound
+from planner.pipeline.stages import (
     LayerOptions,
     StageProblem,
     StageSolution,
@@ -143,7 +144,7 @@ class Shape:
     microbatches: int
     schedule: str
     chunks: int = 1
-    # blocks may be checkpointed, the solve picks which (planner.block_recompute)
+    # blocks may be checkpointed, the solve picks which (planner.pipeline.block_recompute)
     recompute: bool = False
 
     def rows(self, batch: int) -> int:
@@ -237,7 +238,7 @@ def _divisors(n: int) -> list[int]:
 def shapes(num_devices: int, batch: int, max_microbatches: int | None = None,
            schedules: tuple[str, ...] = SCHEDULES) -> list[Shape]:
     """Every (pp, dp, tp) with pp·dp·tp = devices, every m with dp·m dividing the batch,
-    every schedule with the chunks per rank it allows (planner.schedules.chunks_allowed),
+    every schedule with the chunks per rank it allows (planner.pipeline.schedules.chunks_allowed),
     where torch.distributed.pipelining runs it (schedules.refusal: e.g. 1F1B needs at
     least as many microbatches as stages, DualPipeV as many as pp·2 chunks)."""
     out = []
@@ -624,11 +625,11 @@ def tp_whole_rows(shape: Shape, batch: int, cluster: Cluster) -> bool:
 
 
 class _LoadBounds:
-    """The busiest rank's work bound (planner.stage_loads) of chunked candidates, shared:
+    """The busiest rank's work bound (planner.pipeline.stage_loads) of chunked candidates, shared:
     it reads the stages' placement only, not the schedule's order, so one dynamic program
     serves the looped schedules of a problem, pp and m, and one the V-shaped; where that
     leaves a candidate open and its cuts are few, every cut priced through the schedule
-    (planner.stage_paths), and where they are many but its actions few, the same with the
+    (planner.pipeline.stage_paths), and where they are many but its actions few, the same with the
     stage times free and each rank's memory row (stage_paths.relaxed_path_bound: the
     recompute that memory forces enters the bubble's bound)."""
 

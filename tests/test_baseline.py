@@ -8,7 +8,7 @@ import planner
 from planner.baseline import ONE_D_KINDS, available, fsdp_tp
 from planner.price import price
 from planner.search import CostCache, build
-from planner.stages import brute_force
+from planner.pipeline.stages import brute_force
 from profiler import profile, trace
 from strategies.parse import parse_devices
 from planner.cli import main

@@ -1,4 +1,4 @@
-"""Whole-block activation checkpointing of a decoder's pipeline (planner.block_recompute):
+"""Whole-block activation checkpointing of a decoder's pipeline (planner.pipeline.block_recompute):
 priced as keeping each block's input and running its forward again, chosen by the 3-D
 search only where memory binds, and run by executor.hf_stages under
 torch.utils.checkpoint with the same training result as one process."""
@@ -12,11 +12,11 @@ import torch
 
 import executor
 from distributed import run_ranks
-from planner.block_recompute import recompute_blocks
+from planner.pipeline.block_recompute import recompute_blocks
 from planner.plan import Plan
 from planner.plan3d import plan_3d
 from planner.search import CostCache, Shape, build, search
-from planner.stages import brute_force, in_flight, solve_stages
+from planner.pipeline.stages import brute_force, in_flight, solve_stages
 from strategies.memory import recompute_s
 from test_hf_pipeline import MODELS, STEPS, LR, _assert_equal_to_one_process, _profiled
 
@@ -173,11 +173,11 @@ def test_checkpointed_blocks_in_two_stages_train_as_one_process():
 
 
 def test_the_stage_programs_start_is_the_fastest_fitting_cut_by_brute_force():
-    """planner.stages.balanced_cut, the start that lets deep pipelines under a tight budget
+    """planner.pipeline.stages.balanced_cut, the start that lets deep pipelines under a tight budget
     (Llama 3 70B at pp 32) find a plan: the cut of least slowest-stage time that fits."""
     import itertools
 
-    from planner.stages import balanced_cut
+    from planner.pipeline.stages import balanced_cut
     graph, cluster = _profiled("llama4", 2)
     problem = recompute_blocks(build(CostCache(graph, cluster, "sgd"), 3, 1, 1, 1),
                                graph).problem

@@ -25,7 +25,7 @@ PIN = {"model.layers.0.mlp.gate_proj": "data_parallel+fsdp",
        "model.layers.3.mlp.down_proj": "data_parallel+fsdp",
        "lm_head": "data_parallel+fsdp",
        "model.layers.2.mlp.up_proj": "data_parallel"}
-# 1F1B with blocks checkpointed as well (planner.block_recompute): the solve, given room,
+# 1F1B with blocks checkpointed as well (planner.pipeline.block_recompute): the solve, given room,
 # checkpoints none; the test lists a subset (RECOMPUTED) to run exactly those
 FOUR_RANKS = {"1f1b_recompute": Shape(2, 2, 1, 2, "1F1B", recompute=True),
               "interleaved": Shape(2, 2, 1, 2, "Interleaved1F1B", 2)}

@@ -13,10 +13,10 @@ import models
 from planner.plan import Plan
 from planner.plan3d import optimize_3d
 from planner.problem import Edge
-from planner.schedules import SINGLE
+from planner.pipeline.schedules import SINGLE
 from planner.search import CostCache, build, rank_groups, search, shapes
-from planner.stage_loads import busiest_rank_bound, packing_bound
-from planner.stages import (
+from planner.pipeline.stage_loads import busiest_rank_bound, packing_bound
+from planner.pipeline.stages import (
     LayerOptions, StageProblem, brute_force, brute_force_budgets, evaluate, in_flight,
     lower_bound, quick_plan, solve_stages,
 )
@@ -178,7 +178,7 @@ def test_chunked_bound_below_every_simulated_step_that_fits(schedule):
 
 @pytest.mark.parametrize("seed", range(6))
 def test_busiest_rank_bound_below_every_simulated_step(seed):
-    """The whole-unit bound of chunked shapes (planner.stage_loads) is below the simulated
+    """The whole-unit bound of chunked shapes (planner.pipeline.stage_loads) is below the simulated
     step of every cut and choice, looped and V-shaped, and never below the shared-work
     bound it starts from; on four equal units and two ranks it is exact where sharing is
     not: a rank holds two whole units."""

@@ -72,7 +72,7 @@ def test_pipelined_transformer_plan_draws_the_plans_bubble(tmp_path, capsys):
     from planner.report.plot import bubble_s, memory_by_device
 
     assert bubble_s(t) == pytest.approx(plan.predicted.bubble_s, rel=1e-6)
-    # the planner's step (planner.stages.evaluate): the schedule's makespan, then the largest
+    # the planner's step (planner.pipeline.stages.evaluate): the schedule's makespan, then the largest
     # per-rank gradient sync + update; the timeline draws each rank's after its own last
     # action, which ends sooner when another rank holds the largest update (DualPipeV, v=2)
     work = [a for a in simulate(t) if a.microbatch is not None]

@@ -17,7 +17,7 @@ from planner.plan3d import optimize_3d
 from planner.profiled import profiled_graph
 from planner.price import tp_context
 from planner.search import CostCache, Shape, build
-from planner.stages import solve_stages
+from planner.pipeline.stages import solve_stages
 from zoo import SEQ, VOCAB, ZOO
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))

@@ -7,7 +7,7 @@ import pytest
 import models
 from planner.plan3d import optimize_3d
 from planner.report.plot import bubble_s, timeline_from_plan
-from planner.schedules import (
+from planner.pipeline.schedules import (
     SCHEDULES, actions, chunks_allowed, in_flight, placement, refusal, simulate,
     uniform_bubble,
 )
@@ -77,7 +77,7 @@ def test_a_stages_time_is_split_by_the_models_forward_share(schedule):
     # On this CPU a small CNN's first stage spent about as long forward as back (5.2 and
     # 4.7 ms a microbatch), which a third (3.8 and 7.7) put the next stage's start late
     # by; the share is measured per model (profiler.whole_step.forward_share).
-    from planner.schedules import parts, price
+    from planner.pipeline.schedules import parts, price
 
     pp, m = 2, 4
     v = max(chunks_allowed(schedule, pp))

@@ -19,11 +19,11 @@ from planner.cli.plan import parse_search_time
 from planner.optimize import optimize
 from planner.plan3d import optimize_3d
 from planner.problem import Edge
-from planner.schedules import refusal
+from planner.pipeline.schedules import refusal
 from planner.search import DEFAULT_SEARCH_TIME_S, FALLBACK_NOTE
-from planner.stage_loads import memory_bound
-from planner.stage_paths import relaxed_path_bound
-from planner.stages import (LayerOptions, StageProblem, evaluate, in_flight, lower_bound,
+from planner.pipeline.stage_loads import memory_bound
+from planner.pipeline.stage_paths import relaxed_path_bound
+from planner.pipeline.stages import (LayerOptions, StageProblem, evaluate, in_flight, lower_bound,
                             quick_plan)
 
 DEVICES = "4x4xV100"
@@ -183,7 +183,7 @@ def test_the_memory_bound_sees_what_a_rank_must_keep():
 
 def _with_blocks_recomputed(rng, p: StageProblem) -> StageProblem:
     """p with every unit of two or more layers a block recomputed whole
-    (planner.block_recompute's shape): each of its layers offers each option again,
+    (planner.pipeline.block_recompute's shape): each of its layers offers each option again,
     slower by a forward and keeping a fraction of its activations, and the block's layers
     take those all together or none (StageProblem.consistent)."""
     units = [u for u, members in enumerate(p.unit_layers()) if len(members) >= 2]

@@ -1,7 +1,7 @@
 """The 3-D search fits what a step holds, not only the stage problem's rows: on GPUs its
 rows carry foreach AdamW's temporaries (strategies.step_memory.summed_temp_bytes), and a
 plan whose step holds more beside them (the loss, FSDP's gathered groups, the pipeline's
-buffers: planner.stage_held.peak_bytes) is solved again in less room
+buffers: planner.pipeline.stage_held.peak_bytes) is solved again in less room
 (planner.search._Search.refit). So every plan the search keeps fits the budget by the
 figure the Plan reports, and its bounds come from the rows' budget, a relaxation."""
 
@@ -14,7 +14,7 @@ from torch import nn
 from planner.plan3d import to_plan
 from planner.profiled import profiled_graph
 from planner.search import search
-from planner.stage_held import peak_bytes
+from planner.pipeline.stage_held import peak_bytes
 
 GPT_LIKE = 2048
 ROWS = 4096

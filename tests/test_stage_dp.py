@@ -1,13 +1,13 @@
-"""The dynamic programs for one stage per rank (planner.stage_dp, and its stage intervals
-priced once: planner.stage_intervals) find the integer program's optimum: equal objectives against brute force and against the stage MIP on
+"""The dynamic programs for one stage per rank (planner.pipeline.stage_dp, and its stage intervals
+priced once: planner.pipeline.stage_intervals) find the integer program's optimum: equal objectives against brute force and against the stage MIP on
 random instances (edges across units, budgets that bind, cut transfers)."""
 
 import numpy as np
 import pytest
 
-from planner import stage_dp, stage_intervals
+from planner.pipeline import stage_dp, stage_intervals
 from planner.problem import Edge
-from planner.stages import (
+from planner.pipeline.stages import (
     LayerOptions, StageProblem, brute_force, brute_force_budgets, evaluate, in_flight,
     solve_stages,
 )

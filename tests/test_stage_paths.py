@@ -1,4 +1,4 @@
-"""The every-cut bound of short chunked pipelines (planner.stage_paths): the action graph's
+"""The every-cut bound of short chunked pipelines (planner.pipeline.stage_paths): the action graph's
 longest path is the simulated makespan, for every schedule; the bound is below the
 simulated step of every cut and choice (brute force on random problems, the replayed
 prologue and the split backward included), equals the best of them where each layer has
@@ -10,9 +10,9 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from planner import schedules
-from planner.stage_paths import MAX_CUTS, cut_count, makespans, path_bound
-from planner.stages import LayerOptions, evaluate
+from planner.pipeline import schedules
+from planner.pipeline.stage_paths import MAX_CUTS, cut_count, makespans, path_bound
+from planner.pipeline.stages import LayerOptions, evaluate
 from test_pipeline_search import _random_problem
 
 CHUNKED = ("Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")

@@ -1,4 +1,4 @@
-"""planner.unit_least: the exact min-sum of a unit's layers and edges, by brute force on
+"""planner.pipeline.unit_least: the exact min-sum of a unit's layers and edges, by brute force on
 random instances, and the per-unit figure it gives the stage bounds: never above what any
 assignment pays, never below the separate minima, with recomputed blocks whole."""
 
@@ -8,8 +8,8 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from planner.stages import LayerOptions, StageProblem
-from planner.unit_least import min_sum, unit_least_s
+from planner.pipeline.stages import LayerOptions, StageProblem
+from planner.pipeline.unit_least import min_sum, unit_least_s
 from test_pipeline_search import _random_problem
 
 
@@ -86,7 +86,7 @@ def test_a_recomputed_block_is_priced_whole():
 
 
 def test_repeated_units_are_solved_once(monkeypatch):
-    import planner.unit_least as module
+    import planner.pipeline.unit_least as module
 
     calls = []
     real = module.min_sum

@@ -207,9 +207,9 @@ class PipelineTimeline:
     sends), and after the last backward, per pipeline rank, the gradient synchronisation
     and the update. One stage and one microbatch is a plan without pipelining.
 
-    `schedule` is a planner.schedules name (GPipe, 1F1B, Interleaved1F1B, ...; "gpipe" and
+    `schedule` is a planner.pipeline.schedules name (GPipe, 1F1B, Interleaved1F1B, ...; "gpipe" and
     "1f1b" too) and `chunks` its stages per rank: the rows are the pp = stages / chunks
-    ranks, and the times come from planner.schedules.simulate, the simulation the planner
+    ranks, and the times come from planner.pipeline.schedules.simulate, the simulation the planner
     prices a plan with, so the drawn bubble is the priced one. A split backward (I and W)
     takes half the backward each."""
 
@@ -255,8 +255,8 @@ class Action:
 
 
 def stage_order(schedule: str, stages: int, microbatches: int, stage: int):
-    """The (kind, microbatch) order one stage of GPipe or 1F1B runs (planner.schedules)."""
-    from planner.schedules import actions
+    """The (kind, microbatch) order one stage of GPipe or 1F1B runs (planner.pipeline.schedules)."""
+    from planner.pipeline.schedules import actions
 
     name = {"gpipe": "GPipe", "1f1b": "1F1B"}.get(schedule, schedule)
     kinds = {"F": "forward", "B": "backward"}
@@ -264,10 +264,10 @@ def stage_order(schedule: str, stages: int, microbatches: int, stage: int):
 
 
 def simulate(t: PipelineTimeline) -> list[Action]:
-    """Start and end of every action, from planner.schedules.simulate. A forward or
+    """Start and end of every action, from planner.pipeline.schedules.simulate. A forward or
     backward with communication is two actions, compute then communication, with the same
     microbatch; after its last action each rank synchronises gradients and updates."""
-    from planner.schedules import SCHEDULES, simulate as run
+    from planner.pipeline.schedules import SCHEDULES, simulate as run
 
     if t.name not in SCHEDULES:
         raise ValueError(f"schedule: {t.schedule!r} is not one of {SCHEDULES}")
@@ -329,7 +329,7 @@ def timeline_from_plan(plan: Plan) -> PipelineTimeline:
 
 
 def _pipelined(plan: Plan) -> PipelineTimeline:
-    """Per global stage, the planner's microbatch time split as planner.schedules.price
+    """Per global stage, the planner's microbatch time split as planner.pipeline.schedules.price
     splits it (the forward its measured share, PipelinePlan.forward_share; the backward
     the rest), compute and communication alike. A stage's compute is the plan's own
     (StagePlan.compute_s: with a zero-bubble schedule's split backward and the prologue a
@@ -395,7 +395,7 @@ def timeline_chart(t: PipelineTimeline, title: str = ""):
         what = "no pipeline (every layer on every device, one microbatch)"
     else:
         bubble = bubble_s(t, actions)
-        from planner.schedules import LABELS
+        from planner.pipeline.schedules import LABELS
 
         chunks = f" x {t.chunks} chunks" if t.chunks > 1 else ""
         what = (f"{LABELS[t.name]} schedule, {t.stages} ranks{chunks} x {t.microbatches} "

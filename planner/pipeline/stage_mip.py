@@ -1,11 +1,11 @@
-"""The stage program: planner.stages' stage cut and strategies as one integer program (SCIP
+"""The stage program: planner.pipeline.stages' stage cut and strategies as one integer program (SCIP
 through pywraplp, edge variables continuous as in planner.ilp), on a problem whose times
 are in units of its largest (stages._in_units: SCIP drops coefficients below 1e-9). Each
 family of variables and rows has one builder, named in the right column:
 
     x[l,s] ∈ {0,1}  layer l runs strategy s          Σ_s x[l,s] = 1                _strategies
     Σ_{s recomputed} x[l,s] equal for every layer l of a block offered recomputed
-                    whole (planner.block_recompute; StageProblem.linked_units)    _strategies
+                    whole (planner.pipeline.block_recompute; StageProblem.linked_units)    _strategies
     A_u, G_u, W_u, V_u  unit u's per-microbatch time, per-step time, weight and
                     activation memory: linear in x and e                          _unit_sums
     e[k,i,j] ∈ [0,1] edge k's marginals equal x (as planner.ilp), where its cost
@@ -23,7 +23,7 @@ family of variables and rows has one builder, named in the right column:
 
 The big-M constants are each expression's own maximum, and Σ_k v[u,k] ≥ A_u hands the LP
 the balanced-stage bound C ≥ Σ_u A_u / pp. What the objective stands in for, and why the
-cutoff rows bound the simulated step, is planner.stages' docstring; stages.solve_stages
+cutoff rows bound the simulated step, is planner.pipeline.stages' docstring; stages.solve_stages
 decides when this program runs (one stage, or one stage per rank without linked blocks,
 is solved exactly faster elsewhere), gives it its start and reads its answer.
 """

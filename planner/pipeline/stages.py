@@ -4,11 +4,11 @@ layer's strategy over its tensor-parallel group, for the fastest pipelined step 
 The data is free of torch (like planner.problem), so tests can compare the integer program
 with brute force. Layers come in `units` (runs of layers owned by one top-level module, in
 topological order); a stage is a contiguous run of units. With `v` chunks per rank
-(virtual stages, planner.schedules) there are pp·v stages, stage k on rank
+(virtual stages, planner.pipeline.schedules) there are pp·v stages, stage k on rank
 placement(k); with v = 1, stage k is rank k.
 
 The price of a cut is the simulation of the schedule's own action lists
-(planner.schedules.price: the same one the timeline picture draws):
+(planner.pipeline.schedules.price: the same one the timeline picture draws):
 
     step  =  makespan(schedule, T_0 .. T_{pp·v-1})  +  max_r Σ_{k on r} S_k
 
@@ -43,11 +43,11 @@ stage (GPipe: all m; 1F1B: min(m, pp - k), the first stage the most; the others:
 from their action lists, schedules.in_flight).
 
 The integer program that minimises `objective` over the cut and the options is
-planner.stage_mip (its variables and rows, each family with its builder). With one stage
+planner.pipeline.stage_mip (its variables and rows, each family with its builder). With one stage
 there is no cut to choose and the step is additive over layers and edges: that is
 planner.ilp's problem, solved there with its reductions (seconds to minutes faster on
-large models); with one stage per rank and no linked blocks, planner.stage_dp and
-planner.stage_intervals solve it exactly by dynamic programming.
+large models); with one stage per rank and no linked blocks, planner.pipeline.stage_dp and
+planner.pipeline.stage_intervals solve it exactly by dynamic programming.
 """
 
 from __future__ import annotations
@@ -62,15 +62,15 @@ from dataclasses import dataclass, replace
 import numpy as np
 from ortools.linear_solver import pywraplp
 
-from planner import (ilp, schedules, stage_dp, stage_intervals, stage_loads, stage_mip,
-                     unit_least)
+from planner import ilp
+from planner.pipeline import schedules, stage_dp, stage_intervals, stage_loads, stage_mip, unit_least
 from planner.numerics import time_unit_s
 from planner.problem import Edge, Infeasible, Node, Option, Problem
-from planner.schedules import SCHEDULES
+from planner.pipeline.schedules import SCHEDULES
 
 # the dynamic program's share of a solve before the integer program takes over: it proves
 # small and medium pipelines in well under it, and on the largest (a 48-block GPT at pp 8)
-# it would take minutes (planner.stage_dp), so it must give up early
+# it would take minutes (planner.pipeline.stage_dp), so it must give up early
 DP_SECONDS = 1.0
 # units x stages of a stage program that Python writes in a second, about (its rows are
 # per unit and stage): a 405 B Llama at pp 32 (129 units) took some 8 s before SCIP ran.
@@ -90,7 +90,7 @@ class LayerOptions:
     step_s: np.ndarray  # once per step: gradient all-reduce over the dp group + optimizer
     weight_bytes: np.ndarray  # parameters + gradients + optimizer state on one device
     activation_bytes: np.ndarray  # kept for backward, per microbatch in flight
-    # per option: is it the block-recomputed variant (planner.block_recompute)? None: no
+    # per option: is it the block-recomputed variant (planner.pipeline.block_recompute)? None: no
     # such variants. Recomputed options follow the plain ones, in the same order.
     recomputed: np.ndarray | None = None
 
@@ -151,7 +151,7 @@ class StageProblem:
 
     def linked_units(self) -> dict[int, list[int]]:
         """{unit: its layers with recomputed variants}: a block checkpointed whole, so
-        its layers pick recomputed options all together or none (planner.block_recompute)."""
+        its layers pick recomputed options all together or none (planner.pipeline.block_recompute)."""
         out: dict[int, list[int]] = {}
         for i, layer in enumerate(self.layers):
             if layer.recomputed is not None:
@@ -182,12 +182,12 @@ class _Tables:
     counts: np.ndarray  # (distinct, units): how many of each distinct layer a unit holds
     layer_least_s: np.ndarray  # per unit: Σ its layers' least microbatch time
     edge_least_s: np.ndarray  # per unit: Σ the least entry of each edge into it
-    # per unit: its layers' and its edges' least taken together (planner.unit_least), at
+    # per unit: its layers' and its edges' least taken together (planner.pipeline.unit_least), at
     # least layer_least_s + edge_least_s: what the bounds charge a unit per microbatch
     unit_least_s: np.ndarray
     unit_step_least_s: np.ndarray  # per unit: Σ its layers' least per-step time
     # (distinct, width): may the option be taken with the unit's layers all plain / all
-    # recomputed (a block checkpointed whole: planner.block_recompute)? Both True for every
+    # recomputed (a block checkpointed whole: planner.pipeline.block_recompute)? Both True for every
     # option of a layer without recomputed variants.
     plain_ok: np.ndarray
     recomputed_ok: np.ndarray
@@ -258,7 +258,7 @@ def _sum_by_unit(least: np.ndarray, counts: np.ndarray) -> np.ndarray:
 def in_flight(schedule: str, pp: int, microbatches: int, stage: int, chunks: int = 1) -> int:
     """Microbatches whose activations global stage `stage` holds at once: GPipe runs every
     forward before any backward; 1F1B starts backward after pp - stage forwards; the
-    multi-chunk schedules as their action lists say (planner.schedules.in_flight)."""
+    multi-chunk schedules as their action lists say (planner.pipeline.schedules.in_flight)."""
     if schedule == "GPipe" and chunks == 1:
         return microbatches
     if schedule == "1F1B" and chunks == 1:
@@ -439,7 +439,7 @@ def solve_stages(problem: StageProblem, pp: int, microbatches: int, schedule: st
     if S == 1 and not linked:  # planner.ilp has no rows linking a block's layers
         return _solve_one_stage(problem, microbatches, schedule, budget_bytes, time_limit_s,
                                 cutoff_s, start)
-    # one stage per rank: exact by dynamic programming (planner.stage_dp), which has no
+    # one stage per rank: exact by dynamic programming (planner.pipeline.stage_dp), which has no
     # rows linking a block's layers (a block recomputed whole): those go to the program
     if chunks == 1 and method != "mip" and not linked:
         solved = _solve_by_dp(problem, pp, microbatches, schedule, budget_bytes, cutoff_s,
@@ -677,7 +677,7 @@ def _every_block_recomputed_plan(problem: StageProblem, pp: int, microbatches: i
 def _solve_by_dp(problem: StageProblem, pp: int, microbatches: int, schedule: str,
                  budget_bytes: float | None, cutoff_s: float | None, start: float,
                  deadline: float):
-    """The integer program's optimum by planner.stage_dp, read out as the integer
+    """The integer program's optimum by planner.pipeline.stage_dp, read out as the integer
     program would be; "too large" where the dynamic program declines or runs past
     `deadline` (DP_SECONDS or half the time limit: the integer program gets the rest)."""
     flights = [in_flight(schedule, pp, microbatches, k) for k in range(pp)]

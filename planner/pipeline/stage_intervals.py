@@ -1,8 +1,8 @@
 """The stage problem with one stage per rank (GPipe, 1F1B) solved exactly by pricing stage
-intervals once: where planner.stage_dp's labels carry each open stage's memory and pile
+intervals once: where planner.pipeline.stage_dp's labels carry each open stage's memory and pile
 up past 10^5 on deep pipelines, here a stage's memory is settled inside its interval.
 
-The objective is the integer program's (planner.stages):
+The objective is the integer program's (planner.pipeline.stages):
 
     Σ_k T_k  +  (m - 1)·max_k T_k  +  max_k S_k      s.t.  W_k + f_k·V_k ≤ budget
 
@@ -37,7 +37,7 @@ import time
 
 import numpy as np
 
-from planner.stage_dp import DPSolution, TooLarge, _Units, front
+from planner.pipeline.stage_dp import DPSolution, TooLarge, _Units, front
 
 _GB = 1e9
 MAX_POINTS = 200_000  # candidate points of one front before filtering, before giving up
@@ -290,7 +290,7 @@ def solve(problem, pp: int, microbatches: int, flights: list[int],
           budget_bytes: float | None, cutoff_s: float | None = None,
           deadline: float = math.inf) -> DPSolution | None:
     """The least objective over cuts into pp stages (one per rank, stage k keeping
-    `flights[k]` microbatches in flight) and strategies, as planner.stage_dp.solve: None
+    `flights[k]` microbatches in flight) and strategies, as planner.pipeline.stage_dp.solve: None
     when nothing fits (or nothing has m·max T + max S under `cutoff_s`)."""
     if pp > len(problem.units) or any(not members for members in problem.unit_layers()):
         raise TooLarge("a unit without layers")

@@ -1,7 +1,7 @@
 """An exact solver for the stage problem with one stage per rank (GPipe, 1F1B): the same
-optimum as planner.stages' integer program, without SCIP and without its time limits.
+optimum as planner.pipeline.stages' integer program, without SCIP and without its time limits.
 
-The integer program minimises (planner.stages)
+The integer program minimises (planner.pipeline.stages)
 
     Σ_k T_k  +  (m - 1)·max_k T_k  +  max_k S_k      s.t.  W_k + f_k·V_k ≤ budget
 
@@ -26,7 +26,7 @@ the deadline passes, `solve` raises `TooLarge` and the caller falls back to the 
 program. Measured limit: on the 48-block GPT at pp 8 (18 points per block: data parallel
 or FSDP per weight, trading time, per-step time and memory) one stage's (T, S, memory)
 front reaches ~10^4 points and the labels ~10^5, minutes of Python: it falls back there.
-planner.stage_intervals, tried first, prices each stage interval once instead (its
+planner.pipeline.stage_intervals, tried first, prices each stage interval once instead (its
 (T, S) front under the memory cap, shared by identical blocks) and runs the outer program
 on (Σ T, max T, max S) over cut positions; it reuses this module's per-unit sets.
 """

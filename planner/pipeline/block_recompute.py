@@ -9,7 +9,7 @@ each block the plan lists (Plan.recompute_blocks). `recompute_blocks` offers it 
 on the shape's stage problem: each layer of a block gets a recomputed variant of each of
 its options (after the plain ones, named "<option>+recompute"; layout changes on edges as the
 plain option's), and the stage solve
-(planner.stages, StageProblem.linked_units) picks per block whether its layers all run
+(planner.pipeline.stages, StageProblem.linked_units) picks per block whether its layers all run
 their recomputed variants or none does. A recomputed variant costs:
 
 - activations: each layer inside a block keeps nothing, except that the block keeps its
@@ -31,7 +31,7 @@ from dataclasses import replace
 import numpy as np
 
 from planner.block_cuts import carries_weights, why_no_blocks
-from planner.stages import LayerOptions
+from planner.pipeline.stages import LayerOptions
 from profiler.graph import ModelGraph
 from strategies.memory import recompute_s
 

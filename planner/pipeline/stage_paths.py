@@ -1,12 +1,12 @@
 """An exact lower bound for chunked pipeline shapes with few stages: every stage cut
 enumerated, each priced at its stages' least times by the schedule's own action graph.
 
-With each rank's actions in a fixed order (planner.schedules.actions), an action starts
+With each rank's actions in a fixed order (planner.pipeline.schedules.actions), an action starts
 when the one before it on its rank and the ones it needs (the forward of the stage before,
 the input gradient of the stage after, its own input gradient for a weight gradient) have
 ended, so the simulated makespan is the longest path through that graph, which one pass
 in topological order computes for many stage-time vectors at once (`makespans`: numpy
-over the cuts). planner.schedules.price times a stage's forward, input gradient and
+over the cuts). planner.pipeline.schedules.price times a stage's forward, input gradient and
 weight gradient at fixed shares of its per-microbatch time T_k (schedules.parts: the
 forward's measured share, the backward's rest in halves), so the makespan is a maximum
 of sums of the T_k with nonnegative weights: nondecreasing in every T_k.
@@ -21,7 +21,7 @@ prologue, and each rank's per-step part at least the sum of its layers' least. S
 and it holds whatever the memory budget (memory is not read); it is reached where the
 least options fit. Offered while the cuts number at most MAX_CUTS (two ranks of two
 chunks on a 50-unit model: 18,424), which is where the busiest-rank bound
-(planner.stage_loads) leaves a gap: a short pipeline's fill and drain are a large part of
+(planner.pipeline.stage_loads) leaves a gap: a short pipeline's fill and drain are a large part of
 its step, and that bound leaves the bubble out.
 """
 
@@ -33,7 +33,7 @@ from functools import lru_cache
 
 import numpy as np
 
-from planner import schedules
+from planner.pipeline import schedules
 
 MAX_CUTS = 60_000
 CHUNK = 8_192  # cuts priced at once (memory: CHUNK x actions floats)
@@ -86,7 +86,7 @@ def action_graph(schedule: str, pp: int, chunks: int, microbatches: int
 
 def makespans(schedule: str, pp: int, chunks: int, microbatches: int,
               total: np.ndarray, forward: float = 1 / 3) -> np.ndarray:
-    """The simulated makespan (planner.schedules.price, `forward` the forward's share)
+    """The simulated makespan (planner.pipeline.schedules.price, `forward` the forward's share)
     of each row of `total` (rows, stages: per-microbatch times), all rows at once: the
     longest path through the action graph."""
     ends: list[np.ndarray] = []
@@ -155,7 +155,7 @@ def relaxed_path_bound(problem, pp: int, microbatches: int, schedule: str,
     Valid because the makespan is nondecreasing in every stage time (module docstring):
     a plan's own stage times satisfy the program, so its optimum is at most the plan's
     makespan. It keeps what `path_bound` keeps of the bubble, a fill and drain that no
-    split of the work escapes, where the busiest rank's work (planner.stage_loads) leaves
+    split of the work escapes, where the busiest rank's work (planner.pipeline.stage_loads) leaves
     it out: few microbatches over many stages (a 70 B Llama over 256 H100s, four of them
     over 4 ranks of 2 chunks, interleaved 1F1B: 7.95 s by the work, 9.50 s by this).
 

@@ -1,7 +1,7 @@
 """A lower bound on chunked pipeline shapes that keeps the units whole: the least, over
 contiguous stage cuts, of the busiest rank's work.
 
-The chunked bound of planner.stages shares the model's work evenly over the ranks, as if a
+The chunked bound of planner.pipeline.stages shares the model's work evenly over the ranks, as if a
 stage could end inside a transformer block. Blocks are whole, and a rank holds two stages
 (a V-shaped schedule: the first and the last, ZBV and DualPipeV; a looped one: r and
 pp + r), so the busiest rank does more than its share: on a 48-block GPT over 8 ranks of a
@@ -25,7 +25,7 @@ Valid for every choice (each unit costs at least its least), every memory budget
 is not read: the bound only relaxes) and every schedule with that placement (no schedule
 runs a rank's actions faster than back to back). Not offered for four chunks per rank
 (None): the state would be four-dimensional; there `packing_bound` (the units whole but in
-any order, by pigeonhole, in O(U log U)) stands in, and planner.stages' chunked bound
+any order, by pigeonhole, in O(U log U)) stands in, and planner.pipeline.stages' chunked bound
 includes it for every shape.
 
 The bubble is left out. Paths through a rank's fill and drain (its lead, one microbatch's
@@ -42,7 +42,7 @@ import math
 
 import numpy as np
 
-from planner import schedules
+from planner.pipeline import schedules
 
 SETTLED = 1e-6  # bisection stops at this relative width
 # multipliers of a memory row in the Lagrangian bounds (here and stages._dual_stage_bounds),
@@ -107,7 +107,7 @@ def memory_bound(problem, pp: int, microbatches: int, schedule: str, chunks: int
     Lagrangian of its memory row, as stages._dual_stage_bounds). A rank holding n units
     pays at least its n cheapest; the busiest rank is at least the least τ under which
     the ranks can hold all U units (some n_r with Σ n_r = U, each at least `chunks`).
-    The chunked bound of planner.stages shares the memory of all ranks with one
+    The chunked bound of planner.pipeline.stages shares the memory of all ranks with one
     microbatch in flight: on a 70 B Llama over 256 H100s it left shapes that keep four
     microbatches of every block at 8 s, against 18 s and more here."""
     m = microbatches
@@ -146,7 +146,7 @@ def _unit_work(tables, m: int) -> np.ndarray:
     edges."""
     work = tables.least_by_unit(m * tables.microbatch_s + tables.step_s)
     # or the per-step least apart and the microbatch part with its edges taken together
-    # (planner.unit_least): both are bounds, the larger kept
+    # (planner.pipeline.unit_least): both are bounds, the larger kept
     joint = m * tables.unit_least_s + tables.unit_step_least_s
     return np.maximum(work + m * tables.edge_least_s, joint)
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from planner import dp_shard
-from planner.stages import in_flight, stage_ranks
+from planner.pipeline.stages import in_flight, stage_ranks
 from strategies.cluster import Cluster
 from strategies.step_memory import (
     HeldLayer,

@@ -331,7 +331,7 @@ def parts(forward: float = 1 / 3) -> dict[str, float]:
 def uniform_bubble(schedule: str, pp: int, v: int, m: int, forward: float = 1 / 3) -> float:
     """The busiest rank's bubble, in chunk times, when every chunk takes 1 (`parts` of it
     forward, input gradient and weight gradient) and hops are free: the schedule's own
-    bubble, what the stage cut's integer program charges it (planner.stages)."""
+    bubble, what the stage cut's integer program charges it (planner.pipeline.stages)."""
     S = pp * v
     share = parts(forward)
     return simulate(schedule, pp, v, m, [share["F"]] * S, [share["I"]] * S, [share["W"]] * S,

@@ -15,7 +15,7 @@ solved exactly by variable elimination, smallest table first: a block keeps a fe
 alive at a time (the residual stream), so the tables stay small. A unit whose tables would
 grow past ELIMINATION_LIMIT entries keeps the separate minima, which are still a bound.
 
-A block offered recomputed whole (planner.block_recompute) runs all its recomputed options
+A block offered recomputed whole (planner.pipeline.block_recompute) runs all its recomputed options
 or none: each of the two is solved with the other's options barred, and the lesser kept.
 Repeated units (a transformer's blocks) are solved once.
 """
@@ -33,7 +33,7 @@ ELIMINATION_LIMIT = 1 << 20
 
 
 def unit_least_s(problem) -> np.ndarray:
-    """Per unit of a planner.stages.StageProblem: the least over its layers' options of
+    """Per unit of a planner.pipeline.stages.StageProblem: the least over its layers' options of
     Σ their microbatch times + Σ the edges into its layers (module docstring). At least
     `layer_least_s + edge_least_s` of its tables, and a lower bound on the unit's part of
     any stage's per-microbatch time."""
