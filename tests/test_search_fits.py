@@ -53,7 +53,7 @@ def search_problem(result, graph, cluster, c):
     result; another's is built again, the same)."""
     if c is result.best:
         return result.built
-    from planner import block_recompute
+    from planner.pipeline import block_recompute
     from planner.search import CostCache, build
 
     cache = CostCache(graph, cluster, "adam")
