@@ -68,7 +68,9 @@ def _tensor(layer: Layer, options: list[Strategy]) -> list[Strategy]:
     if split:
         return split
     # no weights to split: follow a feature split, or run whole; never split the batch
-    return [s for s in options if split_name(s.name)[0] != "data_parallel"] or options
+    # (FSDP runs each rank on its rows too)
+    return [s for s in options
+            if split_name(s.name)[0] not in ("data_parallel", "fsdp")] or options
 
 
 def _fsdp(layer: Layer, options: list[Strategy]) -> list[Strategy]:
