@@ -17,30 +17,15 @@ from planner import dp_shard
 from planner.block_cuts import recorded_module, why_no_blocks
 from planner.once import plan_once
 from planner.plan import (
-    CandidateReport,
-    InputPlan,
-    LayerPlan,
-    MemoryBreakdown,
-    MeshPlan,
-    PipelinePlan,
-    Plan,
-    Predicted,
-    SearchReport,
-    SolverReport,
-    StagePlan,
+    CandidateReport, InputPlan, LayerPlan, MemoryBreakdown, MeshPlan, PipelinePlan, Plan,
+    Predicted, SearchReport, SolverReport, StagePlan,
 )
 from planner.price import group_link, step_overhead_s
 from planner.profiled import GB, PlanDoesNotFit, check_arguments, profiled_graph
 from planner.reasons import Options, of_built, reasons
 from planner.pipeline.schedules import LABELS, SPLIT_BACKWARD
 from planner.search import (
-    DEFAULT_SEARCH_TIME_S,
-    SearchResult,
-    Shape,
-    build,
-    rank_groups,
-    search,
-    time_left,
+    DEFAULT_SEARCH_TIME_S, SearchResult, Shape, build, rank_groups, search, time_left,
 )
 from planner.pipeline.stage_held import Placement, peak_bytes
 from planner.pipeline.stages import evaluate

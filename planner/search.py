@@ -53,25 +53,12 @@ import numpy as np
 from planner import dp_shard
 from planner.pipeline import block_recompute, schedules
 from planner.block_cuts import (
-    BEFORE,
-    block_units,
-    carries_weights,
-    tied_heads,
-    why_no_blocks,
+    BEFORE, block_units, carries_weights, tied_heads, why_no_blocks,
 )
 from planner.choices import OUTPUT, module_executor_options
 from planner.price import (
-    EdgeKind,
-    Price,
-    edge_cost,
-    edge_kind,
-    group_link,
-    in_rhythm,
-    layer_compute_s,
-    output_kind,
-    price,
-    tp_context,
-    with_tied_copy,
+    EdgeKind, Price, edge_cost, edge_kind, group_link, in_rhythm, layer_compute_s,
+    output_kind, price, tp_context, with_tied_copy,
 )
 from planner.problem import Edge
 from planner.progress import Progress, listened, report
@@ -80,16 +67,8 @@ from planner.pipeline.stage_held import peak_bytes
 from planner.pipeline.stage_loads import busiest_rank_bound, memory_bound
 from planner.pipeline.stage_paths import path_bound, relaxed_path_bound
 from planner.pipeline.stages import (
-    LayerOptions,
-    StageProblem,
-    StageSolution,
-    TimeLimit,
-    estimate,
-    in_flight,
-    lower_bound,
-    min_memory_bytes,
-    quick_plan,
-    solve_stages,
+    LayerOptions, StageProblem, StageSolution, TimeLimit, estimate, in_flight, lower_bound,
+    min_memory_bytes, quick_plan, solve_stages,
 )
 from planner.ties import data_parallel_else_replicate
 from profiler.graph import Layer, ModelGraph

@@ -9,7 +9,6 @@ import pytest
 import torch
 
 import models
-from planner.plan3d import optimize_3d
 from planner.search import CostCache, Shape, build, group_link
 from profiler import profile, trace
 from strategies.catalog import CostContext, weights_memory

@@ -18,8 +18,8 @@ from models import assert_ranks_match
 from planner.choices import layer_choices
 from planner.ilp import solve
 from profiler.trace import trace
-from strategies import Cluster, parse_devices
-from strategies.catalog import CostContext, DataParallel, RowParallel, candidates
+from strategies import parse_devices
+from strategies.catalog import CostContext, RowParallel, candidates
 from strategies.collectives import collective_bytes
 from strategies.edges import reshard_bytes, reshard_s
 from strategies.layouts import Layout, edge_collectives
