@@ -15,11 +15,7 @@ from planner import dp_shard
 from planner.pipeline.stages import in_flight, stage_ranks
 from strategies.cluster import Cluster
 from strategies.step_memory import (
-    HeldLayer,
-    loss_held_bytes,
-    output_share,
-    pipeline_buffer_bytes,
-    reshard_copy_bytes,
+    HeldLayer, loss_held_bytes, output_share, pipeline_buffer_bytes, reshard_copy_bytes,
     step_held_bytes,
 )
 
