@@ -13,7 +13,7 @@ from planner.problem import Solution
 from planner.reasons import of_choices, reasons
 from planner.volume import communication_bytes
 from strategies.cluster import Cluster
-from strategies.memory import lever_fields, split_name, weights_part
+from strategies.memory import activation_part, lever_fields, split_name
 from strategies.step_memory import (
     loss_held_bytes, one_d_layer, output_share, reshard_copy_bytes, step_held_bytes,
 )
@@ -33,13 +33,6 @@ def held_beside_layers(choices: Choices, choice, optimizer: str, cluster: Cluste
     loss = loss_held_bytes(output_numel(choices, choice, ranks, outputs))
     return step_held_bytes(held, optimizer, cluster.device.kind, loss_bytes=loss,
                            saved_bytes=reshard_copies(choices, choice, ranks))
-
-
-def activation_part(strategy, layer, cost, ctx) -> float:
-    """What a layer's cost prices as kept for backward: its memory less its weights,
-    gradients and optimizer state (strategies.memory.weights_part)."""
-    inner = getattr(strategy, "inner", strategy)  # a Recompute's own strategy
-    return cost.memory_bytes - weights_part(inner, layer, ctx)
 
 
 def reshard_copies(choices: Choices, choice, ranks: int) -> float:

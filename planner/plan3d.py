@@ -183,7 +183,7 @@ def to_plan(graph, cluster: Cluster, optimizer: str, budget: float, result: Sear
                                 bubble_fraction=bubble_s / (bubble_s + busy) if busy else 0.0,
                                 stages=stages, why=why_schedule(result, shape, times))
     per_device = [breakdown[r // (dp * tp)] for r in range(pp * dp * tp)]
-    peak = peak_bytes(built, solution, shape, cluster, optimizer, set(graph.outputs))
+    peak = peak_bytes(built, solution, shape, cluster, optimizer, set(graph.outputs), at)
     (data_parallel, data_parallel_memory), single = _baselines(result, graph, cluster,
                                                                optimizer)
     fixed = step_overhead_s(cluster)  # outside every choice, as in a 1-D plan
@@ -278,19 +278,13 @@ def _layer_plans(graph, cluster: Cluster, optimizer: str, built, choice, at: Pla
             model_parallel=strategy.model_parallel, compute_s=cost.compute_s * m,
             communication_s=per_mb_comm * m + sync, update_s=upd,
             reshard_in_s=edge_in[i] * m,
-            memory_bytes=float(opts.weight_bytes[c]) - _temp(built, i, c)
+            memory_bytes=float(opts.weight_bytes[c]) - built.temp(i, c)
             + float(opts.activation_bytes[c]) * at.flight[k],
             param_bytes=layer.param_bytes, params=list(layer.params), stage=k,
             inputs=list(layer.inputs),
             reason=why[i],
             **_shard_fields(weighed.layers[i], opts, opts.plain_index(c), sharded)))
     return layers, inputs, memory, stage_memory, compute, stage_compute, update
-
-
-def _temp(built, i: int, c: int) -> float:
-    """The optimizer temporaries the stage problem's weights carry for layer i's option c
-    (planner.search.Built.temp_bytes), which the plan reports beside the layers."""
-    return float(built.temp_bytes[i][c]) if built.temp_bytes else 0.0
 
 
 def _stage_plans(graph, at: Placement, times, shape: Shape, stage_compute, stage_memory,

@@ -449,6 +449,11 @@ class Built:
     sync_s: tuple[np.ndarray, ...] = ()
     sync_serial_s: tuple[np.ndarray, ...] = ()
 
+    def temp(self, i: int, c: int) -> float:
+        """The optimizer temporaries layer i's option c carries in its weight_bytes (0
+        for the sink and where none are carried)."""
+        return float(self.temp_bytes[i][c]) if i < len(self.temp_bytes) else 0.0
+
 
 def build(cache: CostCache, pp: int, dp: int, tp: int, rows: int,
           pin: dict[str, str] | None = None, ends_together: bool = False) -> Built:
@@ -862,6 +867,12 @@ class _Search:
         budget = self.rows_budget(shape)
         return None if budget is None else budget - self.room.get(shape, 0.0)
 
+    def proves(self, shape: Shape) -> bool:
+        """Whether a solve of `shape` runs in its rows' budget, a relaxation of the step's
+        memory, so that what it proves (a bound, that nothing fits) holds for the shape;
+        once refit took room off it, it does not."""
+        return shape not in self.room
+
     def over_bytes(self, shape: Shape, solution) -> float:
         """By how much the plan's fullest rank holds more than the budget in its step
         (stage_held.peak_bytes, the figure the Plan reports); <= 0 where it fits."""
@@ -1109,22 +1120,21 @@ class _Search:
                 cutoff_s=None if incumbent is None else incumbent * (1 + 1e-9),
                 chunks=s.chunks)
 
-        relaxed = s not in self.room  # its rows' budget: what it proves holds for the shape
         try:
             solution = solve()
-            if solution is not None and relaxed:
+            if solution is not None and self.proves(s):
                 # both are lower bounds on this candidate's optimum: the tighter one holds
                 c.bound_s = max(c.bound_s, solution.bound_s)
             solution = self.refit(s, solution, solve)
         except TimeLimit as limit:
             c.outcome = "time_limit"
-            if relaxed and s not in self.room:
+            if self.proves(s):
                 c.bound_s = max(c.bound_s, limit.bound_s)
             return
         finally:
             c.seconds += time.perf_counter() - t0
             self.solve_seconds += time.perf_counter() - t0
-        if solution is None and not (relaxed and s not in self.room):
+        if solution is None and not self.proves(s):
             c.outcome, c.note = "skipped", "no plan found that fits what its step holds"
             return
         if solution is None:
@@ -1133,7 +1143,7 @@ class _Search:
             if incumbent is not None:
                 c.bound_s = max(c.bound_s, incumbent)
             return
-        if s in self.room:  # found in less room than the rows': no proof for the shape
+        if not self.proves(s):  # found in less room than the rows': no proof for the shape
             solution = replace(solution, status="feasible", settles=False,
                                bound_s=min(solution.bound_s, c.bound_s))
         c.outcome, c.solution = "solved", solution
@@ -1161,9 +1171,8 @@ class _Search:
                 return quick_plan(self.problem_of(s).problem, s.pp, s.microbatches,
                                   s.schedule, self.budget_of(s), s.chunks)
 
-            relaxed = s not in self.room
             quick = plan()
-            if quick is not None and relaxed:
+            if quick is not None and self.proves(s):
                 c.bound_s = max(c.bound_s, quick.bound_s)
             quick = self.refit(s, quick, plan)
             c.seconds += time.perf_counter() - t0

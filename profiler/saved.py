@@ -6,8 +6,9 @@ it made, a tanh GELU written out (Hugging Face's `NewGELUActivation`) four tenso
 output's size, a view none of its own. So the traced graph's forward is run once, on fake
 tensors of a device's kind (nothing is allocated; the kernel a device picks decides what
 it saves), under `torch.autograd.graph.saved_tensors_hooks`, node by node, and every
-tensor autograd saves is recorded by its storage: a storage is held once however many views of it are saved, and it is held whole (a saved slice keeps
-its whole storage alive).
+tensor autograd saves is recorded by its storage: a storage is held once however many
+views of it are saved, and it is held whole (a saved slice keeps its whole storage
+alive).
 
 Each storage's bytes go to the layer that *produced* it (the first node whose output it
 is), so that a layer's figure is what its output costs wherever it is kept; a storage

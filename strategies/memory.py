@@ -97,6 +97,14 @@ def weights_part(inner: Strategy, layer: Layer, ctx: CostContext) -> float:
     return weights_memory(layer.param_bytes / (ctx.ranks if split else 1), ctx, sharded)
 
 
+def activation_part(strategy: Strategy, layer: Layer, cost: Cost, ctx: CostContext) -> float:
+    """What `cost` (of `strategy` on `layer`) prices as kept for backward: its memory less
+    its weights, gradients and optimizer state (weights_part; a Recompute's, its inner
+    strategy's)."""
+    inner = getattr(strategy, "inner", strategy)
+    return cost.memory_bytes - weights_part(inner, layer, ctx)
+
+
 def input_bytes(layer: Layer, inner: Strategy, ctx: CostContext) -> float:
     """Bytes of the input a checkpointed layer keeps on each rank: its output's size scaled
     by in/out features for a Linear-like layer, split when it takes rows (or tokens)."""
@@ -138,7 +146,7 @@ class Recompute(Strategy):
 
     def cost(self, layer, ctx):
         base = self.inner.cost(layer, ctx)
-        activations = base.memory_bytes - weights_part(self.inner, layer, ctx)
+        activations = activation_part(self.inner, layer, base, ctx)
         kept = input_bytes(layer, self.inner, ctx)
         extra = recompute_s(layer, base.compute_s)
         notes = dict(base.notes, recompute_saved_bytes=activations - kept, recompute_s=extra,

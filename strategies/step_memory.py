@@ -3,11 +3,12 @@ saved activations (strategies.catalog.weights_memory, the per-layer part): the e
 buffers and the optimizer's temporaries, as torch 2.13 allocates them. One function,
 `step_held_bytes`, gives it for one device, from a `HeldLayer` per layer on it; a 1-D
 plan's reported memory adds it (planner.assemble.held_beside_layers), a 3-D plan's adds it
-per pipeline rank (planner.pipeline.stage_held.held_beside_stages); a 1-D solve is repeated with
-the budget lowered by it where a solution would not fit with it (planner.optimize), the
-3-D search carries the optimizer's temporaries in its memory rows (summed_temp_bytes) and
-solves a shape again in less room where the rest does not fit (planner.search). Not priced here: bf16-mixed's copies, and the saved activations,
-which are per-layer (Layer.activation_bytes: what autograd was measured to keep,
+per pipeline rank (planner.pipeline.stage_held.held_beside_stages). A 1-D solve is
+repeated with the budget lowered by it where a solution would not fit with it
+(planner.optimize); the 3-D search carries the optimizer's temporaries in its memory rows
+(summed_temp_bytes) and solves a shape again in less room where the rest does not fit
+(planner.search). Not priced here: bf16-mixed's copies, and the saved activations, which
+are per-layer (Layer.activation_bytes: what autograd was measured to keep,
 profiler.saved), not step buffers; DTensor redistribute outputs a consumer saves are
 (reshard_copy_bytes).
 
@@ -54,8 +55,8 @@ optimizer step) joins the max.
 The per-layer part keeps the activations and the gradients in full beside both, which
 they never are together in full (the step zeroes its gradients to None before the
 forward, and frees the activations by the optimizer step); where the caller says what
-each layer keeps for backward (HeldLayer.activation_bytes), step_held_bytes takes the
-excess back (not_together_bytes). Measured on gloo ranks
+each layer keeps for backward (HeldLayer.activation_bytes) and no layer is FSDP-sharded,
+step_held_bytes takes the excess back (not_together_bytes). Measured on gloo ranks
 (benchmarks/memory.py), the 19 M-parameter MLP over the per-layer sum: DDP +121 MiB on 2
 ranks (58 of buckets + 2 x 32 of temporaries), tensor parallel +31 (2 x 16), FSDP +66 on
 2 ranks and +70 to +86 on 4 (the largest layer gathered, 32, its whole gradient, 32,

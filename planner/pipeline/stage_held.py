@@ -49,18 +49,18 @@ class Placement:
 
 
 def peak_bytes(built: Built, solution, shape: Shape, cluster: Cluster, optimizer: str,
-               outputs_of=()) -> list[float]:
+               outputs_of=(), at: Placement | None = None) -> list[float]:
     """Per pipeline rank, the memory its step holds at its peak: the stage problem's rows
     without the optimizer temporaries they carry (planner.search.Built.temp_bytes), one
     recomputed block's activations live again where the rank recomputes any
-    (Built.transient_bytes), and held_beside_stages."""
-    at = Placement.of(shape, solution, built)
+    (Built.transient_bytes), and held_beside_stages; `at`: the solution's placement,
+    where the caller has it."""
+    at = at or Placement.of(shape, solution, built)
     problem, choice = built.problem, solution.choice
     rows = [0.0] * shape.pp
     for i, l in enumerate(problem.layers):
         c, k = choice[i], at.stage[i]
-        temp = float(built.temp_bytes[i][c]) if i < len(built.temp_bytes) else 0.0
-        rows[at.ranks_of[k]] += (float(l.weight_bytes[c]) - temp
+        rows[at.ranks_of[k]] += (float(l.weight_bytes[c]) - built.temp(i, c)
                                  + float(l.activation_bytes[c]) * at.flight[k])
     recomputing = {at.ranks_of[at.stage_of_unit[u]] for u in problem.recomputed_units(choice)}
     held = held_beside_stages(built, choice, at.stage, at.ranks_of, shape, cluster, optimizer,
