@@ -41,10 +41,11 @@ def test_llama_7b_adam_fp32_fits_8xa100_40gb_by_levers():
     model, args, kwargs = llama_7b(batch=8, seq=2048)
     params = sum(p.numel() for p in model.parameters())
     # prefer_standard=0: the optimum's levers (plain FSDP is predicted 0.3% slower, so the
-    # default would keep it)
+    # default would keep it); tracer "blocks": three of the 32 blocks traced, the same graph
+    # (tests/test_repeat_blocks.py) in a third of the time
     plan = planner.optimize(model, "8xA100-40GB", example_inputs=args, example_kwargs=kwargs,
                             optimizer="adam", measure=False, prefer_standard=0.0,
-                            precision="fp32")
+                            precision="fp32", tracer="blocks")
     limit = plan.predicted.memory_limit_bytes
     assert params * 16 > limit  # weights + gradients + 2 Adam moments, fp32
     assert plan.solver.status == "optimal"

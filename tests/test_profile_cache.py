@@ -12,7 +12,6 @@ import torch
 import models
 import planner
 from planner.cli import main
-from profiler.calibrate import GAPS_S
 from profiler.allocator import POLICY as MEMORY_POLICY
 from profiler.machine import cpu_model
 from strategies.calibrated import load_profile
@@ -82,35 +81,6 @@ def test_hyplan_calibrate_refreshes_the_cached_profile(fresh_cache, capsys):
     after = parse_devices("1xcpu")
     assert after.source != before and after.source.startswith("hyplan calibrate of")
     assert str(profile_path(1)) in capsys.readouterr().out
-
-
-@pytest.mark.serial
-def test_first_use_of_two_processes_measures_collectives_past_the_cache(fresh_cache):
-    # the real quick calibration, once: under a minute on an idle 2-core machine
-    began = time.perf_counter()
-    cluster = parse_devices("2xcpu")
-    seconds = time.perf_counter() - began
-    print(f"first-use calibration for 2 processes: {seconds:.1f} s")
-    link = cluster.intra_node
-    assert cluster.cores == os.cpu_count() and cluster.num_devices == 2
-    assert {"all_reduce", "bucket_all_reduce", "all_gather", "reduce_scatter", "all_to_all",
-            "send_recv", "fsdp_layer", "tp_layer"} <= set(link.collectives)
-    if cluster.device.cache_bytes and cluster.device.cache_bytes < 128 * 2**20:
-        # sizes up to 128 MB (a host reporting a larger cache, as one with 300 MB of L3
-        # here, has no message past it): the messages past the shared cache have their own fit (not
-        # tp_layer: one line over the weights' bytes of tensor-parallel pairs)
-        assert all(f.regimes and f.regimes[0].above_bytes == cluster.device.cache_bytes
-                   for name, f in link.collectives.items() if name != "tp_layer")
-    # the small all-reduce after each compute gap (as the wall measured it: at least the
-    # compute asked for), made non-decreasing, read back with the link
-    curve = link.gap_curve
-    assert curve is not None and len(curve.gaps_s) == len(GAPS_S)
-    assert all(wall >= 0.8 * asked for wall, asked in zip(curve.gaps_s, GAPS_S))
-    assert list(curve.gaps_s) == sorted(curve.gaps_s)
-    assert list(curve.seconds) == sorted(curve.seconds) and curve.seconds[0] > 0
-    began = time.perf_counter()
-    assert parse_devices("2xcpu") == cluster
-    assert time.perf_counter() - began < 1.0
 
 
 def test_a_calibration_on_a_busy_machine_says_so():
