@@ -5,6 +5,8 @@ from planner.baseline import baseline
 from planner.optimize import optimize
 from planner.plan import Plan, PlanFileError
 from planner.plan3d import optimize_3d
+from planner.price_job import price_job
 from planner.profiled import PlanDoesNotFit
 
-__all__ = ["Plan", "PlanDoesNotFit", "PlanFileError", "baseline", "optimize", "optimize_3d"]
+__all__ = ["Plan", "PlanDoesNotFit", "PlanFileError", "baseline", "optimize", "optimize_3d",
+           "price_job"]

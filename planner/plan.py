@@ -122,8 +122,10 @@ class MemoryBreakdown(_Data):
     parameters_bytes: float = 0.0
     gradients_bytes: float = 0.0
     optimizer_state_bytes: float = 0.0
-    activations_bytes: float = Field(0.0, description="kept for backward, all microbatches in flight")
-    microbatches_in_flight: int = Field(1, description="forwards whose activations are kept at once")
+    activations_bytes: float = Field(
+        0.0, description="kept for backward, all microbatches in flight")
+    microbatches_in_flight: int = Field(
+        1, description="forwards whose activations are kept at once")
 
     @property
     def total_bytes(self) -> float:

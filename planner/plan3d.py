@@ -173,7 +173,8 @@ def to_plan(graph, cluster: Cluster, optimizer: str, budget: float, result: Sear
                  for r in range(pp)]
     slow = max(range(pp), key=lambda r: load[r])
     once = max(range(pp), key=lambda r: once_rank[r])
-    step, compute_s, other_s, bubble_s = times.step_s, m * compute[slow], update[once], times.bubble_s
+    step, compute_s = times.step_s, m * compute[slow]
+    other_s, bubble_s = update[once], times.bubble_s
     pipeline = None
     if pp > 1:
         busy = m * load[slow]
@@ -452,7 +453,8 @@ def _best_per_shape(result: SearchResult, fixed_s: float) -> list[CandidateRepor
             pp=s.pp, dp=s.dp, tp=s.tp, microbatches=s.microbatches, schedule=s.schedule,
             chunks=s.chunks, outcome=c.outcome,
             step_time_s=c.solution.times.step_s + fixed_s if c.solution else None,
-            bound_s=None if c.bound_s is None or math.isinf(c.bound_s) else c.bound_s + fixed_s, note=c.note))
+            bound_s=(None if c.bound_s is None or math.isinf(c.bound_s)
+                     else c.bound_s + fixed_s), note=c.note))
     return out
 
 

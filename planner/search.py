@@ -640,7 +640,8 @@ class _LoadBounds:
         need = min_memory_bytes(b, s.pp, s.microbatches, s.schedule, s.chunks)
         if need > budget:
             c.outcome = "does_not_fit"
-            c.note = f"needs at least {(need + self.problem_of(s).transient_bytes) / 1e9:.1f} GB per device"
+            held = need + self.problem_of(s).transient_bytes
+            c.note = f"needs at least {held / 1e9:.1f} GB per device"
             return False
         flights = [in_flight(s.schedule, s.pp, s.microbatches, k, s.chunks)
                    for k in range(s.pp * s.chunks)]

@@ -9,8 +9,8 @@ DualPipeV), so that the turn of the V (stages pp - 1 and pp) stays on the last r
 no transfer. Each rank's list holds F (forward), B (full backward), and for zero-bubble
 schedules I (backward for the input: what the previous stage waits for) and W (backward
 for the weights: free to fill a bubble). The lists come from torch.distributed.pipelining
-(the multi-stage schedules' `_calculate_single_rank_operations`, run on a bare instance: their construction reads
-nothing but pp, v and m, and needs no process group, so the planner prices exactly the
+(the multi-stage schedules' `_calculate_single_rank_operations`, run on a bare instance:
+their construction reads nothing but pp, v and m, and needs no process group, so the planner prices exactly the
 order the executor will run. GPipe and 1F1B, whose runtime loops are written out in
 their `_step_microbatches`, take the same order from the published construction.
 

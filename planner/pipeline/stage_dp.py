@@ -167,7 +167,8 @@ class _Units:
                     nkey = tuple(sorted(alive.items()))
                     bucket = grown.setdefault(nkey, [])
                     a, g = float(layer.microbatch_s[o]) + extra, float(layer.step_s[o])
-                    w, v = float(layer.weight_bytes[o]) / _GB, float(layer.activation_bytes[o]) / _GB
+                    w = float(layer.weight_bytes[o]) / _GB
+                    v = float(layer.activation_bytes[o]) / _GB
                     for A, G, W, V, ch in group:
                         bucket.append((A + a, G + g, W + w, V + v, ch + (o,)))
             labels = {k: _pareto(b, 4) for k, b in grown.items()}

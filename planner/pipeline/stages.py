@@ -63,7 +63,9 @@ import numpy as np
 from ortools.linear_solver import pywraplp
 
 from planner import ilp
-from planner.pipeline import schedules, stage_dp, stage_intervals, stage_loads, stage_mip, unit_least
+from planner.pipeline import (
+    schedules, stage_dp, stage_intervals, stage_loads, stage_mip, unit_least,
+)
 from planner.numerics import time_unit_s
 from planner.problem import Edge, Infeasible, Node, Option, Problem
 from planner.pipeline.schedules import SCHEDULES
@@ -151,7 +153,8 @@ class StageProblem:
 
     def linked_units(self) -> dict[int, list[int]]:
         """{unit: its layers with recomputed variants}: a block checkpointed whole, so
-        its layers pick recomputed options all together or none (planner.pipeline.block_recompute)."""
+        its layers pick recomputed options all together or none
+        (planner.pipeline.block_recompute)."""
         out: dict[int, list[int]] = {}
         for i, layer in enumerate(self.layers):
             if layer.recomputed is not None:
