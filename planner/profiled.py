@@ -16,6 +16,7 @@ from profiler.repeat_blocks import trace_repeated
 from profiler.trace import TraceError
 from strategies.catalog import OPTIMIZER_STATE_FACTOR, leaf_types, unit_types
 from strategies.cluster import cpu_threads_per_device
+from strategies.fusion import fused
 from strategies.parse import parse_devices
 from strategies.precision import at_precision
 
@@ -53,7 +54,9 @@ def profiled_graph(model: nn.Module, devices, example_inputs, example_kwargs=Non
     graph = profile(graph, measure=measure, measure_batch=max(1, graph.batch_size // ranks),
                     threads=cpu_threads_per_device(ranks) if cluster.device.kind == "cpu" else None,
                     ranks=ranks, model=model, example_inputs=example_inputs)
-    return at_precision(graph, cluster.training_precision), cluster
+    graph = at_precision(graph, cluster.training_precision)
+    # torch.compile priced: its fused element-wise traffic (strategies.fusion)
+    return (fused(graph) if cluster.levers.compile else graph), cluster
 
 
 def refuse_loss_inside(graph) -> None:

@@ -105,7 +105,8 @@ def compute_s(layer: Layer, fraction: float, ctx: CostContext, split: str = "bat
         return layer.measured_s * fraction * ctx.batch / layer.measured_batch * slowdown
     device = ctx.cluster.device
     if device.shape is not None and not device.op_flops:  # a GPU priced by its GEMM shapes
-        return gpu_compute.layer_s(layer, fraction, split, device, ctx.cluster.compute_dtype) * slowdown
+        return gpu_compute.layer_s(layer, fraction, split, device, ctx.cluster.compute_dtype,
+                                   ctx.cluster.levers) * slowdown
     flops = (layer.fwd_flops + layer.bwd_flops) * fraction
     rate = device.op_flops.get(layer.kind.lower()) or device.achievable_flops(
         ctx.cluster.compute_dtype)

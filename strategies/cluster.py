@@ -10,7 +10,9 @@ import os
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from strategies import float8
 from strategies.devices import DeviceSpec, LinkSpec
+from strategies.kernel_levers import Levers
 from strategies.precision import Precision, check_supported, default_precision, parse_precision
 
 
@@ -49,6 +51,8 @@ class Cluster(BaseModel):
     # all-reduces, per second of the layer's own compute (strategies.overlap; set from the
     # graph by planner.price.in_rhythm). None: they run in the step's path (CPU, gloo)
     overlap_cover: float | None = Field(None, ge=1.0)
+    # torch.compile, float8 and async TP, priced (strategies.kernel_levers); all off: eager
+    levers: Levers = Levers()
     source: str = ""
 
     @model_validator(mode="after")
@@ -59,10 +63,11 @@ class Cluster(BaseModel):
 
     @property
     def training_precision(self) -> Precision:
-        """The precision a plan on this cluster trains in (strategies.precision)."""
-        if self.precision is None:
-            return default_precision(self.device)
-        return parse_precision(self.precision)
+        """The precision a plan on this cluster trains in (strategies.precision), its FSDP
+        gathers in float8 where the levers ask (strategies.float8)."""
+        chosen = (default_precision(self.device) if self.precision is None
+                  else parse_precision(self.precision))
+        return float8.gathering(chosen, self.levers)
 
     @property
     def compute_dtype(self) -> str:

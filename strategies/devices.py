@@ -165,12 +165,14 @@ class LinkSpec(BaseModel):
 
 
 def _gpu(name, fp32, fp16, bf16, mem_gib, bw_gbs, source, efficiency=0.6, tf32=None,
-         shape=None):
+         shape=None, fp8=None):
     flops = {"float32": fp32 * TFLOPS, "float16": fp16 * TFLOPS}
     if bf16:
         flops["bfloat16"] = bf16 * TFLOPS
     if tf32:
         flops["tfloat32"] = tf32 * TFLOPS
+    if fp8:
+        flops["float8"] = fp8 * TFLOPS
     return DeviceSpec(
         name=name,
         peak_flops=flops,
@@ -225,6 +227,24 @@ H200_SHAPE = H100_SHAPE.model_copy(update={
     "source": "132 SMs (H200 datasheet); MAMF 821.0/989 of GH200, same die and HBM3e "
               "(Bekman); FA2 0.35 (Shah 2024)"})
 
+# float8 (strategies.float8). H100 SXM5 FP8 tensor cores: 1,979 TFLOP/s dense (datasheet,
+# 3,958 with sparsity), twice bf16's 989; H200 the same die. A float8 GEMM is priced at
+# the bf16 GEMM's measured share of its own peak: "the gemm speedup approaching 2x as M, K,
+# N increase" (torchao, torchao/float8/README.md, "Performance": its H100 microbenchmark,
+# 1.39x for a whole 4096 x 8192 x 16384 Linear with its casts).
+H100_FLOAT8_TFLOPS = 1979
+# Casting one operand element to float8, compiled (torchao relies on torch.compile for
+# it: "enable torch.compile to generate fused kernels for float8 scaling and casting"):
+# an amax pass reads 2 bytes, a cast reads 2 and writes both orientations (1 + 1).
+FLOAT8_CAST_BYTES = 6
+# Eager, the absolute value is a kernel of its own (read 2, write 2) before the max.
+FLOAT8_EAGER_CAST_BYTES = 10
+# A rowwise-scaled float8 GEMM's rate as a share of a tensorwise one's, taken from
+# torchtitan's own comparison on Llama 3 8B, 8 H100, compiled (pytorch/torchtitan commit
+# 7a04053, Jan 2025): bf16 5,760, rowwise 6,424 (+11.5%), tensorwise with float8
+# all-gather 7,186 tokens/s (+24.8%) per GPU; the share that puts hyplan's rowwise price
+# the same distance below its tensorwise price (benchmarks/titan_levers.py prints both).
+FLOAT8_ROWWISE_GEMM_SHARE = 0.8
 
 DEVICES: dict[str, DeviceSpec] = {
     # Krizhevsky (2014) assumes 2 TFLOP/s achieved on a K20 (footnote 3): 2/3.52 of peak.
@@ -240,16 +260,16 @@ DEVICES: dict[str, DeviceSpec] = {
         "A100-80GB", 19.5, 312, 312, 80, 2039, "NVIDIA A100 SXM4 datasheet", tf32=156,
         shape=A100_SHAPE),
     "H100": _gpu("H100", 67, 989, 989, 80, 3350, "NVIDIA H100 SXM5 datasheet (dense)", tf32=494,
-                 shape=H100_SHAPE),
+                 shape=H100_SHAPE, fp8=H100_FLOAT8_TFLOPS),
     # Meta's Grand Teton H100 (torchtitan's benchmarks): 96 GB HBM2e at 2.4 TB/s, run at a
     # 500 W power limit. Its peak lies "between SXM and NVL" (torchtitan,
     # benchmarks/llama3_h100_202412_torchtitan.md, footnote 2) and is not published: the
     # SXM5 rates are an upper bound, as torchtitan itself uses them.
     "H100-96GB": _gpu("H100-96GB", 67, 989, 989, 96, 2400, "torchtitan Grand Teton H100 "
                       "(HBM2e, 500 W); SXM5 peak rates as an upper bound", tf32=494,
-                      shape=H100_SHAPE),
+                      shape=H100_SHAPE, fp8=H100_FLOAT8_TFLOPS),
     "H200": _gpu("H200", 67, 989, 989, 141, 4800, "NVIDIA H200 SXM datasheet (dense)", tf32=494,
-                 shape=H200_SHAPE),
+                 shape=H200_SHAPE, fp8=H100_FLOAT8_TFLOPS),
 }
 DEVICES["A100"] = DEVICES["A100-80GB"]
 

@@ -27,6 +27,10 @@ Here each layer is priced by what it runs:
   kernel; views launch nothing and cost nothing. A graph without those counts falls back
   to a roofline at the compute dtype's element size.
 
+The kernel levers a cluster carries (strategies.kernel_levers): float8 prices each Linear
+torchtitan converts by `float8_linear_s` (strategies.float8: the float8 rate, the casts);
+torch.compile reaches this file only as the graph's traffic, fused by strategies.fusion.
+
 Checked on a lent H100 (benchmarks/gpu_lent.py, benchmarks/results/gpu-h100.txt): a
 953 M Llama's and GPT-2's one-GPU bf16 training steps priced -8% and -6% of what hyplan's
 run measured, -3% and +8% of the same step written by hand. Figures and their sources
@@ -36,10 +40,13 @@ are in strategies.devices.
 from __future__ import annotations
 
 import math
+from functools import partial
 
 from profiler.graph import Layer
 from profiler.traffic import bytes_at
 from strategies.devices import DeviceSpec, GPUShape
+from strategies import float8
+from strategies.kernel_levers import Levers
 
 ELEMENT_BYTES = {"float32": 4, "tfloat32": 4, "bfloat16": 2, "float16": 2, "float8": 1}
 # ops that only re-describe a tensor (a view) launch no kernel
@@ -111,6 +118,23 @@ def linear_s(rows: int, out_features: int, in_features: int, device: DeviceSpec,
             + gemm_s(n, k, m, device, dtype))  # weight gradient: dW = dy^T x
 
 
+def float8_linear_s(rows: int, out_features: int, in_features: int, device: DeviceSpec,
+                    dtype: str, recipe: str = "tensorwise", compiled: bool = True) -> float:
+    """A torchao Float8Linear's three GEMMs at the float8 rate and the casts of its operands,
+    forward + backward (strategies.float8)."""
+    if "float8" not in device.peak_flops:
+        raise ValueError(f"float8: {device.name} has no float8 tensor cores (its rates: "
+                         f"{', '.join(sorted(device.peak_flops))}); use an H100 or newer, "
+                         f"or leave float8 off")
+    m, n, k = rows, out_features, in_features
+    gemms = (gemm_s(m, n, k, device, "float8") + gemm_s(m, k, n, device, "float8")
+             + gemm_s(n, k, m, device, "float8")) / float8.gemm_share(recipe)
+    kernels = 3 * (2 if compiled else 3)  # amax and cast per operand (eager: abs too)
+    casts = memory_bound_s(float8.cast_bytes(m, n, k, recipe, compiled), kernels, device,
+                           elementwise=True)
+    return gemms + casts
+
+
 def memory_bound_s(moved_bytes: float, kernels: int, device: DeviceSpec,
                    elementwise: bool = False) -> float:
     """Streaming `moved_bytes` at the best copy's bandwidth (eager elementwise kernels: at
@@ -142,13 +166,25 @@ def _numel(layer: Layer) -> int:
     return layer.output.nbytes // itemsize
 
 
+def attention_dims(layer: Layer) -> tuple[int, int, int] | None:
+    """(query heads, key/value heads, head dim) of an attention block (a leaf with heads
+    and weights); None for any other layer."""
+    q_heads, kv_heads = _heads(layer)
+    if not (q_heads and layer.param_count and len(layer.output.shape) == 3):
+        return None
+    hidden = layer.output.shape[-1]
+    # bias-free projections hold hidden x head_dim x (2 q_heads + 2 kv_heads) weights
+    return q_heads, kv_heads, max(1, round(layer.param_count / (hidden * (2 * q_heads
+                                                                          + 2 * kv_heads))))
+
+
 def _heads(layer: Layer) -> tuple[int, int]:
     a = layer.attrs
     q = a.get("num_attention_heads", a.get("num_heads", a.get("n_head", a.get("heads", 0))))
     return q, a.get("num_key_value_heads", q)
 
 
-def _linear_dims(layer: Layer) -> tuple[int, int] | None:
+def linear_dims(layer: Layer) -> tuple[int, int] | None:
     """(in, out) features of a Linear-like layer (torch Linear, GPT-2's Conv1D)."""
     a = layer.attrs
     if "in_features" in a and "out_features" in a:
@@ -159,17 +195,19 @@ def _linear_dims(layer: Layer) -> tuple[int, int] | None:
 
 
 def attention_s(layer: Layer, fraction: float, device: DeviceSpec, dtype: str,
-                split: str = "batch") -> float:
+                split: str = "batch", levers: Levers = Levers()) -> float:
     """An attention block's projections, its flash attention and the elementwise work
-    around them, forward + backward, on `fraction` of its batch (or of its heads)."""
+    around them, forward + backward, on `fraction` of its batch (or of its heads); the
+    projections in float8 where `levers` ask (strategies.float8)."""
     batch, seq, hidden = layer.output.shape
-    q_heads, kv_heads = _heads(layer)
-    # bias-free projections hold hidden x head_dim x (2 q_heads + 2 kv_heads) weights
-    head_dim = max(1, round(layer.param_count / (hidden * (2 * q_heads + 2 * kv_heads))))
+    q_heads, kv_heads, head_dim = attention_dims(layer)
     rows = max(1, round(batch * seq * fraction))
-    projections = (linear_s(rows, q_heads * head_dim, hidden, device, dtype)
-                   + 2 * linear_s(rows, kv_heads * head_dim, hidden, device, dtype)
-                   + linear_s(rows, hidden, q_heads * head_dim, device, dtype))
+    projection = linear_s
+    if levers.float8:
+        projection = partial(float8_linear_s, recipe=levers.float8, compiled=levers.compile)
+    projections = (projection(rows, q_heads * head_dim, hidden, device, dtype)
+                   + 2 * projection(rows, kv_heads * head_dim, hidden, device, dtype)
+                   + projection(rows, hidden, q_heads * head_dim, device, dtype))
     shape = device.shape
     causal_forward = 2 * batch * seq * seq * q_heads * head_dim * fraction  # half of 4·b·s²·h·d
     flash = causal_forward * (1 + ATTENTION_BACKWARD) / (
@@ -195,15 +233,17 @@ def _input_numel(layer: Layer) -> int:
     return out
 
 
-def layer_s(layer: Layer, fraction: float, split: str, device: DeviceSpec, dtype: str) -> float:
+def layer_s(layer: Layer, fraction: float, split: str, device: DeviceSpec, dtype: str,
+            levers: Levers = Levers()) -> float:
     """Forward + backward seconds of `fraction` of `layer`'s work, split by "batch" rows or
-    by "out" / "in" features, on a GPU priced by shape."""
+    by "out" / "in" features, on a GPU priced by shape; a Linear in float8 where `levers`
+    ask (strategies.float8; compile's fusion is in the graph's traffic, strategies.fusion)."""
     if layer.is_input:
         return 0.0
     if layer.kind in VIEW_KINDS:  # no kernel of its own; a second view of a tensor sums
         return traffic_s(layer, fraction, device, dtype, split) or 0.0  # their gradients
     shape = device.shape
-    dims = _linear_dims(layer)
+    dims = linear_dims(layer)
     if dims is not None and layer.output.shape:
         fin, fout = dims
         rows = max(1, _numel(layer) // max(1, fout))
@@ -214,11 +254,13 @@ def layer_s(layer: Layer, fraction: float, split: str, device: DeviceSpec, dtype
         else:
             rows = max(1, round(rows * fraction))
         # plus what autocast casts for it (its weight, a float32 input) and back
-        return linear_s(rows, fout, fin, device, dtype) + (
-            traffic_s(layer, fraction, device, dtype, split) or 0.0)
-    q_heads, _ = _heads(layer)
-    if q_heads and layer.param_count and len(layer.output.shape) == 3:
-        return attention_s(layer, fraction, device, dtype, split)
+        glue = traffic_s(layer, fraction, device, dtype, split) or 0.0
+        if float8.converts(layer, levers, fin, fout):
+            return float8_linear_s(rows, fout, fin, device, dtype, levers.float8,
+                                   levers.compile) + glue
+        return linear_s(rows, fout, fin, device, dtype) + glue
+    if attention_dims(layer) is not None:
+        return attention_s(layer, fraction, device, dtype, split, levers)
     moved = traffic_s(layer, fraction, device, dtype, split)
     flops = (layer.fwd_flops + layer.bwd_flops) * fraction
     if layer.kind in SDPA_KINDS:  # flash attention by its FLOPs, casts around it streamed

@@ -66,6 +66,17 @@ def baseline_lines(p) -> list[str]:
     return lines
 
 
+def kernel_lever_lines(levers) -> list[str]:
+    """Which kernel levers (strategies.kernel_levers) the step was priced with, and that
+    hyplan's executor runs none of them: they price a configuration torchtitan runs."""
+    if not levers.any:
+        return []
+    return [f"Kernel levers priced: {levers.describe()} (torch.compile: fused element-wise "
+            f"traffic, strategies.fusion; float8: strategies.float8; async TP: "
+            f"strategies.async_tp); priced only: hyplan's executor runs the step eagerly in "
+            f"bf16, so a plan it runs is priced with the levers off"]
+
+
 def summary(plan: Plan) -> list[str]:
     p, c, s = plan.predicted, plan.cluster, plan.solver
     link = c.intra_node if c.nodes == 1 else c.inter_node
@@ -83,7 +94,7 @@ def summary(plan: Plan) -> list[str]:
         + (f" + pipeline bubble {_ms(p.bubble_s)}" if p.bubble_s else "")
         + (f" + fixed per step {_ms(p.fixed_s)}" if p.fixed_s else ""),
     ]
-    lines += baseline_lines(p)
+    lines += baseline_lines(p) + kernel_lever_lines(c.levers)
     if p.single_device_step_time_s:
         lines.append(f"  one {c.device.name} (same global batch): {_ms(p.single_device_step_time_s)}"
                      f" -> speedup {p.speedup_over_single_device:.2f}x on {c.num_devices} devices")

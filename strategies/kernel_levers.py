@@ -1,0 +1,45 @@
+"""The kernel-level levers torchtitan and Megatron-LM jobs turn, as one option on a Cluster.
+
+Each lever changes what a step's kernels cost, not what a plan computes: torch.compile
+fuses element-wise and normalization work (strategies.fusion), float8 runs the Linear
+GEMMs on FP8 tensor cores with casts and scales around them (strategies.float8), and
+asynchronous tensor parallelism overlaps the tensor-parallel all-gathers and
+reduce-scatters with the matmuls beside them (strategies.async_tp). All off by default,
+so a cluster that does not ask prices every step exactly as before.
+"""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, field_validator
+
+# torchao's float8 training recipes (torchao.float8.Float8LinearConfig.from_recipe_name)
+FLOAT8_RECIPES = ("tensorwise", "rowwise")
+
+
+class Levers(BaseModel):
+    """Which kernel levers the priced configuration turns on."""
+
+    model_config = ConfigDict(frozen=True)
+
+    compile: bool = False  # torch.compile of each transformer block (torchtitan's)
+    float8: str | None = None  # None, "tensorwise" or "rowwise" (torchao's recipes)
+    async_tp: bool = False  # micro-pipelined tensor parallelism (torch's async TP)
+
+    @field_validator("float8")
+    @classmethod
+    def _recipe_known(cls, value):
+        if value is not None and value not in FLOAT8_RECIPES:
+            raise ValueError(f"float8: {value!r} is not a torchao recipe; use one of "
+                             f"{', '.join(FLOAT8_RECIPES)} or None")
+        return value
+
+    @property
+    def any(self) -> bool:
+        return self.compile or self.float8 is not None or self.async_tp
+
+    def describe(self) -> str:
+        """The levers on, in words ("eager" when none)."""
+        on = (["torch.compile"] if self.compile else []) + (
+            [f"float8 {self.float8}"] if self.float8 else []) + (
+            ["async TP"] if self.async_tp else [])
+        return " + ".join(on) or "eager"

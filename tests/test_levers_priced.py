@@ -1,0 +1,127 @@
+"""The kernel levers priced (strategies.kernel_levers): torch.compile's fusion takes a run of
+element-wise layers to one read of what enters it and one write of what leaves it (bytes
+counted by hand), float8 halves a large GEMM and prices a Linear as torchao measured it,
+async TP hides a collective behind its matmul, and levers off change no price."""
+
+import pytest
+import torch
+from torch import nn
+
+from planner.profiled import profiled_graph
+from strategies.async_tp import exposed_s
+from strategies.devices import DEVICES
+from strategies.fusion import EAGER, fused, groups
+from strategies.gpu_compute import float8_linear_s, gemm_s, layer_s, linear_s
+from strategies.kernel_levers import Levers
+from strategies.parse import parse_devices
+
+H100 = DEVICES["H100"]
+ROWS, HIDDEN = 64, 32
+
+
+class GatedMLP(nn.Module):
+    """Two Linears with a run of three element-wise ops between them."""
+
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = nn.Linear(HIDDEN, HIDDEN), nn.Linear(HIDDEN, HIDDEN)
+
+    def forward(self, x):
+        h = self.up(x)
+        return self.down(h * torch.sigmoid(h) * 2.0)
+
+
+def _graph():
+    graph, _ = profiled_graph(GatedMLP(), "1xH100", (torch.randn(ROWS, HIDDEN),))
+    return graph
+
+
+def test_a_run_of_elementwise_layers_reads_and_writes_once():
+    """sigmoid, mul, mul between the Linears fuse into one group. Forward reads up's
+    output and writes the last mul's (64 x 32 bf16 each: 4,096 bytes); backward reads the
+    output's gradient and the saved input and writes the input's gradient (3 x 4,096),
+    one kernel each way; eager moved more."""
+    graph = _graph()
+    [group] = groups(graph)
+    assert [l.kind for l in group] == ["sigmoid", "mul", "mul"]
+    compiled = fused(graph)
+    members = [compiled.layer(l.node) for l in group]
+    total = [sum(m.attrs["traffic"]["bfloat16"][i] for m in members) for i in range(6)]
+    tensor = ROWS * HIDDEN * 2
+    assert total[0] + total[1] == pytest.approx(2 * tensor)  # forward: one read, one write
+    assert total[2] + total[3] == pytest.approx(3 * tensor)  # backward
+    assert total[4] == pytest.approx(1) and total[5] == pytest.approx(1)
+    eager = [sum(m.attrs[EAGER]["bfloat16"][i] for m in members) for i in range(4)]
+    assert sum(eager) > sum(total[:4])
+    up = compiled.layer(graph.layers[1].node)
+    assert up.attrs["traffic"] == graph.layers[1].attrs["traffic"]  # a GEMM is untouched
+
+
+def test_float8_halves_a_large_gemm_and_prices_torchaos_examples():
+    """The float8 GEMM takes half the bf16 one's time (1979 vs 989 TFLOP/s at the same
+    share); a whole Float8Linear with its casts within torchao's published H100 speedups
+    (torchao/float8/README.md): 0.80x at M, K, N = 1024, 2048, 1024 and 1.39x at 4096,
+    8192, 16384, within 15%."""
+    big = (16384, 8192, 8192)
+    assert gemm_s(*big, H100, "float8") / gemm_s(*big, H100, "bfloat16") == pytest.approx(
+        989 / 1979, rel=1e-3)
+    for (m, k, n), published in (((1024, 2048, 1024), 0.80), ((4096, 8192, 16384), 1.39)):
+        bf16_s = linear_s(m, n, k, H100, "bfloat16")
+        speedup = bf16_s / float8_linear_s(m, n, k, H100, "bfloat16")
+        assert speedup == pytest.approx(published, rel=0.15)
+
+
+def test_float8_refuses_a_device_without_it_and_a_bad_recipe():
+    with pytest.raises(ValueError, match="float8: A100-80GB has no float8"):
+        float8_linear_s(4096, 4096, 4096, DEVICES["A100-80GB"], "bfloat16")
+    with pytest.raises(ValueError, match="float8: 'blockwise' is not a torchao recipe"):
+        Levers(float8="blockwise")
+
+
+def test_async_tp_hides_all_but_the_first_chunk_behind_a_long_matmul():
+    assert exposed_s(8.0, 100.0, 8) == pytest.approx(1.0)
+    assert exposed_s(8.0, 0.0, 8) == pytest.approx(8.0)
+    assert exposed_s(8.0, 100.0, 1) == 8.0
+
+
+def test_levers_off_change_no_price_and_compile_lowers_it():
+    """Every layer's price with the levers off is bit-identical to the price without them;
+    the cluster keeps the precision's own all-gather bytes; compile lowers it (float8 does
+    not on shapes this small: launch floors, as torchao's small example)."""
+    graph = _graph()
+    for layer in graph.layers:
+        for split in ("batch", "out"):
+            assert layer_s(layer, 0.5, split, H100, "bfloat16", Levers()) == layer_s(
+                layer, 0.5, split, H100, "bfloat16")
+    plain = parse_devices("8xH100")
+    off = plain.model_copy(update={"levers": Levers()})
+    assert off.training_precision == plain.training_precision
+    tensorwise = plain.model_copy(update={"levers": Levers(float8="tensorwise")})
+    assert tensorwise.training_precision.gather_bytes(4.0) == 1.0  # float8: 1 byte/weight
+    compiled = fused(graph)
+    levers = Levers(compile=True)
+    eager_s = sum(layer_s(l, 1.0, "batch", H100, "bfloat16") for l in graph.layers)
+    fast_s = sum(layer_s(l, 1.0, "batch", H100, "bfloat16", levers) for l in compiled.layers)
+    assert fast_s < eager_s
+
+
+def test_a_plan_priced_with_compile_is_faster_and_says_the_lever_is_priced_only():
+    """Through planner.optimize: levers off give the very step time of a cluster that names
+    none; compile lowers it, and explain() names the lever and says the executor does not
+    apply it."""
+    import planner
+
+    x = torch.randn(ROWS, HIDDEN)
+    plain = parse_devices("2xH100")
+
+    def plan(cluster):
+        return planner.optimize(GatedMLP(), cluster, example_inputs=(x,))
+
+    eager = plan(plain)
+    off = plan(plain.model_copy(update={"levers": Levers()}))
+    compiled = plan(plain.model_copy(update={"levers": Levers(compile=True)}))
+    assert off.predicted.step_time_s == eager.predicted.step_time_s
+    assert compiled.predicted.step_time_s < eager.predicted.step_time_s
+    said = compiled.explain()
+    assert "Kernel levers priced: torch.compile" in said and "priced only" in said
+    assert "Kernel levers" not in eager.explain()
