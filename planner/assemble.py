@@ -5,6 +5,7 @@ reason (planner.reasons) and costs, the input layouts, and the predicted step.
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 from planner.choices import OUTPUT, Choices
 from planner.plan import InputPlan, LayerPlan, MeshPlan, Plan, Predicted, SolverReport
@@ -15,7 +16,12 @@ from planner.volume import communication_bytes
 from strategies.cluster import Cluster
 from strategies.memory import activation_part, lever_fields, split_name
 from strategies.step_memory import (
-    loss_held_bytes, one_d_layer, output_share, reshard_copy_bytes, step_held_bytes,
+    loss_held_bytes,
+    one_d_layer,
+    output_share,
+    replaced_bytes,
+    reshard_copy_bytes,
+    step_held_bytes,
 )
 
 
@@ -25,28 +31,39 @@ def held_beside_layers(choices: Choices, choice, optimizer: str, cluster: Cluste
     (strategies.step_memory), for one assignment of the 1-D problem; `outputs`: the
     graph's output nodes, whose loss holds copies of them."""
     ranks = cluster.num_devices
-    held = [one_d_layer(split_name(row.strategies[c].name)[0], row.layer.param_bytes,
-                        row.strategies[c].model_parallel, ranks,
-                        activation_bytes=activation_part(row.strategies[c], row.layer,
-                                                         row.costs[c], choices.context))
-            for row, c in zip(choices.layers, choice)]
+    copies = edge_copies(choices, choice, ranks)
+    held = []
+    for i, (row, c) in enumerate(zip(choices.layers, choice)):
+        acts = activation_part(row.strategies[c], row.layer, row.costs[c], choices.context)
+        layer = one_d_layer(split_name(row.strategies[c].name)[0], row.layer.param_bytes,
+                            row.strategies[c].model_parallel, ranks, activation_bytes=acts)
+        held.append(replace(layer, replaced_bytes=replaced_bytes(
+            acts, row.layer.saved_per_output, row.layer.users_saved_per_output,
+            copies.get(i, []))))
     loss = loss_held_bytes(output_numel(choices, choice, ranks, outputs))
     return step_held_bytes(held, optimizer, cluster.device.kind, loss_bytes=loss,
                            saved_bytes=reshard_copies(choices, choice, ranks))
 
 
+def edge_copies(choices: Choices, choice, ranks: int) -> dict[int, list[float]]:
+    """{layer: the copy each edge from it makes (reshard_copy_bytes), 0 for an edge to the
+    model's outputs (the loss reads the output itself)}."""
+    nodes, out = choices.problem.nodes, {}
+    for e in choices.problem.edges:
+        if nodes[e.dst].name == OUTPUT:
+            out.setdefault(e.src, []).append(0.0)
+            continue
+        src, dst = choices.layers[e.src], choices.layers[e.dst]
+        out.setdefault(e.src, []).append(reshard_copy_bytes(
+            src.layer.output.nbytes, src.strategies[choice[e.src]].gives,
+            dst.strategies[choice[e.dst]].takes, ranks))
+    return out
+
+
 def reshard_copies(choices: Choices, choice, ranks: int) -> float:
     """The copies the layout changes between layers make, kept for backward
     (strategies.step_memory.reshard_copy_bytes)."""
-    nodes, total = choices.problem.nodes, 0.0
-    for e in choices.problem.edges:
-        if nodes[e.dst].name == OUTPUT:
-            continue
-        src, dst = choices.layers[e.src], choices.layers[e.dst]
-        total += reshard_copy_bytes(src.layer.output.nbytes,
-                                    src.strategies[choice[e.src]].gives,
-                                    dst.strategies[choice[e.dst]].takes, ranks)
-    return total
+    return sum(sum(c) for c in edge_copies(choices, choice, ranks).values())
 
 
 def output_numel(choices: Choices, choice, ranks: int, outputs) -> float:

@@ -28,7 +28,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from profiler.blocks import decoder_blocks
 from profiler.graph import Layer, ModelGraph, TensorMeta, canonical_names, count_once
 from profiler.row_factors import in_order, row_factors
-from profiler.saved import first_layer, per_output, run_recorded
+from profiler.saved import first_layer, per_output, run_recorded, with_saved
 from profiler.trace import TraceError, _module_attrs, call_facts, fingerprint_modules
 from profiler.traffic import COUNTED, layer_traffic, traffic, with_float16
 
@@ -230,7 +230,7 @@ def graph_of_program(model: nn.Module, program: torch.export.ExportedProgram, ar
     flops = _count_flops(program, args, kwargs, group, node_of)
     layers = [_with_flops(l, flops.get(l.node, 0)) for l in count_once(layers, model)]
     ratios = _saved_per_output(program, args, kwargs, group, node_of, layers)
-    layers = [replace(l, saved_per_output=ratios.get(l.node)) for l in layers]
+    layers = with_saved(layers, ratios)
     blocks, why = decoder_blocks(model)
     return ModelGraph(type(model).__name__, tuple(layers), tuple(dict.fromkeys(outputs)), batch,
                       fingerprint_modules(model), module=None, example_kwargs=kwargs,

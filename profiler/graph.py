@@ -85,6 +85,10 @@ class Layer:
     # op saves it, what it makes and saves inside), per byte of its output, measured on
     # the traced forward (profiler.saved); None: not measured
     saved_per_output: float | None = None
+    # of that, the storages only the layers reading its output save (profiler.saved), per
+    # byte of its output: what a layout change before every reader replaces by its copy
+    # (strategies.step_memory.replaced_bytes); None: not measured
+    users_saved_per_output: float | None = None
 
     @property
     def is_input(self) -> bool:

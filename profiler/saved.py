@@ -22,12 +22,22 @@ strategies.step_memory.loss_held_bytes prices what the loss adds to them).
 The figure is kept as bytes per byte of the layer's output (`Layer.saved_per_output`), so
 that wherever a layer is re-sized, to a microbatch's rows or to a precision's activation
 bytes, its kept bytes follow its output's (`Layer.activation_bytes`).
+
+Of that figure, the storages only the layers reading it save (its output kept by a
+Linear, a norm or an activation after it, never by the layer itself) are recorded apart
+(`Layer.users_saved_per_output`): where a plan changes the layout between the layer and
+every reader, each reader saves the copy the change makes instead
+(strategies.step_memory.reshard_copy_bytes), and those storages are freed after the
+forward reads them. Measured (benchmarks/memory.py, GPT-2 4 layers, tensor plan on 2
+ranks): at the peak no storage of c_fc's output nor of the GELU's is alive, only the
+all-gathered copy the GELU saves and the cloned shard c_proj saves.
 """
 
 from __future__ import annotations
 
 import weakref
 from collections.abc import Callable
+from dataclasses import replace
 
 import torch
 import torch.fx as fx
@@ -58,7 +68,8 @@ class SavedByLayer:
         self.running: str | None = None
         self._owner: dict[int, str | None] = {}  # storage -> layer node (None: weights)
         self._kept: list = []  # the storages seen: alive, so no key is reused
-        self._saved: list[tuple[weakref.ref, int, int]] = []  # (holder, storage, bytes)
+        # (holder, storage, bytes, the layer that saved it)
+        self._saved: list[tuple[weakref.ref, int, int, str | None]] = []
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
 
     def __enter__(self):
@@ -84,28 +95,46 @@ class SavedByLayer:
     def _pack(self, t: torch.Tensor):
         holder = _Saved(t)
         key = self._own(t, self.running)
-        self._saved.append((weakref.ref(holder), key, t.untyped_storage().nbytes()))
+        self._saved.append((weakref.ref(holder), key, t.untyped_storage().nbytes(),
+                            self.running))
         return holder
 
     @staticmethod
     def _unpack(holder: _Saved) -> torch.Tensor:
         return holder.tensor
 
-    def totals(self, returned=()) -> dict[str, int]:
+    def totals(self, returned=()) -> Saved:
         """{layer node: bytes of the storages it produced that autograd still keeps, or
-        that the forward `returned`}, each storage once."""
-        kept = [(lambda: True, self._own(t, self.running), t.untyped_storage().nbytes())
+        that the forward `returned`}, each storage once; `.by_users`: of those, the
+        storages only other layers save (none saved by the layer that made it, none
+        returned)."""
+        kept = [(lambda: True, self._own(t, self.running), t.untyped_storage().nbytes(), None)
                 for t in pytree.tree_leaves(returned) if isinstance(t, torch.Tensor)]
-        out: dict[str, int] = {}
-        seen: set[int] = set()
-        for ref, key, nbytes in self._saved + kept:
-            if ref() is None or key in seen:
+        out, savers, sizes = Saved(), {}, {}
+        for ref, key, nbytes, saver in self._saved + kept:
+            if ref() is None:
                 continue
-            seen.add(key)
+            # a returned storage is held by the step: as if its maker kept it
+            savers.setdefault(key, set()).add(saver if saver is not None
+                                              else self._owner.get(key))
+            sizes[key] = nbytes
+        for key, nbytes in sizes.items():
             layer = self._owner.get(key)
-            if layer is not None:
-                out[layer] = out.get(layer, 0) + nbytes
+            if layer is None:
+                continue
+            out[layer] = out.get(layer, 0) + nbytes
+            if layer not in savers[key]:
+                out.by_users[layer] = out.by_users.get(layer, 0) + nbytes
         return out
+
+
+class Saved(dict):
+    """{layer node: saved bytes it produced}, and `by_users`: the part only the layers
+    reading its output save (SavedByLayer.totals)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.by_users: dict[str, int] = {}
 
 
 class _Recording(fx.Interpreter):
@@ -126,7 +155,7 @@ class _Recording(fx.Interpreter):
 
 
 def run_recorded(module: fx.GraphModule, inputs: list, layer_of, weights=(),
-                 run: Callable | None = None) -> dict[str, int]:
+                 run: Callable | None = None) -> Saved:
     """{layer node: saved bytes it produced} of one forward of `module` on `inputs`;
     `weights`: tensors (parameters, buffers) whose storages are no layer's; `run(interp,
     node)`: how to run a node, where the Interpreter's own way does not do."""
@@ -155,6 +184,27 @@ def first_layer(node: fx.Node, layer_of: Callable[[fx.Node], str | None]) -> str
 
 def per_output(saved: dict[str, int], layers) -> dict[str, float]:
     """{layer node: saved bytes per byte of its output} (`Layer.saved_per_output`); a layer
-    with an empty output is left out (its figure stays the output's, 0)."""
-    return {l.node: saved.get(l.node, 0) / l.output.nbytes for l in layers
-            if l.output.nbytes > 0}
+    with an empty output is left out (its figure stays the output's, 0). Where `saved` is
+    a run's Saved, the result's `by_users` holds the same ratio of the part only its readers
+    save (`Layer.users_saved_per_output`)."""
+    ratios = Ratios({l.node: saved.get(l.node, 0) / l.output.nbytes for l in layers
+                     if l.output.nbytes > 0})
+    by_users = getattr(saved, "by_users", None)
+    if by_users is not None:
+        ratios.by_users = {l.node: by_users.get(l.node, 0) / l.output.nbytes for l in layers
+                           if l.output.nbytes > 0}
+    return ratios
+
+
+class Ratios(dict):
+    """per_output's {layer node: ratio}, with `by_users` (None: not measured)."""
+
+    by_users: dict[str, float] | None = None
+
+
+def with_saved(layers, ratios: dict[str, float]) -> list:
+    """`layers` with their measured `saved_per_output` and `users_saved_per_output` (None
+    where not measured)."""
+    by_users = getattr(ratios, "by_users", None) or {}
+    return [replace(l, saved_per_output=ratios.get(l.node),
+                    users_saved_per_output=by_users.get(l.node)) for l in layers]

@@ -18,7 +18,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from profiler.graph import Layer, ModelGraph, TensorMeta, canonical_names, count_once
-from profiler.saved import first_layer, per_output, run_recorded
+from profiler.saved import first_layer, per_output, run_recorded, with_saved
 
 
 class TraceError(ValueError):
@@ -183,7 +183,7 @@ def trace(
     layers = count_once(layers, gm)
     fed = [values[n.name] for n in gm.graph.nodes if n.op == "placeholder"]
     ratios = saved_per_output(gm, layers, fed, modules)
-    layers = [replace(l, saved_per_output=ratios.get(l.node)) for l in layers]
+    layers = with_saved(layers, ratios)
     return ModelGraph(type(model).__name__, tuple(layers), outputs, batch, fingerprint(gm),
                       module=gm, example_kwargs=dict(example_kwargs or {}))
 

@@ -56,7 +56,11 @@ The per-layer part keeps the activations and the gradients in full beside both, 
 they never are together in full (the step zeroes its gradients to None before the
 forward, and frees the activations by the optimizer step); where the caller says what
 each layer keeps for backward (HeldLayer.activation_bytes) and no layer is FSDP-sharded,
-step_held_bytes takes the excess back (not_together_bytes). Measured on gloo ranks
+step_held_bytes takes the excess back (not_together_bytes); a pipeline rank, whose
+gradients live beside its later microbatches' activations, by what its schedule's order
+holds together (schedule_not_together_bytes). A layer's output that every reader takes
+through a layout change is kept by none of them (each keeps the change's copy): the
+per-layer part's count of it is taken back too (replaced_bytes). Measured on gloo ranks
 (benchmarks/memory.py), the 19 M-parameter MLP over the per-layer sum: DDP +121 MiB on 2
 ranks (58 of buckets + 2 x 32 of temporaries), tensor parallel +31 (2 x 16), FSDP +66 on
 2 ranks and +70 to +86 on 4 (the largest layer gathered, 32, its whole gradient, 32,
@@ -86,12 +90,14 @@ class HeldLayer:
     its forward and backward (0: not sharded by FSDP); `bucketed`, whether its gradient is
     all-reduced over replicas through flat buckets; `activation_bytes`, what its cost
     prices as kept for backward (None: not told; `step_held_bytes` then prices the
-    gradients and activations as alive together)."""
+    gradients and activations as alive together); `replaced_bytes`, the part of those
+    activations its readers save as layout-change copies instead (replaced_bytes)."""
 
     local_bytes: float
     gathered_bytes: float = 0.0
     bucketed: bool = False
     activation_bytes: float | None = None
+    replaced_bytes: float = 0.0
 
 
 def not_together_bytes(layers: list[HeldLayer], temps: float, start: float,
@@ -107,7 +113,7 @@ def not_together_bytes(layers: list[HeldLayer], temps: float, start: float,
     (benchmarks/memory.py, GPT-2 4 layers, DDP on 2 ranks): the peak at the backward's
     start, no gradient alive, 16 MiB below the sum."""
     grads = [l.local_bytes for l in layers]
-    acts = [l.activation_bytes or 0.0 for l in layers]
+    acts = [(l.activation_bytes or 0.0) - l.replaced_bytes for l in layers]
     gradient, activation = sum(grads), sum(acts)
     backward, made, kept = activation, 0.0, activation
     for g, a in zip(reversed(grads), reversed(acts)):  # the backward, last layer first
@@ -115,6 +121,20 @@ def not_together_bytes(layers: list[HeldLayer], temps: float, start: float,
         backward = max(backward, made + kept)
     peak = max(gradient + temps, activation + start, backward + during)
     return gradient + activation + max(temps, start, during) - peak
+
+
+def schedule_not_together_bytes(gradient: float, activation: float, together: float,
+                                temps: float, start: float) -> float:
+    """not_together_bytes for a pipeline rank, whose activations are per microbatch in
+    flight and whose gradients are made at its stages' first backwards: the per-layer sum
+    prices `gradient` + `activation` (every stage's microbatches in flight at once) +
+    max(temps, start); the rank holds at most its gradients with the optimizer's
+    temporaries or the flat bucket (`temps`, after its last backward), or `together`
+    (the most gradients and activations its schedule holds at once:
+    planner.pipeline.stage_held.together_bytes) with `start` (the loss, the layout
+    copies) beside them."""
+    peak = max(gradient + temps, together + start)
+    return max(0.0, gradient + activation + max(temps, start) - peak)
 
 
 _SUMMED = ("data_parallel", "sequence_parallel")
@@ -170,6 +190,27 @@ def reshard_copy_bytes(whole_bytes: float, gives: Layout, takes: Layout, ranks: 
     return whole_bytes if takes in _WHOLE else whole_bytes / ranks
 
 
+def replaced_bytes(activation_bytes: float, saved_per_output: float | None,
+                   users_saved_per_output: float | None, copies: list[float]) -> float:
+    """The part of a layer's priced activations (`activation_bytes`, what its cost keeps
+    for backward) that is its output kept by the layers reading it, where each of those
+    readers takes it through a layout change (`copies`: reshard_copy_bytes of each edge to
+    a layer, none to the model's outputs): each reader then saves the copy the change
+    makes (priced by reshard_copy_bytes) and autograd keeps no storage of the output
+    itself, so it is freed once read. The share is the one measured on one device
+    (profiler.saved: Layer.users_saved_per_output of Layer.saved_per_output), so it
+    follows the activations wherever the strategy splits them. A layer that saves its own
+    output (a ReLU, a tanh), or with one reader in its layout, keeps it: 0. Measured
+    (benchmarks/memory.py, GPT-2 4 layers, tensor plan on 2 ranks, live storages at the
+    peak by their creating op): per block 8 MiB of the GELU's [8, 64, 1024] tensors (the
+    all-gathered input copy and three of its own) and c_proj's 1 MiB cloned shard, where
+    c_fc's 1 MiB row share and the GELU's 2 MiB output were priced beside those copies."""
+    if (not copies or not all(copies) or not saved_per_output
+            or not users_saved_per_output):
+        return 0.0
+    return activation_bytes * min(1.0, users_saved_per_output / saved_per_output)
+
+
 def pipeline_buffer_bytes(boundary_bytes: float, microbatches: int) -> float:
     """What torch.distributed.pipelining allocates for one tensor crossing a stage cut, on
     each side, and keeps for the schedule's life: the receiving stage one buffer per
@@ -194,7 +235,8 @@ def summed_temp_bytes(local_bytes, optimizer: str, device_kind: str = "cpu") -> 
 
 def step_held_bytes(layers: Iterable[HeldLayer], optimizer: str, device_kind: str = "cpu",
                     *, kept_buckets: bool = True, loss_bytes: float = 0.0,
-                    saved_bytes: float = 0.0, kept_bytes: float = 0.0) -> float:
+                    saved_bytes: float = 0.0, kept_bytes: float = 0.0,
+                    schedule: tuple[float, float] | None = None) -> float:
     """Bytes one device holds during a step beyond the per-layer weights, gradients,
     optimizer state and saved activations, for the layers on that device. `kept_buckets`:
     DDP's Reducer keeps its buckets for the module's life (1-D plans); the pipeline
@@ -205,6 +247,11 @@ def step_held_bytes(layers: Iterable[HeldLayer], optimizer: str, device_kind: st
     FSDP group's backward are. `saved_bytes`: kept from the forward to the backward beside
     the activations and freed with them, before the optimizer step (reshard_copy_bytes).
     `kept_bytes`: held throughout the step beside all of it (pipeline_buffer_bytes).
+    Less the layers' `replaced_bytes`: per-layer activations no storage holds, their
+    readers keeping layout-change copies (in `saved_bytes`) instead. `schedule`: a
+    pipeline rank's (activations the per-layer sum prices, the most gradients and
+    activations its schedule holds at once): where no layer is FSDP-sharded, less what the
+    sum counts beyond that (schedule_not_together_bytes).
     Where every layer says what it keeps for backward (HeldLayer.activation_bytes) and none
     is FSDP-sharded, less what the per-layer sum counts of gradients and activations at
     moments they are not alive together (not_together_bytes): then negative where that is
@@ -228,8 +275,17 @@ def step_held_bytes(layers: Iterable[HeldLayer], optimizer: str, device_kind: st
     with_gradients = temps if kept_buckets else max(temps, min(bucketed, DDP_BUCKET_CAP_BYTES))
     held = (kept_bytes + (bucketed if kept_buckets else 0.0)
             + max(with_gradients, saved_bytes + max(backward, loss_bytes)))
+    if not any(l.gathered_bytes for l in every):
+        # FSDP's backward keeps more than its term (below): there the sum stands, measured
+        # (ResNet-18 FSDP on 4 ranks, BatchNorm whole between sharded convolutions) 5.7%
+        # under with this taken back, 0.1% over without
+        held -= sum(l.replaced_bytes for l in every)
     if every and all(l.activation_bytes is not None for l in every) and not any(
             l.gathered_bytes for l in every):
         held -= not_together_bytes(every, with_gradients, saved_bytes + loss_bytes,
                                    saved_bytes + backward)
+    elif schedule is not None and not any(l.gathered_bytes for l in every):
+        held -= schedule_not_together_bytes(sum(l.local_bytes for l in every), schedule[0],
+                                            schedule[1], with_gradients,
+                                            saved_bytes + loss_bytes)
     return held

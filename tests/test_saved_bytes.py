@@ -201,3 +201,32 @@ def test_the_backward_holds_what_is_made_and_what_is_left():
     # the other way round the two never meet
     mlp = [HeldLayer(10.0, activation_bytes=0.0), HeldLayer(0.0, activation_bytes=10.0)]
     assert not_together_bytes(mlp, temps=0.0, start=0.0, during=0.0) == 10.0
+
+
+def test_what_only_the_readers_keep_is_told_apart():
+    """Layer.users_saved_per_output: of a layer's kept bytes, the storages only the layers
+    reading it save (its output as the next Linear's input), none it saves itself: what a
+    layout change before every reader replaces by its copy."""
+    relu = _by_name(trace(MLP(nn.ReLU()), (_x(),)))
+    # the ReLU saves its own result: the Linear after it saving it too frees nothing
+    assert relu["act"].users_saved_per_output == 0
+    assert relu["x"].users_saved_per_output == 1.0  # the first Linear's input, only
+    gelu = _by_name(trace(MLP(TanhGELU()), (_x(),), leaf_modules=[TanhGELU]))
+    # the first Linear's output: saved by the GELU alone; the GELU's: by the second Linear
+    assert gelu["first"].users_saved_per_output == gelu["first"].saved_per_output == 1.0
+    assert gelu["act"].users_saved_per_output == 1.0
+    assert gelu["act"].saved_per_output == 4.0
+
+
+def test_a_layout_change_before_every_reader_frees_the_output():
+    """strategies.step_memory.replaced_bytes: the share of a layer's priced activations
+    its readers kept, where every edge from it makes a copy; none where one edge does not
+    (that reader keeps the output itself) or the layer saves nothing for its readers."""
+    from strategies.step_memory import replaced_bytes
+
+    # the GELU: 4 of its output's size kept, 1 by its reader; priced 8 on this device
+    assert replaced_bytes(8.0, 4.0, 1.0, [1.0]) == 2.0
+    assert replaced_bytes(8.0, 4.0, 1.0, [1.0, 0.0]) == 0.0  # one reader, no copy
+    assert replaced_bytes(8.0, 4.0, 0.0, [1.0]) == 0.0  # a ReLU keeps its own output
+    assert replaced_bytes(8.0, 4.0, None, [1.0]) == 0.0  # not measured
+    assert replaced_bytes(8.0, 4.0, 1.0, []) == 0.0  # no reader: a model output

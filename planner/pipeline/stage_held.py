@@ -12,10 +12,16 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from planner import dp_shard
+from planner.pipeline import schedules
 from planner.pipeline.stages import in_flight, stage_ranks
 from strategies.cluster import Cluster
 from strategies.step_memory import (
-    HeldLayer, loss_held_bytes, output_share, pipeline_buffer_bytes, reshard_copy_bytes,
+    HeldLayer,
+    loss_held_bytes,
+    output_share,
+    pipeline_buffer_bytes,
+    replaced_bytes,
+    reshard_copy_bytes,
     step_held_bytes,
 )
 
@@ -78,26 +84,111 @@ def held_beside_stages(built, choice, stage: list[int], ranks_of: list[int], sha
     outputs are made (`outputs_of`: their nodes), and what is kept throughout
     (_kept_bytes)."""
     flight = flight or [1] * (max(stage, default=0) + 1)
-    layers = _held_layers(built, choice, stage, ranks_of, shape, cluster)
+    saved, replaced = _reshard_copies(built, choice, stage, ranks_of, shape, flight)
+    layers = _held_layers(built, choice, stage, ranks_of, shape, cluster, replaced)
     numel = [0.0] * shape.pp
     for i, share in _outputs(built, choice, outputs_of, shape.tp):
         numel[ranks_of[stage[i]]] += math.prod(built.layers[i].output.shape) * share
     kept = _kept_bytes(built, stage, ranks_of, shape)
-    saved = _reshard_copies(built, choice, stage, ranks_of, shape, flight)
-    return [step_held_bytes(mine, optimizer, cluster.device.kind, kept_buckets=False,
-                            loss_bytes=loss_held_bytes(n), saved_bytes=copies,
-                            kept_bytes=keep)
-            for mine, n, copies, keep in zip(layers, numel, saved, kept)]
+    scheduled = _scheduled(built, choice, stage, ranks_of, shape, flight, replaced)
+    # at least 0: the search's rows budget is a relaxation of a rank's memory only while
+    # nothing beside the rows is negative (planner.search._Search.rows_budget), so where the
+    # schedule's take-back is more than the rest, the rank is priced at its rows
+    return [max(0.0, step_held_bytes(mine, optimizer, cluster.device.kind,
+                                     kept_buckets=False, loss_bytes=stage_loss_bytes(n),
+                                     saved_bytes=copies, kept_bytes=keep, schedule=sched))
+            for mine, n, copies, keep, sched in zip(layers, numel, saved, kept, scheduled)]
 
 
-def _held_layers(built, choice, stage, ranks_of, shape: Shape,
-                 cluster: Cluster) -> list[list[HeldLayer]]:
+def stage_loss_bytes(output_numel: float) -> float:
+    """What the loss holds on a last pipeline stage beyond its layers' activations, for
+    `output_numel` outputs of one microbatch: strategies.step_memory.loss_held_bytes (the
+    saved log-softmax and two gradients, the output's bytes each), and the output itself,
+    which a 1-D step frees once the loss has read it (the per-layer figure of the layer
+    that makes it counts it then) and a stage keeps until that microbatch's backward
+    (torch/distributed/pipelining/stage.py: `fwd_cache[fwd_chunk_id] = (output_tuple,
+    ...)`, popped in `backward_one_chunk`). Measured (benchmarks/memory.py, GPT-2's ZBV
+    pipeline on 2 ranks, rank 0 at its peak in the first loss backward): the [256, 4096]
+    logits, the log-softmax and both gradients alive, four logits' worth."""
+    return loss_held_bytes(output_numel) + 4 * output_numel if output_numel else 0.0
+
+
+def _scheduled(built, choice, stage, ranks_of, shape: Shape, flight,
+               replaced) -> list[tuple[float, float] | None]:
+    """Per pipeline rank, (the activations the stage problem's rows price: each layer's
+    per microbatch times its stage's microbatches in flight, the most gradients and
+    activations the rank's schedule holds at once: together_bytes), for
+    strategies.step_memory.schedule_not_together_bytes; None where the order is not
+    known (one pipeline rank: a 1-D step's rule would apply, kept as the sum here)."""
+    if shape.pp == 1:
+        return [None]
+    try:
+        orders = schedules.actions(shape.schedule, shape.pp, shape.chunks, shape.microbatches)
+    except ValueError:
+        return [None] * shape.pp
+    per_stage: dict[int, list[tuple[float, float]]] = {}
+    summed = [0.0] * shape.pp
+    for i, layer in enumerate(built.problem.layers[:len(built.layers)]):  # not the sink
+        c, k = choice[i], stage[i]
+        acts = float(layer.activation_bytes[c]) - replaced.get(i, 0.0) / max(flight[k], 1)
+        per_stage.setdefault(k, []).append((float(built.local_param_bytes[i][c]), acts))
+        summed[ranks_of[k]] += acts * flight[k]
+    return [(summed[r], together_bytes(orders[r], per_stage)) for r in range(shape.pp)]
+
+
+def together_bytes(order, per_stage: dict[int, list[tuple[float, float]]]) -> float:
+    """The most gradient and activation bytes one pipeline rank holds at once, running its
+    schedule's actions in `order` (planner.pipeline.schedules.actions: the order torch
+    runs), each stage's layers (gradient bytes, activation bytes per microbatch) in
+    execution order: a forward adds its stage's activations; the backward that makes
+    weight gradients (B, or W where it is split: the weight gradient still reads the
+    layer inputs, planner.pipeline.schedules) frees them, and at a stage's first one makes
+    its gradients, layer by layer from the last; a full backward frees each layer's
+    activations as its gradient is made (torch.autograd.backward without retain_graph: a
+    node's saved tensors are released when it runs), a split one's W only when it ends
+    (torch/distributed/pipelining/_backward.py: `stage_backward_input` keeps the graph
+    for `stage_backward_weight`, which frees it after every weight's gradient is made;
+    measured, GPT-2's ZBV pipeline on 4 ranks: at the peak, in the W of a rank's first
+    stage, all 9 MiB of its gradients and 17 of the 17.7 MiB of activations its order
+    has alive then). The gradients then stay, accumulated in place, until the optimizer
+    step (the step zeroes them to None before the forward: executor.step.train_step). A pipeline rank
+    holds every gradient beside the activations of its later forwards, which the 1-D
+    rule (not_together_bytes: no gradient until the one backward) does not see: GPT-2's
+    pipelines measured 7-12% under it (benchmarks/memory.py)."""
+    split = {(a.stage, a.microbatch) for a in order if a.kind == "W"}
+    live = grads = peak = 0.0
+    made: set[int] = set()
+    for a in order:
+        layers = per_stage.get(a.stage, [])
+        acts = sum(x for _, x in layers)
+        if a.kind == "F":
+            live += acts
+            peak = max(peak, live + grads)
+        elif a.kind == "W" or (a.kind == "B" and (a.stage, a.microbatch) not in split):
+            if a.stage not in made:
+                made.add(a.stage)
+                new, kept, most = 0.0, acts, acts
+                for g, x in reversed(layers):
+                    # a split backward's W frees nothing before it ends
+                    new, kept = new + g, kept - (x if a.kind == "B" else 0.0)
+                    most = max(most, new + kept)
+                peak = max(peak, live - acts + grads + most)
+                grads += sum(g for g, _ in layers)
+            live -= acts
+    return max(peak, grads)
+
+
+def _held_layers(built, choice, stage, ranks_of, shape: Shape, cluster: Cluster,
+                 replaced=None) -> list[list[HeldLayer]]:
     """Each pipeline rank's layers as executor.pipeline keeps them: a replicated layer's
     gradient summed in flat buckets after the backward, an FSDP layer gathered over dp, an
-    HSDP one over the dp ranks of a node. Their activations are not told: 1-D plans take
-    back what the sum counts of gradients beside activations
+    HSDP one over the dp ranks of a node; `replaced`: per layer, its activations in flight
+    that layout-change copies replace (_reshard_copies). Their activations are not told:
+    1-D plans take back what the sum counts of gradients beside activations
     (strategies.step_memory.not_together_bytes), which a pipeline's ranks measured short
-    by 7-12% (benchmarks/memory.py, GPT-2 on 2 and 4 ranks), so the sum stands here."""
+    by 7-12% (benchmarks/memory.py, GPT-2 on 2 and 4 ranks): a pipeline rank holds its
+    gradients beside later microbatches' activations; its take-back follows its schedule
+    (_scheduled, together_bytes)."""
     dp, tp = shape.dp, shape.tp
     split = dp_shard.hsdp_split(dp, tp, cluster.devices_per_node)
     gather = {"": 0, dp_shard.SUFFIX: dp, dp_shard.HSDP_SUFFIX: split[1] if split else dp}
@@ -107,8 +198,9 @@ def _held_layers(built, choice, stage, ranks_of, shape: Shape,
         local = float(built.local_param_bytes[i][c])
         sharded = built.sharded[i][c] if built.sharded else ""
         summed = dp > 1 or (tp > 1 and not built.strategies[i][c].model_parallel)
-        layers[ranks_of[stage[i]]].append(HeldLayer(local, local * gather[sharded],
-                                                    bucketed=not sharded and summed))
+        layers[ranks_of[stage[i]]].append(HeldLayer(
+            local, local * gather[sharded], bucketed=not sharded and summed,
+            replaced_bytes=replaced.get(i, 0.0) if replaced else 0.0))
     return layers
 
 
@@ -126,8 +218,9 @@ def _kept_bytes(built, stage, ranks_of, shape: Shape) -> list[float]:
     gradients going back (pipeline_buffer_bytes), at the bytes the search prices the cut
     with (planner.search: what the executor sends, not what its stages compute again).
     The last stage keeps no outputs: executor.pipeline steps its schedule with
-    return_outputs=False."""
-    kept = [0.0] * shape.pp
+    return_outputs=False. And on every rank, the batch (batch_held_bytes)."""
+    batch = batch_held_bytes(built, shape)
+    kept = [batch] * shape.pp
     if shape.pp == 1 or not built.cut_bytes:
         return kept
     S = len(ranks_of)
@@ -143,16 +236,40 @@ def _kept_bytes(built, stage, ranks_of, shape: Shape) -> list[float]:
     return kept
 
 
+def batch_held_bytes(built, shape: Shape) -> float:
+    """The model inputs every rank of a 3-D step holds through it, whatever its stages:
+    the global batch it is handed (executor.train_step's `batch`, the caller's, read by
+    every rank), and the copy executor.step._microbatches makes of its replica's rows of
+    every microbatch (`torch.cat(parts)`, on every rank before the schedule runs), from
+    the graph's inputs, which the search scales to one microbatch's rows of one replica.
+    Measured (benchmarks/memory.py, ResNet-18's GPipe on 4 ranks, the rank whose only
+    stage is `flatten`): 0.78 MiB at its peak, two [8, 3, 64, 64] fp32 images tensors (a
+    split of the global batch and the cat) and 16 KiB of receive buffers."""
+    one = sum(l.output.nbytes for l in built.layers if l.is_input)
+    return one * shape.microbatches * (shape.dp + 1)
+
+
 def _reshard_copies(built, choice, stage, ranks_of, shape: Shape,
-                    flight: list[int]) -> list[float]:
+                    flight: list[int]) -> tuple[list[float], dict[int, float]]:
     """Per pipeline rank, the copies layout changes over tp make (reshard_copy_bytes), one
-    per microbatch in flight on their stage."""
+    per microbatch in flight on their stage; and per layer, its activations in flight
+    those copies replace (strategies.step_memory.replaced_bytes)."""
     saved = [0.0] * shape.pp
+    copies: dict[int, list[float]] = {}
     for e in built.problem.edges if shape.tp > 1 else ():
-        if e.dst >= len(built.layers):  # the sink
+        if e.dst >= len(built.layers):  # the sink: the loss reads the output itself
+            copies.setdefault(e.src, []).append(0.0)
             continue
         k = stage[e.dst]
-        saved[ranks_of[k]] += flight[k] * reshard_copy_bytes(
+        copy = reshard_copy_bytes(
             built.layers[e.src].output.nbytes, built.strategies[e.src][choice[e.src]].gives,
             built.strategies[e.dst][choice[e.dst]].takes, shape.tp)
-    return saved
+        copies.setdefault(e.src, []).append(copy)
+        saved[ranks_of[k]] += flight[k] * copy
+    replaced: dict[int, float] = {}
+    for i, mine in copies.items():
+        layer, c = built.layers[i], choice[i]
+        replaced[i] = flight[stage[i]] * replaced_bytes(
+            float(built.problem.layers[i].activation_bytes[c]), layer.saved_per_output,
+            layer.users_saved_per_output, mine)
+    return saved, replaced
