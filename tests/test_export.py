@@ -9,10 +9,13 @@ import types
 from dataclasses import replace
 
 import pytest
+import torch
 
-from planner.export import JobConfig, read_megatron, read_torchtitan
+import planner
+from planner.export import JobConfig, express, read_megatron, read_torchtitan
 from planner.export.megatron import arguments, config_fields
 from planner.export.torchtitan import sections, toml_text
+from tests.models import deep_mlp, mlp
 
 JOBS = [JobConfig(global_batch=16, seq_len=8192, dp_shard=8, recompute="full", sequence_parallel=False),
         JobConfig(global_batch=256, seq_len=8192, dp_shard=32, tp=8, sequence_parallel=True,
@@ -61,3 +64,109 @@ def test_megatron_core_accepts_the_exported_values(job):
     back = read_megatron(arguments(job), job.devices)
     assert (back.tp, back.pp, back.dp, back.chunks, back.microbatches) == (
         job.tp, job.pp, job.dp, job.chunks, job.microbatches)
+
+
+# --- planner.price_job: a job priced as the plan it runs -------------------------------------
+
+def _x():
+    return (torch.randn(64, 16),)
+
+
+def test_price_job_runs_the_jobs_degrees_with_fsdp_pinned():
+    """FSDP 2 x TP 4: the priced plan's mesh is the job's, every layer with weights is
+    sharded over dp, and each Linear runs one of its tensor-parallel splits (the recipe)."""
+    job = JobConfig(global_batch=64, dp_shard=2, tp=4, microbatches=2, precision="fp32")
+    plan = planner.price_job(mlp(), "2x4xA100", job, _x(), measure=False)
+    assert plan.mesh.shape == [1, 2, 4] and plan.microbatches == 2 and plan.pipeline is None
+    weighted = [l for l in plan.layers if l.param_bytes]
+    assert weighted and all(l.dp_shard and not l.hsdp for l in weighted)
+    assert express(plan).job.describe() == job.describe()
+
+
+@pytest.mark.parametrize("kind", ["fsdp_tp", "ddp", "fsdp"])
+def test_pricing_an_expressed_plan_gives_its_step_time(kind):
+    """A plan hyplan's frameworks can run as written (a baseline: one split for every layer)
+    read into a JobConfig and priced back costs what the plan costs: one price list. The
+    1-D DDP and FSDP plans come back from the 3-D search of shape 1 x N x 1."""
+    plan = planner.baseline(mlp(), "2x4xA100", kind, _x(), measure=False)
+    job = express(plan).job
+    priced = planner.price_job(mlp(), "2x4xA100", job, _x(), measure=False)
+    assert priced.mesh.shape == [1, job.dp, job.tp]
+    assert priced.predicted.step_time_s == pytest.approx(plan.predicted.step_time_s, rel=1e-9)
+
+
+def test_pricing_a_pipeline_plan_with_a_per_layer_shard_comes_close():
+    """The pipeline baseline shards some layers over dp and replicates others (a departure
+    express names); the job shards them all, so its price differs by those layers' sync
+    alone: within 0.1%, not equal."""
+    plan = planner.baseline(deep_mlp(), "4xA100", "pipeline", _x(), measure=False)
+    expressed = express(plan)
+    priced = planner.price_job(deep_mlp(), "4xA100", expressed.job, _x(), measure=False)
+    assert priced.pipeline is not None and priced.mesh.shape == plan.mesh.shape
+    assert priced.pipeline.schedule == plan.pipeline.schedule
+    assert priced.predicted.step_time_s == pytest.approx(plan.predicted.step_time_s, rel=1e-3)
+
+
+@pytest.mark.parametrize("field", ["cp", "ep"])
+def test_price_job_refuses_a_degree_it_cannot_price_by_name(field):
+    job = JobConfig(global_batch=64, dp_shard=2, **{field: 2})
+    with pytest.raises(ValueError, match=f"price_job: {field} 2 .* not priced"):
+        planner.price_job(mlp(), "4xA100", job, _x(), measure=False)
+
+
+def test_price_job_names_a_batch_or_device_count_that_does_not_match():
+    with pytest.raises(ValueError, match="global batch is 32"):
+        planner.price_job(mlp(), "4xA100", JobConfig(global_batch=32, dp_shard=4), _x(),
+                          measure=False)
+    with pytest.raises(ValueError, match="multiply to 2 devices"):
+        planner.price_job(mlp(), "4xA100", JobConfig(global_batch=64, dp_shard=2), _x(),
+                          measure=False)
+
+
+def test_a_job_that_does_not_fit_is_priced_and_says_so():
+    job = JobConfig(global_batch=64, dp_replicate=4, precision="fp32")
+    plan = planner.price_job(mlp(), "4xA100", job, _x(), measure=False,
+                             memory_limit_bytes=1e3)
+    assert plan.predicted.memory_limit_bytes == 1e3
+    assert max(plan.predicted.memory_bytes) > 1e3 and plan.predicted.step_time_s > 0
+
+
+def test_price_job_carries_the_pipeline_schedule_and_microbatches_of_a_decoder():
+    """A tiny Llama (torch.export, cut at its blocks) priced as FSDP 2 x PP 2, interleaved
+    1F1B with 2 stages per rank and 4 microbatches: the plan runs that schedule, and says
+    how it priced the job's full activation checkpointing."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(
+        vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+        use_cache=False)
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(config)
+    ids = torch.zeros(8, 16, dtype=torch.long, device="meta")
+    job = JobConfig(global_batch=8, seq_len=16, dp_shard=2, pp=2, chunks=2, microbatches=4,
+                    schedule="Interleaved1F1B", recompute="full", num_layers=2)
+    plan = planner.price_job(model, "4xA100", job, (ids,), {"use_cache": False})
+    assert plan.mesh.shape == [2, 2, 1] and plan.microbatches == 4
+    assert (plan.pipeline.schedule, plan.pipeline.chunks) == ("Interleaved1F1B", 2)
+    assert "whole-block recompute where memory needs it" in plan.solver.note
+    assert "dp_shard 2 x pp 2, Interleaved1F1B (2 per rank)" in plan.mesh_choice
+    assert express(plan).job.seq_len == 16
+
+
+def test_a_plan_over_tp_keeps_its_sequence_length_and_an_mlp_has_none():
+    """Over tp the token input is replicated (whole rows per tp rank), not "batch": its
+    sequence is still the job's seq_len. An MLP's batch x features input is no sequence."""
+    plan = planner.baseline(mlp(), "2x4xA100", "fsdp_tp", _x(), measure=False)
+    assert plan.inputs[0].layout != "batch" and express(plan).job.seq_len == 0
+
+
+def test_a_december_2024_torchtitan_file_splits_the_local_batch_per_pipeline_rank():
+    """torchtitan's files of that time keep the degrees under [training] and
+    [experimental]; torchtitan then (9dec370) split each local batch into
+    pipeline_parallel_degree microbatches, interleaved or not."""
+    text = ("[training]\nbatch_size = 32\nseq_len = 8192\ndata_parallel_shard_degree = -1\n"
+            "tensor_parallel_degree = 8\n[experimental]\npipeline_parallel_degree = 8\n"
+            "pipeline_parallel_schedule = 'Interleaved1F1B'\n")
+    job = read_torchtitan(text, devices=512)
+    assert (job.dp_shard, job.tp, job.pp, job.chunks) == (8, 8, 8, 2)
+    assert (job.global_batch, job.microbatches, job.microbatch_rows) == (256, 8, 4)

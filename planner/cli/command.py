@@ -6,6 +6,8 @@ Each verb lives in its own module (plan, compare, calibrate, train); this one is
     hyplan plan llama3-8b --devices 8xH100 --seq 8192 --batch 16
     hyplan plan path/to/config.json --devices 2x8xA100 --seq 4096 --batch 64
     hyplan show plan.json
+    hyplan export plan.json --to torchtitan -o job.toml
+    hyplan compare llama3-8b --devices 8xH100 --torchtitan job.toml
 
 MODEL is a Python file, or `package.module[:factory]`, whose `build(batch, device="meta")`
 returns `(model, example_inputs, loss_fn)`; the file may also define `example_kwargs`, a
@@ -25,6 +27,7 @@ from collections.abc import Sequence
 
 from planner.cli.calibrate import add_calibrate
 from planner.cli.compare import add_compare
+from planner.cli.export import add_export
 from planner.cli.plan import add_plan, add_show
 from planner.cli.train import add_train
 
@@ -48,6 +51,7 @@ def parser() -> argparse.ArgumentParser:
     add_plan(commands)
     add_show(commands)
     add_compare(commands)
+    add_export(commands)
     add_calibrate(commands)
     add_train(commands)
     return top

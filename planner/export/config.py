@@ -7,8 +7,8 @@ recipe to every block, one data-parallel wrapping (FSDP2 `fully_shard` of every 
 DDP) and one activation-checkpointing mode, so a per-layer hybrid (data-parallel
 convolutions beside a model-parallel classifier; blocks with different strategies) has no
 spelling there. The JobConfig is then the nearest configuration they run, and
-`planner.export.priced.price_job` prices it with the same price list as the plan
-(planner.search, as planner.baseline's "fsdp_tp").
+`planner.price_job` prices it with the same price list as the plan (the 3-D search
+restricted to the job's shape, as planner.baseline's "fsdp_tp").
 
 The writers (planner.export.torchtitan, planner.export.megatron) and readers of job files
 go through JobConfig both ways, so an exported job read back is the same JobConfig.
@@ -46,8 +46,8 @@ class JobConfig:
     (the pipeline's, or gradient accumulation without one), `chunks` virtual stages per
     pipeline rank. `recompute`: torchtitan's activation-checkpoint mode; with "full",
     every `recompute_every`-th block (1: every block). `compile`, `float8` and
-    `async_tp` are the levers the frameworks turn (planner.export.levers says how hyplan
-    prices them)."""
+    `async_tp` are the levers the frameworks turn (planner.price_job prices eager execution
+    and says so where a job turns them)."""
 
     global_batch: int
     seq_len: int = 0  # 0: not a sequence model (the plan's input has no sequence dim)
@@ -164,9 +164,14 @@ def _is_norm(layer: LayerPlan) -> bool:
 
 
 def seq_len_of(plan: Plan) -> int:
-    """The sequence length of a plan's token input (batch x seq), 0 where there is none."""
+    """The sequence length of a plan's token input (batch x seq), 0 where there is none.
+    Its layout is any the plan gives it: split by rows over dp, and over tp replicated
+    (whole rows on every tp rank) or split by tokens (sequence). Token ids feed an
+    embedding: a model without one (an MLP's batch x features) has no sequence."""
+    if not any(layer.kind == "Embedding" for layer in plan.layers):
+        return 0
     for item in plan.positional_inputs:
-        if item.layout == "batch" and len(item.shape) == 2:
+        if len(item.shape) == 2 and item.shape[0] == plan.global_batch:
             return item.shape[1]
     return 0
 
@@ -221,7 +226,7 @@ def _express_1d(plan: Plan) -> tuple[JobConfig, list[Departure]]:
                 f"{words[k]} where most weights {words[majority][4:]}: torchtitan and "
                 f"Megatron-LM apply one split to every layer (per-layer hybrid); the export "
                 f"runs them as the majority does")))
-    degrees = {"ddp": dict(dp_replicate=n), "fsdp": dict(dp_shard=n), "tp": dict(tp=n)}
+    degrees = {"ddp": {"dp_replicate": n}, "fsdp": {"dp_shard": n}, "tp": {"tp": n}}
     job = JobConfig(global_batch=plan.global_batch, microbatches=plan.microbatches,
                     sequence_parallel=majority == "tp" and _any_sequence_parallel(plan),
                     **(degrees[majority] if n > 1 else {}))

@@ -17,7 +17,12 @@ import tomllib
 from dataclasses import dataclass, replace
 
 from planner.export.config import (
-    PRECISIONS, SCHEDULES, Departure, Expressed, JobConfig, express,
+    PRECISIONS,
+    SCHEDULES,
+    Departure,
+    Expressed,
+    JobConfig,
+    express,
 )
 from planner.plan import Plan
 
@@ -147,8 +152,12 @@ def read_torchtitan(text: str, devices: int | None = None, *,
     training = data.get("training", {})
     parallel = {**training, **data.get("experimental", {}), **data.get("parallelism", {})}
     degrees = _degrees(parallel, devices)
-    global_batch, microbatches = _batching(training, parallel, degrees)
     schedule, chunks = _schedule(data, parallel, degrees["pp"])
+    # files of [experimental] days (no [parallelism]) split the local batch into
+    # pipeline_parallel_microbatches, by default the pipeline degree (torchtitan 9dec370,
+    # pipelining_utils.build_pipeline_schedule; from 2025-01-07, 90567fc, pp x stages per rank)
+    count = degrees["pp"] if "parallelism" not in data else None
+    global_batch, microbatches = _batching(training, parallel, degrees, count)
     recompute, every = _recompute(data)
     compile_ = data.get("compile", {})
     compiled = bool(compile_.get("enable", training.get("compile", False))
@@ -204,9 +213,12 @@ def _degrees(parallel: dict, devices: int | None) -> dict[str, int]:
     return degrees
 
 
-def _batching(training: dict, parallel: dict, degrees: dict[str, int]) -> tuple[int, int]:
+def _batching(training: dict, parallel: dict, degrees: dict[str, int],
+              default_count: int | None = None) -> tuple[int, int]:
     """(global batch, microbatches per step): gradient accumulation, and the pipeline's
-    microbatches of each local batch, as microbatches."""
+    microbatches of each local batch (pipeline_parallel_microbatch_size rows each, or the
+    old pipeline_parallel_microbatches of them, by default `default_count` where given), as
+    microbatches."""
     dp = degrees["dp_replicate"] * degrees["dp_shard"]
     local = int(training.get("local_batch_size", training.get("batch_size", 8)))
     global_batch = int(training.get("global_batch_size", -1))
@@ -218,6 +230,13 @@ def _batching(training: dict, parallel: dict, degrees: dict[str, int]) -> tuple[
     accumulation = global_batch // (local * dp)
     if degrees["pp"] <= 1:
         return global_batch, accumulation
+    count = parallel.get("pipeline_parallel_microbatches") or default_count
+    if count and "pipeline_parallel_microbatch_size" not in parallel:
+        if local % int(count):
+            raise JobFileError(f"torchtitan job: local_batch_size {local} does not split into "
+                               f"{count} pipeline microbatches (by default one per pipeline "
+                               f"rank); set pipeline_parallel_microbatches")
+        return global_batch, int(count) * accumulation
     rows = int(parallel.get("pipeline_parallel_microbatch_size", 1))
     if local % rows:
         raise JobFileError(f"torchtitan job: local_batch_size {local} does not split into "

@@ -1,0 +1,197 @@
+"""torchtitan's published Llama 3 jobs, imported from their own TOML, priced by hyplan, and
+hyplan's own plan for each job beside them, exported back to TOML and Megatron-LM args.
+
+    PYTHONPATH=$PWD python benchmarks/torchtitan_jobs.py [--jobs 8b-8,8b-128,70b,405b-1f1b,405b-int]
+
+Each job is the job file torchtitan ran (benchmarks/jobs/, copied verbatim from
+pytorch/torchtitan at the commit the benchmark names) with the overrides its command line
+gave, read by planner.export.read_torchtitan and priced by planner.price_job (the 3-D
+search restricted to the job's shape, FSDP pinned, the same price list as hyplan's own
+plans). hyplan prices eager execution only: torch.compile, float8 and async TP are
+another engineer's levers, so their column is left "-"; a published figure measured with
+them is marked, and its error is not like for like.
+
+Sources (pytorch/torchtitan):
+- 8B on 8 and 128 H100, FSDP, local batch 2, seq 8192, selective (op) AC, eager:
+  benchmarks/llama3_h100_202412_torchtitan.md (commit 31a17bf), tables 1 and 3: 5,762 and
+  5,605 tokens/s/GPU; job file train_configs/llama3_8b.toml at 9dec370 (the table's
+  torchtitan version), `--training.batch_size 2`.
+- 70B on 256 H100, FSDP 32 x TP 8, local batch 16, full AC, bf16, torch.compile: 597
+  tokens/s/GPU: benchmarks/asyncTP_llama3_h100_2025-06_torchtitan.md, table "Llama3 70b on
+  256 H100s with FSDP=32, TP=8, torch.compile, full AC, local batch size 16", row "None
+  (bfloat16)", column "Vanilla TP" (597.3); job file
+  torchtitan/models/llama3/train_configs/llama3_70b.toml at 820504e (that file's
+  torchtitan version) with the table's settings as overrides.
+- 405B on 512 H100, FSDP 8 x TP 8 x PP 8, local batch 32 (global 256), full AC, with
+  torch.compile + float8 + async TP: llama3_h100_202412_torchtitan.md table 5: 100 (1F1B)
+  and 128 (Interleaved 1F1B) tokens/s/GPU; job file train_configs/llama3_405b.toml at
+  9dec370 (it enables compile, float8 and async TP itself), pp and schedule as the table.
+  Microbatches: that torchtitan's default (9dec370 pipelining_utils.py: n_microbatches =
+  pipeline_parallel_degree, 8 of 4 rows, for both schedules; interleaved runs 2 stages per
+  rank, generate_split_points' default); the table does not say.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import planner
+from planner.export import express, read_torchtitan, to_megatron, to_torchtitan
+from profiler.presets import load_llm
+
+JOBS_DIR = Path(__file__).parent / "jobs"
+
+
+@dataclass(frozen=True)
+class Job:
+    key: str
+    preset: str
+    devices: str
+    file: str
+    overrides: dict = field(default_factory=dict)
+    published: float = 0.0  # tokens/s/GPU
+    levers: str = ""  # what the published run turned on beyond eager ("" : eager)
+    source: str = ""
+
+
+JOBS = {j.key: j for j in [
+    Job("8b-8", "llama3-8b", "8xH100-96GB", "llama3_8b_9dec370.toml",
+        {"training.batch_size": 2}, 5762, "",
+        "llama3_h100_202412_torchtitan.md table 1 (FSDP)"),
+    Job("8b-128", "llama3-8b", "16x8xH100-96GB", "llama3_8b_9dec370.toml",
+        {"training.batch_size": 2}, 5605, "",
+        "llama3_h100_202412_torchtitan.md table 3 (FSDP)"),
+    Job("70b", "llama3-70b", "32x8xH100-96GB", "llama3_70b_820504e.toml",
+        {"activation_checkpoint.mode": "full", "training.local_batch_size": 16,
+         "training.compile": True}, 597, "compile",
+        "asyncTP_llama3_h100_2025-06_torchtitan.md, 70b table, bfloat16 vanilla TP (597.3)"),
+    Job("405b-1f1b", "llama3-405b", "64x8xH100-96GB", "llama3_405b_9dec370.toml",
+        {"training.batch_size": 32, "experimental.pipeline_parallel_degree": 8,
+         "experimental.pipeline_parallel_schedule": "1F1B"}, 100,
+        "compile + float8 + async TP", "llama3_h100_202412_torchtitan.md table 5, 1F1B"),
+    Job("405b-int", "llama3-405b", "64x8xH100-96GB", "llama3_405b_9dec370.toml",
+        {"training.batch_size": 32, "experimental.pipeline_parallel_degree": 8,
+         "experimental.pipeline_parallel_schedule": "Interleaved1F1B"}, 128,
+        "compile + float8 + async TP",
+        "llama3_h100_202412_torchtitan.md table 5, Interleaved 1F1B"),
+]}
+
+
+def devices_of(spec: str) -> int:
+    count = 1
+    for part in spec.split("x")[:-1]:
+        count *= int(part)
+    return count
+
+
+def tokens_per_gpu(plan, seq: int) -> float:
+    return plan.global_batch * seq / plan.predicted.step_time_s / plan.cluster.num_devices
+
+
+def fits(plan) -> bool:
+    return max(plan.predicted.memory_bytes) <= plan.predicted.memory_limit_bytes
+
+
+def describe(plan, seq: int) -> str:
+    p = plan.predicted
+    blocks = len(plan.recompute_blocks)
+    layers = sum(l.recompute for l in plan.layers)  # a 1-D plan recomputes layer by layer
+    return (f"step {p.step_time_s:.3f} s (compute {p.compute_s:.3f}, communication "
+            f"{p.communication_s:.3f}, bubble {p.bubble_s:.3f}), "
+            f"{tokens_per_gpu(plan, seq):,.0f} tokens/s/GPU, memory "
+            f"{max(p.memory_bytes) / 1e9:.1f} of {p.memory_limit_bytes / 1e9:.1f} GB "
+            f"({'fits' if fits(plan) else 'does not fit'}), recompute "
+            + (f"{'every' if '*' in plan.recompute_blocks else blocks} block(s)" if blocks
+               else f"{layers} layer(s)"))
+
+
+def price_nearest(config, model, devices: str, inputs, kwargs):
+    """(price_job's plan, the job priced): the job itself, or where hyplan does not run
+    its microbatches (tensor parallelism on rows tp divides: planner.price_job says so)
+    the fewest microbatches it does run, said here."""
+    try:
+        return planner.price_job(model, devices, config, inputs, kwargs, tracer="blocks"), config
+    except ValueError as error:
+        print(f"  not as written: {error}")
+    local = config.global_batch // config.dp
+    for m in range(config.microbatches + 1, local + 1):
+        if local % m:
+            continue
+        nearest = replace(config, microbatches=m)
+        try:
+            plan = planner.price_job(model, devices, nearest, inputs, kwargs, tracer="blocks")
+        except ValueError:
+            continue
+        print(f"  priced instead: {nearest.describe()} (gradient accumulation: FSDP gathers "
+              f"and scatters per microbatch, {m}x the job's)")
+        return plan, nearest
+    raise ValueError(f"no microbatch count of {config.describe()} runs in hyplan")
+
+
+def price(job: Job, built, own: dict) -> None:
+    """One published job: imported, priced beside its figure; hyplan's plan beside it."""
+    model, inputs, kwargs, _, seq = built
+    config = read_torchtitan((JOBS_DIR / job.file).read_text(), devices_of(job.devices),
+                             overrides=job.overrides)
+    print(f"== {job.key}: {job.preset} on {job.devices} ({job.file} + {job.overrides})")
+    print(f"  imported: {config.describe()}; global batch {config.global_batch}, seq "
+          f"{config.seq_len}, {config.precision}")
+    started = time.perf_counter()
+    priced, config = price_nearest(config, model, job.devices, inputs, kwargs)
+    got = tokens_per_gpu(priced, seq)
+    like = ("eager, like for like" if not job.levers
+            else f"published with {job.levers}: not like for like")
+    print(f"  priced in {time.perf_counter() - started:.1f} s: {describe(priced, seq)}")
+    print(f"  solver: {priced.solver.status}, gap {priced.solver.gap:.2%}; {priced.solver.note}")
+    print("  | job | published tokens/s/GPU | hyplan eager | error | compile/float8/async TP |")
+    shown = f"{got:,.0f}" + ("" if fits(priced) else " (does not fit as priced)")
+    print(f"  | {job.key} | {job.published:,.0f} ({job.levers or 'eager'}) | {shown} | "
+          f"{got / job.published - 1:+.1%} ({like}) | - |")
+    print(f"  source: pytorch/torchtitan benchmarks/{job.source}")
+    key = (job.preset, job.devices, config.global_batch, seq)
+    if key not in own:
+        started = time.perf_counter()
+        own[key] = planner.optimize(model, job.devices, inputs, kwargs, mesh="auto",
+                                    tracer="blocks", precision=config.precision)
+        print(f"  hyplan's plan (planned in {time.perf_counter() - started:.1f} s):")
+    else:
+        print("  hyplan's plan (the same job as above):")
+    plan = own[key]
+    expressed = express(plan)
+    # a job that does not fit is no rival in speed: what it needs, never a ratio
+    beside = (f"{tokens_per_gpu(plan, seq) / got:.2f}x the job's tokens/s" if fits(priced)
+              else "the job does not fit: no ratio")
+    print(f"    {expressed.job.describe()}: {describe(plan, seq)}; {beside}; solver "
+          f"{plan.solver.status}, gap {plan.solver.gap:.2%}")
+    for d in expressed.departures:
+        print(f"    departs: {d}")
+    print("    torchtitan TOML:")
+    print("\n".join("      " + line for line in to_torchtitan(expressed).text.splitlines()
+                    if line))
+    print(f"    Megatron-LM: {to_megatron(expressed).text}")
+    print()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--jobs", default=",".join(JOBS), help="comma-separated: "
+                        + ", ".join(JOBS))
+    args = parser.parse_args()
+    own: dict = {}
+    models: dict = {}
+    for key in args.jobs.split(","):
+        job = JOBS[key]
+        config = read_torchtitan((JOBS_DIR / job.file).read_text(), devices_of(job.devices),
+                                 overrides=job.overrides)
+        build = (job.preset, config.global_batch, config.seq_len)
+        if build not in models:
+            models.clear()  # one big model on meta at a time
+            models[build] = load_llm(job.preset, config.global_batch, config.seq_len)
+        price(job, models[build], own)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,235 @@
+"""`price_job`: a user's torchtitan or Megatron-LM configuration priced with hyplan's price
+list, as the Plan that configuration runs.
+
+A JobConfig (planner.export.config) names a few integers and switches for the whole model;
+hyplan's 3-D search (planner.search) restricted to that one shape prices it: the mesh
+(pp, dp_replicate x dp_shard, tp), the schedule with its chunks per rank, the microbatches,
+and every layer with weights pinned to the data-parallel wrapping the job asks for (FSDP2
+"+fsdp" where dp_shard > 1, HSDP "+hsdp" where both dp degrees are, DDP's replicated
+data-parallel where the job has neither and no tensor parallelism), as planner.baseline's
+"fsdp_tp" pins torchtitan's 2-D plan. The search still picks what the job leaves to the
+framework's recipe: each layer's split over tp (column, row, vocabulary) and which blocks
+the activation checkpointing mode recomputes (whole blocks, where memory needs them:
+hyplan has no op-level selective checkpointing). So a job's price and hyplan's own plan
+come from one function, and `hyplan compare --torchtitan` can put them side by side.
+
+    job = read_torchtitan(Path("llama3_8b.toml").read_text(), devices=8)
+    plan = planner.price_job(model, "8xH100", job, example_inputs=(ids,))
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import replace
+
+from torch import nn
+
+from planner import dp_shard
+from planner.export.config import JobConfig
+from planner.once import plan_once
+from planner.pipeline import block_recompute
+from planner.pipeline.schedules import refusal
+from planner.plan import Plan
+from planner.plan3d import plan_3d, refuse_unsplittable
+from planner.profiled import PlanDoesNotFit, profiled_graph
+from planner.search import (
+    DEFAULT_SEARCH_TIME_S,
+    CostCache,
+    Shape,
+    shapes,
+    tp_whole_rows,
+)
+
+UNBOUNDED_BYTES = 1e15  # the budget a configuration that does not fit is priced under
+# halvings of log(needed / budget) to find the least memory a job that checkpoints fits
+# in: from 20x over the budget, to within 10% (each a solve: a minute on 405 B)
+BISECTIONS = 5
+# degrees the price list has no term for yet: field, torchtitan's and Megatron-LM's names
+UNPRICED = {"cp": "context_parallel_degree / --context-parallel-size",
+            "ep": "expert_parallel_degree / --expert-model-parallel-size"}
+
+
+@plan_once
+def price_job(model: nn.Module, devices, job: JobConfig, example_inputs: Sequence | None = None,
+              example_kwargs: dict | None = None, *, optimizer: str = "adam",
+              leaf_modules=(), measure: bool | None = None, tracer: str = "auto",
+              memory_limit_bytes: float | None = None, time_limit_s: float = 60.0,
+              search_time_s: float | None = DEFAULT_SEARCH_TIME_S) -> Plan:
+    """The Plan `job` runs for `model` on `devices` (example inputs: the job's global
+    batch), priced as hyplan's own plans are (module docstring). A configuration that does
+    not fit the devices' memory (or `memory_limit_bytes`) is still priced, and its plan
+    says it does not fit. Raises ValueError naming the field where the job asks for what
+    hyplan cannot price (cp, ep) or does not match the model and devices."""
+    started = time.perf_counter()
+    refuse_unpriced(job)
+    graph, cluster = profiled_graph(model, devices, example_inputs, example_kwargs,
+                                    leaf_modules, measure, tracer, precision=job.precision)
+    if job.pp > 1:
+        refuse_unsplittable(graph)
+    _check_matches(job, cluster.num_devices, graph.batch_size, example_inputs)
+    shape = job_shape(job, cluster.num_devices, graph.batch_size)
+    _check_runs(job, shape, graph, cluster)
+    recompute = job.recompute != "none" and block_recompute.offered(graph)
+    shape = replace(shape, recompute=recompute)
+    pin = job_pin(job, graph, cluster, optimizer, shape.rows(graph.batch_size))
+    budget = memory_limit_bytes or cluster.device.memory_bytes
+    kw = {"time_limit_s": time_limit_s, "only": [shape], "pin": pin,
+          "search_time_s": search_time_s}
+    try:
+        plan = plan_3d(graph, cluster, optimizer, budget, started, **kw)
+    except PlanDoesNotFit:  # priced anyway: the plan says it does not fit
+        # each solve its own search_time_s: a bisection solves the shape several times
+        plan = _least_memory(lambda b: plan_3d(graph, cluster, optimizer, b,
+                                               time.perf_counter(), **kw), budget, recompute)
+        predicted = plan.predicted.model_copy(update={"memory_limit_bytes": budget})
+        plan = plan.model_copy(update={"predicted": predicted})
+        return _noted(plan, job, recompute, f"does not fit {budget / 1e9:.1f} GB per device: "
+                      f"priced at the least memory found for it")
+    return _noted(plan, job, recompute)
+
+
+def _least_memory(plan_within, budget: float, recompute: bool) -> Plan:
+    """A job that does not fit `budget`, priced: with no memory limit, or where the job
+    checkpoints blocks, at about the least memory it fits in (bisected between the budget
+    and the unlimited plan's memory), so that it recomputes what memory makes it, not
+    nothing (the search checkpoints a block only where memory needs it)."""
+    best = plan_within(UNBOUNDED_BYTES)
+    if not recompute:
+        return best
+    low, high = budget, max(best.predicted.memory_bytes)
+    for _ in range(BISECTIONS):
+        middle = (low * high) ** 0.5
+        try:
+            best, high = plan_within(middle), middle
+        except PlanDoesNotFit:
+            low = middle
+    return best
+
+
+def refuse_unpriced(job: JobConfig) -> None:
+    """A degree the price list has no term for stops here, named."""
+    for name, fields in UNPRICED.items():
+        if getattr(job, name) > 1:
+            raise ValueError(f"price_job: {name} {getattr(job, name)} ({fields}) is not "
+                             f"priced by hyplan yet; price the job with {name} = 1 (its "
+                             f"devices moved to data_parallel_shard_degree)")
+
+
+def _check_matches(job: JobConfig, devices: int, batch: int, inputs) -> None:
+    if job.devices != devices:
+        raise ValueError(f"price_job: the job's degrees multiply to {job.devices} devices "
+                         f"({job.describe()}), the cluster has {devices}; fix --devices or "
+                         f"a degree")
+    if job.global_batch != batch:
+        raise ValueError(f"price_job: the job's global batch is {job.global_batch} "
+                         f"(local batch x data-parallel degree x accumulation), the example "
+                         f"inputs hold {batch}; build the inputs with batch "
+                         f"{job.global_batch}")
+    ids = inputs[0] if inputs else None
+    seq = ids.shape[1] if getattr(ids, "ndim", 0) == 2 else 0
+    if job.seq_len and seq and job.seq_len != seq:
+        raise ValueError(f"price_job: the job's seq_len is {job.seq_len}, the example "
+                         f"inputs' sequence is {seq}; build the inputs with seq "
+                         f"{job.seq_len}")
+
+
+def _check_runs(job: JobConfig, shape: Shape, graph, cluster) -> None:
+    """The shape is one the search keeps for this model (planner.search._shapes_to_try):
+    say why not, with the nearest that is, rather than find no plan."""
+    batch = graph.batch_size
+    if shape.pp > 1 and graph.tied_groups() and graph.tracer != "export":
+        raise ValueError(f"price_job: pipeline_parallel_degree {job.pp}: {graph.model_name} "
+                         f"shares a parameter between layers (tied weights), which hyplan "
+                         f"keeps in one stage; price it with pp 1")
+    if graph.tracer == "export" and shape.tp > 1 and not tp_whole_rows(shape, batch, cluster):
+        runs = [m for m in range(1, batch // shape.dp + 1)
+                if (batch // shape.dp) % m == 0
+                and tp_whole_rows(replace(shape, microbatches=m), batch, cluster)]
+        raise ValueError(
+            f"price_job: tensor_parallel_degree {job.tp} with microbatches of "
+            f"{shape.rows(batch)} rows: hyplan runs a torch.export graph tensor parallel "
+            f"only inside a node and on microbatches whose rows tp does not divide "
+            f"(planner.search.tp_whole_rows); "
+            + (f"price it with {runs[0]} microbatches ({batch // shape.dp // runs[0]} rows)"
+               if runs else "no microbatch count does here; change tp"))
+
+
+def job_shape(job: JobConfig, devices: int, batch: int) -> Shape:
+    """The search's one shape for the job (one the executor and torch run), or ValueError
+    saying why the job's schedule, chunks and microbatches are not one."""
+    dp = job.dp
+    schedule = job.schedule if job.pp > 1 else None
+    for s in shapes(devices, batch):
+        if ((s.pp, s.dp, s.tp, s.microbatches) == (job.pp, dp, job.tp, job.microbatches)
+                and (schedule is None or (s.schedule, s.chunks) == (schedule, job.chunks))):
+            return s
+    why = refusal(job.schedule, job.pp, job.chunks, job.microbatches) if job.pp > 1 else None
+    raise ValueError(f"price_job: hyplan does not run {job.describe()}: "
+                     + (why or f"{job.chunks} chunks per rank for {job.schedule}, or "
+                        f"{job.microbatches} microbatches of the batch {batch}")
+                     + "; change pipeline_parallel_schedule, its stages per rank or the "
+                       "microbatch size")
+
+
+def job_pin(job: JobConfig, graph, cluster, optimizer: str, rows: int) -> dict[str, str]:
+    """Each layer's option as the job fixes it: its data-parallel wrapping (dp_wrapping),
+    and over tp > 1 the frameworks' recipe, which splits every layer with weights
+    (torchtitan's plan and Megatron-LM split each Linear by column or row, the embedding
+    by vocabulary): a layer with one model-parallel option runs it; of two (a Linear's
+    column or row split) the search picks; norms stay free (sequence parallel or whole)."""
+    suffix = dp_wrapping(job, cluster.devices_per_node)
+    pin = {layer.name: suffix for layer in graph.layers} if suffix else {}
+    if job.tp == 1:
+        return pin
+    cache = CostCache(graph, cluster, optimizer)
+    shard = suffix if suffix.startswith("+") else ""
+    for layer in graph.layers:
+        if not layer.param_bytes or "norm" in layer.kind.lower():
+            continue
+        split = [s.name for s in cache.layer(layer, job.tp, rows).strategies
+                 if s.model_parallel]
+        if len(split) == 1:
+            pin[layer.name] = split[0] + shard
+    return pin
+
+
+def dp_wrapping(job: JobConfig, devices_per_node: int) -> str:
+    """The pin of every layer over dp: "+fsdp" (dp_shard > 1), "+hsdp" (both dp degrees),
+    "data_parallel" (DDP without tp), or "" where the search picks per layer (DDP beside
+    tp: torchtitan does not run it; Megatron-LM's distributed optimizer shards the
+    optimizer state, which the search prices as FSDP or replicated per layer)."""
+    if job.dp == 1:
+        return ""
+    if job.dp_shard > 1 and job.dp_replicate > 1:
+        split = dp_shard.hsdp_split(job.dp, job.tp, devices_per_node)
+        if split != (job.dp_replicate, job.dp_shard):
+            raise ValueError(
+                f"price_job: data_parallel_shard_degree {job.dp_shard} x replicate "
+                f"{job.dp_replicate}: hyplan prices HSDP with the shard over the dp ranks "
+                f"of one node ({'none here' if split is None else f'shard {split[1]}'}); "
+                f"set data_parallel_shard_degree to that, or replicate to 1")
+        return dp_shard.HSDP_SUFFIX
+    if job.dp_shard > 1:
+        return dp_shard.SUFFIX
+    return "data_parallel" if job.tp == 1 else ""
+
+
+def _noted(plan: Plan, job: JobConfig, recompute: bool, over: str = "") -> Plan:
+    """The plan, its mesh choice naming the job, and what of the job is not priced (and
+    `over`: why it is priced over the memory budget)."""
+    unpriced = [n for n, on in (("torch.compile", job.compile), (f"float8 {job.float8}",
+                                                                   bool(job.float8)),
+                                ("async TP", job.async_tp)) if on]
+    notes = [over] if over else []
+    if unpriced:
+        notes.append(f"priced eager: {', '.join(unpriced)} not priced yet")
+    if job.recompute != "none":
+        notes.append(f"activation checkpointing {job.recompute!r} priced as whole-block "
+                     f"recompute where memory needs it" if recompute else
+                     f"activation checkpointing {job.recompute!r} not priced: hyplan "
+                     f"checkpoints only the blocks of a decoder torch.export traced")
+    note = "; ".join(notes + ([plan.solver.note] if plan.solver.note else []))
+    solver = plan.solver.model_copy(update={"note": note})
+    return plan.model_copy(update={"solver": solver,
+                                   "mesh_choice": f"the job's own: {job.describe()}"})
