@@ -1,17 +1,20 @@
 """torchtitan's Llama 3.1 8B and 70B runs with torch.compile, float8 and async TP, priced beside
 the published tokens/s per GPU.
 
-    PYTHONPATH=$PWD:$PWD/benchmarks python benchmarks/titan_levers.py [titan8 titan128 titan70]
+    PYTHONPATH=$PWD:$PWD/benchmarks python benchmarks/titan_levers.py \
+        [titan8 titan128 titan70 titan8tp]
 
 8B: benchmarks/llama3_h100_202412_torchtitan.md, tables 1 and 3. 70B: torchtitan's
 benchmarks/asyncTP_llama3_h100_2025-06_torchtitan.md (FSDP 32 x TP 8 on 256 H100, local
 batch 16, seq 8192, full AC, torch.compile on every row; bf16 597, async TP 652, float8
 tensorwise 810, float8 + async TP 942 tokens/s/GPU, as issue 39 quotes them from its
-table), priced through the planner's own "fsdp_tp" baseline (planner.baseline.fsdp_tp
-at tp 8: the search picks each layer's TP strategy and the blocks it recomputes).
-Async TP reaches the 3-D price only through planner.price (not changed here): its rows
-are the compiled plan's step less what strategies.async_tp hides of each TP layer's
-collectives behind that layer's compute, a post-hoc estimate, labelled so.
+table; and its 8B on 64 H100, FSDP 8 x TP 8, local batch 12: 4378 -> 4809 with async TP,
+float8 tensorwise 5078 -> 5570, rowwise 3709 -> 3915), priced through the planner's own
+"fsdp_tp" baseline (planner.baseline.fsdp_tp
+at tp 8: the search picks each layer's TP strategy and the blocks it recomputes), the
+float8 rowwise rows of the same table beside them. Float8 tensorwise's float8 TP
+all-gathers and async TP are priced in the plan's price list (planner.price, the lever
+terms on TP collectives: strategies.float8.tp_gather_bytes, strategies.async_tp).
 
 Each row is torchtitan's configuration as it ran (FSDP on every layer with weights, local
 batch 2, seq 8192, bf16, selective activation checkpointing; benchmarks/gpu_model_check.py's
@@ -27,15 +30,15 @@ import sys
 import time
 from collections import Counter
 
-from gpu_model_check import GEMM, RECOMPUTE, RUNS, bf16, fsdp_rule, selective_ac_s, term
+from gpu_model_check import RECOMPUTE, RUNS, bf16, fsdp_rule, selective_ac_s, term
+
 from planner.baseline import fsdp_tp
 from planner.choices import layer_choices
-from planner.plan import EVERY_BLOCK
 from planner.ilp import solve
+from planner.plan import EVERY_BLOCK
 from planner.profiled import profiled_graph
 from planner.report.throughput import plan_throughput
 from profiler.presets import load_llm
-from strategies.async_tp import exposed_s
 from strategies.kernel_levers import Levers
 from strategies.parse import parse_devices
 
@@ -68,56 +71,62 @@ def price(run_name: str, levers: Levers, model_inputs):
     return solution.objective_s + terms[RECOMPUTE], terms
 
 
-# torchtitan's 70B on 256 H100 (levers, published without async TP, with it)
-ROWS_70B = [(Levers(compile=True), 597, 652),
-            (Levers(compile=True, float8="tensorwise"), 810, 942)]
+# torchtitan's async TP table (benchmarks/asyncTP_llama3_h100_2025-06_torchtitan.md): per
+# job, (levers, published without async TP, with it), float8 rowwise included
+ROWS_ASYNC = [(Levers(compile=True), {"titan70": (597.3, 652.4), "titan8tp": (4378, 4809.4)}),
+              (Levers(compile=True, float8="tensorwise"),
+               {"titan70": (809.8, 942.4), "titan8tp": (5078.1, 5570.1)}),
+              (Levers(compile=True, float8="rowwise"),
+               {"titan70": (599.6, 624.8), "titan8tp": (3708.5, 3914.9)})]
+# (model, devices, global batch: local batch x FSDP degree, what torchtitan checkpointed)
+TP_JOBS = {"titan70": ("llama3-70b", "32x8xH100-96GB", 16 * 32, "full AC"),
+           "titan8tp": ("llama3-8b", "8x8xH100-96GB", 12 * 8, "per-op SAC")}
 TP = 8
 
 
-def price_70b(levers: Levers, loaded):
-    """torchtitan's FSDP 32 x TP 8 plan for Llama 3 70B with `levers`, and the step time
-    async TP would leave (strategies.async_tp.exposed_s on each TP layer's collectives)."""
-    model, inputs, kwargs, shape, seq = loaded
-    cluster = parse_devices("32x8xH100-96GB").model_copy(update={"levers": levers})
+def price_tp(devices: str, levers: Levers, loaded):
+    """torchtitan's FSDP x TP 8 plan on `devices` with `levers` (float8 tensorwise's TP
+    gathers and async TP priced in the plan: planner.price's lever terms), and its TP
+    layers' own collectives (their FSDP collectives included)."""
+    model, inputs, kwargs = loaded[:3]
+    cluster = parse_devices(devices).model_copy(update={"levers": levers})
     graph, cluster = profiled_graph(model, cluster, inputs, kwargs, tracer="blocks")
     plan = fsdp_tp(graph, cluster, "adam", cluster.device.memory_bytes, time.perf_counter(),
                    tp=TP)
-    split = [l for l in plan.layers if l.model_parallel]
-    hidden = sum(l.communication_s - exposed_s(l.communication_s, l.compute_s, TP)
-                 for l in split)
-    return plan, sum(l.communication_s for l in split), hidden
+    return plan, sum(l.communication_s for l in plan.layers if l.model_parallel)
 
 
-def main_70b() -> None:
-    loaded = load_llm("llama3-70b", 512, 8192)
+def main_tp(name: str) -> None:
+    model_name, devices, batch, ac = TP_JOBS[name]
+    loaded = load_llm(model_name, batch, 8192)
     shape, seq = loaded[3], loaded[4]
-    print("== torchtitan Llama 3.1 70B, FSDP 32 x TP 8, 32x8xH100-96GB, seq 8192, global "
-          "batch 512, full AC in torchtitan (hyplan's fsdp_tp picks the recomputed blocks)")
-    for levers, published, published_async in ROWS_70B:
-        started = time.perf_counter()
-        plan, tp_comm_s, hidden_s = price_70b(levers, loaded)
-        p = plan.predicted
-        tps = plan_throughput(plan, shape, seq).tokens_per_s_per_device
-        print(f"  {levers.describe():<34s} step {p.step_time_s:7,.2f} s  {tps:7,.0f} "
-              f"tokens/s/GPU  (published {published:,}: {tps / published - 1:+.1%}; priced "
-              f"in {time.perf_counter() - started:.0f} s)")
-        recomputed = (shape.layers if EVERY_BLOCK in plan.recompute_blocks
-                      else len(plan.recompute_blocks))
-        print(f"     compute {p.compute_s:.2f} s, communication {p.communication_s:.2f} s "
-              f"(TP layers' own {tp_comm_s:.2f} s), blocks recomputed: {recomputed} of "
-              f"{shape.layers}")
-        async_tps = tps * p.step_time_s / (p.step_time_s - hidden_s)
-        print(f"  {levers.describe() + ' + async TP':<34s} step "
-              f"{p.step_time_s - hidden_s:7,.2f} s  {async_tps:7,.0f} tokens/s/GPU  "
-              f"(published {published_async:,}: {async_tps / published_async - 1:+.1%}; "
-              f"post-hoc: {hidden_s:.2f} s of TP collectives hidden)")
+    dp = parse_devices(devices).num_devices // TP
+    print(f"== torchtitan {model_name}, FSDP {dp} x TP {TP}, {devices}, seq 8192, global "
+          f"batch {batch}, {ac} in torchtitan (hyplan's fsdp_tp picks the recomputed blocks)")
+    for base, published in ROWS_ASYNC:
+        plain, with_async = published[name]
+        for levers, figure in ((base, plain),
+                               (base.model_copy(update={"async_tp": True}), with_async)):
+            started = time.perf_counter()
+            plan, tp_comm_s = price_tp(devices, levers, loaded)
+            p = plan.predicted
+            tps = plan_throughput(plan, shape, seq).tokens_per_s_per_device
+            print(f"  {levers.describe():<44s} step {p.step_time_s:7,.2f} s  {tps:7,.0f} "
+                  f"tokens/s/GPU  (published {figure:,}: {tps / figure - 1:+.1%}; priced "
+                  f"in {time.perf_counter() - started:.0f} s)")
+            recomputed = (shape.layers if EVERY_BLOCK in plan.recompute_blocks
+                          else len(plan.recompute_blocks))
+            edges_s = sum(l.reshard_in_s for l in plan.layers)
+            print(f"     compute {p.compute_s:.2f} s, communication {p.communication_s:.2f} "
+                  f"s (TP layers' own {tp_comm_s:.2f} s, edges {edges_s:.2f} s), blocks "
+                  f"recomputed: {recomputed} of {shape.layers}")
     print()
 
 
 def main(names: list[str]) -> None:
-    if "titan70" in names:
-        main_70b()
-    for name in (n for n in names if n != "titan70"):
+    for name in (n for n in names if n in TP_JOBS):
+        main_tp(name)
+    for name in (n for n in names if n not in TP_JOBS):
         run = RUNS[name]
         loaded = load_llm("llama3-8b", run.global_batch, run.seq)[:3]
         devices = bf16(run.devices).num_devices
@@ -139,4 +148,4 @@ def main(names: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:] or ["titan8", "titan128", "titan70"])
+    main(sys.argv[1:] or ["titan8", "titan128", "titan70", "titan8tp"])

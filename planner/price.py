@@ -17,7 +17,9 @@ pp = 1, dp = 1, tp = N at one microbatch. The rules both apply live here once:
   graphs the layout changes the module executor can make;
 - the fixed cost of a distributed step (`step_overhead_s`), outside every choice;
 - the rhythm blocking collectives are priced at (`in_rhythm`), where the link measured one,
-  and on GPUs the compute that runs beside FSDP's and DDP's collectives (strategies.overlap).
+  and on GPUs the compute that runs beside FSDP's and DDP's collectives (strategies.overlap);
+- the kernel levers on tensor-parallel collectives (`lever_reduction_s`, `lever_edge`):
+  float8 tensorwise's 1-byte all-gathers, async TP's fused collectives; levers off, none.
 
     microbatch_s  the catalog's time on one microbatch over the tp group, less its
                   gradient sync                                   (charged m times a step)
@@ -36,14 +38,17 @@ import numpy as np
 from planner import dp_shard
 from planner.handback import output_layout
 from profiler.graph import Layer, ModelGraph
+from strategies import async_tp, float8
 from strategies.catalog import (
     Cost, CostContext, Strategy, compute_s, gradient_sync, update_s, weights_memory,
 )
 from strategies.cluster import Cluster
-from strategies.collectives import all_reduce_s
+from strategies.collectives import all_gather_s, all_reduce_s, collective_s, reduce_scatter_s
 from strategies.devices import LinkSpec
-from strategies.edges import edge_matrix
-from strategies.layouts import Layout
+from strategies.edges import changes, edge_matrix
+from strategies.gpu_compute import attention_dims, gemm_s, linear_dims
+from strategies.kernel_levers import Levers
+from strategies.layouts import Layout, edge_collectives
 from strategies.memory import split_name
 from strategies.overlap import exposed_s, forward_share
 
@@ -158,6 +163,9 @@ def price(layer: Layer, strategy: Strategy, ctx: CostContext, dp: int = 1,
     and replicated across nodes (planner.dp_shard)."""
     tp = ctx.ranks
     cost = strategy.cost(layer, ctx)
+    if strategy.model_parallel and tp_levers_on(ctx.cluster, tp):
+        whole = strategy.gives not in (Layout.BATCH, Layout.SEQUENCE)
+        cost = replace(cost, communication_s=lever_reduction_s(layer, cost, ctx, whole))
     base = split_name(strategy.name)[0]
     tp_sharded = base == "fsdp"  # ZeRO-3 inside the tp group (strategies.memory)
     local = layer.param_bytes / tp if strategy.model_parallel or tp_sharded else layer.param_bytes
@@ -250,6 +258,11 @@ class EdgeKind:
     into_module: bool = False  # the consumer is a module (it changes layouts in its hooks)
     # "through_rows": the edges out of the producer, which share its one hand-over
     readers: int = 1
+    # for the kernel levers on TP collectives (`lever_edge`): the consumer's forward GEMM
+    # on one of the ranks (m, n, k), None where it runs none; whether torchtitan's float8
+    # converter converts it (strategies.float8.converts)
+    into_gemm: tuple[int, int, int] | None = None
+    into_float8: bool = False
 
 
 def edge_kind(producer: Layer, gives, consumer: Layer, strategies, rows: int, ranks: int,
@@ -270,7 +283,8 @@ def edge_kind(producer: Layer, gives, consumer: Layer, strategies, rows: int, ra
     return EdgeKind(tuple(gives), takes, tuple(s.model_parallel for s in strategies),
                     producer.output.nbytes, ranks, rows, backward, route,
                     consumer.op == "call_module",
-                    max(1, readers) if route == "through_rows" else 1)
+                    max(1, readers) if route == "through_rows" else 1,
+                    input_gemm(consumer, ranks), _converted(consumer, TENSORWISE))
 
 
 def output_kind(producer: Layer, gives, rows: int, ranks: int, backward: bool) -> EdgeKind:
@@ -289,10 +303,12 @@ def edge_cost(kind: EdgeKind, cluster: Cluster) -> np.ndarray:
     link = group_link(cluster, ranks)
     overhead = cluster.dtensor_reshard_overhead_s if ranks > 1 else 0.0
     if kind.route == "through_rows":
-        return _through_rows(kind, link, overhead)
+        return _through_rows(kind, link, overhead, cluster)
     matrix = edge_matrix(list(kind.gives), list(kind.takes), nbytes, ranks, link,
                          backward=kind.backward, reshard_overhead_s=overhead,
                          own_style=list(kind.own_style))
+    if kind.route == "plain" and tp_levers_on(cluster, ranks):
+        matrix = lever_edge(kind, cluster, link, matrix)
     if kind.route == "export" and ranks > 1:  # one device: one layout
         matrix = matrix + _unrealizable(kind)
     return matrix
@@ -309,7 +325,8 @@ def _unrealizable(kind: EdgeKind) -> np.ndarray:
     return out
 
 
-def _through_rows(kind: EdgeKind, link: LinkSpec, overhead: float) -> np.ndarray:
+def _through_rows(kind: EdgeKind, link: LinkSpec, overhead: float,
+                  cluster: Cluster | None = None) -> np.ndarray:
     """The edge out of a module of a torch.export graph: its output is handed on split by
     rows (it has them in dim 0: TensorMeta.has_rows) and each reader changes it to what
     it takes from there; an op outside modules cannot change it, so it takes the rows or
@@ -321,6 +338,9 @@ def _through_rows(kind: EdgeKind, link: LinkSpec, overhead: float) -> np.ndarray
     into = edge_matrix([held], list(kind.takes), kind.nbytes, kind.ranks, link,
                        backward=kind.backward, reshard_overhead_s=overhead,
                        own_style=list(kind.own_style))
+    levers = cluster is not None and tp_levers_on(cluster, kind.ranks)
+    if levers:  # the reader's own change of the rows it is handed (lever_edge)
+        into = lever_edge(replace(kind, gives=(held,)), cluster, link, into)
     if not kind.into_module and kind.ranks > 1:
         into = np.where(np.array([[t == held for t in kind.takes]]), into, UNREALIZABLE_S)
     if held == Layout.BATCH:  # the code sees rows split: a feature split shows it whole rows
@@ -336,4 +356,174 @@ def _through_rows(kind: EdgeKind, link: LinkSpec, overhead: float) -> np.ndarray
     direct = edge_matrix(list(kind.gives), list(kind.takes), kind.nbytes, kind.ranks, link,
                          backward=kind.backward, reshard_overhead_s=overhead,
                          own_style=list(kind.own_style))
+    if levers:
+        direct = lever_edge(kind, cluster, link, direct)
     return np.where(np.array([[t == Layout.FEATURE for t in kind.takes]]), direct, out + into)
+
+
+# --- kernel levers on the tensor-parallel collectives (strategies.kernel_levers) -----------
+#
+# torchtitan runs a Llama block's TP as sequence parallelism: a reduce-scatter of each
+# row-parallel output (its gradient all-gathered back) and an all-gather into each
+# column-parallel group (its input gradient reduce-scattered). A plan whose blocks keep
+# activations whole moves the same bytes as all-reduces (a ring all-reduce is a
+# reduce-scatter then an all-gather, strategies.sequence); with float8 tensorwise or async
+# TP on, each such all-reduce is priced as that pair, half of its own price each (the
+# link's all-reduce fit, NVLS's on an H100 node, stays the price of those bytes), so the
+# levers reach it as they reach torchtitan's collectives: float8 tensorwise halves the
+# all-gather half (strategies.float8.tp_gather_bytes), async TP leaves of a fused
+# collective what strategies.async_tp.exposed_s says, and leaves an input gradient's
+# reduce-scatter whole (a sum of matmuls, which the pass does not fuse). Levers off:
+# nothing here runs.
+
+TENSORWISE = Levers(float8="tensorwise")
+
+
+def tp_levers_on(cluster: Cluster, ranks: int) -> bool:
+    """Do the levers change a TP collective's price on a group of `ranks`?"""
+    levers = cluster.levers
+    return ranks > 1 and (levers.float8 == "tensorwise" or levers.async_tp)
+
+
+def _converted(layer: Layer, levers: Levers) -> bool:
+    """Does torchtitan run `layer`'s matmuls in float8 under `levers` (a Linear its
+    converter swaps, an attention block's projections)?"""
+    if not levers.float8 or layer.is_input:
+        return False
+    dims = linear_dims(layer)
+    if dims is not None:
+        return float8.converts(layer, levers, *dims)
+    return attention_dims(layer) is not None
+
+
+def _rows(layer: Layer) -> int:
+    shape = layer.output.shape
+    return max(1, int(np.prod(shape[:-1]))) if shape else 1
+
+
+def output_gemm(layer: Layer, tp: int) -> tuple[int, int, int] | None:
+    """(m, n, k) of the forward GEMM that makes a row-split layer's partial output on one
+    of `tp` ranks (an attention block's output projection); None for a layer with none
+    (a vocabulary-parallel embedding)."""
+    dims = linear_dims(layer)
+    if dims is not None and layer.output.shape:
+        return _rows(layer), dims[1], max(1, dims[0] // tp)
+    heads = attention_dims(layer)
+    if heads is not None:
+        q_heads, _, head_dim = heads
+        return _rows(layer), layer.output.shape[-1], max(1, q_heads * head_dim // tp)
+    return None
+
+
+def input_gemm(layer: Layer, tp: int) -> tuple[int, int, int] | None:
+    """(m, n, k) of the forward GEMM a column-split layer runs on its gathered input on one
+    of `tp` ranks (an attention block's q, k and v projections as one); None for a layer
+    with none."""
+    if layer.is_input:
+        return None
+    dims = linear_dims(layer)
+    if dims is not None and layer.output.shape:
+        return _rows(layer), max(1, dims[1] // tp), dims[0]
+    heads = attention_dims(layer)
+    if heads is not None:
+        q_heads, kv_heads, head_dim = heads
+        return (_rows(layer), max(1, (q_heads + 2 * kv_heads) * head_dim // tp),
+                layer.output.shape[-1])
+    return None
+
+
+def _gemm_s(gemm: tuple[int, int, int], cluster: Cluster, converted: bool) -> float:
+    """One GEMM's seconds as the device prices it (strategies.gpu_compute on a GPU priced
+    by shape; float8 where torchtitan converts the layer), else at the achievable rate."""
+    device, dtype = cluster.device, cluster.compute_dtype
+    if device.shape is not None and not device.op_flops:
+        if converted and "float8" in device.peak_flops:
+            return gemm_s(*gemm, device, "float8") / float8.gemm_share(cluster.levers.float8)
+        return gemm_s(*gemm, device, dtype)
+    m, n, k = gemm
+    return 2 * m * n * k / device.achievable_flops(dtype)
+
+
+def _memory_pass_s(nbytes: float, cluster: Cluster) -> float:
+    """A fused op's copy or sum outside its pipeline, at the best copy's bandwidth."""
+    device = cluster.device
+    fraction = device.shape.memory_fraction if device.shape is not None else 1.0
+    return nbytes / (device.memory_bandwidth_bytes_per_s * fraction)
+
+
+def _scatter_gather_s(n: float, gathered: float, tp: int, link: LinkSpec, whole: bool
+                      ) -> tuple[float, float]:
+    """(reduce-scatter of `n` bytes, all-gather of `gathered` bytes of it) over `tp` ranks;
+    where the plan reduces to a whole output (`whole`: an all-reduce), its all-reduce's
+    price halved between the two, the gather's half scaled as the link's all-gather
+    prices `gathered` against `n`."""
+    if not whole:
+        return reduce_scatter_s(n, tp, link), all_gather_s(gathered, tp, link)
+    half = all_reduce_s(n, tp, link) / 2
+    return half, half * all_gather_s(gathered, tp, link) / all_gather_s(n, tp, link)
+
+
+def _fused_s(collective: str, seconds: float, nbytes: float, gemm, cluster: Cluster,
+             ranks: int, converted: bool) -> float:
+    """`seconds` of a TP all-gather or reduce-scatter of `nbytes` beside `gemm`: what async
+    TP leaves of it where on and the GEMM is known (strategies.async_tp), else whole."""
+    if not cluster.levers.async_tp or gemm is None:
+        return seconds
+    copy_s = _memory_pass_s(async_tp.copy_bytes(collective, nbytes, ranks), cluster)
+    return async_tp.exposed_s(seconds, _gemm_s(gemm, cluster, converted), ranks, copy_s)
+
+
+def lever_reduction_s(layer: Layer, cost: Cost, ctx: CostContext, whole: bool) -> float:
+    """A model-parallel layer's own collectives (`cost.communication_s`) with the levers
+    on: its output reduction (cost.notes) as a reduce-scatter of the output, fused with
+    the GEMM that makes it, and an all-gather (of its output gradient in backward where it
+    gives split rows or tokens; into the next block's column-parallel group where it gives
+    the output whole), float8 under tensorwise and fused with a GEMM of this layer's size
+    (its input-gradient GEMM, or the next layer's, which this one's stands for).
+    `whole`: the layer gives its output whole (an all-reduce, `_scatter_gather_s`)."""
+    n = cost.notes.get("output_bytes")
+    if n is None:
+        return cost.communication_s
+    tp, link, cluster = ctx.ranks, ctx.link, ctx.cluster
+    converted = _converted(layer, cluster.levers)
+    gathered = float8.tp_gather_bytes(n, converted, cluster.levers)
+    gemm = output_gemm(layer, tp)
+    scatter_s, gather_s = _scatter_gather_s(n, gathered, tp, link, whole)
+    scatter = _fused_s("reduce_scatter", scatter_s, n, gemm, cluster, tp, converted)
+    gather = _fused_s("all_gather", gather_s, gathered, gemm, cluster, tp, converted)
+    return cost.communication_s - cost.notes["output_reduction_s"] + scatter + gather
+
+
+def lever_edge(kind: EdgeKind, cluster: Cluster, link: LinkSpec, matrix: np.ndarray
+               ) -> np.ndarray:
+    """`matrix` with the levers on the edges into a model-parallel consumer that change
+    its input themselves (a column-parallel group): the forward all-gather float8 under
+    tensorwise and fused with the consumer's GEMM; the backward reduce-scatter of its input
+    gradient whole (a sum of matmuls: not fused); a backward all-reduce as that
+    reduce-scatter and the all-gather of the gradient the previous row-parallel layer
+    reads (float8 e5m2 under tensorwise, fused with its input-gradient GEMM, for which the
+    consumer's stands)."""
+    out = matrix.copy()
+    ranks, n, levers = kind.ranks, kind.nbytes, cluster.levers
+    converted = kind.into_float8 and levers.float8 is not None  # its GEMMs float8
+    gathered = float8.tp_gather_bytes(n, converted, levers)
+    gemm = kind.into_gemm
+    for i, g in enumerate(kind.gives):
+        for j, t in enumerate(kind.takes):
+            if not kind.own_style[j] or not changes(g, t, kind.backward):
+                continue
+            fwd, bwd = edge_collectives(g, t)
+            time = 0.0
+            if fwd == "all_gather":
+                time += _fused_s(fwd, all_gather_s(gathered, ranks, link), gathered, gemm,
+                                 cluster, ranks, converted)
+            else:
+                time += collective_s(fwd, n, ranks, link)
+            if kind.backward and bwd == "all_reduce":
+                scatter_s, gather_s = _scatter_gather_s(n, gathered, ranks, link, True)
+                time += scatter_s + _fused_s("all_gather", gather_s, gathered, gemm, cluster,
+                                             ranks, converted)
+            elif kind.backward:
+                time += collective_s(bwd, n, ranks, link)
+            out[i, j] = time
+    return out

@@ -21,6 +21,17 @@ transposed). So a float8 Linear costs:
   then sends 1 byte an element, half of bf16's (torchtitan's `enable_fsdp_float8_all_gather`;
   `Float8Gather`); rowwise gathers bf16 and casts the whole weight.
 
+- tensorwise with TP: the all-gathers into a converted Linear send float8 (torchao's
+  `Float8ColwiseParallel`, `Float8RowwiseParallel` and `PrepareFloat8ModuleInput`, which
+  torchtitan's `apply_tp` uses for every transformer block when the recipe is tensorwise:
+  the input is cast before its Shard -> Replicate redistribute, and a row-parallel
+  output's gradient is cast to e5m2 before the backward all-gather); the reduce-scatters
+  of matmul outputs and of input gradients stay bf16. Rowwise: every TP collective in
+  bf16 ("For now, float8 all-gather with TP is only supported for tensorwise float8
+  scaling recipes", torchtitan's parallelize_llama.py at 820504e, the commit of its async
+  TP table; its float8.md: "for float8 with rowwise scaling, all distributed
+  communication is done in high precision"). `tp_gather_bytes`.
+
 torchtitan converts every Linear but the output projection (`filter_fqns = ["output"]`),
 and only those whose dims are multiples of 16 (`_scaled_mm`'s requirement).
 Figures and sources: strategies.devices (FLOAT8_*).
@@ -78,6 +89,13 @@ class Float8Gather(Precision):
 
     def gather_bytes(self, param_bytes: float) -> float:
         return param_bytes / 4
+
+
+def tp_gather_bytes(nbytes: float, converted: bool, levers: Levers) -> float:
+    """Bytes a TP all-gather of a bf16 activation (or its gradient) of `nbytes` sends
+    into a Linear that torchtitan converted (`converted`): 1 byte an element under the
+    tensorwise recipe (half of bf16's 2), else as it is."""
+    return nbytes / 2 if converted and levers.float8 == "tensorwise" else nbytes
 
 
 def gathering(precision: Precision, levers: Levers) -> Precision:

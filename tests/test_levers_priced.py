@@ -1,18 +1,24 @@
 """The kernel levers priced (strategies.kernel_levers): torch.compile's fusion takes a run of
 element-wise layers to one read of what enters it and one write of what leaves it (bytes
 counted by hand), float8 halves a large GEMM and prices a Linear as torchao measured it,
-async TP hides a collective behind its matmul, and levers off change no price."""
+float8 tensorwise gathers TP activations in one byte, async TP leaves of a fused TP
+collective what exposed_s says, and levers off change no price."""
 
 import pytest
 import torch
 from torch import nn
 
+from planner.price import EdgeKind, edge_cost, price, tp_context
 from planner.profiled import profiled_graph
-from strategies.async_tp import exposed_s
+from strategies.async_tp import copy_bytes, exposed_s
+from strategies.catalog import RowParallel
+from strategies.collectives import all_gather_s, reduce_scatter_s
 from strategies.devices import DEVICES
+from strategies.float8 import tp_gather_bytes
 from strategies.fusion import EAGER, fused, groups
 from strategies.gpu_compute import float8_linear_s, gemm_s, layer_s, linear_s
 from strategies.kernel_levers import Levers
+from strategies.layouts import Layout
 from strategies.parse import parse_devices
 
 H100 = DEVICES["H100"]
@@ -78,10 +84,75 @@ def test_float8_refuses_a_device_without_it_and_a_bad_recipe():
         Levers(float8="blockwise")
 
 
-def test_async_tp_hides_all_but_the_first_chunk_behind_a_long_matmul():
-    assert exposed_s(8.0, 100.0, 8) == pytest.approx(1.0)
+def test_async_tp_leaves_the_copies_past_the_remote_matmuls_and_its_memory_pass():
+    """torch's fused ops overlap the tp - 1 remote shards' copies with their matmuls and
+    leave the local copy (all-gather) or the partials' sum (reduce-scatter) outside."""
+    assert exposed_s(8.0, 100.0, 8) == 0.0
+    assert exposed_s(8.0, 100.0, 8, copy_s=0.5) == pytest.approx(0.5)
+    assert exposed_s(8.0, 4.0, 8) == pytest.approx(8.0 - 3.5)
     assert exposed_s(8.0, 0.0, 8) == pytest.approx(8.0)
     assert exposed_s(8.0, 100.0, 1) == 8.0
+    assert copy_bytes("all_gather", 800.0, 8) == 200.0  # the local shard read and written
+    assert copy_bytes("reduce_scatter", 800.0, 8) == 900.0  # 8 partials read, one written
+
+
+def _row_split_down(levers):
+    """`down` (32 x 32, converted by torchtitan's filter) row-parallel over 2 H100s, its
+    output reduce-scattered by rows, priced with `levers`."""
+    layer = next(l for l in _graph().layers if l.name == "down")
+    cluster = parse_devices("2xH100").model_copy(update={"levers": levers})
+    ctx = tp_context(cluster, 2, ROWS, "adam")
+    return layer, ctx, price(layer, RowParallel(gives=Layout.BATCH), ctx)
+
+
+def test_float8_tensorwise_gathers_tp_activations_in_one_byte_and_async_tp_hides_them():
+    """A row-parallel layer's reduce-scatter stays bf16 and its gradient's all-gather
+    sends half the bytes under tensorwise (torchao's Float8RowwiseParallel), not rowwise;
+    async TP then leaves of each what exposed_s says beside the layer's own GEMM."""
+    layer, ctx, off = _row_split_down(Levers())
+    n, link = layer.output.nbytes, ctx.link
+    whole = reduce_scatter_s(n, 2, link) + all_gather_s(n, 2, link)
+    assert off.cost.communication_s == pytest.approx(whole)
+    assert tp_gather_bytes(n, True, Levers(float8="tensorwise")) == n / 2
+    assert tp_gather_bytes(n, True, Levers(float8="rowwise")) == n
+    *_, tensorwise = _row_split_down(Levers(float8="tensorwise"))
+    assert tensorwise.cost.communication_s == pytest.approx(
+        reduce_scatter_s(n, 2, link) + all_gather_s(n / 2, 2, link))
+    *_, rowwise = _row_split_down(Levers(float8="rowwise"))
+    assert rowwise.cost.communication_s == pytest.approx(whole)
+    _, ctx, hidden = _row_split_down(Levers(async_tp=True))
+    gemm = gemm_s(ROWS, HIDDEN, HIDDEN // 2, H100, "bfloat16")
+    pass_s = [copy_bytes(c, n, 2) / (H100.memory_bandwidth_bytes_per_s
+                                     * H100.shape.memory_fraction)
+              for c in ("reduce_scatter", "all_gather")]
+    assert hidden.cost.communication_s == pytest.approx(
+        exposed_s(reduce_scatter_s(n, 2, link), gemm, 2, pass_s[0])
+        + exposed_s(all_gather_s(n, 2, link), gemm, 2, pass_s[1]))
+    assert hidden.microbatch_s < off.microbatch_s
+
+
+def test_an_edge_into_a_column_split_gathers_float8_and_leaves_its_scatter_whole():
+    """Rows gathered into a column-parallel Linear: one byte an element under tensorwise
+    (PrepareFloat8ModuleInput); async TP fuses that gather with the Linear's GEMM, and its
+    input gradient's reduce-scatter (a sum of matmuls, not fused) stays as priced."""
+    n, link = ROWS * HIDDEN * 2, parse_devices("2xH100").link(2)
+    kind = EdgeKind((Layout.BATCH,), (Layout.REPLICATE_PARTIAL_GRAD,), (True,), n, 2, ROWS,
+                    True, into_module=True, into_gemm=(ROWS, HIDDEN // 2, HIDDEN),
+                    into_float8=True)
+
+    def edge(levers):
+        return edge_cost(kind, parse_devices("2xH100").model_copy(
+            update={"levers": levers}))[0, 0]
+
+    scatter = reduce_scatter_s(n, 2, link)
+    assert edge(Levers()) == pytest.approx(all_gather_s(n, 2, link) + scatter)
+    assert edge(Levers(float8="tensorwise")) == pytest.approx(
+        all_gather_s(n / 2, 2, link) + scatter)
+    gemm = gemm_s(ROWS, HIDDEN // 2, HIDDEN, H100, "bfloat16")
+    copy_s = copy_bytes("all_gather", n, 2) / (H100.memory_bandwidth_bytes_per_s
+                                               * H100.shape.memory_fraction)
+    assert edge(Levers(async_tp=True)) == pytest.approx(
+        exposed_s(all_gather_s(n, 2, link), gemm, 2, copy_s) + scatter)
 
 
 def test_levers_off_change_no_price_and_compile_lowers_it():
