@@ -31,36 +31,43 @@ from torch import nn
 from torch.distributed._functional_collectives import all_to_all_single_autograd
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard, distribute_tensor
+from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from executor.styles import register_style
+from strategies.experts import NAME, parse_name
 
 
 class ExpertParallelStyle(ParallelStyle):
-    """Split an experts module's experts over the mesh (see the module docstring).
+    """Split an experts module's experts over the mesh, or with `ep` d below its size over
+    EP groups of d consecutive ranks of a (dp, ep) mesh carved out of it (see the module
+    docstring); `shard`: FSDP2-shard each rank's experts over the dp ranks that share them.
 
         parallelize_module(model, mesh, {"model.layers.0.mlp.experts": ExpertParallelStyle()})
     """
 
-    def __init__(self, input_layout=Shard(0), output_layout=Shard(0)):
+    def __init__(self, input_layout=Shard(0), output_layout=Shard(0), ep: int = 0,
+                 shard: bool = False):
         super().__init__()
         if input_layout != Shard(0) or output_layout != Shard(0):
             raise ValueError(f"expert_parallel takes and gives each rank's rows (Shard(0)); "
                              f"got {input_layout} -> {output_layout}: re-plan")
+        self.ep, self.shard = ep, shard
 
     def _apply(self, module: nn.Module, mesh: DeviceMesh) -> nn.Module:
         names = [n for n, _ in module.named_parameters(recurse=False)]
         experts = next(iter(module.parameters(recurse=False))).shape[0]
-        ranks = mesh.size()
-        if experts % ranks:
-            raise ValueError(f"expert_parallel: {experts} experts do not split over {ranks} "
-                             f"ranks; re-plan")
+        ep = self.ep or mesh.size()
+        if mesh.size() % ep or experts % ep:
+            raise ValueError(f"expert_parallel: {experts} experts over ep {ep} of {mesh.size()} "
+                             f"ranks do not split evenly; re-plan")
+        ep_mesh, dp_mesh = _ep_dp(mesh, ep)
         for name in names:
             param = getattr(module, name)
             module.register_parameter(name, nn.Parameter(
-                distribute_tensor(param.data, mesh, [Shard(0)]), requires_grad=param.requires_grad))
-        local = experts // ranks
-        group = mesh.get_group()
+                distribute_tensor(param.data, ep_mesh, [Shard(0)]), requires_grad=param.requires_grad))
+        local = experts // ep
+        group = ep_mesh.get_group()
         own_forward = module.forward
 
         def forward(hidden_states, top_k_index, top_k_weights):
@@ -70,7 +77,48 @@ class ExpertParallelStyle(ParallelStyle):
 
         module.forward = forward
         module.num_experts = local  # what its own forward sizes its one-hot and histc by
+        if dp_mesh is not None:
+            _over_dp(module, dp_mesh, self.shard)
         return module
+
+
+def _ep_dp(mesh: DeviceMesh, ep: int) -> tuple[DeviceMesh, DeviceMesh | None]:
+    """(the EP group's mesh, the dp mesh of the ranks sharing its experts, None where ep is
+    the whole mesh): the (dp, ep) mesh of `mesh`'s ranks, EP groups consecutive, as
+    torchtitan carves EP out of its data-parallel ranks. Made once per (mesh, ep): every
+    experts module of a plan shares its process groups."""
+    if ep == mesh.size():
+        return mesh, None
+    key = (id(dist.group.WORLD), tuple(mesh.mesh.flatten().tolist()), ep)
+    if key not in _MESHES:
+        _MESHES[key] = DeviceMesh(mesh.device_type, mesh.mesh.reshape(-1, ep),
+                                  mesh_dim_names=("dp", "ep"))
+    both = _MESHES[key]
+    return both["ep"], both["dp"]
+
+
+_MESHES: dict[tuple, DeviceMesh] = {}
+
+
+def _over_dp(module: nn.Module, dp_mesh: DeviceMesh, shard: bool) -> None:
+    """The dp ranks that hold the same experts: with `shard`, FSDP2 over them (weights
+    gathered around the call, gradients reduce-scattered); else each backward's gradient
+    all-reduced over them. Summed either way: the output gradient already carries 1/world
+    (executor.styles.MeanOverRanks)."""
+    if shard:
+        fully_shard(module, mesh=dp_mesh, reshard_after_forward=True)
+        module.set_gradient_divide_factor(1.0)
+        module.set_force_sum_reduction_for_comms(True)  # gloo has no PREMUL_SUM
+        return
+    group = dp_mesh.get_group()
+
+    def summed(grad):
+        dist.all_reduce(grad.to_local(), group=group)  # the local shard, in place
+        return grad
+
+    for param in module.parameters(recurse=False):
+        if param.requires_grad:
+            param.register_hook(summed)
 
 
 def _dispatch_combine(module, own_forward, shards, local: int, group, hidden, index, weights):
@@ -112,8 +160,12 @@ def _own(module, own_forward, shards, x, index, weights):
         module._parameters.update(saved)
 
 
-def make_expert_parallel(module: nn.Module, input_placement, output_placement) -> ParallelStyle:
-    return ExpertParallelStyle(input_placement, output_placement)
+def make_expert_parallel(module: nn.Module, input_placement, output_placement,
+                         strategy: str = NAME) -> ParallelStyle:
+    """The style of a plan's expert-parallel strategy, its degree read from its name
+    (strategies.experts.strategy_name)."""
+    ep, shard = parse_name(strategy)
+    return ExpertParallelStyle(input_placement, output_placement, ep, shard)
 
 
-register_style("expert_parallel", make_expert_parallel)
+register_style(NAME, make_expert_parallel)

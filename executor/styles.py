@@ -150,6 +150,9 @@ def tensor_parallel_style(strategy: str, output_layout: Layout, input_placement,
     out = placement(output_layout.forward, output_shape)
     if strategy in _STYLES:
         return _STYLES[strategy](module, input_placement, out)
+    base = strategy.split(":")[0]
+    if base in _STYLES:  # a strategy whose name carries options: "expert_parallel:ep2"
+        return _STYLES[base](module, input_placement, out, strategy)
     if strategy == "column_parallel":
         return Conv1DColwise(input_layouts=input_placement, output_layouts=out)
     if strategy == "row_parallel":

@@ -23,6 +23,9 @@ activation checkpointing), so it is the best plan of that kind.
 mixture-of-experts experts module split by expert over the devices, tokens moved by
 all-to-all (strategies.experts), every other layer as under DDP; refused for a model
 with no experts module to split.
+`"cp"` is context parallelism over every device (strategies.context prices a block under
+it, executor.context_parallel runs it); it is priced but not yet searched, so asking for
+it says so.
 """
 
 from __future__ import annotations
@@ -50,6 +53,7 @@ from planner.ties import data_parallel_else_replicate
 from planner.volume import communication_bytes
 from profiler.graph import Layer, ModelGraph
 from strategies.catalog import Strategy
+from strategies.experts import is_expert_parallel
 from strategies.memory import split_name
 from strategies.cluster import Cluster
 
@@ -63,7 +67,7 @@ def _ddp(layer: Layer, options: list[Strategy]) -> list[Strategy]:
 def _tensor(layer: Layer, options: list[Strategy]) -> list[Strategy]:
     # Megatron's tensor parallelism splits weights along their features; an experts
     # module's split by expert is the "ep" kind's
-    options = [s for s in options if split_name(s.name)[0] != "expert_parallel"] or options
+    options = [s for s in options if not is_expert_parallel(split_name(s.name)[0])] or options
     split = [s for s in options if s.model_parallel]
     if split:
         return split
@@ -95,13 +99,15 @@ BASELINES: dict[str, Rule | None] = {
     "pipeline": None,  # not a per-layer rule: mesh shapes of the 3-D search
     "fsdp_tp": None,  # likewise, with every shardable layer pinned to +fsdp
     "ep": _ep,
+    "cp": None,  # priced (strategies.context), not yet offered to the search
 }
 # the kinds that are one integer program over a 1-D mesh: cheap enough that optimize()
 # prices each of them beside every plan it makes
 ONE_D_KINDS = ("ddp", "tensor", "fsdp")
 LABELS = {"ddp": "DDP (pure data parallel)", "tensor": "tensor parallel (Megatron-style)",
           "fsdp": "FSDP (sharded data parallel)", "pipeline": "pipeline",
-          "fsdp_tp": "FSDP x TP (2-D, torchtitan's)", "ep": "expert parallel (ep = dp)"}
+          "fsdp_tp": "FSDP x TP (2-D, torchtitan's)", "ep": "expert parallel (ep = dp)",
+          "cp": "context parallel"}
 
 
 def available(kinds: Sequence[str] | None = None) -> list[str]:
@@ -152,6 +158,10 @@ def baseline(model: nn.Module, devices, kind: str, example_inputs: Sequence | No
     on `devices`, as a Plan the executor runs like any other; `tracer` as optimize's."""
     started = time.perf_counter()
     _check(kind)  # an unknown kind stops here, before the model is traced
+    if kind == "cp":
+        raise ValueError("baseline: cp is priced but not yet searched (strategies.context "
+                         "prices a block, executor.context_parallel.apply runs it); use "
+                         "'ddp' or 'fsdp' for a plan")
     if kind == "pipeline":
         return _pipeline(model, devices, example_inputs, example_kwargs, optimizer,
                          leaf_modules, measure, time_limit_s, started)

@@ -42,6 +42,56 @@ PRESETS: dict[str, tuple[str, dict]] = {
         num_attention_heads=32, num_key_value_heads=8, vocab_size=32000,
         num_local_experts=8, num_experts_per_tok=2, max_position_embeddings=32768,
         rope_theta=1e6, rms_norm_eps=1e-5, tie_word_embeddings=False)),
+    # mistralai/Mixtral-8x22B-v0.1 config.json: 8 experts, 2 per token (141 B, 39 B active)
+    "mixtral-8x22b": ("MixtralConfig", dict(
+        hidden_size=6144, intermediate_size=16384, num_hidden_layers=56,
+        num_attention_heads=48, num_key_value_heads=8, vocab_size=32000,
+        num_local_experts=8, num_experts_per_tok=2, max_position_embeddings=65536,
+        rope_theta=1e6, rms_norm_eps=1e-5, tie_word_embeddings=False)),
+    # deepseek-ai/DeepSeek-V3 config.json (671 B, 37 B active): 256 routed experts of 2048
+    # and one shared, 8 per token from 4 of 8 groups, the first 3 layers dense, latent
+    # attention (kv rank 512, q rank 1536); its multi-token-prediction layer
+    # (num_nextn_predict_layers 1) is not part of transformers' model
+    "deepseek-v3": ("DeepseekV3Config", dict(
+        hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048,
+        num_hidden_layers=61, num_attention_heads=128, num_key_value_heads=128,
+        vocab_size=129280, n_routed_experts=256, n_shared_experts=1, num_experts_per_tok=8,
+        n_group=8, topk_group=4, first_k_dense_replace=3, routed_scaling_factor=2.5,
+        norm_topk_prob=True, kv_lora_rank=512, q_lora_rank=1536, qk_rope_head_dim=64,
+        qk_nope_head_dim=128, v_head_dim=128, max_position_embeddings=163840,
+        rope_theta=10000.0, rope_scaling={"type": "yarn", "factor": 40,
+                                          "original_max_position_embeddings": 4096,
+                                          "beta_fast": 32, "beta_slow": 1, "mscale": 1.0,
+                                          "mscale_all_dim": 1.0},
+        rms_norm_eps=1e-6, tie_word_embeddings=False)),
+    # Qwen/Qwen3-235B-A22B config.json (235 B, 22 B active): 128 experts of 1536, 8 per token
+    "qwen3-235b-a22b": ("Qwen3MoeConfig", dict(
+        hidden_size=4096, intermediate_size=12288, moe_intermediate_size=1536,
+        num_hidden_layers=94, num_attention_heads=64, num_key_value_heads=4, head_dim=128,
+        vocab_size=151936, num_experts=128, num_experts_per_tok=8, norm_topk_prob=True,
+        decoder_sparse_step=1, mlp_only_layers=[], max_position_embeddings=40960,
+        rope_theta=1e6, rms_norm_eps=1e-6, tie_word_embeddings=False)),
+    # meta-llama/Llama-4-Scout-17B-16E config.json, its text_config (109 B with the vision
+    # encoder, 17 B active): 16 experts and a shared one, 1 per token, chunked attention
+    "llama4-scout": ("Llama4TextConfig", dict(
+        hidden_size=5120, intermediate_size=8192, intermediate_size_mlp=16384,
+        num_hidden_layers=48, num_attention_heads=40, num_key_value_heads=8, head_dim=128,
+        vocab_size=202048, num_local_experts=16, num_experts_per_tok=1,
+        interleave_moe_layer_step=1, attention_chunk_size=8192, use_qk_norm=True,
+        max_position_embeddings=10485760, rope_theta=500000.0, rms_norm_eps=1e-5,
+        tie_word_embeddings=False)),
+    # openai/gpt-oss-120b config.json (117 B, 5.1 B active): 128 experts, 4 per token,
+    # sliding (128) and full attention alternating, attention sinks
+    "gpt-oss-120b": ("GptOssConfig", dict(
+        hidden_size=2880, intermediate_size=2880, num_hidden_layers=36,
+        num_attention_heads=64, num_key_value_heads=8, head_dim=64, vocab_size=201088,
+        num_local_experts=128, num_experts_per_tok=4, sliding_window=128,
+        layer_types=["sliding_attention", "full_attention"] * 18,
+        max_position_embeddings=131072, rope_theta=150000.0,
+        rope_scaling={"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0,
+                      "beta_slow": 1.0, "truncate": False,
+                      "original_max_position_embeddings": 4096},
+        swiglu_limit=7.0, rms_norm_eps=1e-5, tie_word_embeddings=False)),
     # Brown et al. 2020, "Language Models are Few-Shot Learners", table 2.1: 96 layers,
     # d_model 12288, 96 heads of 128, context 2048, GPT-2's 50257-token vocabulary. GPT-3
     # alternates dense and locally banded sparse attention; this preset is dense throughout.
@@ -49,6 +99,10 @@ PRESETS: dict[str, tuple[str, dict]] = {
         n_layer=96, n_embd=12288, n_head=96, n_positions=2048, vocab_size=50257,
         tie_word_embeddings=True)),
 }
+
+
+# what each mixture-of-experts family calls its routed experts' count
+EXPERT_COUNTS = ("num_local_experts", "num_experts", "n_routed_experts")
 
 
 @dataclass(frozen=True)
@@ -145,7 +199,7 @@ def llm_shape(model: nn.Module, config, name: str) -> LLMShape:
     head_dim = getattr(config, "head_dim", None) or hidden // heads
     params = sum(p.numel() for p in model.parameters())
     embedding = model.get_input_embeddings().weight.numel()
-    experts = getattr(config, "num_local_experts", 0) or 0
+    experts = next((getattr(config, k) for k in EXPERT_COUNTS if getattr(config, k, None)), 0)
     active = params
     if experts:  # only num_experts_per_tok of the experts' weights run per token
         expert_params = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n

@@ -30,7 +30,7 @@ from profiler.graph import Layer
 from strategies.catalog import (
     CostContext, Cost, Strategy, compute_s, find_units, register, update_s, weights_memory,
 )
-from strategies.collectives import all_to_all_s, collective_bytes
+from strategies.collectives import all_reduce_s, all_to_all_s, collective_bytes, fsdp_layer_s
 from strategies.layouts import Layout
 
 INDEX_BYTES = 8  # an int64 expert id per dispatched pair
@@ -38,54 +38,129 @@ INDEX_BYTES = 8  # an int64 expert id per dispatched pair
 
 @dataclass(frozen=True)
 class ExpertParallel(Strategy):
-    """The experts split over the group (ep = its ranks), tokens dispatched to the ranks
-    holding their experts and combined back by all-to-all. Takes and gives each rank's
-    rows, like data parallelism; no gradient sync (each expert's gradient is complete on
-    its one rank, every token that used it having come there)."""
+    """The experts split over an EP group, tokens dispatched to the ranks holding their
+    experts and combined back by all-to-all. Takes and gives each rank's rows, like data
+    parallelism.
 
-    name: ClassVar[str] = "expert_parallel"
+    `ep` 0 (the default): the EP group is the whole group, and no gradient sync follows
+    (each expert's gradient is complete on its one rank, every token that used it having
+    come there). `ep` d below the world's ranks: the EP group is carved out of the
+    data-parallel ranks as torchtitan does, a (dp, ep) mesh of world/d x d ranks, EP groups
+    of d consecutive ranks; each expert is held by the dp = world/d ranks of one column,
+    whose gradients are summed over them, or, with `shard`, FSDP2-sharded over them
+    (weights gathered in forward and backward, gradients reduce-scattered).
+
+        ExpertParallel()                   # ep = every rank
+        ExpertParallel(ep=2)               # ep 2 x dp world/2, experts replicated over dp
+        ExpertParallel(ep=2, shard=True)   # ... and FSDP-sharded over dp
+    """
+
+    ep: int = 0
+    shard: bool = False
     model_parallel: ClassVar[bool] = True
     takes: Layout = Layout.BATCH
     gives: Layout = Layout.BATCH
 
+    def __post_init__(self):
+        if self.ep < 0 or self.ep == 1 or (self.shard and not self.ep):
+            raise ValueError(f"ExpertParallel: ep={self.ep}, shard={self.shard}: ep is 0 (every "
+                             f"rank) or a degree of 2 or more, and shard needs a degree")
+
+    @property
+    def name(self) -> str:  # type: ignore[override]
+        return strategy_name(self.ep, self.shard)
+
     def applies(self, layer: Layer, ctx: CostContext) -> bool:
-        experts = _experts(layer)
-        return (ctx.ranks > 1 and experts > 0 and experts % ctx.ranks == 0
+        experts, ep = _experts(layer), self.ep or ctx.ranks
+        carved = not self.ep or (
+            # carved out of the whole world's data-parallel ranks: a 1-D plan's group
+            ctx.ranks == ctx.cluster.num_devices and ep < ctx.ranks and ctx.ranks % ep == 0)
+        return (ctx.ranks > 1 and carved and experts > 0 and experts % ep == 0
                 and ctx.batch % ctx.ranks == 0 and layer.output.has_rows(ctx.batch))
 
     def cost(self, layer: Layer, ctx: CostContext) -> Cost:
-        ep = ctx.ranks
+        ep = self.ep or ctx.ranks
+        dp = ctx.ranks // ep
+        link = ctx.cluster.link(ep)  # ep consecutive ranks
         top_k = layer.attrs.get("top_k", 1)
-        tokens = layer.output.shape[0] if layer.output.shape else 0
-        # every (token, expert) pair of the whole batch, hidden-sized: what is dispatched
-        dispatched = layer.output.nbytes * top_k
+        tokens = (layer.output.shape[0] if layer.output.shape else 0) / dp
+        # every (token, expert) pair of the EP group's rows, hidden-sized: what it dispatches
+        dispatched = layer.output.nbytes * top_k / dp
         ids = tokens * top_k * INDEX_BYTES
         # dispatch and combine in forward, their gradients in backward; the expert ids and
         # the per-rank counts ahead of the dispatch
-        moves = 4 * all_to_all_s(dispatched, ep, ctx.link)
-        index = all_to_all_s(ids, ep, ctx.link) + all_to_all_s(INDEX_BYTES * ep * ep, ep, ctx.link)
-        # uniform routing: each rank runs tokens·k/ep pairs over its E/ep experts, 1/ep of
-        # the layer's work
-        compute = compute_s(layer, 1 / ep, ctx)
+        moves = 4 * all_to_all_s(dispatched, ep, link)
+        index = all_to_all_s(ids, ep, link) + all_to_all_s(INDEX_BYTES * ep * ep, ep, link)
+        # uniform routing: each rank runs tokens·k/world pairs over its E/ep experts, 1/world
+        # of the layer's work
+        compute = compute_s(layer, 1 / ctx.ranks, ctx)
         local = layer.param_bytes / ep
+        sync, sync_sent, held = self._over_dp(local, dp, ctx)
         # the pairs it receives (input and output) beside its own rows' output
-        activations = layer.output.nbytes / ep * (1 + 2 * top_k)
+        activations = layer.output.nbytes / ctx.ranks * (1 + 2 * top_k)
         sent = (4 * collective_bytes("all_to_all", dispatched, ep)
-                + collective_bytes("all_to_all", ids, ep))
-        return Cost(compute, moves + index, weights_memory(local, ctx) + activations,
-                    update_s(local, ctx),
+                + collective_bytes("all_to_all", ids, ep) + sync_sent)
+        return Cost(compute, moves + index + sync,
+                    weights_memory(held, ctx, sharded=self.shard) + activations,
+                    update_s(held, ctx),
                     {"all_to_all_s": moves + index, "dispatched_bytes": dispatched,
-                     "all_to_all_priced_by": _priced_by(ctx),
+                     "expert_sync_s": sync, "ep": ep, "expert_dp": dp,
+                     "all_to_all_priced_by": _priced_by(link),
                      "communication_bytes": sent, "experts_per_rank": _experts(layer) // ep})
 
+    def _over_dp(self, local: float, dp: int, ctx: CostContext) -> tuple[float, float, float]:
+        """(seconds, bytes sent, bytes held) of one rank's expert shard over the dp ranks
+        that share it (strided over the whole world): an all-reduce of its gradient, or
+        with `shard` FSDP2's two gathers and reduce-scatter of 1/dp of it held."""
+        if dp <= 1:
+            return 0.0, 0.0, local
+        link, precision = ctx.cluster.link(ctx.ranks), ctx.precision
+        if not self.shard:
+            grads = precision.reduce_bytes(local)
+            return (all_reduce_s(grads, dp, link),
+                    collective_bytes("all_reduce", grads, dp), local)
+        gather, reduce = precision.gather_bytes(local), precision.reduce_bytes(local)
+        gathers, scatter = fsdp_layer_s(gather, reduce, dp, link)
+        sent = (2 * collective_bytes("all_gather", gather, dp)
+                + collective_bytes("reduce_scatter", reduce, dp))
+        return gathers + scatter, sent, local / dp
 
-def _priced_by(ctx: CostContext) -> str:
+
+def strategy_name(ep: int = 0, shard: bool = False) -> str:
+    """The plan's name of an expert-parallel strategy, which the executor reads its degree
+    from: "expert_parallel" (ep = every rank), "expert_parallel:ep2", "expert_parallel:ep2:fsdp"."""
+    return NAME + (f":ep{ep}" if ep else "") + (":fsdp" if shard else "")
+
+
+def parse_name(name: str) -> tuple[int, bool] | None:
+    """(ep, shard) of an expert-parallel strategy's name (ep 0: every rank), None for
+    another strategy's."""
+    base, *options = name.split(":")
+    if base != NAME:
+        return None
+    ep = next((int(o[2:]) for o in options if o.startswith("ep")), 0)
+    return ep, "fsdp" in options
+
+
+def is_expert_parallel(name: str) -> bool:
+    return parse_name(name) is not None
+
+
+NAME = "expert_parallel"
+# the degrees carved out of the data-parallel ranks that are offered beside ep = every
+# rank, each replicated or FSDP-sharded over the dp ranks left over
+DEGREES = (2, 4, 8, 16, 32, 64)
+OFFERED = (ExpertParallel(),) + tuple(ExpertParallel(ep=d, shard=s)
+                                      for d in DEGREES for s in (False, True))
+
+
+def _priced_by(link) -> str:
     """Where the all-to-all's price comes from, for explain(): a fit `hyplan calibrate`
-    measured on this link, or the link's own latency and bandwidth (as an uncalibrated
-    all-gather is priced: GPU links until nccl-tests figures are added)."""
-    if "all_to_all" in ctx.link.collectives:
-        return "calibrated all-to-all fit"
-    return "link latency and bandwidth (no calibrated all-to-all)"
+    measured (or nccl-tests published, strategies.devices) for this link, or the link's own
+    latency and bandwidth."""
+    if "all_to_all" in link.collectives:
+        return "all-to-all fit of the link"
+    return "link latency and bandwidth (no all-to-all fit)"
 
 
 def _experts(layer: Layer) -> int:
@@ -100,7 +175,7 @@ def register_experts(model: nn.Module) -> None:
     strategies.catalog.unit_types before the tracer keeps them whole."""
     routed, blocks = experts_units(model)
     for module_type in set(routed) - _FOUND:
-        register(module_type, ExpertParallel(), rowwise=True)
+        register(module_type, *OFFERED, rowwise=True)
     for module_type in set(blocks) - _FOUND:
         register(module_type, rowwise=True)
     _FOUND.update(routed + blocks)

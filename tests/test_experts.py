@@ -193,3 +193,49 @@ def check_kind(name, kind, plans, refusals, results, expected) -> None:
             torch.testing.assert_close(value, expected[key], rtol=RTOL, atol=ATOL,
                                        msg=lambda m: f"rank {rank}, {key}: {m}")
     assert seen == set(expected), f"no rank holds {sorted(set(expected) - seen)}"
+
+
+# --- ep 2 x dp 2 on 4 ranks: experts replicated, or FSDP-sharded, over the dp ranks ------
+
+EP_DP = ("mixtral", "qwen3_moe", "deepseek_v3", "gpt_oss")
+CARVED = ("expert_parallel:ep2", "expert_parallel:ep2:fsdp")
+
+
+def experts_paths(model: nn.Module) -> list[str]:
+    from profiler.export_trace import experts_units
+
+    routed, _ = experts_units(model)
+    return [name for name, m in model.named_modules() if isinstance(m, routed)]
+
+
+def carved_pins(family: int, model: nn.Module) -> dict[str, str]:
+    """Each experts module of the `family`-th model on ep 2 x dp 2, replicated and
+    FSDP-sharded over dp in turn (DeepSeek-V3's one MoE layer sharded), so one plan per
+    family runs both."""
+    return {path: CARVED[(i + family) % 2] for i, path in enumerate(experts_paths(model))}
+
+
+def test_ep2_x_dp2_replicated_or_fsdp_sharded_trains_like_one_process():
+    """The EP group carved out of 4 data-parallel ranks (ep 2 x dp 2): each expert on the
+    2 ranks of a dp group, its gradient summed over them, or FSDP2-sharded over them; the
+    experts modules pinned, the rest solved. One launch of 4 ranks runs every family."""
+    plans, pins = {}, {}
+    for family, name in enumerate(EP_DP):
+        entry, model = MOE_ZOO[name], MOE_ZOO[name].make()
+        inputs, kwargs = entry.example()
+        pins[name] = carved_pins(family, model)
+        plans[(name, "ep2xdp2")] = planner.optimize(
+            model, "4xcpu", example_inputs=inputs, example_kwargs=kwargs, optimizer="sgd",
+            measure=False, pin=pins[name])
+    assert {s for pin in pins.values() for s in pin.values()} == set(CARVED)
+    jobs = [(name, kind, plan.to_json()) for (name, kind), plan in plans.items()]
+    results = run_ranks(run_plans, 4, jobs, forked=False)
+    failures = []
+    for name in EP_DP:
+        got = {l.name: l.strategy for l in plans[(name, "ep2xdp2")].layers if l.name in pins[name]}
+        assert got == pins[name]
+        try:
+            check_kind(name, "ep2xdp2", plans, {}, results, reference(MOE_ZOO[name]))
+        except AssertionError as error:
+            failures.append(f"{name}: {str(error).splitlines()[0]}")
+    assert not failures, "\n".join(failures)

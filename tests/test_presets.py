@@ -13,7 +13,14 @@ from profiler.presets import PRESETS, LLMShape, load_llm
 
 # published parameter counts (model cards / papers), in billions
 PUBLISHED_B = {"llama3-8b": 8.03, "llama3-70b": 70.6, "llama3-405b": 405.9,
-               "mixtral-8x7b": 46.7, "gpt3-175b": 174.6}
+               "mixtral-8x7b": 46.7, "gpt3-175b": 174.6, "mixtral-8x22b": 141,
+               "deepseek-v3": 671, "qwen3-235b-a22b": 235, "gpt-oss-120b": 116.8,
+               # Meta's 109 B counts the vision encoder a text-only causal LM leaves out
+               "llama4-scout": 107.8}
+# the mixtures of experts' published active parameters per token, in billions; gpt-oss's
+# 5.1 leaves out its 0.58 B embedding table, which active_params counts
+ACTIVE_B = {"mixtral-8x22b": 39, "deepseek-v3": 37, "qwen3-235b-a22b": 22, "llama4-scout": 17,
+            "gpt-oss-120b": 5.13 + 0.58}
 
 
 @pytest.mark.parametrize("name", sorted(PRESETS))
@@ -24,6 +31,12 @@ def test_preset_builds_on_meta_with_its_published_size(name):
     assert inputs[0].shape == (2, 128) and inputs[0].device.type == "meta"
     assert kwargs == {"use_cache": False} and seq == 128
     assert math.isclose(shape.params / 1e9, PUBLISHED_B[name], rel_tol=0.01)
+
+
+@pytest.mark.parametrize("name", sorted(ACTIVE_B))
+def test_mixture_of_experts_preset_counts_its_active_parameters(name):
+    *_, shape, _ = load_llm(name, 1, 16)
+    assert math.isclose(shape.active_params / 1e9, ACTIVE_B[name], rel_tol=0.02)
 
 
 def test_mixtral_counts_two_of_eight_experts_per_token():
