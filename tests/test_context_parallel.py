@@ -1,0 +1,172 @@
+"""Context parallelism (executor.context_parallel): the head-tail split and its inverse; 3
+SGD steps under cp 2 (2-rank groups) and dp 2 x cp 2 (4 gloo ranks) leaving the parameters
+of one process's 3 steps on the whole batch, for a tiny Hugging Face Llama and the fx GPT of
+examples/gpt.py (float64); its price (strategies.context) on hand-counted bytes; and the
+"cp" baseline's refusal."""
+
+from __future__ import annotations
+
+from itertools import product
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from executor.context_parallel import (
+    IGNORE_INDEX,
+    apply,
+    join_sequence,
+    positions,
+    shard,
+    shift_labels,
+    split_sequence,
+    token_loss,
+)
+from tests.distributed import run_ranks
+
+VOCAB, SEQ, ROWS, STEPS, LR = 64, 16, 2, 3, 0.5
+
+
+def _llama():
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ,
+        attention_dropout=0.0, use_cache=False, bos_token_id=0, eos_token_id=0,
+        pad_token_id=0)
+    return transformers.LlamaForCausalLM(config).double().train()
+
+
+def _gpt():
+    from examples.gpt import GPT
+
+    torch.manual_seed(0)
+    return GPT(layers=2, width=32, heads=4, seq=SEQ, vocab=VOCAB).double()
+
+
+MODELS = {"llama": _llama, "gpt": _gpt}
+
+
+def _ids(step: int) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (ROWS, SEQ), generator=torch.Generator().manual_seed(step))
+
+
+def _logits(output):
+    return getattr(output, "logits", output)
+
+
+def _reference(name: str) -> dict[str, torch.Tensor]:
+    model = MODELS[name]()
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    for step in range(STEPS):
+        ids = _ids(step)
+        logits = _logits(model(ids))
+        opt.zero_grad()
+        F.cross_entropy(logits.flatten(0, 1), shift_labels(ids).flatten(),
+                        ignore_index=IGNORE_INDEX).backward()
+        opt.step()
+    return {k: v.detach() for k, v in model.named_parameters()}
+
+
+def _ranks(rank: int, world: int) -> dict:
+    """Both runs on 4 ranks, one launch: cp 2 alone (ranks 0-1 and 2-3 each run it as its
+    own pair: every collective of a cp-only run stays inside its 2-rank group), then dp 2
+    x cp 2 over all four."""
+    grid = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "cp"))
+    out = {"cp2": _train(grid["cp"]), "dp2xcp2": _train(grid)}
+    model, ids = apply(_llama(), grid), shard(grid, _ids(0))
+    try:  # a padding mask would be dropped by transformers: refused before any collective
+        model(ids, attention_mask=torch.ones_like(ids))
+    except ValueError as error:
+        out["padding"] = str(error)
+    return out
+
+
+def _train(mesh: DeviceMesh) -> dict:
+    out = {}
+    for name, make in MODELS.items():
+        model = make()
+        hf = name == "llama"
+        model = apply(model, mesh, sequence_buffers=None if hf else {"positions": 0})
+        opt = torch.optim.SGD(model.parameters(), lr=LR)
+        for step in range(STEPS):
+            ids = _ids(step)
+            kwargs = {"position_ids": positions(mesh, SEQ)} if hf else {}
+            logits = _logits(model(shard(mesh, ids), **kwargs))
+            opt.zero_grad()
+            token_loss(logits, shard(mesh, shift_labels(ids)), mesh).backward()
+            opt.step()
+        out[name] = {k: v.detach() for k, v in model.module.named_parameters()}
+    return out
+
+
+def test_split_sequence_balances_causal_work_and_joins_back():
+    whole = torch.arange(2 * 12).view(2, 12)
+    parts = [split_sequence(whole, r, 3) for r in range(3)]
+    assert parts[0][0].tolist() == [0, 1, 10, 11]  # chunks 0 and 5 of 6
+    assert parts[2][0].tolist() == [4, 5, 6, 7]  # chunks 2 and 3
+    # under a causal mask each rank's queries see the same number of keys
+    assert len({int((p[0] + 1).sum()) for p in parts}) == 1
+    assert torch.equal(join_sequence(parts), whole)
+    with pytest.raises(ValueError, match="2·cp = 8 equal chunks"):
+        split_sequence(whole, 0, 4)
+
+
+def test_context_parallel_steps_equal_one_process():
+    results = run_ranks(_ranks, 4)
+    for name in MODELS:
+        expected = _reference(name)
+        for (rank, result), run in product(enumerate(results), ("cp2", "dp2xcp2")):
+            got = result[run][name]
+            assert got.keys() == expected.keys(), name
+            assert "pass no attention_mask" in result["padding"]
+            for key, value in expected.items():
+                torch.testing.assert_close(got[key], value, rtol=1e-9, atol=1e-11,
+                                           msg=f"{name} {run} rank {rank} {key}")
+
+
+def test_context_parallel_price_counts_kv_gather_and_scatter_bytes():
+    # a Llama-like block: 8 query heads of 64 over 2 K/V heads, 2 rows of 1,024 tokens in
+    # float32, on 4 ranks of a 1 GB/s link with 1 ms per message
+    from torch import nn
+
+    from profiler.graph import Layer, TensorMeta
+    from strategies.catalog import CostContext
+    from strategies.cluster import Cluster
+    from strategies.context import context_parallel_cost
+    from strategies.devices import DeviceSpec, LinkSpec
+
+    device = DeviceSpec(name="cpu", kind="cpu", peak_flops={"float32": 1e11}, efficiency=1.0,
+                        memory_bytes=1e10, memory_bandwidth_bytes_per_s=1e10)
+    link = LinkSpec(name="l", bandwidth_bytes_per_s=1e9, latency_s=1e-3)
+    cluster = Cluster(device=device, devices_per_node=4, intra_node=link, inter_node=link)
+    out = 2 * 1024 * 512 * 4  # 4 MiB
+    layer = Layer(name="block", node="block", op="call_module", kind="LlamaDecoderLayer",
+                  inputs=(), output=TensorMeta((2, 1024, 512), "float32", out),
+                  module_type=nn.Module, attrs={"num_attention_heads": 8,
+                                                "num_key_value_heads": 2},
+                  param_bytes=2**20, param_count=2**18, fwd_flops=4e9, bwd_flops=8e9)
+    ctx = CostContext(cluster=cluster, ranks=1, batch=2, optimizer="sgd")
+    cost = context_parallel_cost(layer, 4, ctx)
+    kv = 2 * (2 * 1024) * 2 * 64 * 4  # K and V: rows x tokens x kv heads x head dim, fp32
+    assert cost.notes["kv_bytes"] == kv == 2 * 2**20
+    # all-gather and reduce-scatter each send 3/4 of it from every rank
+    assert cost.notes["communication_bytes"] == 2 * 3 / 4 * kv
+    assert cost.communication_s == pytest.approx(2 * (3 * 1e-3 + 3 / 4 * kv / 1e9))
+    whole = context_parallel_cost(layer, 1, ctx)
+    assert whole.communication_s == 0 and cost.compute_s == pytest.approx(whole.compute_s / 4)
+    # a quarter of the activations and the gathered K/V kept for backward, weights whole
+    assert cost.memory_bytes - whole.memory_bytes == pytest.approx(out / 4 - out + kv)
+    assert cost.notes["gradient_sent_bytes"] == 2 * 3 / 4 * 2**20  # DDP's all-reduce
+    with pytest.raises(ValueError, match="2·cp = 6"):
+        context_parallel_cost(layer, 3, ctx)
+
+
+def test_cp_baseline_says_it_is_priced_but_not_searched():
+    from planner.baseline import baseline
+
+    with pytest.raises(ValueError, match="cp is priced but not yet searched"):
+        baseline(torch.nn.Linear(4, 4), "2xA100-80GB", "cp", (torch.randn(4, 4),))
