@@ -18,7 +18,15 @@ own). A call with this rank's rows (tokens x hidden, top-k indices and weights):
 
 No gradient sync follows: every token that used an expert came to its rank, and the
 output gradient already carries 1/world (executor.styles.MeanOverRanks), so the expert's
-gradient is DDP's mean. `make_expert_parallel` is registered as the "expert_parallel"
+gradient is DDP's mean.
+
+With a degree below the world ("expert_parallel:ep2", strategies.experts), the EP groups
+are d consecutive ranks of a (dp, ep) mesh over the world, as torchtitan carves them out
+of the data-parallel ranks: the all-to-alls run inside one EP group, and each expert is
+held by the world/d ranks of its column, which sum its gradient after each backward (a
+hook, so microbatches still accumulate), or with ":fsdp" hold it FSDP2-sharded over them
+(`fully_shard` on the dp sub-mesh, its reduce a plain sum: gloo has no PREMUL_SUM).
+`make_expert_parallel` is registered as the "expert_parallel"
 style, which executor.modules (and executor.graph_rewrite, for a registered fx block)
 apply like any model-parallel layer's.
 """
