@@ -101,6 +101,14 @@ def price_fsdp(run: Run):
     t0 = time.perf_counter()
     graph, cluster = profiled_graph(model, cluster, inputs, kwargs)
     traced_s = time.perf_counter() - t0
+    step_s, terms = fsdp_priced(graph, cluster)
+    return step_s, terms, shape, traced_s
+
+
+def fsdp_priced(graph, cluster):
+    """(step seconds, {term: seconds}) of FSDP on every layer of a profiled graph, with
+    torchtitan's selective checkpointing added (benchmarks/titan_levers.py prices the same
+    with its kernel levers on the cluster)."""
     choices = layer_choices(graph, cluster, "adam", None, keep=fsdp_rule)
     solution = solve(choices.problem, 60.0)
     terms: Counter = Counter()
@@ -111,7 +119,7 @@ def price_fsdp(run: Run):
         terms["optimizer update"] += cost.update_s
     terms["layout changes (edges)"] = solution.objective_s - sum(terms.values())
     terms[RECOMPUTE] = selective_ac_s(choices.layers, solution.choice)
-    return solution.objective_s + terms[RECOMPUTE], terms, shape, traced_s
+    return solution.objective_s + terms[RECOMPUTE], terms
 
 
 RECOMPUTE = "selective AC: forward of every other mm, elementwise"

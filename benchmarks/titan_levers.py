@@ -28,13 +28,10 @@ from __future__ import annotations
 
 import sys
 import time
-from collections import Counter
 
-from gpu_model_check import RECOMPUTE, RUNS, bf16, fsdp_rule, selective_ac_s, term
+from gpu_model_check import RUNS, bf16, fsdp_priced
 
 from planner.baseline import fsdp_tp
-from planner.choices import layer_choices
-from planner.ilp import solve
 from planner.plan import EVERY_BLOCK
 from planner.profiled import profiled_graph
 from planner.report.throughput import plan_throughput
@@ -55,20 +52,10 @@ ROWWISE = Levers(compile=True, float8="rowwise")
 
 def price(run_name: str, levers: Levers, model_inputs):
     """(step seconds, {term: seconds}) of torchtitan's FSDP run with `levers` on."""
-    run = RUNS[run_name]
     model, inputs, kwargs = model_inputs
-    cluster = bf16(run.devices).model_copy(update={"levers": levers})
+    cluster = bf16(RUNS[run_name].devices).model_copy(update={"levers": levers})
     graph, cluster = profiled_graph(model, cluster, inputs, kwargs)
-    choices = layer_choices(graph, cluster, "adam", None, keep=fsdp_rule)
-    solution = solve(choices.problem, 60.0)
-    terms: Counter = Counter()
-    for i, row in enumerate(choices.layers):
-        cost = row.costs[solution.choice[i]]
-        terms[term(row.layer)] += cost.compute_s
-        terms["collectives past compute"] += cost.communication_s
-        terms["optimizer update"] += cost.update_s
-    terms[RECOMPUTE] = selective_ac_s(choices.layers, solution.choice)
-    return solution.objective_s + terms[RECOMPUTE], terms
+    return fsdp_priced(graph, cluster)
 
 
 # torchtitan's async TP table (benchmarks/asyncTP_llama3_h100_2025-06_torchtitan.md): per
