@@ -83,6 +83,17 @@ def hsdp_split(dp: int, tp: int, devices_per_node: int) -> tuple[int, int] | Non
     return dp // shard, shard
 
 
+def gathered_over(suffix: str, dp: int, tp: int, devices_per_node: int) -> int:
+    """How many shards an option with `suffix` gathers in its forward and backward: 0
+    where it is not sharded, dp for FSDP, a node's dp ranks for HSDP."""
+    if suffix == SUFFIX:
+        return dp
+    if suffix == HSDP_SUFFIX:
+        split = hsdp_split(dp, tp, devices_per_node)
+        return split[1] if split else dp
+    return 0
+
+
 def variants(layer: Layer, strategy: str, dp: int, tp: int, tracer: str, tied: bool,
              devices_per_node: int) -> list[str]:
     """The suffixes of the sharded variants the search offers for `strategy` on `layer`:

@@ -490,8 +490,13 @@ def build(cache: CostCache, pp: int, dp: int, tp: int, rows: int,
     # option's weights: the rows then hold what the step holds at the optimizer step
     temps = [summed_temp_bytes(got.local_param_bytes, cache.optimizer, cluster.device.kind)
              for got in priced]
+    # and what each option's FSDP group gathers, which the step's backward holds beside
+    # the rows (the second memory row: planner.pipeline.held_row)
     options = [LayerOptions(layer.name, unit_of[i], got.names, got.microbatch_s, got.step_s,
-                            got.weight_bytes + temp, got.activation_bytes)
+                            got.weight_bytes + temp, got.activation_bytes, temp_bytes=temp,
+                            gathered_bytes=got.local_param_bytes * np.array([
+                                dp_shard.gathered_over(sh, dp, tp, cluster.devices_per_node)
+                                for sh in got.sharded]))
                for i, (layer, got, temp) in enumerate(zip(graph.layers, priced, temps))]
     options.append(LayerOptions(OUTPUT, len(unit_names) - 1, ("output",), np.zeros(1),
                                 np.zeros(1), np.zeros(1), np.zeros(1)))
@@ -661,11 +666,17 @@ class _LoadBounds:
         where it has at most `actions` of them."""
         s = c.shape
         b = self.problem_of(s).problem
-        key = (id(b), s.pp, s.microbatches, s.chunks, s.schedule in V_SHAPED, within)
+        budget = self.budget_of(s)
+        flights = None if budget is None else tuple(
+            in_flight(s.schedule, s.pp, s.microbatches, k, s.chunks)
+            for k in range(s.pp * s.chunks))
+        key = (id(b), s.pp, s.microbatches, s.chunks, s.schedule in V_SHAPED, within,
+               flights, budget)
         start, raised = self.found.get(key, (math.inf, None))
         if raised is None or (raised <= start and c.bound_s < start):  # not lifted there
             raised = busiest_rank_bound(b, s.pp, s.microbatches, s.schedule, s.chunks,
-                                        c.bound_s, best_s * (1 - 1e-9), within=within)
+                                        c.bound_s, best_s * (1 - 1e-9), within=within,
+                                        budget_bytes=budget, flights=flights)
             self.found[key] = (c.bound_s, raised)
         c.bound_s = max(c.bound_s, raised or 0.0)
         if c.bound_s < best_s * (1 - 1e-9):  # few stages: every cut, the bubble included
@@ -676,10 +687,6 @@ class _LoadBounds:
                 if exact is None and s.pp * s.chunks * s.microbatches * 3 > actions:
                     return  # not priced: a later call with more time may
                 if exact is None:
-                    budget = self.budget_of(s)
-                    flights = None if budget is None else [
-                        in_flight(s.schedule, s.pp, s.microbatches, k, s.chunks)
-                        for k in range(s.pp * s.chunks)]
                     exact = relaxed_path_bound(b, s.pp, s.microbatches, s.schedule,
                                                s.chunks, budget, flights)
                 self.paths[key] = exact

@@ -103,4 +103,10 @@ def _with_recomputed(options: LayerOptions, built, i: int, kept_bytes: float) ->
         step_s=np.concatenate([options.step_s, options.step_s]),
         weight_bytes=np.concatenate([options.weight_bytes, options.weight_bytes]),
         activation_bytes=np.concatenate([options.activation_bytes, np.full(n, kept_bytes)]),
-        recomputed=np.repeat([False, True], n))
+        recomputed=np.repeat([False, True], n),
+        temp_bytes=_twice(options.temp_bytes), gathered_bytes=_twice(options.gathered_bytes))
+
+
+def _twice(per_option: np.ndarray | None) -> np.ndarray | None:
+    """A per-option array for the options and their recomputed copies."""
+    return None if per_option is None else np.concatenate([per_option, per_option])

@@ -190,8 +190,8 @@ def _held_layers(built, choice, stage, ranks_of, shape: Shape, cluster: Cluster,
     gradients beside later microbatches' activations; its take-back follows its schedule
     (_scheduled, together_bytes)."""
     dp, tp = shape.dp, shape.tp
-    split = dp_shard.hsdp_split(dp, tp, cluster.devices_per_node)
-    gather = {"": 0, dp_shard.SUFFIX: dp, dp_shard.HSDP_SUFFIX: split[1] if split else dp}
+    gather = {suffix: dp_shard.gathered_over(suffix, dp, tp, cluster.devices_per_node)
+              for suffix in ("", dp_shard.SUFFIX, dp_shard.HSDP_SUFFIX)}
     layers: list[list[HeldLayer]] = [[] for _ in range(shape.pp)]
     for i in range(len(built.layers)):
         c = choice[i]

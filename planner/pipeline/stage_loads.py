@@ -42,25 +42,48 @@ import math
 
 import numpy as np
 
-from planner.pipeline import schedules
+from planner.pipeline import held_row, schedules
 
 SETTLED = 1e-6  # bisection stops at this relative width
 # multipliers of a memory row in the Lagrangian bounds (here and stages._dual_stage_bounds),
 # besides 0, over 1e-3 to 1e3 of the work's scale: on a 405 B Llama's one-chunk shapes 15
 # give bounds within 0.2% of 31's in half the time; 9 lose up to 4%
 LAMBDAS = 15
+# multipliers of the memory rows in busiest_rank_bound's dynamic program, each a pass of
+# its own, over 1e-2 to 1e2 of the work's scale (a factor 3 apart)
+MEMORY_DP_LAMBDAS = 9
 
 
 def busiest_rank_bound(problem, pp: int, microbatches: int, schedule: str, chunks: int,
-                       low_s: float, high_s: float, within: float = SETTLED) -> float | None:
+                       low_s: float, high_s: float, within: float = SETTLED,
+                       budget_bytes: float | None = None, flights=None) -> float | None:
     """A lower bound on this shape's step, at least `low_s` (a bound already known): the
     least busiest-rank work over cuts (module docstring), found to within `within` of
     `high_s` (0: no bisection, `low_s` where a cut fits under `high_s`); where no cut fits
     under `high_s` (e.g. the incumbent), `high_s` itself. None where not offered (one
-    chunk per rank, or four)."""
+    chunk per rank, or four). With `budget_bytes` and `flights` (per stage, its
+    microbatches in flight), each rank's work is also at least its memory row's
+    Lagrangian at each of MEMORY_DP_LAMBDAS multipliers (memory_terms), every cut held to
+    all of them: a cut must fit every rank, which memory_bound's units in any order do
+    not ask (a 70 B Llama's head keeps its logits for each of 32 microbatches in flight
+    under interleaved zero bubble over 32 ranks: no rank can hold it, where memory_bound
+    let no rank hold it at 8.0 s)."""
     fits = _feasibility(problem, pp, microbatches, schedule, chunks)
     if fits is None:
         return None
+    if budget_bytes is not None and flights is not None:
+        tables = problem.tables
+        least = np.where(np.isfinite(tables.microbatch_s), tables.microbatch_s, np.inf)
+        scale = microbatches * float(least.min(axis=1) @ tables.counts.sum(axis=1))
+        each = [fits] + [_feasibility(problem, pp, microbatches, schedule, chunks,
+                                      memory_terms(problem, pp, microbatches, schedule, lam,
+                                                   budget_bytes, flights))
+                         for lam in scale / budget_bytes * np.geomspace(1e-2, 1e2,
+                                                                        MEMORY_DP_LAMBDAS)]
+
+        def fits(tau: float) -> bool:
+            """Whether a cut keeps every rank under tau by its work and every Lagrangian."""
+            return all(f(tau) for f in each)
     if not fits(high_s):
         return high_s
     low, high = low_s, high_s
@@ -109,7 +132,9 @@ def memory_bound(problem, pp: int, microbatches: int, schedule: str, chunks: int
     the ranks can hold all U units (some n_r with Σ n_r = U, each at least `chunks`).
     The chunked bound of planner.pipeline.stages shares the memory of all ranks with one
     microbatch in flight: on a 70 B Llama over 256 H100s it left shapes that keep four
-    microbatches of every block at 8 s, against 18 s and more here."""
+    microbatches of every block at 8 s, against 18 s and more here. Each rank's second
+    memory row (planner.pipeline.held_row: FSDP's backward beside the rows) is priced
+    the same way, the least over its τ, and the larger of the two rows' bounds kept."""
     m = microbatches
     tables = problem.tables
     U = len(problem.units)
@@ -125,12 +150,18 @@ def memory_bound(problem, pp: int, microbatches: int, schedule: str, chunks: int
     sends = hops * m * float(cuts.min()) if len(cuts) else 0.0
     scale = float(t.min(axis=1).sum())
     best = 0.0
-    for lam in np.concatenate([[0.0], scale / budget_bytes * np.geomspace(1e-3, 1e3,
-                                                                         LAMBDAS)]):
+    lams = np.concatenate([[0.0], scale / budget_bytes * np.geomspace(1e-3, 1e3, LAMBDAS)])
+    second = {f: held_row.lagrangian_by_unit(tables, t, f, lams[1:]) for f in set(f_rank)}
+    for k, lam in enumerate(lams):
         cheapest = {}  # f -> prefix sums of the units' c_λ, cheapest first
         for f in set(f_rank):
             cost = tables.least_by_unit(t + lam * (w + f * a)) + edges
             cheapest[f] = np.concatenate([[0.0], np.cumsum(np.sort(cost))])
+            if second[f] is not None and lam > 0:  # the second row too, the larger kept
+                value, once = second[f]
+                held = np.concatenate([np.zeros((len(value), 1)),
+                                       np.cumsum(np.sort(value[:, k - 1] + edges, -1), -1)], -1)
+                cheapest[f] = np.maximum(cheapest[f], (held + once[:, k - 1, None]).min(axis=0))
         least = [cheapest[f] - lam * budget_bytes + sends for f in f_rank]  # [n]: n units
         tau = np.unique(np.concatenate([q[chunks:] for q in least]))
         held = np.array([np.searchsorted(q, tau, side="right") - 1 for q in least])
@@ -151,8 +182,10 @@ def _unit_work(tables, m: int) -> np.ndarray:
     return np.maximum(work + m * tables.edge_least_s, joint)
 
 
-def _feasibility(problem, pp: int, m: int, schedule: str, chunks: int):
-    """tau -> whether some cut keeps every rank's work under tau; None where not offered."""
+def _feasibility(problem, pp: int, m: int, schedule: str, chunks: int, terms=None):
+    """tau -> whether some cut keeps every rank's work under tau; None where not offered.
+    `terms` (memory_terms): per rank, the prices of its two stages' units and a constant,
+    in place of its units' least work."""
     if chunks != 2 or pp < 2:
         return None
     tables = problem.tables
@@ -164,31 +197,53 @@ def _feasibility(problem, pp: int, m: int, schedule: str, chunks: int):
     cut = np.concatenate([np.asarray(problem.cut_s, float), [0.0]])
     cut[0] = 0.0  # no transfer before the first unit or after the last
     idx = np.arange(U + 1)
-
-    R = np.concatenate([[0.0], np.cumsum(_unit_work(tables, m))])
+    if terms is None:
+        R = np.concatenate([[0.0], np.cumsum(_unit_work(tables, m))])
+        terms = [(R, R, 0.0)] * pp
     # the forward of microbatch 0 up to a stage starting there
     lead = (A + cut) * problem.forward_share
     shape = _v_shaped if schedule in schedules.V_SHAPED else _looped
-    return shape(pp, U, m * cut, idx, R, lead)
+    return shape(pp, U, m * cut, idx, terms, lead)
 
 
-def _v_shaped(pp, U, sends, idx, R, lead):
+def memory_terms(problem, pp: int, m: int, schedule: str, lam: float, budget_bytes: float,
+                 flights) -> list:
+    """Per rank, (prefix sums of its first and its second stage's units' prices, a
+    constant) for _feasibility: its work's Lagrangian at multiplier `lam`, each unit
+    priced c_λ(u, f) = Σ over u's layers of min over options (m·t + s + λ·(w + f·a)) + m
+    times its least edges, f its stage's microbatches in flight (`flights`, per stage),
+    less λ·budget (as memory_bound, per stage)."""
+    tables = problem.tables
+    t = m * tables.microbatch_s + tables.step_s
+    edges = m * tables.edge_least_s
+    w, a = tables.weight_bytes, tables.activation_bytes
+    prefix = {f: np.concatenate([[0.0], np.cumsum(tables.least_by_unit(t + lam * (w + f * a))
+                                                  + edges)])
+              for f in set(flights)}
+    ranks = schedules.placement(schedule, pp, 2)
+    mine = [[k for k in range(2 * pp) if ranks[k] == r] for r in range(pp)]
+    return [(prefix[flights[a]], prefix[flights[b]], -lam * budget_bytes) for a, b in mine]
+
+
+def _v_shaped(pp, U, sends, idx, terms, lead):
     """Rank r holds stages r = [i, i') and 2pp-1-r = [j', j); the state after rank r is
     (i', j'), from (0, U); the last rank's two stages meet (i' == j': the turn of the V,
     no transfer). The rank's term splits into a part of the old state (i, j) and one of
-    the new (i', j')."""
-    old = (lead - R + sends)[:, None] + (R + sends)[None, :]
-    new = (R + sends)[:, None] - (R - sends)[None, :]
-    turn = R[:, None] - R[None, :]
+    the new (i', j'): with R1, R2 the prefix sums its two stages' units are priced by and
+    c its constant (terms[r]), R1[i'] - R1[i] + R2[j] - R2[j'] + c and the transfers."""
     gap = idx[None, :] - idx[:, None]
     valid = [gap >= 2 * (pp - 1 - r) if r < pp - 1 else gap == 0 for r in range(pp)]
+    parts = [((lead - R1 + sends)[:, None] + (R2 + sends)[None, :],
+              ((R1 + sends)[:, None] - (R2 - sends)[None, :] if r < pp - 1
+               else R1[:, None] - R2[None, :]) + c)
+             for r, (R1, R2, c) in enumerate(terms)]
 
     def fits(tau: float) -> bool:
         reach = np.zeros((U + 1, U + 1), bool)
         reach[0, U] = True
-        for r in range(pp):
+        for r, (old, new) in enumerate(parts):
             least = _before_after(np.where(reach, old, math.inf))
-            reach = (least + (new if r < pp - 1 else turn) <= tau) & valid[r]
+            reach = (least + new <= tau) & valid[r]
             if not reach.any():
                 return False
         return True
@@ -196,7 +251,7 @@ def _v_shaped(pp, U, sends, idx, R, lead):
     return fits
 
 
-def _looped(pp, U, sends, idx, R, lead):
+def _looped(pp, U, sends, idx, terms, lead):
     """Rank r holds stages r = [i, i') and pp + r = [k, k'); the state after rank r is
     (i', k') for each start g of the second lap (stage pp), from (0, g) to (g, U)."""
     laps = idx[pp:U - pp + 1]  # each lap holds at least pp units
@@ -205,8 +260,9 @@ def _looped(pp, U, sends, idx, R, lead):
         return lambda tau: False
     # single precision (the running minima over the third axis are most of the time),
     # read with a margin above its rounding: the answer only errs towards fitting
-    old = ((lead - R + sends)[:, None] + (sends - R)[None, :])[None].astype(np.float32)
-    new = ((R + sends)[:, None] + (R + sends)[None, :])[None].astype(np.float32)
+    parts = [(((lead - R1 + sends)[:, None] + (sends - R2)[None, :])[None].astype(np.float32),
+              ((R1 + sends)[:, None] + (R2 + sends)[None, :] + c)[None].astype(np.float32))
+             for R1, R2, c in terms]
     g = laps[:, None, None]
     i2, k2 = idx[None, :, None], idx[None, None, :]
     valid = [(i2 <= g - (pp - 1 - r)) & (k2 <= U - (pp - 1 - r)) & (k2 > g)
@@ -216,7 +272,7 @@ def _looped(pp, U, sends, idx, R, lead):
         reach = np.zeros((G, U + 1, U + 1), bool)
         reach[np.arange(G), 0, laps] = True
         alive = np.arange(G)  # the second-lap starts some cut still reaches
-        for r in range(pp):
+        for r, (old, new) in enumerate(parts):
             least = _before_before(np.where(reach, old, np.float32(math.inf)))
             reach = (least + new <= tau * (1 + 1e-5)) & valid[r][alive]
             keep = reach.any(axis=(1, 2))

@@ -64,7 +64,7 @@ from ortools.linear_solver import pywraplp
 
 from planner import ilp
 from planner.pipeline import (
-    schedules, stage_dp, stage_intervals, stage_loads, stage_mip, unit_least,
+    held_row, schedules, stage_dp, stage_intervals, stage_loads, stage_mip, unit_least,
 )
 from planner.numerics import time_unit_s
 from planner.problem import Edge, Infeasible, Node, Option, Problem
@@ -95,6 +95,11 @@ class LayerOptions:
     # per option: is it the block-recomputed variant (planner.pipeline.block_recompute)? None: no
     # such variants. Recomputed options follow the plain ones, in the same order.
     recomputed: np.ndarray | None = None
+    # per option, what the second memory row reads (planner.pipeline.held_row): of
+    # weight_bytes the optimizer temporaries, and what its FSDP group gathers (0 where
+    # none); None: zeros
+    temp_bytes: np.ndarray | None = None
+    gathered_bytes: np.ndarray | None = None
 
     def plain_index(self, c: int) -> int:
         """The plain option that recomputed option `c` checkpoints (`c` itself if plain)."""
@@ -194,6 +199,10 @@ class _Tables:
     # option of a layer without recomputed variants.
     plain_ok: np.ndarray
     recomputed_ok: np.ndarray
+    # (distinct, width): weight_bytes without the optimizer temporaries, and the bytes the
+    # option's FSDP group gathers (planner.pipeline.held_row; 0 past a layer's own)
+    rest_bytes: np.ndarray
+    gathered_bytes: np.ndarray
 
     @staticmethod
     def of(problem: "StageProblem") -> "_Tables":
@@ -201,6 +210,7 @@ class _Tables:
         width = max(len(l.strategies) for l in problem.layers)
         mb, step = np.full((L, width), math.inf), np.full((L, width), math.inf)
         w, a = np.zeros((L, width)), np.zeros((L, width))
+        temp, gathered = np.zeros((L, width)), np.zeros((L, width))
         recomputed = np.full((L, width), 0.5)  # 0 plain, 1 recomputed, 0.5 either
         for i, l in enumerate(problem.layers):
             n = len(l.strategies)
@@ -208,6 +218,10 @@ class _Tables:
             w[i, :n], a[i, :n] = l.weight_bytes, l.activation_bytes
             if l.recomputed is not None:
                 recomputed[i, :n] = l.recomputed
+            if l.temp_bytes is not None:
+                temp[i, :n] = l.temp_bytes
+            if l.gathered_bytes is not None:
+                gathered[i, :n] = l.gathered_bytes
         unit = np.array([l.unit for l in problem.layers])
         layer_least = np.bincount(unit, weights=mb.min(axis=1), minlength=U)
         # padding is +inf, never the least
@@ -215,14 +229,15 @@ class _Tables:
         edge_least = np.zeros(U)
         for e in problem.edges:
             edge_least[problem.layers[e.dst].unit] += float(np.asarray(e.cost_s).min())
-        rows, inverse = np.unique(np.concatenate([mb, step, w, a, recomputed], 1), axis=0,
-                                  return_inverse=True)
+        rows, inverse = np.unique(np.concatenate([mb, step, w, a, recomputed, w - temp,
+                                                  gathered], 1), axis=0, return_inverse=True)
         counts = np.zeros((len(rows), U))
         np.add.at(counts, (inverse.ravel(), unit), 1.0)
-        mb, step, w, a, recomputed = np.split(rows, 5, axis=1)
+        mb, step, w, a, recomputed, rest, gathered = np.split(rows, 7, axis=1)
         joint = np.maximum(unit_least.unit_least_s(problem), layer_least + edge_least)
         return _Tables(mb, step, w, a, counts, layer_least, edge_least, joint, step_by_unit,
-                       plain_ok=recomputed < 1, recomputed_ok=recomputed > 0)
+                       plain_ok=recomputed < 1, recomputed_ok=recomputed > 0,
+                       rest_bytes=rest, gathered_bytes=gathered)
 
     @property
     def step_least_s(self) -> float:
@@ -641,7 +656,10 @@ def every_block_recomputed(problem: StageProblem):
             else np.flatnonzero(l.recomputed) for l in problem.layers]
     layers = tuple(l if l.recomputed is None else LayerOptions(
         l.name, l.unit, tuple(l.strategies[o] for o in k), l.microbatch_s[k], l.step_s[k],
-        l.weight_bytes[k], l.activation_bytes[k]) for l, k in zip(problem.layers, keep))
+        l.weight_bytes[k], l.activation_bytes[k],
+        temp_bytes=None if l.temp_bytes is None else l.temp_bytes[k],
+        gathered_bytes=None if l.gathered_bytes is None else l.gathered_bytes[k])
+        for l, k in zip(problem.layers, keep))
     edges = tuple(Edge(e.src, e.dst, np.asarray(e.cost_s, float)[np.ix_(keep[e.src],
                                                                          keep[e.dst])])
                   for e in problem.edges)
@@ -886,7 +904,7 @@ def _one_stage_bound(problem: StageProblem, m: int, schedule: str,
     if budget_bytes is None:
         return plain
     f = in_flight(schedule, 1, m, 0)
-    if _least_memory_prefix(problem, [f])[f][-1] > budget_bytes * (1 + 1e-9):
+    if not _spans_that_fit(problem, f, budget_bytes)[0, -1]:
         return math.inf
     edges_s = m * float(tables.edge_least_s.sum())
     dual = _dual_stage_bounds(problem, [f], m, budget_bytes, per_step=True)[f][0, -1]
@@ -962,11 +980,8 @@ def _stages_that_fit(problem: StageProblem, pp: int, m: int, schedule: str,
     same option per layer (the least m·t + s, not two separate least), under 1F1B with
     its idle spells at least 2R - w·T (R - w·f·T where the two are one, f the forward's
     share: _one_f_one_b_idle): (m - w)·T + S + 2R."""
-    U = len(problem.units)
-    i_, j_ = np.arange(U + 1)[:, None], np.arange(U + 1)[None, :]
-    memory = _least_memory_prefix(problem, flights)
-    limit = budget_bytes * (1 + 1e-9)
-    fits = [memory[f][j_] - memory[f][i_] <= limit for f in flights]
+    fitting = {f: _spans_that_fit(problem, f, budget_bytes) for f in set(flights)}
+    fits = [fitting[f] for f in flights]
     dual = _dual_stage_bounds(problem, set(flights), m, budget_bytes)
     stage_m = [np.maximum(m * body, dual[f] + m * outside) for f in flights]
 
@@ -1054,8 +1069,30 @@ def _dual_stage_bounds(problem: StageProblem, flights, m: int, budget_bytes: flo
         for row, lam in zip(prefix, lams):
             np.add.outer(-row, row - lam * budget_bytes, out=span)
             np.maximum(best, span, out=best)
+        _held_row_bounds(tables, t, f, lams[1:], budget_bytes, best, span)
         out[f] = np.maximum(best, 0.0) * later
     return out
+
+
+def _held_row_bounds(tables, t: np.ndarray, f: int, lams: np.ndarray, budget_bytes: float,
+                     best: np.ndarray, span: np.ndarray) -> None:
+    """`best` ([i, j]: a bound on a stage of units [i, j)) raised in place by the
+    Lagrangian of its rank's second memory row (planner.pipeline.held_row: FSDP's
+    backward beside the rows), the least over τ for each λ; nothing where no option
+    gathers."""
+    second = held_row.lagrangian_by_unit(tables, t, f, lams)
+    if second is None:
+        return
+    value, once = second  # (τ, λ, units), (τ, λ)
+    prefix = np.concatenate([np.zeros(value.shape[:2] + (1,)), np.cumsum(value, -1)], -1)
+    low = np.empty_like(best)
+    for k, lam in enumerate(lams):
+        low.fill(math.inf)
+        for tau in range(len(prefix)):
+            np.add.outer(-prefix[tau, k], prefix[tau, k] + once[tau, k] - lam * budget_bytes,
+                         out=span)
+            np.minimum(low, span, out=low)
+        np.maximum(best, low, out=best)
 
 
 def _least_memory_prefix(problem: StageProblem, flights) -> dict[int, np.ndarray]:
@@ -1063,6 +1100,24 @@ def _least_memory_prefix(problem: StageProblem, flights) -> dict[int, np.ndarray
     least memory a run of units can take with f microbatches in flight."""
     return {f: np.concatenate([[0.0], np.cumsum(problem.tables.least_memory_by_unit(f))])
             for f in set(flights)}
+
+
+def _spans_that_fit(problem: StageProblem, f: int, budget_bytes: float) -> np.ndarray:
+    """[i, j] -> whether a stage of units [i, j) with f microbatches in flight can fit the
+    budget: its least memory by the stage rows, and by the second row
+    (planner.pipeline.held_row), the least over τ."""
+    U = len(problem.units)
+    i_, j_ = np.arange(U + 1)[:, None], np.arange(U + 1)[None, :]
+    limit = budget_bytes * (1 + 1e-9)
+    first = _least_memory_prefix(problem, [f])[f]
+    fits = first[j_] - first[i_] <= limit
+    second = held_row.least_memory_by_unit(problem.tables, f)
+    if second is not None:
+        per_unit, once = second
+        prefix = np.concatenate([np.zeros((len(once), 1)), np.cumsum(per_unit, -1)], -1)
+        least = (prefix[:, None, :] - prefix[:, :, None] + once[:, None, None]).min(axis=0)
+        fits &= least <= limit
+    return fits
 
 
 def _least_sends_s(problem: StageProblem, schedule: str, pp: int, chunks: int) -> float:
