@@ -12,6 +12,7 @@ import pytest
 from planner.pipeline import held_row
 from planner.pipeline.schedules import refusal
 from planner.pipeline.stage_loads import busiest_rank_bound, memory_bound
+from planner.pipeline.stage_paths import relaxed_path_bound
 from planner.pipeline.stages import (
     LayerOptions,
     StageProblem,
@@ -91,6 +92,8 @@ def test_bounds_stay_below_every_plan_that_fits_both_rows(seed):
                 bound = busiest_rank_bound(p, pp, m, schedule, chunks, 0.0, 2 * fitting,
                                            1e-6, budget, flights)
                 assert bound <= fitting * (1 + 1e-5), (pp, schedule, chunks, m, share)
+                bound = relaxed_path_bound(p, pp, m, schedule, chunks, budget, flights)
+                assert bound <= fitting * (1 + 1e-9), (pp, schedule, chunks, m, share)
 
 
 def _fsdp_or_whole(gathered: float | None) -> StageProblem:
@@ -141,3 +144,27 @@ def test_the_busiest_rank_bound_reads_each_ranks_memory():
     alone = busiest_rank_bound(p, 2, m, schedule, 2, 0.0, 100.0, 1e-6)
     bound = busiest_rank_bound(p, 2, m, schedule, 2, 0.0, 100.0, 1e-6, budget, flights)
     assert alone + 0.5 < bound <= fitting * (1 + 1e-6), (alone, bound, fitting)
+
+
+@pytest.mark.parametrize("schedule", ["ZBVZeroBubble", "Interleaved1F1B"])
+def test_the_relaxed_path_bound_reads_fsdp_backward(schedule):
+    """The same six units, the slow option FSDP-sharded and gathering 4 GB in its
+    backward: each rank's second memory row (its τ a choice in the program) raises the
+    relaxed path bound past what the stage rows alone give, below the best plan that fits
+    both rows."""
+    two = np.array
+
+    def problem(gathered):
+        return StageProblem(tuple(LayerOptions(
+            f"l{u}", u, ("fast", "slow"), two([1.0, 2.0]), two([0.0, 0.0]),
+            two([10e9, 1e9]), two([0.0, 0.0]), temp_bytes=two([0.0, 0.0]),
+            gathered_bytes=two([0.0, gathered])) for u in range(6)), (),
+            tuple(f"u{u}" for u in range(6)), (0.0,) * 6)
+
+    m, budget = 2, 25e9
+    flights = [in_flight(schedule, 2, m, k, 2) for k in range(4)]
+    rows = relaxed_path_bound(problem(0.0), 2, m, schedule, 2, budget, flights)
+    p = problem(4e9)
+    fitting = min(s for s, a, b in _plans(p, 2, m, schedule, 2) if a <= budget and b <= budget)
+    bound = relaxed_path_bound(p, 2, m, schedule, 2, budget, flights)
+    assert rows + 1.0 < bound <= fitting * (1 + 1e-9), (rows, bound, fitting)

@@ -34,10 +34,13 @@ STEP = 2 ** 0.25  # the rounding grid of the gathered sizes: within 16% below ea
 SHARE = 4 / 3  # (4/3)·top3(g): top1 + top3 is at least top3 + top3 / 3
 
 
-def levels(tables) -> tuple[np.ndarray, np.ndarray] | None:
+def levels(tables, one: bool = False) -> tuple[np.ndarray, np.ndarray] | None:
     """(the gathered bytes rounded down to the grid, (distinct, width); the values τ takes:
     0 and each rounded size) of a problem's tables, the smallest sizes rounded to 0 past
-    LEVELS of them; None where no option gathers anything (no row to add)."""
+    LEVELS of them; None where no option gathers anything (no row to add). `one`: a single
+    size besides 0, the one the model gathers most bytes at or above (a transformer's
+    MLP), every size rounded down to it or to 0: where τ is a choice per rank in a
+    program, two values keep that choice a binary."""
     g = tables.gathered_bytes
     if not (g > 0).any():
         return None
@@ -45,6 +48,10 @@ def levels(tables) -> tuple[np.ndarray, np.ndarray] | None:
     rounded = np.where(g > 0, top * STEP ** np.floor(np.log(np.maximum(g, 1e-300) / top)
                                                         / np.log(STEP) + 1e-9), 0.0)
     sizes = np.unique(rounded[rounded > 0])[::-1][:LEVELS]
+    if one:
+        many = tables.counts.sum(axis=1)[:, None]  # how often each distinct layer occurs
+        sizes = sizes[[np.argmax([(many * (rounded >= x)).sum() * x for x in sizes])]]
+        return np.where(rounded >= sizes[0], sizes[0], 0.0), np.array([0.0, sizes[0]])
     rounded = np.where(rounded >= sizes[-1], rounded, 0.0)
     return rounded, np.concatenate([[0.0], sizes[::-1]])
 
@@ -70,13 +77,13 @@ def least_memory_by_unit(tables, f: int) -> tuple[np.ndarray, np.ndarray] | None
     return tables.least_by_unit(memory(tables, f, rounded, taus)), 3 * SHARE * taus
 
 
-def lagrangian_by_unit(tables, work: np.ndarray, f: int, lams: np.ndarray
+def lagrangian_by_unit(tables, work: np.ndarray, f: int, lams: np.ndarray, one: bool = False
                        ) -> tuple[np.ndarray, np.ndarray] | None:
     """(per τ, λ and unit: Σ over its layers of min_o (work_o + λ·row_o); per τ and λ the
     4λτ added once per rank), for `work` (distinct, width); None where nothing is
     gathered. A rank's Lagrangian bound is the least over τ of its units' sum plus that
-    term, less λ·budget (module docstring)."""
-    found = levels(tables)
+    term, less λ·budget (module docstring). `one`: two values of τ (levels)."""
+    found = levels(tables, one)
     if found is None:
         return None
     rounded, taus = found

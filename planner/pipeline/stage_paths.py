@@ -33,7 +33,8 @@ from functools import lru_cache
 
 import numpy as np
 
-from planner.pipeline import schedules
+from planner.numerics import mip_solver
+from planner.pipeline import held_row, schedules
 
 MAX_CUTS = 60_000
 CHUNK = 8_192  # cuts priced at once (memory: CHUNK x actions floats)
@@ -168,7 +169,11 @@ def relaxed_path_bound(problem, pp: int, microbatches: int, schedule: str,
     stage holds is free, but for how many of each kind the model has (_memory_rows).
     So where memory forces blocks to be recomputed, their recompute enters the bubble's
     bound: on a 70 B Llama over 256 H100s, interleaved 1F1B over 4 ranks of 2 chunks,
-    4 microbatches, every block offered recomputed, 9.50 s without them, 10.84 s with."""
+    4 microbatches, every block offered recomputed, 9.50 s without them, 10.84 s with.
+    Where options gather (FSDP), each rank's second memory row as well (held_row, its τ
+    one of two values, a binary per rank: a small MIP, whose bound is read after
+    HELD_MIP_S): a 405 B Llama's DualPipeV over 8 ranks at tp 2, 88.54 s by the stage
+    rows, 90.48 s with it."""
     from ortools.linear_solver import pywraplp
 
     S = pp * chunks
@@ -184,7 +189,10 @@ def relaxed_path_bound(problem, pp: int, microbatches: int, schedule: str,
         return once
     smallest = float(tables.unit_least_s.min())
     share = schedules.parts(problem.forward_share)
-    solver = pywraplp.Solver.CreateSolver("GLOP")
+    held = (budget_bytes is not None and flights is not None and pp > 1
+            and held_row.levels(tables) is not None)
+    # the second memory row's τ is one per rank: a choice, so a small MIP (its bound read)
+    solver = mip_solver()[0] if held else pywraplp.Solver.CreateSolver("GLOP")
     # in units of the work: the program's numbers near 1
     x = [solver.NumVar(smallest / work + (problem.replay_s / work if k else 0.0),
                        solver.infinity(), f"x[{k}]") for k in range(S)]
@@ -193,12 +201,17 @@ def relaxed_path_bound(problem, pp: int, microbatches: int, schedule: str,
     if budget_bytes is not None and flights is not None and pp > 1:
         # the slowest rank's per-step part, from the same rows as its memory
         slowest = _memory_rows(solver, x, problem, pp, microbatches, ranks, budget_bytes,
-                               flights, work)
+                               flights, work, held)
         solver.Minimize(z + slowest)
         once = 0.0
     else:
         solver.Minimize(z)
-    if solver.Solve() != pywraplp.Solver.OPTIMAL:
+    if held:
+        solver.SetTimeLimit(int(HELD_MIP_S * 1000))
+    status = solver.Solve()
+    if held and status in (pywraplp.Solver.OPTIMAL, pywraplp.Solver.FEASIBLE):
+        return solver.Objective().BestBound() * work * (1 - 1e-7) + once
+    if status != pywraplp.Solver.OPTIMAL:
         return tables.step_least_s / pp  # no answer is no bound
     # the LP's own rounding: its optimum read a hair low errs on the bound's side
     return solver.Objective().Value() * work * (1 - 1e-7) + once
@@ -234,10 +247,12 @@ def _makespan_rows(solver, x, share, actions):
 
 
 MEMORY_LAMBDAS = 16  # multipliers of each rank's memory row in relaxed_path_bound
+HELD_LAMBDAS = 9  # multipliers of its second row (a factor 3 apart: each a row per τ)
+HELD_MIP_S = 2.0  # the most a program with the second row's τ choices runs: its bound read
 
 
 def _memory_rows(solver, x, problem, pp: int, m: int, ranks, budget_bytes, flights,
-                 work: float):
+                 work: float, held: bool = False):
     """relaxed_path_bound's memory rows (its docstring), in its units (of the work, per
     microbatch); the variable of the slowest rank's per-step part, which the bound adds
     to the makespan. Units alike (the same layers, least edges and least times: a
@@ -289,4 +304,39 @@ def _memory_rows(solver, x, problem, pp: int, m: int, ranks, budget_bytes, fligh
                            - sum(z[c][k] * float(cost[flights[k]][c]) for k in mine[r]
                                  for c in range(C))
                            >= -lam * budget_bytes / norm)
+    if held:
+        _held_rows(solver, x, z, once, problem, m, mine, budget_bytes, flights, first, count,
+                   scale, norm)
     return slowest
+
+
+def _held_rows(solver, x, z, once, problem, m: int, mine, budget_bytes, flights, first,
+               count, scale: float, norm: float) -> None:
+    """The second memory row of each rank (planner.pipeline.held_row) in _memory_rows'
+    form: per multiplier λ and τ, m·Σ_{k on r} x_k + S_r >= Σ z[c, k]·c_λτ(c, f_k) +
+    4λτ - λ·budget, where rank r's binary y[r, τ] picks its τ (the others' rows lifted
+    by their own largest left side, so they bind nothing)."""
+    tables = problem.tables
+    t = m * tables.microbatch_s + tables.step_s
+    edges = m * tables.edge_least_s
+    C = len(first)
+    lams = scale / budget_bytes * np.geomspace(1e-2, 1e2, HELD_LAMBDAS)
+    priced = {f: held_row.lagrangian_by_unit(tables, t, f, lams, one=True)
+              for f in set(flights)}
+    taus = len(next(iter(priced.values()))[1])
+    for r, stages in enumerate(mine):
+        y = [solver.BoolVar(f"tau[{r},{i}]") for i in range(taus)]
+        solver.Add(sum(y) == 1)
+        for j, lam in enumerate(lams):
+            for i in range(taus):
+                cost = {f: (value[i, j] + edges)[first] / norm
+                        for f, (value, _) in priced.items()}
+                if not all(np.isfinite(v).all() for v in cost.values()):
+                    continue
+                rest = float(priced[flights[stages[0]]][1][i, j]) / norm
+                lift = sum(float(count[c]) * max(float(cost[f][c]) for f in cost)
+                           for c in range(C)) + rest
+                solver.Add(sum(x[k] for k in stages) + once[r] * (1.0 / m)
+                           - sum(z[c][k] * float(cost[flights[k]][c]) for k in stages
+                                 for c in range(C))
+                           >= rest - lam * budget_bytes / norm - lift * (1 - y[i]))
