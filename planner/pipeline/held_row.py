@@ -19,8 +19,8 @@ reached at τ = 0 or at one of the g, so for any λ >= 0 the Lagrangian of this 
 
 is at most the work of any choice that fits the row: for each τ one least per layer, as
 the first row's bounds take them (planner.pipeline.stages._dual_stage_bounds,
-stage_loads.memory_bound). The g are rounded down to a few levels first (a smaller g
-only lowers the row: still a bound), so that τ takes few values.
+stage_loads.memory_bound). Where the g take many values they are rounded down to a few
+levels first (a smaller g only lowers the row: still a bound), so that τ takes few.
 """
 
 from __future__ import annotations
@@ -35,23 +35,27 @@ SHARE = 4 / 3  # (4/3)·top3(g): top1 + top3 is at least top3 + top3 / 3
 
 
 def levels(tables, one: bool = False) -> tuple[np.ndarray, np.ndarray] | None:
-    """(the gathered bytes rounded down to the grid, (distinct, width); the values τ takes:
-    0 and each rounded size) of a problem's tables, the smallest sizes rounded to 0 past
-    LEVELS of them; None where no option gathers anything (no row to add). `one`: a single
-    size besides 0, the one the model gathers most bytes at or above (a transformer's
-    MLP), every size rounded down to it or to 0: where τ is a choice per rank in a
-    program, two values keep that choice a binary."""
+    """(the gathered bytes the row reads, (distinct, width); the values τ takes: 0 and
+    each of those sizes) of a problem's tables: the sizes themselves where they are at
+    most LEVELS, else rounded down to the grid and the smallest to 0 past LEVELS of them;
+    None where no option gathers anything (no row to add). `one`: a single size besides 0,
+    the one the model gathers most bytes at or above (a transformer's MLP), every size
+    rounded down to it or to 0: where τ is a choice per rank in a program, two values
+    keep that choice a binary."""
     g = tables.gathered_bytes
     if not (g > 0).any():
         return None
-    top = float(g.max())
-    rounded = np.where(g > 0, top * STEP ** np.floor(np.log(np.maximum(g, 1e-300) / top)
-                                                        / np.log(STEP) + 1e-9), 0.0)
-    sizes = np.unique(rounded[rounded > 0])[::-1][:LEVELS]
+    sizes = np.unique(g[g > 0])[::-1]
+    rounded = g
+    if len(sizes) > LEVELS and not one:
+        top = float(sizes[0])
+        rounded = np.where(g > 0, top * STEP ** np.floor(
+            np.log(np.maximum(g, 1e-300) / top) / np.log(STEP) + 1e-9), 0.0)
+        sizes = np.unique(rounded[rounded > 0])[::-1][:LEVELS]
     if one:
         many = tables.counts.sum(axis=1)[:, None]  # how often each distinct layer occurs
-        sizes = sizes[[np.argmax([(many * (rounded >= x)).sum() * x for x in sizes])]]
-        return np.where(rounded >= sizes[0], sizes[0], 0.0), np.array([0.0, sizes[0]])
+        size = sizes[np.argmax([(many * (g >= x)).sum() * x for x in sizes])]
+        return np.where(g >= size, size, 0.0), np.array([0.0, size])
     rounded = np.where(rounded >= sizes[-1], rounded, 0.0)
     return rounded, np.concatenate([[0.0], sizes[::-1]])
 
