@@ -686,9 +686,13 @@ class _LoadBounds:
                 # too many cuts: the stage times free, where the program is small
                 if exact is None and s.pp * s.chunks * s.microbatches * 3 > actions:
                     return  # not priced: a later call with more time may
-                if exact is None:
+                if exact is None:  # the linear program, then the second row's MIP if
+                    # the program leaves the candidate below the best
                     exact = relaxed_path_bound(b, s.pp, s.microbatches, s.schedule,
-                                               s.chunks, budget, flights)
+                                               s.chunks, budget, flights, second_row=False)
+                    if exact < best_s * (1 - 1e-9):
+                        exact = max(exact, relaxed_path_bound(
+                            b, s.pp, s.microbatches, s.schedule, s.chunks, budget, flights))
                 self.paths[key] = exact
             c.bound_s = max(c.bound_s, self.paths[key] or 0.0)
 

@@ -146,7 +146,7 @@ def path_bound(problem, pp: int, microbatches: int, schedule: str, chunks: int
 
 def relaxed_path_bound(problem, pp: int, microbatches: int, schedule: str,
                        chunks: int, budget_bytes: float | None = None,
-                       flights=None) -> float:
+                       flights=None, second_row: bool = True) -> float:
     """A lower bound for chunked shapes with any number of cuts: `path_bound` with the
     stages' times free (each at least its least one unit, together at least the model's
     least work and transfers) instead of one per cut, by a linear program over the
@@ -172,8 +172,8 @@ def relaxed_path_bound(problem, pp: int, microbatches: int, schedule: str,
     4 microbatches, every block offered recomputed, 9.50 s without them, 10.84 s with.
     Where options gather (FSDP), each rank's second memory row as well (held_row, its τ
     one of two values, a binary per rank: a small MIP, whose bound is read after
-    HELD_MIP_S): a 405 B Llama's DualPipeV over 8 ranks at tp 2, 88.54 s by the stage
-    rows, 90.48 s with it."""
+    HELD_MIP_S; `second_row` False leaves it out, a linear program): a 405 B Llama's
+    DualPipeV over 8 ranks at tp 2, 88.54 s by the stage rows, 90.48 s with it."""
     from ortools.linear_solver import pywraplp
 
     S = pp * chunks
@@ -189,7 +189,7 @@ def relaxed_path_bound(problem, pp: int, microbatches: int, schedule: str,
         return once
     smallest = float(tables.unit_least_s.min())
     share = schedules.parts(problem.forward_share)
-    held = (budget_bytes is not None and flights is not None and pp > 1
+    held = (second_row and budget_bytes is not None and flights is not None and pp > 1
             and held_row.levels(tables) is not None)
     # the second memory row's τ is one per rank: a choice, so a small MIP (its bound read)
     solver = mip_solver()[0] if held else pywraplp.Solver.CreateSolver("GLOP")
@@ -248,7 +248,7 @@ def _makespan_rows(solver, x, share, actions):
 
 MEMORY_LAMBDAS = 16  # multipliers of each rank's memory row in relaxed_path_bound
 HELD_LAMBDAS = 9  # multipliers of its second row (a factor 3 apart: each a row per τ)
-HELD_MIP_S = 2.0  # the most a program with the second row's τ choices runs: its bound read
+HELD_MIP_S = 1.0  # the most a program with the second row's τ choices runs: its bound read
 
 
 def _memory_rows(solver, x, problem, pp: int, m: int, ranks, budget_bytes, flights,
