@@ -11,10 +11,10 @@ from planner.choices import OUTPUT, Choices
 from planner.plan import InputPlan, LayerPlan, MeshPlan, Plan, Predicted, SolverReport
 from planner.price import step_overhead_s
 from planner.problem import Solution
-from planner.reasons import of_choices, reasons
+from planner.reasons import lever_fields, of_built, reasons
 from planner.volume import communication_bytes
 from strategies.cluster import Cluster
-from strategies.memory import activation_part, lever_fields, split_name
+from strategies.memory import activation_part, split_name
 from strategies.step_memory import (
     loss_held_bytes,
     one_d_layer,
@@ -89,7 +89,8 @@ def assemble(graph, cluster: Cluster, optimizer: str, choices: Choices, solution
             reshard_out[e.src] += cost
         else:
             reshard_in[e.dst] += cost
-    why = reasons(of_choices(choices), choice)
+    weighed = of_built(choices.built, 1, 1)
+    why = reasons(weighed, choice)
 
     layers, inputs = [], []
     for i, row in enumerate(choices.layers):
@@ -109,7 +110,8 @@ def assemble(graph, cluster: Cluster, optimizer: str, choices: Choices, solution
             update_s=cost.update_s,
             reshard_in_s=reshard_in[i] + reshard_out[i], memory_bytes=cost.memory_bytes,
             param_bytes=layer.param_bytes, params=list(layer.params), reason=why[i], inputs=list(layer.inputs),
-            **lever_fields(strategy, cost)))
+            **lever_fields(weighed.layers[i], choice[i], cost,
+                           choices.built.problem.layers[i], False)))
 
     compute = sum(l.compute_s for l in layers)
     update = sum(l.update_s for l in layers)

@@ -48,7 +48,7 @@ from planner.plan3d import normalizes_over_batch, plan_3d
 from planner.price import step_overhead_s
 from planner.problem import Solution
 from planner.profiled import profiled_graph
-from planner.search import Shape, shapes
+from planner.search import CostCache, Shape, shapes
 from planner.ties import data_parallel_else_replicate
 from planner.volume import communication_bytes
 from profiler.graph import Layer, ModelGraph
@@ -123,13 +123,15 @@ def _check(kind: str) -> Rule | None:
 
 
 def solve_baseline(graph: ModelGraph, cluster: Cluster, optimizer: str, kind: str,
-                   time_limit_s: float = 60.0) -> tuple[Choices, Solution]:
+                   time_limit_s: float = 60.0, cache: CostCache | None = None
+                   ) -> tuple[Choices, Solution]:
     """The best plan of `kind` for a profiled graph (no memory limit: a baseline that does
-    not fit says so in its predicted memory)."""
+    not fit says so in its predicted memory); `cache`: the planner.search.CostCache of
+    these graph, cluster and optimizer, where the caller shares one."""
     rule = _check(kind)
     if rule is None:
         raise ValueError(f"baseline: {kind!r} is not a 1-D plan; use planner.baseline()")
-    choices = layer_choices(graph, cluster, optimizer, None, keep=rule)
+    choices = layer_choices(graph, cluster, optimizer, None, keep=rule, cache=cache)
     return choices, solve(choices.problem, time_limit_s)
 
 

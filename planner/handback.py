@@ -7,7 +7,7 @@ of one dp replica (3-D plans). Each rank gets its rows only where every rank get
 a rank with no rows has no mean to take, and uneven shares would weigh the per-rank means
 wrongly. Otherwise (one sequence per replica and tp 8: an LLM's usual case) the output is
 gathered whole, and every rank of the group computes the same loss on the whole of it.
-The planner prices that gather on the edge into its sink (planner.choices, planner.search)
+The planner prices that gather on the edge into its sink (planner.search.build)
 and the executor makes it (executor.graph_rewrite, executor.batch, executor.step).
 """
 

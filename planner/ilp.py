@@ -21,7 +21,6 @@ program (CBC when SCIP is missing).
 
 from __future__ import annotations
 
-import itertools
 import math
 import time
 from collections.abc import Collection
@@ -80,9 +79,9 @@ def solve(
     if not problem.nodes:
         return Solution((), 0.0, 0.0, "optimal", time.perf_counter() - start, "none")
     _check_memory_fits(problem)
-    unit_s = _time_unit_s(problem)
+    unit_s = time_unit_s(problem.times())
     cutoff = None if cutoff_s is None else cutoff_s / unit_s
-    solution = _solve_in_units(_in_units(_forbidden_as_penalty(problem, unit_s), unit_s),
+    solution = _solve_in_units(_forbidden_as_penalty(problem, unit_s).in_units(unit_s),
                                time_limit_s, frozenset(reductions), start, cutoff)
     solution = _from_units(solution, problem, unit_s)
     if not math.isfinite(solution.objective_s):
@@ -112,16 +111,10 @@ def _unrealizable_message(problem: Problem, choice) -> str:
 # SCIP treats coefficients below 1e-9 as zero (numerics/epsilon). A layer of a small model
 # takes a microsecond, a pointwise op a nanosecond: in seconds the solver would ignore them
 # and report objectives that disagree with the plan. The solver therefore works in units of
-# the largest single time in the problem; the answer comes back in seconds.
+# the largest single time in the problem (numerics.time_unit_s, Problem.in_units, as the
+# stage MIP does); the answer comes back in seconds.
 
 _SECONDS_KEYS = ("lp_bound_s", "heuristic_s", "solver_objective_s")
-
-
-def _time_unit_s(problem: Problem) -> float:
-    """numerics.time_unit_s of every option's and edge's time."""
-    return time_unit_s(itertools.chain(
-        (o.time_s for n in problem.nodes for o in n.options),
-        (c for e in problem.edges for c in np.asarray(e.cost_s, float).ravel())))
 
 
 # An infinite edge cost marks a pair of options that cannot meet (a layout change the
@@ -137,16 +130,6 @@ def _forbidden_as_penalty(problem: Problem, unit_s: float) -> Problem:
                                              _FORBIDDEN_UNITS * unit_s))
                   for e in problem.edges)
     return replace(problem, edges=edges)
-
-
-def _in_units(problem: Problem, unit_s: float) -> Problem:
-    if unit_s == 1.0:
-        return problem
-    nodes = tuple(replace(n, options=tuple(replace(o, time_s=o.time_s / unit_s)
-                                           for o in n.options)) for n in problem.nodes)
-    edges = tuple(replace(e, cost_s=np.asarray(e.cost_s, float) / unit_s)
-                  for e in problem.edges)
-    return replace(problem, nodes=nodes, edges=edges)
 
 
 def _from_units(solution: Solution, problem: Problem, unit_s: float) -> Solution:

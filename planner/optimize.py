@@ -23,7 +23,7 @@ from planner.plan3d import choose_mesh
 from planner.price import step_overhead_s
 from planner.problem import Infeasible, Solution
 from planner.profiled import GB, PlanDoesNotFit, check_arguments, profiled_graph
-from planner.search import DEFAULT_SEARCH_TIME_S
+from planner.search import DEFAULT_SEARCH_TIME_S, CostCache
 from strategies.cluster import Cluster
 
 # Where the optimum beats the best standard plan by less than this, optimize() keeps the
@@ -107,11 +107,14 @@ def optimize(
 
 def _plan_1d(graph, cluster: Cluster, optimizer: str, budget: float, pin, time_limit_s: float,
              started: float, prefer_standard: float = 0.0) -> Plan:
-    """The integer program over one mesh dim of all devices, and its two baselines."""
-    choices = layer_choices(graph, cluster, optimizer, budget, pin=pin)
+    """The integer program over one mesh dim of all devices, and its baselines, all priced
+    from one planner.search.CostCache."""
+    cache = CostCache(graph, cluster, optimizer)
+    choices = layer_choices(graph, cluster, optimizer, budget, pin=pin, cache=cache)
     solution = _solve_within_memory(choices, budget, time_limit_s, optimizer, cluster,
                                     graph.outputs)
-    dp_choices = layer_choices(graph, cluster, optimizer, None, only={"data_parallel"})
+    dp_choices = layer_choices(graph, cluster, optimizer, None, only={"data_parallel"},
+                               cache=cache)
     data_parallel = solve(dp_choices.problem, time_limit_s)
     single = solve(layer_choices(graph, cluster.with_devices(1, 1), optimizer, None).problem,
                    time_limit_s)
@@ -121,7 +124,7 @@ def _plan_1d(graph, cluster: Cluster, optimizer: str, budget: float, pin, time_l
                  single.objective_s, time.perf_counter() - started, dp[1])
     if cluster.num_devices == 1:
         return plan
-    solved = _baselines(graph, cluster, optimizer, time_limit_s)
+    solved = _baselines(cache, time_limit_s)
     plan = _with_baselines(plan, solved, cluster, budget)
     if pin:
         return plan
@@ -157,12 +160,13 @@ def _prefer_standard(plan: Plan, solved: dict, graph, cluster: Cluster, optimize
     return plan
 
 
-def _baselines(graph, cluster: Cluster, optimizer: str, time_limit_s: float) -> dict:
-    """{kind: (choices, solution)} of every available 1-D baseline."""
+def _baselines(cache: CostCache, time_limit_s: float) -> dict:
+    """{kind: (choices, solution)} of every available 1-D baseline, priced from `cache`."""
     solved = {}
     for kind in available(ONE_D_KINDS):
         try:
-            solved[kind] = solve_baseline(graph, cluster, optimizer, kind, time_limit_s)
+            solved[kind] = solve_baseline(cache.graph, cache.cluster, cache.optimizer, kind,
+                                          time_limit_s, cache)
         except Infeasible:  # this model has no plan of that kind: nothing to compare
             continue
     return solved

@@ -22,7 +22,7 @@ from planner.plan import (
 )
 from planner.price import group_link, step_overhead_s
 from planner.profiled import GB, PlanDoesNotFit, check_arguments, profiled_graph
-from planner.reasons import Options, of_built, reasons
+from planner.reasons import lever_fields, of_built, reasons
 from planner.pipeline.schedules import LABELS, SPLIT_BACKWARD
 from planner.search import (
     DEFAULT_SEARCH_TIME_S, SearchResult, Shape, build, rank_groups, search, time_left,
@@ -284,7 +284,7 @@ def _layer_plans(graph, cluster: Cluster, optimizer: str, built, choice, at: Pla
             param_bytes=layer.param_bytes, params=list(layer.params), stage=k,
             inputs=list(layer.inputs),
             reason=why[i],
-            **_shard_fields(weighed.layers[i], opts, opts.plain_index(c), sharded)))
+            **lever_fields(weighed.layers[i], opts.plain_index(c), cost, opts, sharded)))
     return layers, inputs, memory, stage_memory, compute, stage_compute, update
 
 
@@ -395,21 +395,6 @@ def why_schedule(result: SearchResult, shape: Shape, times) -> str:
     note = (f" (zero-bubble schedules priced with torch's split backward, measured "
             f"{split:.2f}x a plain one on this model)" if split > 1.0 else "")
     return head + ("; vs " + "; ".join(parts) if parts else "") + note
-
-
-def _shard_fields(row: Options, opts, c: int, sharded: bool) -> dict:
-    """LayerPlan fields of an fsdp-over-dp layer: the flag, and what it saves and costs
-    per step (the times its reason weighs, planner.reasons) against the same strategy
-    replicated over dp (when that was an option)."""
-    if not sharded:
-        return {}
-    base, suffix = dp_shard.split(opts.strategies[c])
-    flags = {"dp_shard": True, "hsdp": suffix == dp_shard.HSDP_SUFFIX}
-    if base not in opts.strategies:
-        return flags
-    j = opts.strategies.index(base)
-    return {**flags, "saved_bytes": float(opts.weight_bytes[j] - opts.weight_bytes[c]),
-            "lever_s": row.time_s[c] - row.time_s[j]}
 
 
 def _baselines(result: SearchResult, graph, cluster: Cluster, optimizer: str):

@@ -1,10 +1,10 @@
 """The one price list: what a layer costs under one option on one device group, and what
 a layout change between two layers costs.
 
-Every plan shape reads its costs from here: the 3-D search (planner.search.build, and so
-its lower bounds, the baselines it prices, explain() and the pictures of a 3-D plan) and
-the 1-D planner (planner.choices), whose one group of all N devices is the 3-D shape
-pp = 1, dp = 1, tp = N at one microbatch. The rules both apply live here once:
+Every plan shape reads its costs from here, through planner.search.build: the 3-D search
+(and so its lower bounds, the baselines it prices, explain() and the pictures of a 3-D
+plan) and the 1-D planner (planner.choices), whose one group of all N devices is built as
+the 3-D shape pp = 1, dp = 1, tp = N at one microbatch. The rules both apply live here once:
 
 - the group-link rule (`group_link`): a group of consecutive ranks stays on the intra-node
   link only inside one node;

@@ -8,7 +8,9 @@ of torch lets the tests compare the solver with brute force on random instances.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import itertools
+from collections.abc import Iterator
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -59,6 +61,22 @@ class Problem:
 
     def memory_of(self, choice: tuple[int, ...] | list[int]) -> float:
         return sum(n.options[c].memory_bytes for n, c in zip(self.nodes, choice))
+
+    def times(self) -> Iterator[float]:
+        """Every option's and edge's time: what planner.numerics.time_unit_s reads."""
+        return itertools.chain((o.time_s for n in self.nodes for o in n.options),
+                               (c for e in self.edges
+                                for c in np.asarray(e.cost_s, float).ravel()))
+
+    def in_units(self, unit_s: float) -> Problem:
+        """The problem with every time in units of `unit_s` (the solver's units)."""
+        if unit_s == 1.0:
+            return self
+        nodes = tuple(replace(n, options=tuple(replace(o, time_s=o.time_s / unit_s)
+                                               for o in n.options)) for n in self.nodes)
+        edges = tuple(replace(e, cost_s=np.asarray(e.cost_s, float) / unit_s)
+                      for e in self.edges)
+        return replace(self, nodes=nodes, edges=edges)
 
 
 @dataclass(frozen=True)

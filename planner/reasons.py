@@ -1,11 +1,12 @@
 """Why each layer got its strategy, in plain words, from the solver's own numbers: one
-sentence for every plan kind, a 1-D plan (planner.assemble) and a 3-D one (planner.plan3d).
+sentence for every plan kind, a 1-D plan (planner.assemble) and a 3-D one (planner.plan3d),
+both read from the one stage problem they are built as (planner.search.build).
 
 For a layer, every other option is priced per step with its neighbours held as planned: its
 own time (m microbatches and the once-a-step part) and the layout changes on its edges (m
 times). The cheapest alternative of the other kind (data-parallel against model-parallel) is
-what the sentence compares with. A 1-D plan is the case of one microbatch and no dp group:
-`of_choices` and `of_built` turn each planner's options into the one input, `Weighed`.
+what the sentence compares with. A 1-D plan is the case of one microbatch and no dp group;
+`of_built` turns a shape's options into the sentences' input, `Weighed`.
 """
 
 from __future__ import annotations
@@ -16,10 +17,11 @@ from typing import TYPE_CHECKING
 from planner import dp_shard
 from planner.problem import Edge
 from profiler.graph import Layer
-from strategies.catalog import Strategy
+from strategies.catalog import Cost, Strategy
+from strategies.memory import split_name
 
 if TYPE_CHECKING:
-    from planner.choices import Choices
+    from planner.pipeline.stages import LayerOptions
     from planner.search import Built
 
 
@@ -48,28 +50,13 @@ class Weighed:
     dp: int = 1  # the data-parallel group each layer is replicated over (1-D: none)
 
 
-def of_choices(choices: Choices) -> Weighed:
-    """A 1-D problem's options (planner.choices): one microbatch a step, no dp group; the
-    catalog's "fsdp" gathers its weights in its own communication."""
-    layers = []
-    for row in choices.layers:
-        fsdp = [s.name == "fsdp" for s in row.strategies]
-        layers.append(Options(
-            row.layer, row.strategies, tuple(s.name for s in row.strategies),
-            tuple(p.time_s for p in row.prices), tuple(c.communication_s for c in row.costs),
-            tuple(p.sync_s for p in row.prices), tuple(p.sync_serial_s for p in row.prices),
-            tuple(c.communication_s if f else 0.0 for c, f in zip(row.costs, fsdp)),
-            tuple(c.communication_s + c.notes.get("beside_compute_s", 0.0) if f else 0.0
-                  for c, f in zip(row.costs, fsdp))))
-    return Weighed(tuple(layers), choices.problem.edges)
-
-
 def of_built(built: Built, microbatches: int, dp: int,
              stages: tuple[int, ...] | None = None) -> Weighed:
-    """A 3-D shape's options (planner.search.Built) at `microbatches` a step, each layer
+    """A shape's options (planner.search.Built) at `microbatches` a step, each layer
     replicated over `dp`; `stages`: each layer's stage, where there are several. An option
     sharded over dp (planner.dp_shard) waits per microbatch for its gathers beside its plain
-    time (the catalog's compute and communication, and a recomputed forward)."""
+    time (the catalog's compute and communication, and a recomputed forward); one sharded
+    over its tp group (a 1-D plan's "fsdp") has them in its communication."""
     m, problem = microbatches, built.problem
     layers = []
     for i, layer in enumerate(built.layers):
@@ -78,20 +65,48 @@ def of_built(built: Built, microbatches: int, dp: int,
         sync = built.sync_s[i] if built.sync_s else [0.0] * n
         serial = built.sync_serial_s[i] if built.sync_serial_s else [0.0] * n
         sharded = built.sharded[i] if built.sharded else [""] * n
-        gather = [0.0] * n
+        traffic, gather, serial_gather = [], [0.0] * n, [0.0] * n
         for c, cost in enumerate(costs):
-            if sharded[c]:
+            traffic.append(m * cost.communication_s)
+            if sharded[c]:  # its gathers come beside the catalog's communication
                 own = float(opts.microbatch_s[opts.plain_index(c)])
-                gather[c] = m * (own - cost.compute_s - cost.communication_s)
+                gather[c] = serial_gather[c] = m * (own - cost.compute_s - cost.communication_s)
+                traffic[c] += gather[c]
+            elif built.strategies[i][c].name == "fsdp":  # sharded over tp (a 1-D plan's
+                # lever, strategies.memory): its gathers are its communication
+                gather[c] = traffic[c]
+                serial_gather[c] = m * (cost.communication_s
+                                        + cost.notes.get("beside_compute_s", 0.0))
         layers.append(Options(
             layer, tuple(built.strategies[i]), tuple(opts.strategies),
             tuple(m * float(t) + float(s) for t, s in zip(opts.microbatch_s, opts.step_s)),
-            tuple(m * c.communication_s + g for c, g in zip(costs, gather)),
+            tuple(traffic),
             tuple(float(s) for s in sync),
-            tuple(float(s) for s in serial), tuple(gather), tuple(gather),
+            tuple(float(s) for s in serial), tuple(gather), tuple(serial_gather),
             stages[i] if stages is not None else None))
     edges = tuple(Edge(e.src, e.dst, e.cost_s * m) for e in problem.edges)
     return Weighed(tuple(layers), edges, dp)
+
+
+def lever_fields(row: Options, c: int, cost: Cost, opts: LayerOptions, sharded: bool) -> dict:
+    """The LayerPlan fields that say what option `c` of a layer's levers save and cost
+    per step: over its own group (strategies.memory's fsdp and recompute, a 1-D plan's:
+    the catalog's own notes), or sharded over the dp group (planner.dp_shard, a 3-D
+    plan's: against the same strategy replicated over dp where that was an option, at
+    the times its reason weighs)."""
+    if not sharded:
+        return {"recompute": split_name(row.strategies[c].name)[1],
+                "saved_bytes": float(cost.notes.get("saved_bytes", 0.0)),
+                "lever_s": float(cost.notes.get("lever_s", 0.0)),
+                "recompute_s": float(cost.notes.get("recompute_s", 0.0)),
+                "recompute_saved_bytes": float(cost.notes.get("recompute_saved_bytes", 0.0))}
+    base, suffix = dp_shard.split(opts.strategies[c])
+    flags = {"dp_shard": True, "hsdp": suffix == dp_shard.HSDP_SUFFIX}
+    if base not in opts.strategies:
+        return flags
+    j = opts.strategies.index(base)
+    return {**flags, "saved_bytes": float(opts.weight_bytes[j] - opts.weight_bytes[c]),
+            "lever_s": row.time_s[c] - row.time_s[j]}
 
 
 def _ms(seconds: float) -> str:

@@ -55,7 +55,7 @@ from planner.pipeline import block_recompute, schedules
 from planner.block_cuts import (
     BEFORE, block_units, carries_weights, tied_heads, why_no_blocks,
 )
-from planner.choices import OUTPUT, module_executor_options
+from planner.offers import OUTPUT, OneGroup, module_executor_options, pinned
 from planner.price import (
     EdgeKind, Price, edge_cost, edge_kind, group_link, in_rhythm, layer_compute_s,
     output_kind, price, tp_context, with_tied_copy,
@@ -70,7 +70,7 @@ from planner.pipeline.stages import (
     LayerOptions, StageProblem, StageSolution, TimeLimit, estimate, in_flight, lower_bound,
     min_memory_bytes, quick_plan, solve_stages,
 )
-from planner.ties import data_parallel_else_replicate
+from planner.ties import data_parallel_else_replicate, tie_groups
 from profiler.graph import Layer, ModelGraph
 from profiler.traffic import scaled_rows
 from strategies.catalog import CostContext, candidates
@@ -327,14 +327,16 @@ class CostCache:
         self.edges: dict = {}
         self.hits = self.misses = 0
 
-    def layer(self, layer: Layer, tp: int, rows: int, computing: float | None = None):
+    def layer(self, layer: Layer, tp: int, rows: int, computing: float | None = None,
+              group: OneGroup | None = None):
         """`layer` scaled to `rows` rows, its options over a tp group and their context,
-        while `computing` of a node's processes compute at once (None: all of them)."""
+        while `computing` of a node's processes compute at once (None: all of them);
+        `group`: what a plan over one group of all devices offers (planner.offers)."""
         tied = layer.node in self.tied
         sig = self._signatures.get(layer.node)
         if sig is None:
             sig = self._signatures[layer.node] = _signature(layer)
-        key = (sig, tp, rows, computing, tied)
+        key = (sig, tp, rows, computing, tied, None if group is None else group.levers)
         hit = self._layer.get(key)
         if hit is not None:
             self.hits += 1
@@ -346,10 +348,13 @@ class CostCache:
             cluster = cluster.computing_at_once(computing)
         ctx = tp_context(cluster, tp, rows, self.optimizer)
         options = candidates(scaled, ctx)
-        if self.graph.tracer == "export":
-            options = module_executor_options(scaled, options)
-        if tied:
-            options = data_parallel_else_replicate(options)
+        if group is not None:
+            options = group.candidates(scaled, options, ctx, self.graph.tracer, tied)
+        else:
+            if self.graph.tracer == "export":
+                options = module_executor_options(scaled, options)
+            if tied:
+                options = data_parallel_else_replicate(options)
         value = LayerEntry(scaled, tuple(options), ctx)
         self._layer[key] = value
         return value
@@ -399,6 +404,27 @@ class _PricedOptions:
     local_param_bytes: np.ndarray
     sync_s: np.ndarray  # of step_s, the gradient sync (planner.price.Price.sync_s)
     sync_serial_s: np.ndarray  # that sync, none of it beside compute
+    prices: tuple[Price, ...] = ()
+
+    @staticmethod
+    def of(names, variants, prices) -> _PricedOptions:
+        """The options `variants` ((strategy, dp suffix) pairs) named `names`, each at its
+        planner.price.Price."""
+        return _PricedOptions(
+            tuple(names), tuple(s for s, _ in variants), tuple(sh for _, sh in variants),
+            tuple(p.cost for p in prices), np.array([p.microbatch_s for p in prices]),
+            np.array([p.step_s for p in prices]), np.array([p.weight_bytes for p in prices]),
+            np.array([p.activation_bytes for p in prices]),
+            np.array([p.local_param_bytes for p in prices]),
+            np.array([p.sync_s for p in prices]), np.array([p.sync_serial_s for p in prices]),
+            tuple(prices))
+
+    def only(self, names: set[str]) -> _PricedOptions:
+        """The options named in `names`, in their order."""
+        keep = [j for j, n in enumerate(self.names) if n in names]
+        return _PricedOptions.of([self.names[j] for j in keep],
+                                 [(self.strategies[j], self.sharded[j]) for j in keep],
+                                 [self.prices[j] for j in keep])
 
 
 def _priced_options(cache: "CostCache", entry: LayerEntry, layer: Layer, dp: int, tp: int,
@@ -419,13 +445,19 @@ def _priced_options(cache: "CostCache", entry: LayerEntry, layer: Layer, dp: int
     if tied_copy is not None:
         prices = [with_tied_copy(p, s, tied_copy, entry.ctx, dp, tied_link)
                   for p, (s, _) in zip(prices, variants)]
-    return _PricedOptions(
-        tuple(names), tuple(s for s, _ in variants), tuple(sh for _, sh in variants),
-        tuple(p.cost for p in prices), np.array([p.microbatch_s for p in prices]),
-        np.array([p.step_s for p in prices]), np.array([p.weight_bytes for p in prices]),
-        np.array([p.activation_bytes for p in prices]),
-        np.array([p.local_param_bytes for p in prices]), np.array([p.sync_s for p in prices]),
-        np.array([p.sync_serial_s for p in prices]))
+    return _PricedOptions.of(names, variants, prices)
+
+
+def _group_options(cache: CostCache, entry: LayerEntry, layer: Layer, group: OneGroup,
+                   want: str | None) -> _PricedOptions:
+    """`entry`'s options on one group of all devices, kept to `group`'s rules and to the
+    pinned `want` (its exact name: planner.offers.pinned), priced by planner.price."""
+    tied = layer.node in cache.tied
+    options = group.allowed(layer, list(entry.strategies), tied)
+    if want is not None:
+        options = pinned(layer, options, want, entry.ctx)
+    return _PricedOptions.of([s.name for s in options], [(s, "") for s in options],
+                             [cache.price(entry, s, 1, "") for s in options])
 
 
 @dataclass(frozen=True)
@@ -448,6 +480,10 @@ class Built:
     # (planner.price.Price), which a layer's reason quotes (planner.reasons)
     sync_s: tuple[np.ndarray, ...] = ()
     sync_serial_s: tuple[np.ndarray, ...] = ()
+    # layers that share a parameter, each group to pick one strategy name (planner.ties):
+    # where the program chooses it (build's `group`); the 3-D search fixes it per layer
+    ties: tuple[tuple[int, ...], ...] = ()
+    prices: tuple[tuple[Price, ...], ...] = ()  # per layer and option: planner.price.Price
 
     def temp(self, i: int, c: int) -> float:
         """The optimizer temporaries layer i's option c carries in its weight_bytes (0
@@ -456,40 +492,33 @@ class Built:
 
 
 def build(cache: CostCache, pp: int, dp: int, tp: int, rows: int,
-          pin: dict[str, str] | None = None, ends_together: bool = False) -> Built:
+          pin: dict[str, str] | None = None, ends_together: bool = False,
+          group: OneGroup | None = None) -> Built:
     """The stage problem of one mesh shape at `rows` rows per microbatch per replica.
     `pin` maps layer names to the option they must use where it applies: a strategy's
     name, or with "+fsdp" ("+hsdp") its variant sharded over the dp group (the dp ranks of
     a node: planner.dp_shard); a bare suffix ("+fsdp") keeps every option with it (the
     strategy over tp stays free: planner.baseline's "fsdp_tp"). `ends_together`: the first
     and last stages lie on one rank (a V-shaped schedule), which holds a tied embedding and
-    head as one weight: no copy to price."""
+    head as one weight: no copy to price. `group`: the shape is one group of all devices
+    (pp = dp = 1, tp = N, the whole batch: a 1-D plan, planner.choices) offering what
+    planner.offers.OneGroup says; there a tie group's strategy is the program's to choose
+    (Built.ties), a pin names its option exactly and every pinned layer must exist, and
+    the rows carry no optimizer temporaries (a 1-D plan adds what the step holds beside
+    its layers after the solve: planner.assemble.held_beside_layers)."""
     graph, cluster = cache.graph, cache.cluster
     unit_names, unit_of = _units_of(cache)
-    # processes sharing a machine's cores: a stage waiting for its input holds no core, so
-    # of pp stages, m microbatches, pp·m/(m+pp-1) compute at once on average
-    m = max(1, graph.batch_size // (dp * rows))
-    computing = (cluster.devices_per_node * m / (m + pp - 1) if pp > 1 and cluster.cores
-                 else None)  # devices of their own (GPUs): one price whatever the pipeline
-    # a tied head's copy of the embedding's weight on the last stage: its memory, and its
-    # gradient all-reduced with the first stage's over the pipeline's link (block_cuts)
-    tied_copy = tied_heads(graph) if pp > 1 and not ends_together else {}
-    tied_link = group_link(cluster, pp * dp * tp)
-    priced, entries = [], []
-    for layer in graph.layers:
-        entry = cache.layer(layer, tp, rows, computing)
-        want = pin.get(layer.name) if pin else None
-        copy = tied_copy.get(layer.node)
-        key = (id(entry), dp, want, copy, layer.node in cache.tied)
-        if key not in cache.options:  # identical layers (a transformer's blocks) share one
-            cache.options[key] = _priced_options(cache, entry, layer, dp, tp, want, copy,
-                                                 tied_link)
-        priced.append(cache.options[key])
-        entries.append(entry)
-    # the optimizer step's temporaries that add up over a rank's layers ride on each
-    # option's weights: the rows then hold what the step holds at the optimizer step
-    temps = [summed_temp_bytes(got.local_param_bytes, cache.optimizer, cluster.device.kind)
-             for got in priced]
+    if group is None:
+        priced, layers = _shape_options(cache, pp, dp, tp, rows, pin, ends_together)
+        ties = ()
+        # the optimizer step's temporaries that add up over a rank's layers ride on each
+        # option's weights: the rows then hold what the step holds at the optimizer step
+        temps = [summed_temp_bytes(got.local_param_bytes, cache.optimizer,
+                                   cluster.device.kind) for got in priced]
+    else:
+        assert pp == dp == 1 and rows == graph.batch_size, "one group of all devices"
+        priced, ties = _one_group_options(cache, tp, pin, group)
+        layers, temps = list(graph.layers), [np.zeros(len(got.names)) for got in priced]
     # and what each option's FSDP group gathers, which the step's backward holds beside
     # the rows (the second memory row: planner.pipeline.held_row)
     options = [LayerOptions(layer.name, unit_of[i], got.names, got.microbatch_s, got.step_s,
@@ -500,13 +529,12 @@ def build(cache: CostCache, pp: int, dp: int, tp: int, rows: int,
                for i, (layer, got, temp) in enumerate(zip(graph.layers, priced, temps))]
     options.append(LayerOptions(OUTPUT, len(unit_names) - 1, ("output",), np.zeros(1),
                                 np.zeros(1), np.zeros(1), np.zeros(1)))
-    scaled_layers = [entry.layer for entry in entries]
     strategies = [got.strategies for got in priced]
-    edges = _edges(cache, priced, strategies, scaled_layers, rows, tp)
+    edges = _edges(cache, priced, strategies, layers, rows, tp, shared=group is None)
     # an export graph's stages recompute what depends on positions alone (planner.block_cuts)
     sent = (carries_weights(graph) if graph.tracer == "export"
             else {layer.node for layer in graph.layers})
-    cut_s, cut_bytes = (_cut_times(cache, scaled_layers, unit_of, len(unit_names), sent,
+    cut_s, cut_bytes = (_cut_times(cache, layers, unit_of, len(unit_names), sent,
                                    group_link(cluster, 2 * dp * tp))
                         if pp > 1 else ([0.0] * len(unit_names), [0.0] * len(unit_names)))
     problem = StageProblem(tuple(options), tuple(edges), tuple(unit_names), tuple(cut_s),
@@ -515,11 +543,62 @@ def build(cache: CostCache, pp: int, dp: int, tp: int, rows: int,
                            split_backward=graph.split_backward if pp > 1 else 1.0,
                            forward_share=graph.forward_share)
     return Built(problem, tuple(strategies), tuple(got.costs for got in priced),
-                 tuple(scaled_layers), tuple(got.local_param_bytes for got in priced),
+                 tuple(layers), tuple(got.local_param_bytes for got in priced),
                  tuple(got.sharded for got in priced), cut_bytes=tuple(cut_bytes),
                  temp_bytes=tuple(np.asarray(t, dtype=float) for t in temps),
                  sync_s=tuple(got.sync_s for got in priced),
-                 sync_serial_s=tuple(got.sync_serial_s for got in priced))
+                 sync_serial_s=tuple(got.sync_serial_s for got in priced), ties=ties,
+                 prices=tuple(got.prices for got in priced))
+
+
+def _shape_options(cache: CostCache, pp: int, dp: int, tp: int, rows: int, pin,
+                   ends_together: bool) -> tuple[list[_PricedOptions], list[Layer]]:
+    """Each layer's priced options on a shape of the 3-D search (build), and the layers
+    scaled to the microbatch."""
+    graph, cluster = cache.graph, cache.cluster
+    # processes sharing a machine's cores: a stage waiting for its input holds no core, so
+    # of pp stages, m microbatches, pp·m/(m+pp-1) compute at once on average
+    m = max(1, graph.batch_size // (dp * rows))
+    computing = (cluster.devices_per_node * m / (m + pp - 1) if pp > 1 and cluster.cores
+                 else None)  # devices of their own (GPUs): one price whatever the pipeline
+    # a tied head's copy of the embedding's weight on the last stage: its memory, and its
+    # gradient all-reduced with the first stage's over the pipeline's link (block_cuts)
+    tied_copy = tied_heads(graph) if pp > 1 and not ends_together else {}
+    tied_link = group_link(cluster, pp * dp * tp)
+    priced, scaled = [], []
+    for layer in graph.layers:
+        entry = cache.layer(layer, tp, rows, computing)
+        want = pin.get(layer.name) if pin else None
+        copy = tied_copy.get(layer.node)
+        key = (id(entry), dp, want, copy, layer.node in cache.tied)
+        if key not in cache.options:  # identical layers (a transformer's blocks) share one
+            cache.options[key] = _priced_options(cache, entry, layer, dp, tp, want, copy,
+                                                 tied_link)
+        priced.append(cache.options[key])
+        scaled.append(entry.layer)
+    return priced, scaled
+
+
+def _one_group_options(cache: CostCache, tp: int, pin, group: OneGroup
+                       ) -> tuple[list[_PricedOptions], tuple[tuple[int, ...], ...]]:
+    """Each layer's priced options on one group of all devices (build's `group`), and the
+    tie groups, each layer of one kept to the strategies all of its group offer."""
+    graph = cache.graph
+    pin = dict(pin or {})
+    priced = [_group_options(cache, cache.layer(layer, tp, graph.batch_size, None, group),
+                             layer, group, pin.pop(layer.name, None))
+              for layer in graph.layers]
+    if pin:
+        raise ValueError(f"pin: no layer named {sorted(pin)}; layers: "
+                         f"{[l.name for l in graph.layers if not l.is_input]}")
+    index = {layer.node: i for i, layer in enumerate(graph.layers)}
+    ties, allowed = tie_groups([[index[node] for node in g] for g in graph.tied_groups()],
+                               [list(got.names) for got in priced],
+                               [layer.name for layer in graph.layers])
+    for members, names in zip(ties, allowed):
+        for i in members:
+            priced[i] = priced[i].only(names)
+    return priced, ties
 
 
 def _units_of(cache: CostCache) -> tuple[list[str], list[int]]:
@@ -533,10 +612,11 @@ def _units_of(cache: CostCache) -> tuple[list[str], list[int]]:
     return unit_names, unit_of
 
 
-def _edges(cache: CostCache, priced, strategies, scaled_layers, rows: int, tp: int
-           ) -> list[Edge]:
+def _edges(cache: CostCache, priced, strategies, scaled_layers, rows: int, tp: int,
+           shared: bool = True) -> list[Edge]:
     """Every edge priced by planner.price per microbatch (one price between identical
-    layers), and each output's into the sink, handed back as planner.handback says."""
+    layers where `shared`: their options are the cache's own), and each output's into the
+    sink, handed back as planner.handback says."""
     graph = cache.graph
     index = {layer.node: i for i, layer in enumerate(graph.layers)}
     edges = []
@@ -546,10 +626,13 @@ def _edges(cache: CostCache, priced, strategies, scaled_layers, rows: int, tp: i
             backward = graph.carries_gradient(graph.layers[src].node)
             readers = graph.readers(name)
             key = (id(priced[src]), id(priced[dst]), rows, tp, backward, readers)
-            if key not in cache.edges:
+            if not shared or key not in cache.edges:
                 kind = edge_kind(scaled_layers[src], [s.gives for s in strategies[src]],
                                  scaled_layers[dst], strategies[dst], rows, tp,
                                  graph.tracer, backward, readers)
+                if not shared:  # options of this problem alone: ids are not kept
+                    edges.append(Edge(src, dst, cache.edge(kind)))
+                    continue
                 cache.edges[key] = cache.edge(kind)
             edges.append(Edge(src, dst, cache.edges[key]))
     sink = len(graph.layers)

@@ -36,10 +36,31 @@ def tied_allowed(options: list) -> list:
 
 def data_parallel_else_replicate(options: list) -> list:
     """One of TIED_STRATEGIES fixed for every reader where a program has no tie rows (the
-    3-D search's stage problem): data parallel where it applies, else replicated. Also
-    the DDP baseline's rule (planner.baseline)."""
+    3-D search's stage problems; a 1-D plan's program chooses it: `tie_groups`): data
+    parallel where it applies, else replicated. Also the DDP baseline's rule
+    (planner.baseline)."""
     dp = [s for s in options if s.name == "data_parallel"]
     return dp or [s for s in options if s.name == "replicate"]
+
+
+def tie_groups(groups, names: list[list[str]], layer_names: list[str]
+               ) -> tuple[tuple[int, ...], list[set[str]]]:
+    """The tie groups `groups` (layer indices) as the integer program's ties, and for each
+    the strategies of TIED_STRATEGIES all its layers offer (`names`: each layer's option
+    names), where a 1-D plan's program picks one for the group; ValueError where there is
+    none (pinned differently)."""
+    ties, allowed = [], []
+    for members in groups:
+        common = set.intersection(*(set(names[i]) for i in members))
+        kept = {n for n in common if split_name(n)[0] in TIED_STRATEGIES}
+        if not kept:
+            layers = ", ".join(layer_names[i] for i in members)
+            raise ValueError(
+                f"layers {layers} share a parameter and have no strategy in common among "
+                f"{TIED_STRATEGIES} (pinned differently?); pin them alike or not at all")
+        ties.append(tuple(members))
+        allowed.append(kept)
+    return tuple(ties), allowed
 
 
 def shared_names(nodes: list[Node]) -> list[str]:

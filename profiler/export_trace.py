@@ -321,7 +321,7 @@ def _mark_between_modules(layers: list[Layer]) -> list[Layer]:
     it alone reads, and whose readers are all modules (Llama's `act(gate) * up` between
     its Linears): the module executor may hand it each rank's feature shard of its
     inputs and give its readers its own, with no code outside modules in between
-    (planner.choices.module_executor_options)."""
+    (planner.offers.module_executor_options)."""
     op = {l.node: l.op for l in layers}
     readers: dict[str, list[str]] = {}
     for layer in layers:

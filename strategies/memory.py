@@ -19,7 +19,7 @@ binds and they are the cheapest way to fit:
   time: one more forward (FLOP share of forward in forward + backward).
 
 `with_memory_levers` adds them to a layer's candidates (strategies.catalog.candidates
-stays as it is); planner.choices calls it.
+stays as it is); planner.offers calls it for a 1-D plan.
 """
 
 from __future__ import annotations
@@ -184,15 +184,6 @@ def split_name(strategy: str) -> tuple[str, bool]:
     if strategy.endswith(RECOMPUTE_SUFFIX):
         return strategy[: -len(RECOMPUTE_SUFFIX)], True
     return strategy, False
-
-
-def lever_fields(strategy: Strategy, cost: Cost) -> dict:
-    """The LayerPlan fields that say what a layer's levers save and cost."""
-    return {"recompute": split_name(strategy.name)[1],
-            "saved_bytes": float(cost.notes.get("saved_bytes", 0.0)),
-            "lever_s": float(cost.notes.get("lever_s", 0.0)),
-            "recompute_s": float(cost.notes.get("recompute_s", 0.0)),
-            "recompute_saved_bytes": float(cost.notes.get("recompute_saved_bytes", 0.0))}
 
 
 def pinned_recompute(layer: Layer, options: list[Strategy], wanted: str,

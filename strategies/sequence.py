@@ -19,7 +19,7 @@ shaped [batch, seq, hidden] with seq a multiple of P whose sizes no code reads
 and RowwiseParallel(output_layouts=Shard(1)); the ops between run on each rank's tokens
 as they are (executor.styles says why not torch's SequenceParallel). fx-traced models
 only: torch.export plans hand every module output to the model's own code split by rows
-(executor.modules), which would undo it, so planner.choices leaves it out there.
+(executor.modules), which would undo it, so planner.offers leaves it out there.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The stage program: planner.pipeline.stages' stage cut and strategies as one integer program (SCIP
 through pywraplp, edge variables continuous as in planner.ilp), on a problem whose times
-are in units of its largest (stages._in_units: SCIP drops coefficients below 1e-9). Each
+are in units of its largest (StageProblem.in_units: SCIP drops coefficients below 1e-9). Each
 family of variables and rows has one builder, named in the right column:
 
     x[l,s] ∈ {0,1}  layer l runs strategy s          Σ_s x[l,s] = 1                _strategies

@@ -56,7 +56,7 @@ import functools
 import itertools
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -149,6 +149,26 @@ class StageProblem:
         """The options as padded arrays, made once: the bounds read them for every
         microbatch count and schedule of a shape (hundreds of times in a search)."""
         return _Tables.of(self)
+
+    def times(self) -> Iterator[float]:
+        """Every layer's, edge's and transfer's time: what planner.numerics.time_unit_s
+        reads."""
+        return itertools.chain(
+            (t for l in self.layers for t in (l.microbatch_s.max(), l.step_s.max())),
+            (c for e in self.edges for c in np.asarray(e.cost_s, float).ravel()),
+            self.cut_s, (self.replay_s,))
+
+    def in_units(self, unit_s: float) -> StageProblem:
+        """The problem with every time in units of `unit_s` (the stage MIP's units)."""
+        if unit_s == 1.0:
+            return self
+        layers = tuple(replace(l, microbatch_s=l.microbatch_s / unit_s,
+                               step_s=l.step_s / unit_s) for l in self.layers)
+        edges = tuple(replace(e, cost_s=np.asarray(e.cost_s, float) / unit_s)
+                      for e in self.edges)
+        return replace(self, layers=layers, edges=edges,
+                       cut_s=tuple(c / unit_s for c in self.cut_s),
+                       replay_s=self.replay_s / unit_s)
 
     def unit_layers(self) -> list[list[int]]:
         out: list[list[int]] = [[] for _ in self.units]
@@ -478,11 +498,11 @@ def solve_stages(problem: StageProblem, pp: int, microbatches: int, schedule: st
         return _start_only(given, start_plan, pp, microbatches, schedule, chunks,
                            budget_bytes, cutoff_s, start)
     # in units of the largest single time: SCIP drops coefficients below 1e-9 (planner.ilp)
-    unit_s = _time_unit_s(problem)
+    unit_s = time_unit_s(problem.times())
     flights = [in_flight(schedule, pp, microbatches, k, chunks) for k in range(S)]
     kappa = (None if chunks == 1 else
              _uniform_bubble(schedule, pp, chunks, microbatches, problem.forward_share))
-    program = stage_mip.build(_in_units(problem, unit_s), microbatches, flights,
+    program = stage_mip.build(problem.in_units(unit_s), microbatches, flights,
                               stage_ranks(schedule, pp, chunks), kappa, budget_bytes,
                               None if cutoff_s is None else cutoff_s / unit_s, relative_gap)
     # a start: deep pipelines under a tight budget find none for minutes, and chunked ones
@@ -768,11 +788,12 @@ def balanced_cut(problem: StageProblem, pp: int, microbatches: int, schedule: st
                                    budget_bytes) or choice
 
 
-def _ilp_problem(problem: StageProblem, members, flights, m: int,
-                 budget_bytes: float | None) -> Problem:
+def ilp_problem(problem: StageProblem, members, flights, m: int,
+                budget_bytes: float | None, ties: tuple[tuple[int, ...], ...] = ()) -> Problem:
     """planner.ilp's problem of the layers `members` on one rank, layer members[n] with
     flights[n] microbatches in flight: each option at m·t + s and weights + f·activations,
-    the edges between those layers at m times their cost."""
+    the edges between those layers at m times their cost; `ties`: groups of members (by
+    layer index) that pick one strategy name (planner.ties)."""
     index = {i: n for n, i in enumerate(members)}
     nodes = []
     for i, f in zip(members, flights):
@@ -783,7 +804,8 @@ def _ilp_problem(problem: StageProblem, members, flights, m: int,
             for o, name in enumerate(l.strategies))))
     edges = tuple(Edge(index[e.src], index[e.dst], m * np.asarray(e.cost_s, float))
                   for e in problem.edges if e.src in index and e.dst in index)
-    return Problem(tuple(nodes), edges, budget_bytes)
+    return Problem(tuple(nodes), edges, budget_bytes,
+                   tuple(tuple(index[i] for i in group) for group in ties))
 
 
 def _fitting_choice(problem: StageProblem, starts, pp: int, m: int, schedule: str,
@@ -807,33 +829,13 @@ def _fitting_choice(problem: StageProblem, starts, pp: int, m: int, schedule: st
         mine = [i for i, q in enumerate(rank_of) if q == r]
         flights = [flight[stage_of_unit[problem.layers[i].unit]] for i in mine]
         try:
-            got = ilp.solve(_ilp_problem(problem, mine, flights, m, budget_bytes),
+            got = ilp.solve(ilp_problem(problem, mine, flights, m, budget_bytes),
                             time_limit_s)
         except Infeasible:
             return None
         for i, c in zip(mine, got.choice):
             choice[i] = c
     return tuple(choice)
-
-
-def _time_unit_s(problem: StageProblem) -> float:
-    """numerics.time_unit_s of every layer's, edge's and transfer's time."""
-    return time_unit_s(itertools.chain(
-        (t for l in problem.layers for t in (l.microbatch_s.max(), l.step_s.max())),
-        (c for e in problem.edges for c in np.asarray(e.cost_s, float).ravel()),
-        problem.cut_s, (problem.replay_s,)))
-
-
-def _in_units(problem: StageProblem, unit_s: float) -> StageProblem:
-    if unit_s == 1.0:
-        return problem
-    layers = tuple(replace(l, microbatch_s=l.microbatch_s / unit_s, step_s=l.step_s / unit_s)
-                   for l in problem.layers)
-    edges = tuple(replace(e, cost_s=np.asarray(e.cost_s, float) / unit_s)
-                  for e in problem.edges)
-    return replace(problem, layers=layers, edges=edges,
-                   cut_s=tuple(c / unit_s for c in problem.cut_s),
-                   replay_s=problem.replay_s / unit_s)
 
 
 def _solve_one_stage(problem: StageProblem, microbatches: int, schedule: str,
@@ -846,8 +848,8 @@ def _solve_one_stage(problem: StageProblem, microbatches: int, schedule: str,
     flight = in_flight(schedule, 1, microbatches, 0)
     layers = range(len(problem.layers))
     try:
-        solution = ilp.solve(_ilp_problem(problem, layers, [flight] * len(layers),
-                                          microbatches, budget_bytes),
+        solution = ilp.solve(ilp_problem(problem, layers, [flight] * len(layers),
+                                         microbatches, budget_bytes),
                              time_limit_s, cutoff_s=cutoff_s)
     except Infeasible as error:  # nothing fits the budget, or nothing beats the cutoff
         if error.family not in ("memory", "cutoff"):
