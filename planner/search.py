@@ -93,6 +93,7 @@ QUICK_PASS_S = 3.0  # seconds for quick plans of chunked candidates (stages.quic
 # seconds for the stage MIP of an open chunked candidate with no plan (_refine_chunked)
 PROOF_S = 5.0
 REFINE = 5e-3  # relative width to which open chunked bounds are refined at the end
+REFINE_SHARE = 0.15  # of a search's budget, kept for that refining
 # actions (stages x microbatches x 3) up to which a chunked candidate's bound is raised by
 # stage_paths.relaxed_path_bound: 0.1 s at 1,536 (pp 8 x 2 chunks x 16 microbatches on a
 # 70 B Llama), 3 s at 6,144
@@ -709,7 +710,8 @@ class _LoadBounds:
         self.problem_of = problem_of
         self.budget_of = budget_of  # shape -> what its stages may fill (None: no limit)
         self.found: dict[tuple, tuple[float, float]] = {}  # placement -> (from, bound)
-        self.paths: dict[tuple, float | None] = {}  # shape -> stage_paths.path_bound
+        # shape -> (stage_paths.path_bound or relaxed_path_bound, its second row still to add)
+        self.paths: dict[tuple, tuple[float | None, bool]] = {}
         self.memory: dict[tuple, float] = {}  # ranks' least flights -> memory_bound
         self.checked: set[int] = set()  # candidates raise_memory has seen
 
@@ -743,23 +745,26 @@ class _LoadBounds:
         return True
 
     def raise_bound(self, c: Candidate, best_s: float, within: float,
-                    actions: int = RELAXED_ACTIONS) -> None:
+                    actions: int = RELAXED_ACTIONS, memory: bool = True) -> None:
         """c.bound_s raised by the bound, computed to `within` of the best (0: only
         whether it reaches the best); the schedule's actions with the stage times free
-        where it has at most `actions` of them."""
+        where it has at most `actions` of them. `memory`: each rank's memory rows in the
+        busiest rank's program and the second row's MIP in the actions' where they are at
+        most RELAXED_ACTIONS (seconds where the rest takes a fraction of one: the refining
+        pass's, not the chunked pass's; on a 70 B Llama's 32-rank shapes, 6,144 actions,
+        the MIP ran out its time at a bound of nothing)."""
         s = c.shape
         b = self.problem_of(s).problem
         budget = self.budget_of(s)
         flights = None if budget is None else tuple(
             in_flight(s.schedule, s.pp, s.microbatches, k, s.chunks)
             for k in range(s.pp * s.chunks))
-        key = (id(b), s.pp, s.microbatches, s.chunks, s.schedule in V_SHAPED, within,
-               flights, budget)
+        rows = (budget, flights) if memory else (None, None)
+        key = (id(b), s.pp, s.microbatches, s.chunks, s.schedule in V_SHAPED, within, *rows)
         start, raised = self.found.get(key, (math.inf, None))
         if raised is None or (raised <= start and c.bound_s < start):  # not lifted there
             raised = busiest_rank_bound(b, s.pp, s.microbatches, s.schedule, s.chunks,
-                                        c.bound_s, best_s * (1 - 1e-9), within=within,
-                                        budget_bytes=budget, flights=flights)
+                                        c.bound_s, best_s * (1 - 1e-9), within, *rows)
             self.found[key] = (c.bound_s, raised)
         c.bound_s = max(c.bound_s, raised or 0.0)
         if c.bound_s < best_s * (1 - 1e-9):  # few stages: every cut, the bubble included
@@ -769,15 +774,19 @@ class _LoadBounds:
                 # too many cuts: the stage times free, where the program is small
                 if exact is None and s.pp * s.chunks * s.microbatches * 3 > actions:
                     return  # not priced: a later call with more time may
-                if exact is None:  # the linear program, then the second row's MIP if
-                    # the program leaves the candidate below the best
+                relaxed = exact is None
+                if relaxed:
                     exact = relaxed_path_bound(b, s.pp, s.microbatches, s.schedule,
                                                s.chunks, budget, flights, second_row=False)
-                    if exact < best_s * (1 - 1e-9):
-                        exact = max(exact, relaxed_path_bound(
-                            b, s.pp, s.microbatches, s.schedule, s.chunks, budget, flights))
-                self.paths[key] = exact
-            c.bound_s = max(c.bound_s, self.paths[key] or 0.0)
+                self.paths[key] = (exact, relaxed)  # (bound, the second row still to add)
+            exact, relaxed = self.paths[key]
+            small = s.pp * s.chunks * s.microbatches * 3 <= RELAXED_ACTIONS
+            if (memory and relaxed and small and exact is not None
+                    and exact < best_s * (1 - 1e-9)):
+                exact = max(exact, relaxed_path_bound(b, s.pp, s.microbatches, s.schedule,
+                                                      s.chunks, budget, flights))
+                self.paths[key] = (exact, False)
+            c.bound_s = max(c.bound_s, exact or 0.0)
 
 
 def _ruled_out(c: Candidate, best_s: float | None) -> bool:
@@ -901,6 +910,10 @@ class _Search:
                  search_time_s: float | None):
         self.started = time.perf_counter()
         self.deadline = None if search_time_s is None else self.started + search_time_s
+        # the first and chunked passes stop REFINE_SHARE short of it: the refining pass's
+        # bounds are what the gap is read from
+        self.passes_until = (None if search_time_s is None
+                             else self.deadline - REFINE_SHARE * search_time_s)
         self.graph, self.budget_bytes, self.pin = graph, budget_bytes, pin
         self.cache = cache or CostCache(graph, cluster, optimizer)
         self.time_limit_s, self.relative_gap = time_limit_s, relative_gap
@@ -997,8 +1010,10 @@ class _Search:
             solution = solve()
         return solution if solution is not None and self.over_bytes(shape, solution) <= 0 else None
 
-    def out_of_time(self) -> bool:
-        return self.deadline is not None and time.perf_counter() >= self.deadline
+    def out_of_time(self, passes: bool = False) -> bool:
+        """Past the deadline (`passes`: past the first and chunked passes' share of it)."""
+        until = self.passes_until if passes else self.deadline
+        return until is not None and time.perf_counter() >= until
 
     def seconds_left(self) -> float:
         return math.inf if self.deadline is None else self.deadline - time.perf_counter()
@@ -1059,9 +1074,9 @@ class _Search:
         far from best. With a budget, up to half of what is left; chunked shapes are set
         aside for the chunked pass."""
         if self.deadline is not None:
-            self.first_until = (time.perf_counter() + self.deadline) / 2
+            self.first_until = (time.perf_counter() + self.passes_until) / 2
         for _, c in self.ranked:
-            if self.out_of_time():
+            if self.out_of_time(passes=True):
                 break
             if _ruled_out(c, self.incumbent):
                 self.tell()
@@ -1089,16 +1104,16 @@ class _Search:
         self.chunked.sort(key=lambda c: c.bound_s)
         quick_until = time.perf_counter() + QUICK_PASS_S
         if self.deadline is not None:  # a budget: up to half of what it has left
-            quick_until = max(quick_until, (time.perf_counter() + self.deadline) / 2)
+            quick_until = max(quick_until, (time.perf_counter() + self.passes_until) / 2)
         quick_ones = []
         for c in self.chunked:
-            if self.out_of_time():
+            if self.out_of_time(passes=True):
                 break
             if self._quick(c, quick_until):
                 quick_ones.append(c)
         quick_ones.sort(key=lambda c: c.solution.times.step_s)
         for c in quick_ones[:CHUNKED_TRIES]:
-            if self.out_of_time():
+            if self.out_of_time(passes=True):
                 break
             if c.bound_s >= self.incumbent * (1 - 1e-9):
                 continue
@@ -1117,7 +1132,7 @@ class _Search:
         if _ruled_out(c, incumbent):
             return False
         if incumbent is not None:  # whole units may rule it out before a quick plan
-            self.loads.raise_bound(c, incumbent, 0.0)
+            self.loads.raise_bound(c, incumbent, 0.0, memory=False)
             if _ruled_out(c, incumbent):
                 return False
         s = c.shape

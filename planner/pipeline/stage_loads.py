@@ -82,8 +82,13 @@ def busiest_rank_bound(problem, pp: int, microbatches: int, schedule: str, chunk
                                                                         MEMORY_DP_LAMBDAS)]
 
         def fits(tau: float) -> bool:
-            """Whether a cut keeps every rank under tau by its work and every Lagrangian."""
-            return all(f(tau) for f in each)
+            """Whether a cut keeps every rank under tau by its work and every Lagrangian;
+            the one that last said no asked first (a bisection's no is then one pass)."""
+            for k, f in enumerate(each):
+                if not f(tau):
+                    each.insert(0, each.pop(k))
+                    return False
+            return True
     if not fits(high_s):
         return high_s
     low, high = low_s, high_s
