@@ -1092,7 +1092,7 @@ class _Search:
             self.tell()
 
     def chunked_pass(self) -> None:
-        """Chunked schedules, least bound first: each checked against memory with its
+        """Chunked schedules, least estimate first: each checked against memory with its
         schedule's own in-flight counts and its bound raised by each rank's memory row
         (loads.raise_memory); one still below the best gets its balanced estimate (a
         simulation of the schedule, which the cut can only miss by imbalance) and, where
@@ -1101,7 +1101,7 @@ class _Search:
         the gap at its bound. Then the stage MIPs of the CHUNKED_TRIES best quick plans,
         started from them and cut off at the best (their MIPs are the hardest: they keep
         the quick plan where they find no better in CHUNKED_PASS_S)."""
-        self.chunked.sort(key=lambda c: c.bound_s)
+        self.chunked.sort(key=self._guess)
         quick_until = time.perf_counter() + QUICK_PASS_S
         if self.deadline is not None:  # a budget: up to half of what it has left
             quick_until = max(quick_until, (time.perf_counter() + self.passes_until) / 2)
@@ -1124,6 +1124,14 @@ class _Search:
                 c.outcome, c.solution = "solved", kept
             self.tell()
 
+    def _guess(self, c: Candidate) -> float:
+        """What a chunked candidate's plan may take: its balanced estimate, at least its
+        bound (the chunked pass tries the likeliest plans first; the refining pass takes
+        the bounds in their own order)."""
+        s = c.shape
+        problem = self.problem_of(s).problem
+        return max(estimate(problem, s.pp, s.microbatches, s.schedule, s.chunks), c.bound_s)
+
     def _quick(self, c: Candidate, quick_until: float) -> bool:
         """The chunked pass on one candidate (its docstring): whether it got a quick plan."""
         incumbent = self.incumbent
@@ -1137,7 +1145,7 @@ class _Search:
                 return False
         s = c.shape
         problem = self.problem_of(s).problem
-        guess = max(estimate(problem, s.pp, s.microbatches, s.schedule, s.chunks), c.bound_s)
+        guess = self._guess(c)
         if incumbent is not None and guess >= incumbent * (1 - 1e-9):
             c.outcome = "skipped"
             c.note = f"estimate {guess * 1e3:.3g} ms >= best {incumbent * 1e3:.3g} ms"
