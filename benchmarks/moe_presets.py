@@ -9,7 +9,9 @@ weights, gradients and Adam state at bf16-mixed's 16 bytes per parameter (a lowe
 no activations); each cluster is planned with `planner.optimize(mesh="auto",
 tracer="blocks")` (the 1-D integer program beside the 3-D pp x dp x tp search, expert
 parallelism over the whole group inside it: the search has no ep degree of its own yet),
-and a PlanDoesNotFit moves to the next. Printed: the devices, the plan's mesh and its
+and a PlanDoesNotFit moves to the next. The model is traced once before the first cluster
+(planner.profiled keeps the graph), so that each cluster's search_time_s is its search's,
+not the trace's. Printed: the devices, the plan's mesh and its
 kinds of weighted layers, predicted step time, tokens/s per GPU, MFU, planning time.
 """
 
@@ -22,6 +24,7 @@ import time
 from collections import Counter
 
 import planner
+from planner.profiled import trace_model
 from planner.report.throughput import plan_throughput
 from profiler.presets import load_llm
 
@@ -32,6 +35,7 @@ SEQ, BATCH = 4096, 8
 # weights, gradients and Adam's two moments at bf16-mixed: fp32 master 4 + grad 4 + 8 state
 BYTES_PER_PARAM = 16
 H100_BYTES = 80e9
+TRACER = "blocks"
 
 
 def first_nodes(params: int) -> int:
@@ -48,6 +52,10 @@ def describe(plan, shape) -> str:
     p = plan.predicted
     return (f"  mesh {dims} ({plan.mesh_choice or '3-D'}); weighted layers: "
             + ", ".join(f"{k} {n}" for k, n in kinds.most_common())
+            + f"\n  step {p.step_time_s:.3f} s = compute {p.compute_s:.3f} + communication "
+            f"{p.communication_s:.3f} + optimizer {p.other_s:.3f} + bubble {p.bubble_s:.3f}"
+            + (f" ({plan.pipeline.microbatches} microbatch(es), {plan.pipeline.schedule})"
+               if plan.pipeline is not None else "")
             + f"\n  step {p.step_time_s:.3f} s, {t.tokens_per_s_per_device:,.0f} tokens/s/GPU, "
             f"MFU {t.mfu:.1%}, memory {max(p.memory_bytes) / 1e9:.1f} of "
             f"{p.memory_limit_bytes / 1e9:.1f} GB; solver {plan.solver.status}")
@@ -57,12 +65,19 @@ def run(preset: str, search_time_s: float) -> None:
     model, inputs, kwargs, shape, seq = load_llm(preset, BATCH, SEQ)
     print(f"== {preset}: {shape.params / 1e9:.1f} B parameters ({shape.active_params / 1e9:.1f} B "
           f"active), seq {seq}, batch {BATCH} ==", flush=True)
+    # traced once, ahead: optimize's search_time_s counts from its call's start, and the
+    # first cluster's call paid the trace out of it (DeepSeek-V3 ~90 s, gpt-oss 70-100 s
+    # of a 30 s budget: "no plan found within the time budget" on the rung that fits)
+    wall = time.perf_counter()
+    trace_model(model, inputs, kwargs, (), TRACER)
+    print(f"traced in {time.perf_counter() - wall:.1f} s (tracer {TRACER!r}, kept for every "
+          f"cluster below)", flush=True)
     for nodes in [n for n in NODES if n >= first_nodes(shape.params)]:
         devices = f"{nodes}x8xH100" if nodes > 1 else "8xH100"
         wall, cpu = time.perf_counter(), time.process_time()
         try:
             plan = planner.optimize(model, devices, example_inputs=inputs,
-                                    example_kwargs=kwargs, mesh="auto", tracer="blocks",
+                                    example_kwargs=kwargs, mesh="auto", tracer=TRACER,
                                     search_time_s=search_time_s)
         except (planner.PlanDoesNotFit, ValueError) as error:
             print(f"{devices}: no plan ({time.perf_counter() - wall:.1f} s): "

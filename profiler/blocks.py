@@ -46,6 +46,11 @@ def decoder_blocks(model: nn.Module) -> tuple[tuple[str, ...], str]:
     if config is None or getattr(config, "is_encoder_decoder", False):
         return (), f"{name} is not a Hugging Face decoder-only model"
     base = getattr(model, "base_model", None)
+    if base is model:
+        # a base_model_prefix that names no child: Llama4ForCausalLM's is "language_model"
+        # (the multimodal checkpoint's), its decoder `model`. Refused here, Llama 4 had no
+        # 3-D plan, only the 1-D program, which Scout's batch of 8 fits on no cluster
+        base = getattr(model, "model", None)
     holder = model.get_submodule(blocks[0].rsplit(".", 1)[0].rpartition(".")[0])
     if base is None or base is model or holder is not base:
         return (), f"{name}'s blocks are not held by its base model"

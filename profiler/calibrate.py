@@ -359,13 +359,18 @@ def _collective_call(name: str, nbytes: int, rank: int, world: int, device):
         scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
         return lambda: scatter(part, full)
     if name == "all_to_all":
-        if dist.get_backend() == "gloo":
-            # DTensor's shard-to-shard redistribute on a CPU group is an all-gather and a
-            # chunk (gloo has no all-to-all it uses): measure what the executor will run
-            # (each rank's n/P gathered into n, then chunked)
-            return _collective_call("all_gather", nbytes, rank, world, device)
-        out = torch.empty_like(full)
-        return lambda: dist.all_to_all_single(out, full)
+        # each rank's n/P split in P parts, one to each rank (strategies.collectives'
+        # formula): `all_to_all_single` with its split sizes given, the call expert
+        # parallelism's dispatch and combine make (executor.experts: gloo's alltoallv,
+        # uneven splits in a step). Before, gloo's figure was a copy of the all-gather's
+        # samples (what DTensor's shard-to-shard redistribute runs there) fitted to the
+        # all-to-all's coefficients: on 2 processes a 128 MB all_to_all_single took 40 ms,
+        # the all-gather it was copied from 127 ms (quick calibration, loaded 2-core VM)
+        mine = elements // world
+        send = torch.ones(mine, device=device)
+        recv = torch.empty(mine, device=device)
+        splits = [mine // world + (1 if r < mine % world else 0) for r in range(world)]
+        return lambda: dist.all_to_all_single(recv, send, splits, splits)
     if name == "send_recv":  # ping-pong between ranks 0 and 1, halved below
         def ping_pong():
             if rank == 0:
@@ -718,9 +723,7 @@ class _Laps:
 def _measured_names(world: int) -> list[str]:
     """The collectives of MEASURED this rank times on `world` ranks and this backend."""
     return [name for name in MEASURED
-            if not (name == "send_recv" and world != 2)  # one pair is enough: 2 ranks
-            # DTensor runs it as an all-gather on gloo: calibrate() copies those
-            and not (name == "all_to_all" and dist.get_backend() == "gloo")]
+            if not (name == "send_recv" and world != 2)]  # one pair is enough: 2 ranks
 
 
 def _unsupported(error: RuntimeError) -> bool:
@@ -933,11 +936,7 @@ def measure_collectives(world: int, sizes, repeats: int, quiet_wait_s: float, qu
     spawned ranks: the figures `strategies.calibrated` fits links and overheads to."""
     per_rank = run_ranks(_rank_measure, world, sizes, repeats, quiet_wait_s, quick,
                          backend=backend, threads=1 if backend == "gloo" else threads)
-    samples = collective_samples(per_rank, world)
-    if backend == "gloo":  # DTensor's all-to-all on gloo is an all-gather (see above)
-        samples += [s.model_copy(update={"collective": "all_to_all"})
-                    for s in samples if s.collective == "all_gather"]
-    return samples, per_rank
+    return collective_samples(per_rank, world), per_rank
 
 
 def collective_samples(per_rank: list[dict], world: int) -> list[Sample]:

@@ -26,6 +26,7 @@ from torch.utils import _pytree as pytree
 from torch.utils.flop_counter import FlopCounterMode
 
 from profiler.blocks import decoder_blocks
+from profiler.expert_flops import register as register_grouped_mm_flops
 from profiler.graph import Layer, ModelGraph, TensorMeta, canonical_names, count_once
 from profiler.row_factors import in_order, row_factors
 from profiler.saved import first_layer, per_output, run_recorded, with_saved
@@ -443,6 +444,7 @@ def _count_flops(program, args, kwargs, group: dict, node_of: dict) -> dict[str,
     buffer with `.to(device)` (a rotary `inv_freq`, inside a higher-order op's subgraph
     too) runs whether the model was built on the CPU, on meta or under torch.device(...),
     and nothing is allocated."""
+    register_grouped_mm_flops()  # routed experts' grouped matmuls (profiler.expert_flops)
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     feeds = _fake_feeds(program, args, kwargs, mode)
     per_layer: dict[str, int] = {}

@@ -16,6 +16,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from profiler.sparse_routing import route_sparsely
+
 # Each entry: the transformers config class and the values of the published config.
 PRESETS: dict[str, tuple[str, dict]] = {
     # meta-llama/Meta-Llama-3-8B config.json (Llama 3.1 8B has the same sizes)
@@ -170,7 +172,9 @@ def file_config(path: str | Path):
 
 def build_llm(config, batch: int, seq: int, dtype: torch.dtype = torch.float32):
     """(model, example_inputs, example_kwargs) of a causal LM on the meta device: nothing
-    is allocated, whatever its size. `dtype`: the parameters' dtype as built."""
+    is allocated, whatever its size. `dtype`: the parameters' dtype as built. A
+    dense-routed mixture of experts (Llama 4's) is given its sparse forward, the same
+    function (profiler.sparse_routing)."""
     from transformers import AutoModelForCausalLM
 
     if batch < 1 or seq < 1:
@@ -186,6 +190,8 @@ def build_llm(config, batch: int, seq: int, dtype: torch.dtype = torch.float32):
     except ValueError as error:
         raise ValueError(f"model: {type(config).__name__} is not a causal LM transformers "
                          f"can build ({error})") from None
+    # Llama 4's MoE each token through its own experts, not all of them (profiler.sparse_routing)
+    route_sparsely(model)
     ids = torch.zeros(batch, seq, dtype=torch.long, device="meta")
     return model, (ids,), {"use_cache": False}
 

@@ -26,8 +26,20 @@ outnumber cores, since with a core each the plans ran at their fits), a blocking
 the gap the fits were timed behind, where that is below 1; its bandwidth term stays.
 
 Expert parallelism (strategies.experts) moves every (token, expert) pair by all_to_all, n
-the whole batch's pairs: a link without a calibrated all_to_all fit prices it from its own
-latency and bandwidth, as it does an uncalibrated all_gather.
+the whole batch's pairs (each rank sends (P-1)/P of its n/P). On CPU, `hyplan calibrate`
+times `all_to_all_single` itself on gloo (profiler.calibrate; before, its figure was a copy
+of the all-gather's samples, what DTensor's shard-to-shard redistribute runs there). A
+link without an all_to_all fit prices it from its own latency and bandwidth, as it does an
+uncalibrated all_gather; so do the GPU links of strategies.devices, whose figures hold for
+an all-to-all as published by nccl-tests, whose alltoall "bus bandwidth" is algbw x (P-1)/P
+(S. Jeaugey, NVIDIA/nccl-tests #130), the β of the formula above:
+- inside an H100 node (NVLink 4, priced at 370 GB/s): alltoall_perf on 4 H100 SXM at 500 MB
+  read busbw 335-338 GB/s (NVIDIA/nccl #2169, NCCL 2.30, ring), 9% under the link's 370;
+- across nodes (NDR, priced at 46 GB/s per GPU): an all-to-all cannot aggregate a node's
+  NICs, each GPU's traffic goes through its own, "the performance of a single NIC" (S.
+  Jeaugey), 48-49 GB/s for a CX-7 at NDR (D. Addison), NVIDIA/nccl-tests #267 (6 H100
+  nodes); on N nodes busbw is N/(N-1) x a GPU's NIC bandwidth, the intra-node part not
+  being the bottleneck (#130): 46 GB/s is the many-node end, 2x pessimistic on 2 nodes.
 
 Every formula is `a(P)·α + b(P)·n/β`; `COEFFICIENTS` holds (a, b), which is also what
 `strategies.calibrated` fits measured timings against. α and β come from the link, per

@@ -31,7 +31,7 @@ from zoo import reference, train
 KINDS = ("ddp", "fsdp", "tensor", "pipeline", "optimum", "ep")
 # kind -> models for which the planner refuses it, and a word of the reason it gives
 REFUSED = {
-    "pipeline": {"llama4": "blocks"},
+    "pipeline": {},
     # Llama 4's experts take every token once per expert (dense routing): none to dispatch
     "ep": {"llama4": "none that split"},
 }
