@@ -28,6 +28,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from profiler.blocks import decoder_blocks
 from profiler.expert_flops import register as register_grouped_mm_flops
 from profiler.graph import Layer, ModelGraph, TensorMeta, canonical_names, count_once
+from profiler.meta_attention import run_node as as_a_device_runs
 from profiler.row_factors import in_order, row_factors
 from profiler.saved import first_layer, per_output, run_recorded, with_saved
 from profiler.trace import TraceError, _module_attrs, call_facts, fingerprint_modules
@@ -417,7 +418,8 @@ def _saved_per_output(program, args, kwargs, group: dict, node_of: dict,
                       layers: list[Layer]) -> dict[str, float]:
     """{layer node: bytes autograd keeps for backward that the layer produced, per byte of
     its output} (profiler.saved), the exported graph run once on fake tensors with its
-    parameters requiring grad; {} where it cannot run so."""
+    parameters requiring grad, attention on meta as a device's kernel saves
+    (profiler.meta_attention); {} where it cannot run so."""
     user_inputs = set(program.graph_signature.user_inputs)
 
     def layer_of(n: fx.Node) -> str | None:
@@ -432,7 +434,7 @@ def _saved_per_output(program, args, kwargs, group: dict, node_of: dict,
     try:
         feeds = _fake_feeds(program, args, kwargs, mode, grads=True)
         with mode:
-            saved = run_recorded(program.graph_module, feeds, owner)
+            saved = run_recorded(program.graph_module, feeds, owner, run=as_a_device_runs)
     except Exception:  # noqa: BLE001 - the layers then keep their outputs
         return {}
     return per_output(saved, layers)
