@@ -65,7 +65,7 @@ from planner.progress import Progress, listened, report
 from planner.pipeline.schedules import SCHEDULES, V_SHAPED, chunks_allowed, refusal
 from planner.pipeline.stage_held import peak_bytes
 from planner.pipeline.stage_loads import busiest_rank_bound, memory_bound
-from planner.pipeline.stage_paths import path_bound, relaxed_path_bound
+from planner.pipeline.stage_paths import HELD_MIP_S, path_bound, relaxed_path_bound
 from planner.pipeline.stages import (
     LayerOptions, StageProblem, StageSolution, TimeLimit, estimate, in_flight, lower_bound,
     min_memory_bytes, quick_plan, solve_stages,
@@ -101,6 +101,9 @@ RELAXED_ACTIONS = 2048
 # ... and at the end, on the open candidates that the gap is made of, least bound first,
 # while the budget lasts (a linear program of 6,144 actions takes some 2.5 s)
 REFINE_ACTIONS = 8192
+# ... its second memory row's MIP run to this at most, half of what is left (a 405 B Llama's
+# pp 16 ZBV: 74.9 s after 1 s, 81.5 s proven in 5.4 s)
+REFINE_MIP_S = 6.0
 ACTIONS_PER_S = 2000  # what that program's size takes at most, on this count
 # A search's default budget in seconds (planner.optimize's search_time_s): the 70 B and
 # 405 B Llama presets on 32 and 64 nodes of 8 H100 plan in about a minute on 2 cores with
@@ -706,14 +709,16 @@ class _LoadBounds:
     stage times free and each rank's memory row (stage_paths.relaxed_path_bound: the
     recompute that memory forces enters the bubble's bound)."""
 
-    def __init__(self, problem_of, budget_of=lambda shape: None):
+    def __init__(self, problem_of, budget_of=lambda shape: None, beside_of=lambda shape: 0.0):
         self.problem_of = problem_of
         self.budget_of = budget_of  # shape -> what its stages may fill (None: no limit)
+        self.beside_of = beside_of  # shape -> what a rank holds beside them at least
         self.found: dict[tuple, tuple[float, float]] = {}  # placement -> (from, bound)
         # shape -> (stage_paths.path_bound or relaxed_path_bound, its second row still to add)
         self.paths: dict[tuple, tuple[float | None, bool]] = {}
         self.memory: dict[tuple, float] = {}  # ranks' least flights -> memory_bound
         self.checked: set[int] = set()  # candidates raise_memory has seen
+        self.one_chunk: dict[tuple, float] = {}  # one-chunk shape -> raise_path's bound
 
     def raise_memory(self, c: Candidate) -> bool:
         """Whether c fits with its schedule's own in-flight counts (else it is noted
@@ -730,8 +735,7 @@ class _LoadBounds:
         need = min_memory_bytes(b, s.pp, s.microbatches, s.schedule, s.chunks)
         if need > budget:
             c.outcome = "does_not_fit"
-            held = need + self.problem_of(s).transient_bytes
-            c.note = f"needs at least {held / 1e9:.1f} GB per device"
+            c.note = f"needs at least {(need + self.beside_of(s)) / 1e9:.1f} GB per device"
             return False
         flights = [in_flight(s.schedule, s.pp, s.microbatches, k, s.chunks)
                    for k in range(s.pp * s.chunks)]
@@ -744,15 +748,36 @@ class _LoadBounds:
         c.bound_s = max(c.bound_s, self.memory[key])
         return True
 
+    def raise_path(self, c: Candidate) -> None:
+        """A one-chunk pipelined c's bound raised by its schedule's actions with the stage
+        times free and each rank's memory rows (stage_paths.relaxed_path_bound, which holds
+        for one chunk a rank as for several: tests/test_held_row.py), where it has at most
+        RELAXED_ACTIONS actions. Where memory forces recompute, the fill and drain pay for
+        it too: a 405 B Llama's pp 2 x dp 256 GPipe of one microbatch, 68.1 s by the stage
+        bound, 105.8 s by this (its stage MIP had run out 10 s without a plan)."""
+        s = c.shape
+        if s.pp == 1 or s.chunks > 1 or s.pp * s.microbatches * 3 > RELAXED_ACTIONS:
+            return
+        b = self.problem_of(s).problem
+        key = (id(b), s.pp, s.microbatches, s.schedule)
+        if key not in self.one_chunk:
+            budget = self.budget_of(s)
+            flights = None if budget is None else [
+                in_flight(s.schedule, s.pp, s.microbatches, k, 1) for k in range(s.pp)]
+            self.one_chunk[key] = relaxed_path_bound(b, s.pp, s.microbatches, s.schedule,
+                                                     1, budget, flights)
+        c.bound_s = max(c.bound_s, self.one_chunk[key])
+
     def raise_bound(self, c: Candidate, best_s: float, within: float,
-                    actions: int = RELAXED_ACTIONS, memory: bool = True) -> None:
+                    actions: int = RELAXED_ACTIONS, memory: bool = True,
+                    mip_s: float = HELD_MIP_S) -> None:
         """c.bound_s raised by the bound, computed to `within` of the best (0: only
         whether it reaches the best); the schedule's actions with the stage times free
         where it has at most `actions` of them. `memory`: each rank's memory rows in the
         busiest rank's program and the second row's MIP in the actions' where they are at
         most RELAXED_ACTIONS (seconds where the rest takes a fraction of one: the refining
         pass's, not the chunked pass's; on a 70 B Llama's 32-rank shapes, 6,144 actions,
-        the MIP ran out its time at a bound of nothing)."""
+        the MIP ran out its time at a bound of nothing), its bound read after `mip_s`."""
         s = c.shape
         b = self.problem_of(s).problem
         budget = self.budget_of(s)
@@ -784,7 +809,8 @@ class _LoadBounds:
             if (memory and relaxed and small and exact is not None
                     and exact < best_s * (1 - 1e-9)):
                 exact = max(exact, relaxed_path_bound(b, s.pp, s.microbatches, s.schedule,
-                                                      s.chunks, budget, flights))
+                                                      s.chunks, budget, flights,
+                                                      mip_s=mip_s))
                 self.paths[key] = (exact, False)
             c.bound_s = max(c.bound_s, exact or 0.0)
 
@@ -819,7 +845,8 @@ def _refine_chunked(chunked: list[Candidate], best_s: float, loads: _LoadBounds,
             raised.add(id(c))
             if loads.raise_memory(c):
                 loads.raise_bound(c, best_s, REFINE,
-                                  int(min(REFINE_ACTIONS, ACTIONS_PER_S * seconds_left())))
+                                  int(min(REFINE_ACTIONS, ACTIONS_PER_S * seconds_left())),
+                                  mip_s=min(REFINE_MIP_S, max(HELD_MIP_S, seconds_left() / 2)))
             if c.solution is None and _ruled_out(c, best_s):
                 c.outcome = "pruned_by_bound"
             continue
@@ -931,7 +958,8 @@ class _Search:
         # past the budget (stage_held.peak_bytes), so that its next solve leaves the room
         self.room: dict[Shape, float] = {}
         # bounds read the rows as they are: a relaxation of what the plans must fit
-        self.loads = _LoadBounds(self.problem_of, self.rows_budget)
+        self.loads = _LoadBounds(self.problem_of, self.rows_budget,
+                                 lambda s: self.budget_bytes - self.rows_budget(s))
         self.first_s = min(time_limit_s, FIRST_PASS_S)
         self.first_until = None  # a budget: the one-chunk first pass stops at half of it
         if search_time_s is not None:
@@ -1056,7 +1084,7 @@ class _Search:
             need = min_memory_bytes(b.problem, shape.pp, shape.microbatches, shape.schedule,
                                     shape.chunks, 1 if shape.chunks > 1 else None)
             if self.budget_bytes is not None and need > self.rows_budget(shape):
-                beside = self.budget_bytes - self.rows_budget(shape)
+                beside = self.loads.beside_of(shape)
                 self.out.append(Candidate(shape, "does_not_fit", note=f"needs at least "
                                           f"{(need + beside) / 1e9:.1f} GB per device"))
                 continue
@@ -1087,6 +1115,10 @@ class _Search:
             if (self.best is not None and self.first_until is not None
                     and time.perf_counter() > self.first_until):
                 continue  # the second pass comes back to it
+            self.loads.raise_path(c)  # a fraction of a second, where a solve takes seconds
+            if _ruled_out(c, self.incumbent):
+                self.tell()
+                continue
             self.tell(_words(c.shape))
             self.attempt(c, self.first_s)
             self.tell()
@@ -1172,11 +1204,27 @@ class _Search:
 
     def refine_chunked(self) -> None:
         """The chunked candidates left open, least bound first, their bounds raised under
-        the final best to REFINE of it (_refine_chunked): those it reaches are settled,
-        and the least bound left is the search's gap."""
-        if self.best is not None:
-            _refine_chunked(self.chunked, self.incumbent, self.loads, self.seconds_left,
-                            lambda c: self.attempt(c, min(self.time_limit_s, PROOF_S)))
+        the final best to REFINE of it (_refine_chunked), then the one-chunk pipelined
+        ones by their path bounds: those it reaches are settled, and the least bound left
+        is the search's gap."""
+        if self.best is None:
+            return
+        _refine_chunked(self.chunked, self.incumbent, self.loads, self.seconds_left,
+                        lambda c: self.attempt(c, min(self.time_limit_s, PROOF_S)))
+        # the one-chunk pipelined shapes left open: their path bounds (loads.raise_path),
+        # least bound first, until the least is one so raised
+        raised: set[int] = set()
+        while self.seconds_left() > 0:
+            left = [c for _, c in self.ranked if c.shape.chunks == 1 and c.shape.pp > 1
+                    and (_open(c) or _unvisited(c))
+                    and c.bound_s < self.incumbent * (1 - 1e-9)]
+            c = min(left, key=lambda c: c.bound_s, default=None)
+            if c is None or id(c) in raised:
+                return
+            raised.add(id(c))
+            self.loads.raise_path(c)
+            if _unvisited(c) and _ruled_out(c, self.incumbent):
+                self.tell()
 
     def second_pass(self) -> None:
         """What is left open of the one-chunk shapes and might still beat the best, now
@@ -1190,6 +1238,7 @@ class _Search:
                                                   and c.solution.status != "optimal")
             if c.shape.chunks > 1:
                 continue
+            self.loads.raise_path(c)
             if _unvisited(c) and _ruled_out(c, incumbent):
                 continue
             if (open_ or _unvisited(c)) and (incumbent is None

@@ -144,9 +144,15 @@ def path_bound(problem, pp: int, microbatches: int, schedule: str, chunks: int
         best = min(best, float(step.min()))
 
 
+MEMORY_LAMBDAS = 16  # multipliers of each rank's memory row in relaxed_path_bound
+HELD_LAMBDAS = 9  # multipliers of its second row (a factor 3 apart: each a row per τ)
+HELD_MIP_S = 1.0  # the most a program with the second row's τ choices runs: its bound read
+
+
 def relaxed_path_bound(problem, pp: int, microbatches: int, schedule: str,
                        chunks: int, budget_bytes: float | None = None,
-                       flights=None, second_row: bool = True) -> float:
+                       flights=None, second_row: bool = True,
+                       mip_s: float = HELD_MIP_S) -> float:
     """A lower bound for chunked shapes with any number of cuts: `path_bound` with the
     stages' times free (each at least its least one unit, together at least the model's
     least work and transfers) instead of one per cut, by a linear program over the
@@ -172,7 +178,7 @@ def relaxed_path_bound(problem, pp: int, microbatches: int, schedule: str,
     4 microbatches, every block offered recomputed, 9.50 s without them, 10.84 s with.
     Where options gather (FSDP), each rank's second memory row as well (held_row, its τ
     one of two values, a binary per rank: a small MIP, whose bound is read after
-    HELD_MIP_S; `second_row` False leaves it out, a linear program): a 405 B Llama's
+    `mip_s`; `second_row` False leaves it out, a linear program): a 405 B Llama's
     DualPipeV over 8 ranks at tp 2, 88.54 s by the stage rows, 90.48 s with it."""
     from ortools.linear_solver import pywraplp
 
@@ -207,7 +213,7 @@ def relaxed_path_bound(problem, pp: int, microbatches: int, schedule: str,
     else:
         solver.Minimize(z)
     if held:
-        solver.SetTimeLimit(int(HELD_MIP_S * 1000))
+        solver.SetTimeLimit(int(mip_s * 1000))
     status = solver.Solve()
     if held and status in (pywraplp.Solver.OPTIMAL, pywraplp.Solver.FEASIBLE):
         return solver.Objective().BestBound() * work * (1 - 1e-7) + once
@@ -244,11 +250,6 @@ def _makespan_rows(solver, x, share, actions):
     for end in ends:
         solver.Add(z >= end)
     return z
-
-
-MEMORY_LAMBDAS = 16  # multipliers of each rank's memory row in relaxed_path_bound
-HELD_LAMBDAS = 9  # multipliers of its second row (a factor 3 apart: each a row per τ)
-HELD_MIP_S = 1.0  # the most a program with the second row's τ choices runs: its bound read
 
 
 def _memory_rows(solver, x, problem, pp: int, m: int, ranks, budget_bytes, flights,
