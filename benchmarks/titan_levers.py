@@ -13,8 +13,15 @@ float8 tensorwise 5078 -> 5570, rowwise 3709 -> 3915), priced through the planne
 "fsdp_tp" baseline (planner.baseline.fsdp_tp
 at tp 8: the search picks each layer's TP strategy and the blocks it recomputes), the
 float8 rowwise rows of the same table beside them. Float8 tensorwise's float8 TP
-all-gathers and async TP are priced in the plan's price list (planner.price, the lever
-terms on TP collectives: strategies.float8.tp_gather_bytes, strategies.async_tp).
+all-gathers, its casts on the sequence shard (strategies.float8.cast_bytes) and async TP
+are priced in the plan's price list (planner.price, the lever terms on TP collectives:
+strategies.float8.tp_gather_bytes, strategies.async_tp). torchtitan's sequence-parallel
+norms (Levers.sequence_parallel) are not turned on here: with them the search may run
+torchtitan's one microbatch of 16 rows, which the memory model does not fit (an
+attention layer of the traced Llama keeps about its score matrix: 18.3 GB on 2 rows of
+70B, where flash attention keeps its output and a row statistic), so it prices 16
+microbatches and their FSDP collectives instead
+(benchmarks/results/titan-levers-2cpu.txt says by how much).
 
 Each row is torchtitan's configuration as it ran (FSDP on every layer with weights, local
 batch 2, seq 8192, bf16, selective activation checkpointing; benchmarks/gpu_model_check.py's

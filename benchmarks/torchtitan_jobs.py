@@ -7,9 +7,8 @@ Each job is the job file torchtitan ran (benchmarks/jobs/, copied verbatim from
 pytorch/torchtitan at the commit the benchmark names) with the overrides its command line
 gave, read by planner.export.read_torchtitan and priced by planner.price_job (the 3-D
 search restricted to the job's shape, FSDP pinned, the same price list as hyplan's own
-plans). hyplan prices eager execution only: torch.compile, float8 and async TP are
-another engineer's levers, so their column is left "-"; a published figure measured with
-them is marked, and its error is not like for like.
+plans), with the kernel levers the job turns priced (planner.price_job.job_levers:
+torch.compile, float8, async TP, and torchtitan's sequence-parallel TP where tp > 1).
 
 Sources (pytorch/torchtitan):
 - 8B on 8 and 128 H100, FSDP, local batch 2, seq 8192, selective (op) AC, eager:
@@ -142,14 +141,13 @@ def price(job: Job, built, own: dict) -> None:
     started = time.perf_counter()
     priced, config = price_nearest(config, model, job.devices, inputs, kwargs)
     got = tokens_per_gpu(priced, seq)
-    like = ("eager, like for like" if not job.levers
-            else f"published with {job.levers}: not like for like")
+    levers = priced.cluster.levers.describe()
     print(f"  priced in {time.perf_counter() - started:.1f} s: {describe(priced, seq)}")
     print(f"  solver: {priced.solver.status}, gap {priced.solver.gap:.2%}; {priced.solver.note}")
-    print("  | job | published tokens/s/GPU | hyplan eager | error | compile/float8/async TP |")
+    print("  | job | published tokens/s/GPU | hyplan | error | priced with |")
     shown = f"{got:,.0f}" + ("" if fits(priced) else " (does not fit as priced)")
     print(f"  | {job.key} | {job.published:,.0f} ({job.levers or 'eager'}) | {shown} | "
-          f"{got / job.published - 1:+.1%} ({like}) | - |")
+          f"{got / job.published - 1:+.1%} | {levers} |")
     print(f"  source: pytorch/torchtitan benchmarks/{job.source}")
     key = (job.preset, job.devices, config.global_batch, seq)
     if key not in own:

@@ -21,13 +21,17 @@ from strategies.memory import pinned_recompute, with_memory_levers
 OUTPUT = "(output)"  # the sink node: the model's outputs as the user gets them back
 
 
-def module_executor_options(layer: Layer, options: list[Strategy]) -> list[Strategy]:
+def module_executor_options(layer: Layer, options: list[Strategy],
+                            sequence: bool = False) -> list[Strategy]:
     """For a graph from torch.export the executor runs the module's own forward, so the ops
     outside unit modules run on whatever each rank holds: the inputs come split by rows,
     and such an op is row-split wherever it can be; whole only when it does not see the
-    batch at all (a constant such as a position table)."""
+    batch at all (a constant such as a position table). `sequence`: keep the token splits
+    too, for pricing a configuration that runs them (torchtitan's TP, whose blocks hand
+    each other sequence shards: strategies.kernel_levers.Levers.sequence_parallel)."""
     # the model's own code holds module outputs split by rows: no token split survives it
-    options = [s for s in options if Layout.SEQUENCE not in (s.takes, s.gives)]
+    options = sequence_parallel_only(options) if sequence else [
+        s for s in options if Layout.SEQUENCE not in (s.takes, s.gives)]
     if layer.is_input:
         return [s for s in options if s.name == "data_parallel"] or options
     if layer.op == "call_module":
@@ -42,6 +46,21 @@ def module_executor_options(layer: Layer, options: list[Strategy]) -> list[Strat
         return options  # it does not see the batch: whole it is
     # rows split: a feature split would show the model's code whole rows
     return [s for s in options if s.name not in ("replicate", "feature_parallel")]
+
+
+def sequence_parallel_only(options: list[Strategy]) -> list[Strategy]:
+    """`options` as torchtitan's TP runs a Llama block (its apply_tp: SequenceParallel
+    norms, RowwiseParallel with output_layouts Shard(1), the embedding's output Shard(1)):
+    where a strategy has a variant that takes or gives the sequence layout, that variant
+    only, and a norm or element-wise op that can run on the sequence shard does (not
+    whole). A priced configuration, not a choice of the search."""
+    def base(s: Strategy) -> str:
+        return s.name.split("+")[0]
+    split = {base(s) for s in options if Layout.SEQUENCE in (s.takes, s.gives)}
+    if "sequence_parallel" in split:
+        split.add("replicate")
+    return [s for s in options
+            if Layout.SEQUENCE in (s.takes, s.gives) or base(s) not in split]
 
 
 @dataclass(frozen=True)
@@ -64,7 +83,8 @@ class OneGroup:
         if self.levers:
             options = with_memory_levers(layer, options, ctx)
         if tracer == "export":
-            options = module_executor_options(layer, options)
+            options = module_executor_options(layer, options,
+                                              ctx.cluster.levers.sequence_parallel)
         return tied_allowed(options) if tied else options
 
     def allowed(self, layer: Layer, options: list[Strategy], tied: bool) -> list[Strategy]:

@@ -256,7 +256,8 @@ class EdgeKind:
     # "metadata": the consumer reads only its input's dtype and device (READS_METADATA_ONLY)
     route: str = "plain"
     into_module: bool = False  # the consumer is a module (it changes layouts in its hooks)
-    # "through_rows": the edges out of the producer, which share its one hand-over
+    # "through_rows": the edges out of the producer, which share its one hand-over; under
+    # SEQUENCE_PRICED, the modules reading it, which share one layout change
     readers: int = 1
     # for the kernel levers on TP collectives (`lever_edge`): the consumer's forward GEMM
     # on one of the ranks (m, n, k), None where it runs none; whether torchtitan's float8
@@ -265,12 +266,21 @@ class EdgeKind:
     into_float8: bool = False
 
 
+# the tracer name under which a torch.export graph is priced as torchtitan runs its TP
+# (strategies.kernel_levers.Levers.sequence_parallel): every edge a DTensor layout change
+# ("plain"), and the change into a module shared by the modules reading the same tensor:
+# torchtitan's PrepareModuleInput gathers a block's attention or feed-forward input once
+# for q, k, v or w1, w3, and reduce-scatters their summed input gradient once
+SEQUENCE_PRICED = "sequence_priced"
+
+
 def edge_kind(producer: Layer, gives, consumer: Layer, strategies, rows: int, ranks: int,
               tracer: str, backward: bool, readers: int = 1) -> EdgeKind:
     """The edge from `producer` (its options give `gives`) into `consumer` running one of
     `strategies`, `ranks` ranks sharing `rows` rows; `backward`: a gradient flows back
     into the producer's output (profiler.graph.ModelGraph.carries_gradient); `readers`:
-    the edges out of the producer (ModelGraph.readers)."""
+    the edges out of the producer (ModelGraph.readers; under SEQUENCE_PRICED, the modules
+    among them)."""
     takes = tuple(batch_free_takes(producer, s.takes, rows) for s in strategies)
     route = "plain"
     if consumer.op != "call_module" and consumer.kind in READS_METADATA_ONLY:
@@ -283,7 +293,8 @@ def edge_kind(producer: Layer, gives, consumer: Layer, strategies, rows: int, ra
     return EdgeKind(tuple(gives), takes, tuple(s.model_parallel for s in strategies),
                     producer.output.nbytes, ranks, rows, backward, route,
                     consumer.op == "call_module",
-                    max(1, readers) if route == "through_rows" else 1,
+                    max(1, readers) if route == "through_rows" or (
+                        tracer == SEQUENCE_PRICED and consumer.op == "call_module") else 1,
                     input_gemm(consumer, ranks), _converted(consumer, TENSORWISE))
 
 
@@ -311,6 +322,8 @@ def edge_cost(kind: EdgeKind, cluster: Cluster) -> np.ndarray:
         matrix = lever_edge(kind, cluster, link, matrix)
     if kind.route == "export" and ranks > 1:  # one device: one layout
         matrix = matrix + _unrealizable(kind)
+    if kind.route == "plain" and kind.readers > 1:  # one change shared (SEQUENCE_PRICED)
+        matrix = matrix / kind.readers
     return matrix
 
 

@@ -40,6 +40,9 @@ from planner.search import (
     shapes,
     tp_whole_rows,
 )
+from strategies.cluster import Cluster
+from strategies.kernel_levers import Levers
+from strategies.parse import parse_devices
 
 UNBOUNDED_BYTES = 1e15  # the budget a configuration that does not fit is priced under
 # halvings of log(needed / budget) to find the least memory a job that checkpoints fits
@@ -63,6 +66,8 @@ def price_job(model: nn.Module, devices, job: JobConfig, example_inputs: Sequenc
     hyplan cannot price (cp, ep) or does not match the model and devices."""
     started = time.perf_counter()
     refuse_unpriced(job)
+    devices = parse_devices(devices)
+    devices = devices.model_copy(update={"levers": job_levers(job, devices)})
     graph, cluster = profiled_graph(model, devices, example_inputs, example_kwargs,
                                     leaf_modules, measure, tracer, precision=job.precision)
     if job.pp > 1:
@@ -87,6 +92,22 @@ def price_job(model: nn.Module, devices, job: JobConfig, example_inputs: Sequenc
         return _noted(plan, job, recompute, f"does not fit {budget / 1e9:.1f} GB per device: "
                       f"priced at the least memory found for it")
     return _noted(plan, job, recompute)
+
+
+def job_levers(job: JobConfig, cluster: Cluster) -> Levers:
+    """The kernel levers the job turns (strategies.kernel_levers), priced as it runs them:
+    torch.compile, async TP, float8 where the devices have float8 tensor cores (else left
+    eager and said: `_noted`), and its TP sequence parallel where the job runs it so
+    (torchtitan's always; Megatron-LM's --sequence-parallel)."""
+    float8 = job.float8 or None
+    if float8 and "float8" not in cluster.device.peak_flops:
+        float8 = None
+    return cluster.levers.model_copy(update={
+        "compile": cluster.levers.compile or job.compile,
+        "float8": cluster.levers.float8 or float8,
+        "async_tp": cluster.levers.async_tp or (job.async_tp and job.tp > 1),
+        "sequence_parallel": cluster.levers.sequence_parallel or (
+            job.tp > 1 and job.sequence_parallel)})
 
 
 def _least_memory(plan_within, budget: float, recompute: bool) -> Plan:
@@ -218,12 +239,14 @@ def dp_wrapping(job: JobConfig, devices_per_node: int) -> str:
 def _noted(plan: Plan, job: JobConfig, recompute: bool, over: str = "") -> Plan:
     """The plan, its mesh choice naming the job, and what of the job is not priced (and
     `over`: why it is priced over the memory budget)."""
-    unpriced = [n for n, on in (("torch.compile", job.compile), (f"float8 {job.float8}",
-                                                                   bool(job.float8)),
-                                ("async TP", job.async_tp)) if on]
+    levers = plan.cluster.levers
+    unpriced = [f"float8 {job.float8}"] if job.float8 and not levers.float8 else []
     notes = [over] if over else []
+    if levers.any:
+        notes.append(f"kernel levers priced: {levers.describe()}")
     if unpriced:
-        notes.append(f"priced eager: {', '.join(unpriced)} not priced yet")
+        notes.append(f"priced without {', '.join(unpriced)}: {plan.cluster.device.name} has "
+                     f"no float8 tensor cores")
     if job.recompute != "none":
         notes.append(f"activation checkpointing {job.recompute!r} priced as whole-block "
                      f"recompute where memory needs it" if recompute else

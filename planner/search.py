@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections import Counter
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -57,8 +58,8 @@ from planner.block_cuts import (
 )
 from planner.offers import OUTPUT, OneGroup, module_executor_options, pinned
 from planner.price import (
-    EdgeKind, Price, edge_cost, edge_kind, group_link, in_rhythm, layer_compute_s,
-    output_kind, price, tp_context, with_tied_copy,
+    SEQUENCE_PRICED, EdgeKind, Price, edge_cost, edge_kind, group_link, in_rhythm,
+    layer_compute_s, output_kind, price, tp_context, with_tied_copy,
 )
 from planner.problem import Edge
 from planner.progress import Progress, listened, report
@@ -356,7 +357,8 @@ class CostCache:
             options = group.candidates(scaled, options, ctx, self.graph.tracer, tied)
         else:
             if self.graph.tracer == "export":
-                options = module_executor_options(scaled, options)
+                options = module_executor_options(scaled, options,
+                                                  cluster.levers.sequence_parallel)
             if tied:
                 options = data_parallel_else_replicate(options)
         value = LayerEntry(scaled, tuple(options), ctx)
@@ -623,17 +625,24 @@ def _edges(cache: CostCache, priced, strategies, scaled_layers, rows: int, tp: i
     sink, handed back as planner.handback says."""
     graph = cache.graph
     index = {layer.node: i for i, layer in enumerate(graph.layers)}
+    # a priced sequence-parallel configuration changes layouts where torchtitan's DTensor
+    # hooks do (planner.price.SEQUENCE_PRICED), once per tensor its modules read
+    tracer, module_readers = graph.tracer, None
+    if cache.cluster.levers.sequence_parallel:
+        tracer = SEQUENCE_PRICED
+        module_readers = Counter(n for l in graph.layers if l.op == "call_module"
+                                 for n in l.inputs)
     edges = []
     for dst, layer in enumerate(graph.layers):
         for name in layer.inputs:
             src = index[name]
             backward = graph.carries_gradient(graph.layers[src].node)
-            readers = graph.readers(name)
+            readers = graph.readers(name) if module_readers is None else module_readers[name]
             key = (id(priced[src]), id(priced[dst]), rows, tp, backward, readers)
             if not shared or key not in cache.edges:
                 kind = edge_kind(scaled_layers[src], [s.gives for s in strategies[src]],
                                  scaled_layers[dst], strategies[dst], rows, tp,
-                                 graph.tracer, backward, readers)
+                                 tracer, backward, readers)
                 if not shared:  # options of this problem alone: ids are not kept
                     edges.append(Edge(src, dst, cache.edge(kind)))
                     continue
@@ -693,8 +702,11 @@ def tp_whole_rows(shape: Shape, batch: int, cluster: Cluster) -> bool:
     (rows not a multiple of tp: Megatron's layout, every op outside a module replicated
     over tp, planner.handback). Rows split over tp would need the row rules of ops
     outside modules (the causal mask's) judged at the microbatch, which the layer scaled
-    to it (_scaled) does not carry."""
-    return cluster.devices_per_node % shape.tp == 0 and shape.rows(batch) % shape.tp != 0
+    to it (_scaled) does not carry. A configuration priced as torchtitan runs its TP
+    (Levers.sequence_parallel: DTensor's hooks on any rows) is not held to the rows."""
+    if cluster.devices_per_node % shape.tp:
+        return False
+    return cluster.levers.sequence_parallel or shape.rows(batch) % shape.tp != 0
 
 
 # --- the search --------------------------------------------------------------------------
@@ -974,7 +986,7 @@ class _Search:
                shape.recompute, together)
         if key not in self.built:
             self.built[key] = (block_recompute.recompute_blocks(
-                self.problem_of(replace(shape, recompute=False)), self.graph)
+                self.problem_of(replace(shape, recompute=False)), self.graph, shape.tp)
                 if shape.recompute else build(self.cache, *key[:4], pin=self.pin,
                                               ends_together=together))
         return self.built[key]

@@ -16,7 +16,10 @@ transposed). So a float8 Linear costs:
 - the casts as memory traffic: per operand element, an amax pass (read 2 bytes) and a
   cast writing both orientations (read 2, write 1 + 1): `CAST_BYTES_PER_ELEMENT`; eager,
   the absolute value is its own kernel too (`EAGER_CAST_BYTES_PER_ELEMENT`); the input,
-  the weight and the output gradient each once per step;
+  the weight and the output gradient each once per step; under tensorwise TP, a
+  column-parallel input and a row-parallel output's gradient on the rank's sequence
+  shard before their float8 all-gather, the gathered tensor then transposed
+  (`cast_bytes`' `input_shard`, `grad_shard`);
 - tensorwise with FSDP: the weight is cast on its shard before the all-gather, which
   then sends 1 byte an element, half of bf16's (torchtitan's `enable_fsdp_float8_all_gather`;
   `Float8Gather`); rowwise gathers bf16 and casts the whole weight.
@@ -67,17 +70,36 @@ def gemm_share(recipe: str) -> float:
 
 
 def cast_bytes(rows: int, out_features: int, in_features: int, recipe: str,
-               compiled: bool, weight_fraction: float = 1.0) -> float:
+               compiled: bool, weight_fraction: float = 1.0, input_shard: float = 1.0,
+               grad_shard: float = 1.0) -> float:
     """Bytes the scaling and casting of one Float8Linear's operands move in a step: the
     input (rows x in), the output gradient (rows x out) and the weight (out x in; where
     tensorwise casts it on an FSDP shard, `weight_fraction` of it, then transposes the
-    gathered float8 weight: read 1, write 1 an element)."""
+    gathered float8 weight: read 1, write 1 an element). `input_shard`, `grad_shard`:
+    under tensorwise with sequence-parallel TP, the share of the rows on which the input
+    (column-parallel) or the output gradient (row-parallel) is cast before its float8
+    all-gather (`_shard_cast_bytes`)."""
     per = FLOAT8_CAST_BYTES if compiled else FLOAT8_EAGER_CAST_BYTES
     weight = out_features * in_features
-    moved = per * rows * (in_features + out_features)
-    if recipe == "tensorwise":
-        return moved + per * weight * weight_fraction + 2 * weight * (weight_fraction < 1)
-    return moved + per * weight
+    if recipe != "tensorwise":
+        return per * (rows * (in_features + out_features) + weight)
+    moved = (_shard_cast_bytes(rows * in_features, input_shard, per)
+             + _shard_cast_bytes(rows * out_features, grad_shard, per))
+    return moved + per * weight * weight_fraction + 2 * weight * (weight_fraction < 1)
+
+
+def _shard_cast_bytes(elements: int, shard: float, per: float) -> float:
+    """An operand of `elements` cast whole (`per` bytes an element: both orientations), or
+    on its sequence shard before a float8 all-gather: torchao's PrepareFloat8ModuleInput
+    and Float8ColwiseParallel cast a column-parallel input on its Shard(1) tokens ("we
+    perform fp8 allgather only once"), Float8RowwiseParallel's NoopFwToFloat8BwDynamic
+    casts the output gradient on its Shard(1) tokens (torchao float8_tensor_parallel.py,
+    which torchtitan's apply_tp uses under tensorwise): amax and one orientation on the
+    shard (`per` less the second orientation's byte), then the gathered float8 tensor
+    transposed for the other GEMM (read 1, write 1 an element)."""
+    if shard >= 1:
+        return per * elements
+    return (per - 1) * elements * shard + 2 * elements
 
 
 @dataclass(frozen=True)

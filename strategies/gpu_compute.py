@@ -119,9 +119,10 @@ def linear_s(rows: int, out_features: int, in_features: int, device: DeviceSpec,
 
 
 def float8_linear_s(rows: int, out_features: int, in_features: int, device: DeviceSpec,
-                    dtype: str, recipe: str = "tensorwise", compiled: bool = True) -> float:
+                    dtype: str, recipe: str = "tensorwise", compiled: bool = True,
+                    input_shard: float = 1.0, grad_shard: float = 1.0) -> float:
     """A torchao Float8Linear's three GEMMs at the float8 rate and the casts of its operands,
-    forward + backward (strategies.float8)."""
+    forward + backward (strategies.float8; `input_shard`, `grad_shard`: float8.cast_bytes)."""
     if "float8" not in device.peak_flops:
         raise ValueError(f"float8: {device.name} has no float8 tensor cores (its rates: "
                          f"{', '.join(sorted(device.peak_flops))}); use an H100 or newer, "
@@ -130,8 +131,9 @@ def float8_linear_s(rows: int, out_features: int, in_features: int, device: Devi
     gemms = (gemm_s(m, n, k, device, "float8") + gemm_s(m, k, n, device, "float8")
              + gemm_s(n, k, m, device, "float8")) / float8.gemm_share(recipe)
     kernels = 3 * (2 if compiled else 3)  # amax and cast per operand (eager: abs too)
-    casts = memory_bound_s(float8.cast_bytes(m, n, k, recipe, compiled), kernels, device,
-                           elementwise=True)
+    casts = memory_bound_s(float8.cast_bytes(m, n, k, recipe, compiled,
+                                             input_shard=input_shard, grad_shard=grad_shard),
+                           kernels, device, elementwise=True)
     return gemms + casts
 
 
@@ -256,8 +258,14 @@ def layer_s(layer: Layer, fraction: float, split: str, device: DeviceSpec, dtype
         # plus what autocast casts for it (its weight, a float32 input) and back
         glue = traffic_s(layer, fraction, device, dtype, split) or 0.0
         if float8.converts(layer, levers, fin, fout):
+            # tensorwise TP as torchtitan runs it (float8.tp_gather_bytes): a column-parallel
+            # input, a row-parallel output's gradient, cast on the rank's tokens
+            # (float8.cast_bytes)
+            shard = fraction if levers.float8 == "tensorwise" else 1.0
             return float8_linear_s(rows, fout, fin, device, dtype, levers.float8,
-                                   levers.compile) + glue
+                                   levers.compile,
+                                   input_shard=shard if split == "out" else 1.0,
+                                   grad_shard=shard if split == "in" else 1.0) + glue
         return linear_s(rows, fout, fin, device, dtype) + glue
     if attention_dims(layer) is not None:
         return attention_s(layer, fraction, device, dtype, split, levers)

@@ -24,6 +24,11 @@ class Levers(BaseModel):
     compile: bool = False  # torch.compile of each transformer block (torchtitan's)
     float8: str | None = None  # None, "tensorwise" or "rowwise" (torchao's recipes)
     async_tp: bool = False  # micro-pipelined tensor parallelism (torch's async TP)
+    # tensor parallelism as torchtitan runs it (its apply_tp's SequenceParallel norms,
+    # Shard(1) block outputs): norms and residual adds on each rank's sequence shard,
+    # offered on torch.export graphs too, where hyplan's own executor runs them whole
+    # (planner.offers): a priced configuration, not one hyplan runs
+    sequence_parallel: bool = False
 
     @field_validator("float8")
     @classmethod
@@ -35,11 +40,13 @@ class Levers(BaseModel):
 
     @property
     def any(self) -> bool:
-        return self.compile or self.float8 is not None or self.async_tp
+        return (self.compile or self.float8 is not None or self.async_tp
+                or self.sequence_parallel)
 
     def describe(self) -> str:
         """The levers on, in words ("eager" when none)."""
         on = (["torch.compile"] if self.compile else []) + (
             [f"float8 {self.float8}"] if self.float8 else []) + (
-            ["async TP"] if self.async_tp else [])
+            ["async TP"] if self.async_tp else []) + (
+            ["sequence parallel"] if self.sequence_parallel else [])
         return " + ".join(on) or "eager"

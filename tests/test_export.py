@@ -153,6 +153,33 @@ def test_price_job_carries_the_pipeline_schedule_and_microbatches_of_a_decoder()
     assert express(plan).job.seq_len == 16
 
 
+def test_price_job_prices_torchtitans_tp_sequence_parallel_with_its_levers():
+    """A tiny Llama priced as torchtitan runs FSDP 2 x TP 2 (read_torchtitan sets
+    sequence_parallel over tp) with compile: the norms and residual adds run on their
+    tokens (as torchtitan's apply_tp), microbatches whose rows tp divides are priced (its
+    DTensor hooks take any rows), the levers are on the plan's cluster and named; without
+    sequence parallelism the same job is refused those rows, as hyplan's executor is."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(
+        vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+        use_cache=False)
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(config)
+    ids = torch.zeros(8, 16, dtype=torch.long, device="meta")
+    job = JobConfig(global_batch=8, seq_len=16, dp_shard=2, tp=2, recompute="full",
+                    num_layers=2, sequence_parallel=True, compile=True)
+    plan = planner.price_job(model, "4xH100", job, (ids,), {"use_cache": False})
+    levers = plan.cluster.levers
+    assert levers.compile and levers.sequence_parallel and not levers.async_tp
+    assert "kernel levers priced: torch.compile + sequence parallel" in plan.solver.note
+    norms = [l for l in plan.layers if l.name.endswith("layernorm")]
+    assert norms and all(l.strategy.startswith("sequence_parallel") for l in norms)
+    with pytest.raises(ValueError, match="tensor_parallel_degree 2 with microbatches of 4"):
+        planner.price_job(model, "4xH100", replace(job, sequence_parallel=False), (ids,),
+                          {"use_cache": False})
+
+
 def test_a_plan_over_tp_keeps_its_sequence_length_and_an_mlp_has_none():
     """Over tp the token input is replicated (whole rows per tp rank), not "batch": its
     sequence is still the job's seq_len. An MLP's batch x features input is no sequence."""

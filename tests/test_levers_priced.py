@@ -4,6 +4,7 @@ counted by hand), float8 halves a large GEMM and prices a Linear as torchao meas
 float8 tensorwise gathers TP activations in one byte, async TP leaves of a fused TP
 collective what exposed_s says, and levers off change no price."""
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -196,3 +197,103 @@ def test_a_plan_priced_with_compile_is_faster_and_says_the_lever_is_priced_only(
     said = compiled.explain()
     assert "Kernel levers priced: torch.compile" in said and "priced only" in said
     assert "Kernel levers" not in eager.explain()
+
+
+def test_float8_tensorwise_casts_a_sequence_parallel_tp_operand_on_its_shard():
+    """torchtitan's float8 TP (tensorwise) casts a column-parallel input, and a row-parallel
+    output's gradient, on the rank's 1/tp tokens before the float8 all-gather: amax and one
+    orientation on the shard (6 - 1 bytes an element compiled), then the gathered tensor
+    transposed (2 bytes an element); the other operands as before. Rowwise, or TP without
+    sequence parallelism, casts whole."""
+    from strategies.float8 import cast_bytes
+
+    rows, out, inp, tp = 8192, 1024, 4096, 8
+    whole = cast_bytes(rows, out, inp, "tensorwise", True)
+    assert whole == 6 * (rows * inp + rows * out + out * inp)
+    shard = cast_bytes(rows, out, inp, "tensorwise", True, input_shard=1 / tp)
+    assert shard == pytest.approx(5 * rows * inp / tp + 2 * rows * inp
+                                  + 6 * (rows * out + out * inp))
+    grad = cast_bytes(rows, out, inp, "tensorwise", True, grad_shard=1 / tp)
+    assert grad == pytest.approx(5 * rows * out / tp + 2 * rows * out
+                                 + 6 * (rows * inp + out * inp))
+    assert cast_bytes(rows, out, inp, "rowwise", True, input_shard=1 / tp) == cast_bytes(
+        rows, out, inp, "rowwise", True)
+    # through layer_s: a column split (out) casts its input on the shard, a row split (in)
+    # its output's gradient; on a large GEMM that is less time than casting whole
+    big = (8 * 8192, 8192, 8192)
+    assert float8_linear_s(*big, H100, "bfloat16", input_shard=1 / tp) < float8_linear_s(
+        *big, H100, "bfloat16")
+    from strategies.gpu_compute import traffic_s
+
+    layer = next(l for l in _graph().layers if l.name == "up")
+    f8 = Levers(compile=True, float8="tensorwise")
+    glue = traffic_s(layer, 1 / 2, H100, "bfloat16", "out") or 0.0
+    assert layer_s(layer, 1 / 2, "out", H100, "bfloat16", f8) == float8_linear_s(
+        ROWS, HIDDEN // 2, HIDDEN, H100, "bfloat16", "tensorwise", True,
+        input_shard=1 / 2) + glue
+
+
+def test_sequence_parallel_keeps_torchtitans_token_split_variants_only():
+    """Priced as torchtitan's TP (Levers.sequence_parallel), a torch.export graph keeps a
+    norm on its tokens (not whole), a row-parallel layer reduce-scattering into tokens (not
+    all-reducing), and a column-parallel layer as it is; without the lever the module
+    executor's rule drops every token split, as before."""
+    from planner.offers import module_executor_options
+    from strategies.catalog import ColumnParallel, Replicate
+    from strategies.sequence import SequenceParallel
+
+    norm = next(l for l in _graph().layers if l.name == "up")  # a call_module layer
+    options = [Replicate(), SequenceParallel(), ColumnParallel(),
+               RowParallel(gives=Layout.REPLICATE), RowParallel(gives=Layout.SEQUENCE)]
+    kept = module_executor_options(norm, options, sequence=True)
+    assert [(s.name, s.gives) for s in kept] == [
+        ("sequence_parallel", Layout.SEQUENCE), ("column_parallel", Layout.FEATURE),
+        ("row_parallel", Layout.SEQUENCE)]
+    plain = module_executor_options(norm, options)
+    assert [(s.name, s.gives) for s in plain] == [
+        ("replicate", Layout.REPLICATE), ("column_parallel", Layout.FEATURE),
+        ("row_parallel", Layout.REPLICATE)]
+    assert Levers(sequence_parallel=True).any and "sequence parallel" in Levers(
+        sequence_parallel=True).describe()
+
+
+def test_a_sequence_shard_gathered_for_two_modules_is_gathered_once():
+    """torchtitan's PrepareModuleInput gathers a feed-forward's input once for w1 and w3 (and
+    reduce-scatters their summed gradient once): priced as torchtitan runs it, each of the
+    two edges from a sequence-sharded norm into a column-parallel Linear carries half of
+    the all-gather and the reduce-scatter; one reader carries them whole."""
+    from dataclasses import replace as _replace
+
+    n, link = ROWS * HIDDEN * 2, parse_devices("2xH100").link(2)
+    kind = EdgeKind((Layout.SEQUENCE,), (Layout.REPLICATE_PARTIAL_GRAD,), (True,), n, 2, ROWS,
+                    True, into_module=True)
+    cluster = parse_devices("2xH100").model_copy(
+        update={"levers": Levers(sequence_parallel=True)})
+    whole = edge_cost(kind, cluster)[0, 0]
+    assert whole == pytest.approx(all_gather_s(n, 2, link) + reduce_scatter_s(n, 2, link)
+                                  + cluster.dtensor_reshard_overhead_s, rel=0.05)
+    assert edge_cost(_replace(kind, readers=2), cluster)[0, 0] == pytest.approx(whole / 2)
+
+
+def test_a_recomputed_block_keeps_its_input_on_its_sequence_shard():
+    """A block checkpointed whole keeps the hidden state entering it; where its first layer
+    takes that state by tokens (a sequence-parallel norm, torchtitan's Shard(1) checkpoint)
+    it keeps 1/tp of it, and whole where it takes it whole."""
+    from types import SimpleNamespace
+
+    from planner.pipeline.block_recompute import _with_recomputed, kept_per_option
+    from planner.pipeline.stages import LayerOptions
+    from strategies.catalog import Replicate
+    from strategies.sequence import SequenceParallel
+
+    options = LayerOptions("norm", 0, ("replicate", "sequence_parallel"), np.zeros(2),
+                           np.zeros(2), np.zeros(2), np.array([8.0, 2.0]))
+    layer = next(l for l in _graph().layers if l.name == "up")
+    built = SimpleNamespace(layers=[layer], costs=[[SimpleNamespace(compute_s=0.0)] * 2],
+                            strategies=[(Replicate(), SequenceParallel())])
+    tp, kept = 4, 1000.0
+    per_option = kept_per_option(built.strategies[0], kept, tp)
+    assert per_option == [1000.0, 250.0]
+    out = _with_recomputed(options, built, 0, per_option)
+    assert list(out.activation_bytes) == [8.0, 2.0, 1000.0, 250.0]
+    assert list(out.recomputed) == [False, False, True, True]

@@ -33,6 +33,7 @@ import numpy as np
 from planner.block_cuts import carries_weights, why_no_blocks
 from planner.pipeline.stages import LayerOptions
 from profiler.graph import ModelGraph
+from strategies.layouts import Layout
 from strategies.memory import recompute_s
 
 
@@ -45,10 +46,12 @@ def offered(graph: ModelGraph) -> bool:
 SUFFIX = "+recompute"
 
 
-def recompute_blocks(built, graph: ModelGraph):
+def recompute_blocks(built, graph: ModelGraph, tp: int = 1):
     """`built` (a planner.search.Built on `graph`) with a recomputed variant of every
     option of every layer inside a block (the module docstring), and its transient_bytes
-    set to the largest block's activations for one microbatch."""
+    set to the largest block's activations for one microbatch. `tp`: the ranks a block's
+    input is split over where its first layer takes it by tokens (a sequence-parallel
+    norm, as torchtitan checkpoints a Shard(1) hidden state: Levers.sequence_parallel)."""
     problem = built.problem
     blocks = set(graph.blocks)
     carried = carries_weights(graph)
@@ -71,8 +74,8 @@ def recompute_blocks(built, graph: ModelGraph):
         transient = max(transient, sum(float(problem.layers[i].activation_bytes.max())
                                        for i in members))
         for j, i in enumerate(members):
-            layers[i] = _with_recomputed(problem.layers[i], built, i,
-                                         kept_bytes if j == 0 else 0.0)
+            kept = kept_per_option(built.strategies[i], kept_bytes, tp) if j == 0 else 0.0
+            layers[i] = _with_recomputed(problem.layers[i], built, i, kept)
             strategies[i], costs[i] = strategies[i] * 2, costs[i] * 2
             local[i] = np.concatenate([local[i], local[i]])
             for per_option in (temps, syncs, serials):
@@ -91,10 +94,18 @@ def recompute_blocks(built, graph: ModelGraph):
                    sync_serial_s=tuple(serials), transient_bytes=transient)
 
 
-def _with_recomputed(options: LayerOptions, built, i: int, kept_bytes: float) -> LayerOptions:
+def kept_per_option(strategies, kept_bytes: float, tp: int) -> list[float]:
+    """What a checkpointed block keeps of its input under each option of its first layer:
+    1/tp where the option takes it by tokens (torchtitan's sequence-parallel norm, whose
+    checkpoint holds a Shard(1) tensor), else whole."""
+    return [kept_bytes / tp if getattr(s, "takes", None) == Layout.SEQUENCE else kept_bytes
+            for s in strategies]
+
+
+def _with_recomputed(options: LayerOptions, built, i: int, kept_bytes) -> LayerOptions:
     """Layer i's options, then each again recomputed: its forward once more per
     microbatch, and of its activations only `kept_bytes` (the block's input, charged to
-    its first layer)."""
+    its first layer; one figure, or one per option)."""
     n = len(options.strategies)
     extra_s = np.array([recompute_s(built.layers[i], c.compute_s) for c in built.costs[i]])
     return replace(
@@ -102,7 +113,8 @@ def _with_recomputed(options: LayerOptions, built, i: int, kept_bytes: float) ->
         microbatch_s=np.concatenate([options.microbatch_s, options.microbatch_s + extra_s]),
         step_s=np.concatenate([options.step_s, options.step_s]),
         weight_bytes=np.concatenate([options.weight_bytes, options.weight_bytes]),
-        activation_bytes=np.concatenate([options.activation_bytes, np.full(n, kept_bytes)]),
+        activation_bytes=np.concatenate([options.activation_bytes,
+                                         np.broadcast_to(np.asarray(kept_bytes, float), n)]),
         recomputed=np.repeat([False, True], n),
         temp_bytes=_twice(options.temp_bytes), gathered_bytes=_twice(options.gathered_bytes))
 
