@@ -16,12 +16,10 @@ float8 rowwise rows of the same table beside them. Float8 tensorwise's float8 TP
 all-gathers, its casts on the sequence shard (strategies.float8.cast_bytes) and async TP
 are priced in the plan's price list (planner.price, the lever terms on TP collectives:
 strategies.float8.tp_gather_bytes, strategies.async_tp). torchtitan's sequence-parallel
-norms (Levers.sequence_parallel) are not turned on here: with them the search may run
-torchtitan's one microbatch of 16 rows, which the memory model does not fit (an
-attention layer of the traced Llama keeps about its score matrix: 18.3 GB on 2 rows of
-70B, where flash attention keeps its output and a row statistic), so it prices 16
-microbatches and their FSDP collectives instead
-(benchmarks/results/titan-levers-2cpu.txt says by how much).
+norms are priced as it runs them (Levers.sequence_parallel): with them, and attention on
+meta priced as the fused kernel saves (profiler.meta_attention), the 70B's plan fits in
+8 microbatches of 2 rows (torchtitan runs one of 16: its recv buffers and FSDP gathers are
+priced per microbatch).
 
 Each row is torchtitan's configuration as it ran (FSDP on every layer with weights, local
 batch 2, seq 8192, bf16, selective activation checkpointing; benchmarks/gpu_model_check.py's
@@ -83,6 +81,8 @@ def price_tp(devices: str, levers: Levers, loaded):
     gathers and async TP priced in the plan: planner.price's lever terms), and its TP
     layers' own collectives (their FSDP collectives included)."""
     model, inputs, kwargs = loaded[:3]
+    # torchtitan's apply_tp runs every block sequence parallel (Levers.sequence_parallel)
+    levers = levers.model_copy(update={"sequence_parallel": True})
     cluster = parse_devices(devices).model_copy(update={"levers": levers})
     graph, cluster = profiled_graph(model, cluster, inputs, kwargs, tracer="blocks")
     plan = fsdp_tp(graph, cluster, "adam", cluster.device.memory_bytes, time.perf_counter(),
@@ -113,7 +113,8 @@ def main_tp(name: str) -> None:
             edges_s = sum(l.reshard_in_s for l in plan.layers)
             print(f"     compute {p.compute_s:.2f} s, communication {p.communication_s:.2f} "
                   f"s (TP layers' own {tp_comm_s:.2f} s, edges {edges_s:.2f} s), blocks "
-                  f"recomputed: {recomputed} of {shape.layers}")
+                  f"recomputed: {recomputed} of {shape.layers}, {plan.microbatches} "
+                  f"microbatch(es)")
     print()
 
 
