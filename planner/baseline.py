@@ -38,13 +38,12 @@ from torch import nn
 
 from planner import dp_shard
 from planner.pipeline import block_recompute
-from planner.assemble import assemble
 from planner.block_cuts import why_no_blocks
 from planner.choices import Choices, layer_choices
 from planner.ilp import solve
 from planner.once import plan_once
 from planner.plan import BaselinePredicted, Plan
-from planner.plan3d import normalizes_over_batch, plan_3d
+from planner.plan3d import normalizes_over_batch, one_d_plan, plan_3d
 from planner.price import step_overhead_s
 from planner.problem import Solution
 from planner.profiled import profiled_graph
@@ -180,8 +179,8 @@ def baseline(model: nn.Module, devices, kind: str, example_inputs: Sequence | No
             f"{cluster.num_devices} devices has none that split (a mixture-of-experts "
             f"block whose experts count divides by the devices); use 'ddp'")
     budget = cluster.device.memory_bytes
-    return assemble(graph, cluster, optimizer, choices, solution, budget, None, None,
-                    time.perf_counter() - started)
+    return one_d_plan(graph, cluster, optimizer, choices, solution, budget, None, None,
+                      time.perf_counter() - started)
 
 
 def _pipeline(model, devices, example_inputs, example_kwargs, optimizer, leaf_modules, measure,

@@ -14,10 +14,10 @@ from dataclasses import dataclass, replace
 
 from planner.handback import output_layout
 from planner.offers import OUTPUT, OneGroup
-from planner.pipeline.stages import ilp_problem
+from planner.pipeline.stages import StageSolution, evaluate, ilp_problem
 from planner.price import Price, tp_context
-from planner.problem import Problem
-from planner.search import Built, CostCache, build
+from planner.problem import Problem, Solution
+from planner.search import Built, CostCache, Shape, build
 from profiler.graph import Layer, ModelGraph
 from strategies.catalog import Cost, CostContext, Strategy
 from strategies.cluster import Cluster
@@ -44,6 +44,21 @@ class Choices:
     layers: tuple[LayerChoices, ...]  # node i of the problem is layers[i]; the sink is last
     context: CostContext
     built: Built  # the one-stage problem `problem` is read from (planner.reasons reads it)
+
+    @property
+    def shape(self) -> Shape:
+        """The 3-D shape this problem is: one stage of one replica, tp over every device."""
+        return Shape(1, 1, self.context.ranks, 1, "1F1B")
+
+    def staged(self, solution: Solution) -> StageSolution:
+        """`solution` as the one stage of `built` (what planner.plan3d.plan_of and
+        planner.pipeline.stage_held.peak_bytes read), priced by the stage problem's own
+        evaluate."""
+        choice = tuple(solution.choice)
+        return StageSolution((0,), choice, evaluate(self.built.problem, (0,), choice, 1, "1F1B"),
+                             solution.status, solution.bound_s, solution.seconds,
+                             solution.num_variables, solution.num_constraints,
+                             settles=solution.status == "optimal")
 
 
 def layer_choices(graph: ModelGraph, cluster: Cluster, optimizer: str,

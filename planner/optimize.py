@@ -13,13 +13,13 @@ from dataclasses import replace
 
 from torch import nn
 
-from planner.assemble import assemble, held_beside_layers
 from planner.baseline import LABELS, ONE_D_KINDS, available, solve_baseline, summarize
 from planner.choices import Choices, layer_choices
 from planner.ilp import solve
 from planner.once import plan_once
+from planner.pipeline.stage_held import peak_bytes
 from planner.plan import Plan
-from planner.plan3d import choose_mesh
+from planner.plan3d import choose_mesh, one_d_plan
 from planner.price import step_overhead_s
 from planner.problem import Infeasible, Solution
 from planner.profiled import GB, PlanDoesNotFit, check_arguments, profiled_graph
@@ -120,8 +120,8 @@ def _plan_1d(graph, cluster: Cluster, optimizer: str, budget: float, pin, time_l
                    time_limit_s)
     dp = (data_parallel.objective_s + step_overhead_s(cluster),
           dp_choices.problem.memory_of(data_parallel.choice))
-    plan = assemble(graph, cluster, optimizer, choices, solution, budget, dp[0],
-                 single.objective_s, time.perf_counter() - started, dp[1])
+    plan = one_d_plan(graph, cluster, optimizer, choices, solution, budget, dp[0],
+                      single.objective_s, time.perf_counter() - started, dp[1])
     if cluster.num_devices == 1:
         return plan
     solved = _baselines(cache, time_limit_s)
@@ -145,8 +145,8 @@ def _prefer_standard(plan: Plan, solved: dict, graph, cluster: Cluster, optimize
         if times[kind] > best_s * (1 + tolerance):
             break
         choices, solution = solved[kind]
-        standard = assemble(graph, cluster, optimizer, choices, solution, budget, dp[0], single_s,
-                         time.perf_counter() - started, dp[1])
+        standard = one_d_plan(graph, cluster, optimizer, choices, solution, budget, dp[0],
+                              single_s, time.perf_counter() - started, dp[1])
         if [l.strategy for l in standard.layers] == [l.strategy for l in plan.layers]:
             return plan.model_copy(update={"standard_choice": f"the optimum is the "
                                            f"{LABELS[kind]} plan"})
@@ -183,18 +183,21 @@ def _with_baselines(plan: Plan, solved: dict, cluster: Cluster, budget: float) -
 
 def _solve_within_memory(choices: Choices, budget: float, time_limit_s: float,
                          optimizer: str, cluster: Cluster, outputs=()) -> Solution:
-    """The optimum whose memory, as the step holds it (the per-layer sum the integer program
-    sees and what the step holds beside it: planner.assemble.held_beside_layers), fits the
-    budget. That second part depends on the assignment (DDP's buckets, the largest FSDP
-    layer), so where a solution's exceeds what the program left, the program is solved
-    again with the budget lowered by it: a plan never promises to fit what does not."""
+    """The optimum whose memory, as the step holds it (planner.pipeline.stage_held.
+    peak_bytes: the per-layer sum the integer program sees and what the step holds beside
+    it), fits the budget. That second part depends on the assignment (DDP's buckets, the
+    largest FSDP layer), so where a solution's exceeds what the program left, the program
+    is solved again with the budget lowered by it: a plan never promises to fit what does
+    not."""
     problem = choices.problem
     try:
         for _ in range(4):
             solution = solve(problem, time_limit_s)
-            held = held_beside_layers(choices, solution.choice, optimizer, cluster, outputs)
-            if problem.memory_of(solution.choice) + held <= budget:
+            peak = peak_bytes(choices.built, choices.staged(solution), choices.shape,
+                              cluster, optimizer, set(outputs))[0]
+            if peak <= budget:
                 return solution
+            held = peak - problem.memory_of(solution.choice)
             problem = replace(problem, memory_budget_bytes=budget - held)
         raise Infeasible("the step's buffers leave no assignment within memory",
                          family="memory")

@@ -1,8 +1,10 @@
-"""`optimize_3d`: model, example batch and devices in, a pipelined 3-D Plan out.
+"""`optimize_3d`: model, example batch and devices in, a pipelined 3-D Plan out; and
+`plan_of`, the one function that turns a solution of any plan kind into a Plan.
 
 trace → profile → the 3-D search (planner.search) → Plan, with the mesh's groups, each
-layer's stage, the pipeline section and memory per device split by what holds it. Nothing
-runs on the devices.
+layer's stage, the pipeline section and memory per device split by what holds it. A 1-D
+plan is the shape 1 x 1 x N (planner.choices), made into a Plan by the same `plan_of`
+(`one_d_plan`). Nothing runs on the devices.
 """
 
 from __future__ import annotations
@@ -13,14 +15,16 @@ from collections.abc import Iterable, Sequence
 
 from torch import nn
 
-from planner import dp_shard
+from planner import dp_shard, volume
 from planner.block_cuts import recorded_module, why_no_blocks
+from planner.choices import Choices
 from planner.once import plan_once
 from planner.plan import (
     CandidateReport, InputPlan, LayerPlan, MemoryBreakdown, MeshPlan, PipelinePlan, Plan,
     Predicted, SearchReport, SolverReport, StagePlan,
 )
 from planner.price import group_link, step_overhead_s
+from planner.problem import Solution
 from planner.profiled import GB, PlanDoesNotFit, check_arguments, profiled_graph
 from planner.reasons import lever_fields, of_built, reasons
 from planner.pipeline.schedules import LABELS, SPLIT_BACKWARD
@@ -31,6 +35,7 @@ from planner.pipeline.stage_held import Placement, peak_bytes
 from planner.pipeline.stages import evaluate
 from strategies.catalog import OPTIMIZER_STATE_FACTOR, CostContext, update_s
 from strategies.cluster import Cluster
+from strategies.memory import split_name
 
 
 @plan_once
@@ -149,10 +154,47 @@ def _search(graph, cluster: Cluster, optimizer: str, budget: float, started: flo
 
 def to_plan(graph, cluster: Cluster, optimizer: str, budget: float, result: SearchResult,
             seconds: float) -> Plan:
-    """The Plan of the search's best candidate: its layers, stages and mesh, the step's
-    split, memory per device (the layers' breakdown and what the step holds beside it)
-    and how sure the search is."""
-    shape, solution, built = result.best.shape, result.best.solution, result.built
+    """The Plan of the 3-D search's best candidate (plan_of), with how sure the search is,
+    why its schedule won, and the pure data-parallel and one-device steps beside it."""
+    best, fixed = result.best, step_overhead_s(cluster)
+    times = best.solution.times
+    return plan_of(graph, cluster, optimizer, budget, result.built, best.shape, best.solution,
+                   _solver_report(result, best.solution, times.step_s, seconds),
+                   baselines=_baselines(result, graph, cluster, optimizer),
+                   why=why_schedule(result, best.shape, times),
+                   search=SearchReport(candidates=len(result.candidates),
+                                       solved=result.solved, pruned=result.pruned,
+                                       seconds=result.seconds,
+                                       best_per_shape=_best_per_shape(result, fixed)))
+
+
+def one_d_plan(graph, cluster: Cluster, optimizer: str, choices: Choices, solution: Solution,
+               budget: float, data_parallel_s: float | None, single_s: float | None,
+               seconds: float, data_parallel_memory_bytes: float | None = None) -> Plan:
+    """The Plan of a solution of the 1-D integer program (planner.choices: the shape
+    1 x 1 x N) by plan_of, with the pure data-parallel and one-device step times it is
+    compared against (None: not costed) and the bytes each device sends (planner.volume,
+    which prices the edges into the output as the user gets it)."""
+    report = SolverReport(
+        status=solution.status, objective_s=solution.objective_s, bound_s=solution.bound_s,
+        seconds=solution.seconds, backend=solution.backend,
+        num_variables=solution.num_variables, num_constraints=solution.num_constraints,
+        planning_seconds=seconds)
+    return plan_of(graph, cluster, optimizer, budget, choices.built, choices.shape,
+                   choices.staged(solution), report,
+                   baselines=((data_parallel_s, data_parallel_memory_bytes), single_s),
+                   communication_bytes=volume.communication_bytes(choices, solution.choice))
+
+
+def plan_of(graph, cluster: Cluster, optimizer: str, budget: float, built, shape: Shape,
+            solution, solver: SolverReport, *, baselines, why: str = "",
+            search: SearchReport | None = None,
+            communication_bytes: float | None = None) -> Plan:
+    """The Plan of one solution of any plan kind: a 3-D shape's or one group of all
+    devices' (Built.one_group, a 1-D plan): its layers, stages and mesh, the step's split
+    and memory per device (peak_bytes: the layers and what the step holds beside them).
+    `solver`, `search`, `why` (the schedule's): how the caller found it; `baselines`:
+    ((step time, memory) of pure data parallelism, one device's step time)."""
     problem, choice, times = built.problem, solution.choice, solution.times
     pp, dp, tp, m, v = shape.pp, shape.dp, shape.tp, shape.microbatches, shape.chunks
     at = Placement.of(shape, solution, built)
@@ -164,7 +206,6 @@ def to_plan(graph, cluster: Cluster, optimizer: str, budget: float, result: Sear
         for r in {at.ranks_of[at.stage_of_unit[u]] for u in problem.recomputed_units(choice)}:
             memory[r]["activations_bytes"] += built.transient_bytes
     breakdown = [MemoryBreakdown(**b) for b in memory]
-    stages = _stage_plans(graph, at, times, shape, stage_compute, stage_memory, problem.units)
     # the step split: the busiest rank's microbatches, the bubble (its idle time in the
     # simulated schedule, planner.pipeline.schedules), the per-step part of the slowest rank
     load = [sum(times.microbatch_s[k] for k in range(pp * v) if at.ranks_of[k] == r)
@@ -178,32 +219,34 @@ def to_plan(graph, cluster: Cluster, optimizer: str, budget: float, result: Sear
     pipeline = None
     if pp > 1:
         busy = m * load[slow]
+        stages = _stage_plans(graph, at, times, shape, stage_compute, stage_memory,
+                              problem.units)
         pipeline = PipelinePlan(schedule=shape.schedule, chunks=v, microbatches=m,
                                 forward_share=problem.forward_share,
                                 microbatch_rows=shape.rows(graph.batch_size),
                                 bubble_fraction=bubble_s / (bubble_s + busy) if busy else 0.0,
-                                stages=stages, why=why_schedule(result, shape, times))
-    per_device = [breakdown[r // (dp * tp)] for r in range(pp * dp * tp)]
+                                stages=stages, why=why)
     peak = peak_bytes(built, solution, shape, cluster, optimizer, set(graph.outputs), at)
-    (data_parallel, data_parallel_memory), single = _baselines(result, graph, cluster,
-                                                               optimizer)
-    fixed = step_overhead_s(cluster)  # outside every choice, as in a 1-D plan
+    (data_parallel, data_parallel_memory), single = baselines
+    fixed = step_overhead_s(cluster)  # outside every choice
     predicted = Predicted(
         step_time_s=step + fixed, compute_s=compute_s, other_s=other_s, bubble_s=bubble_s,
         communication_s=step - compute_s - other_s - bubble_s, fixed_s=fixed,
         memory_bytes=[peak[r // (dp * tp)] for r in range(pp * dp * tp)],
-        memory_limit_bytes=budget,
-        memory_breakdown=per_device, data_parallel_step_time_s=data_parallel,
+        memory_limit_bytes=budget, communication_bytes=communication_bytes,
+        # a 1-D plan reports one total per device: this split counts the autocast copy of
+        # every weight not sharded over dp, which its group-sharded "fsdp" layers do not
+        # keep (planner.report.plot splits its total by the cost model instead)
+        memory_breakdown=None if built.one_group else [
+            breakdown[r // (dp * tp)] for r in range(pp * dp * tp)],
+        data_parallel_step_time_s=data_parallel,
         data_parallel_memory_bytes=data_parallel_memory, single_device_step_time_s=single)
     return Plan(model=graph.model_name, fingerprint=graph.fingerprint,
                 global_batch=graph.batch_size, optimizer=optimizer, cluster=cluster,
-                mesh=_mesh_plan(cluster, shape, layers), inputs=inputs, layers=layers,
-                predicted=predicted, solver=_solver_report(result, solution, step, seconds),
-                pipeline=pipeline, microbatches=m,
-                search=SearchReport(candidates=len(result.candidates), solved=result.solved,
-                                    pruned=result.pruned, seconds=result.seconds,
-                                    best_per_shape=_best_per_shape(result, fixed)),
-                tracer=graph.tracer, outputs=list(graph.outputs), recompute_blocks=recomputed)
+                mesh=_mesh_plan(cluster, shape, layers, built.one_group), inputs=inputs,
+                layers=layers, predicted=predicted, solver=solver, pipeline=pipeline,
+                microbatches=m, search=search, tracer=graph.tracer,
+                outputs=list(graph.outputs), recompute_blocks=recomputed)
 
 
 def _as_run(problem, shape: Shape, at: "Placement", compute, stage_compute):
@@ -228,9 +271,11 @@ def _layer_plans(graph, cluster: Cluster, optimizer: str, built, choice, at: Pla
     state = OPTIMIZER_STATE_FACTOR[optimizer]
     precision = cluster.training_precision
     rows = shape.rows(graph.batch_size)
+    # an edge into the sink (the outputs as the user gets them back) is its producer's
     edge_in = [0.0] * len(problem.layers)
     for e in problem.edges:
-        edge_in[e.dst] += float(e.cost_s[choice[e.src], choice[e.dst]])
+        edge_in[e.dst if e.dst < len(graph.layers) else e.src] += float(
+            e.cost_s[choice[e.src], choice[e.dst]])
     memory = [dict(parameters_bytes=0.0, gradients_bytes=0.0, optimizer_state_bytes=0.0,
                    activations_bytes=0.0,
                    microbatches_in_flight=max(at.flight[k] for k in range(S)
@@ -270,11 +315,15 @@ def _layer_plans(graph, cluster: Cluster, optimizer: str, built, choice, at: Pla
                                     keyword=layer.node in graph.example_kwargs))
             continue
         per_mb_comm = float(opts.microbatch_s[c]) - cost.compute_s
-        sync = float(opts.step_s[c]) - upd
+        # the gradient sync as run alone (planner.price.Price.sync_serial_s), none of it
+        # hidden beside compute: what its collectives take, the figure executor.monitor's
+        # refit rescales (the step's split keeps the hidden part out: Predicted)
+        sync = float(opts.step_s[c]) - upd + (
+            float(built.sync_serial_s[i][c] - built.sync_s[i][c]) if built.sync_s else 0.0)
         layers.append(LayerPlan(
             name=layer.name, node=layer.node, kind=layer.kind,
             output_shape=list(layer.output.shape),
-            row_factor=layer.output.row_factor, strategy=strategy.name,
+            row_factor=layer.output.row_factor, strategy=split_name(strategy.name)[0],
             input_layout=strategy.takes.value, output_layout=strategy.gives.value,
             model_parallel=strategy.model_parallel, compute_s=cost.compute_s * m,
             communication_s=per_mb_comm * m + sync, update_s=upd,
@@ -308,10 +357,14 @@ def _stage_plans(graph, at: Placement, times, shape: Shape, stage_compute, stage
     return stages
 
 
-def _mesh_plan(cluster: Cluster, shape: Shape, layers) -> MeshPlan:
+def _mesh_plan(cluster: Cluster, shape: Shape, layers, one_group: bool = False) -> MeshPlan:
     """The (pp, dp, tp) mesh, its groups and links; HSDP layers split the dp dim into
-    replicas across nodes and shards inside one."""
+    replicas across nodes and shards inside one. One group of all devices (a 1-D plan) is
+    the one dim "devices", which executor.parallelize runs whole, not as stages."""
     pp, dp, tp = shape.pp, shape.dp, shape.tp
+    if one_group:
+        return MeshPlan(shape=[tp], dim_names=["devices"], device_type=cluster.device.kind,
+                        nodes=cluster.nodes, devices_per_node=cluster.devices_per_node)
     links = {"tp": group_link(cluster, tp).name}
     if dp > 1:
         links["dp"] = group_link(cluster, dp * tp).name

@@ -208,7 +208,7 @@ def with_tied_copy(priced: Price, strategy: Strategy, copy_bytes: float, ctx: Co
     sync += all_reduce_s(ctx.precision.reduce_bytes(local), 2, pipeline_link)
     return replace(priced, step_s=priced.step_s + sync + update_s(local, ctx),
                    weight_bytes=priced.weight_bytes + weights_memory(local, ctx),
-                   sync_s=priced.sync_s + sync)
+                   sync_s=priced.sync_s + sync, sync_serial_s=priced.sync_serial_s + sync)
 
 
 # --- edges -------------------------------------------------------------------------------

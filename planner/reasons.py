@@ -1,6 +1,6 @@
 """Why each layer got its strategy, in plain words, from the solver's own numbers: one
-sentence for every plan kind, a 1-D plan (planner.assemble) and a 3-D one (planner.plan3d),
-both read from the one stage problem they are built as (planner.search.build).
+sentence for every plan kind, a 1-D plan and a 3-D one (planner.plan3d.plan_of makes
+both), read from the one stage problem they are built as (planner.search.build).
 
 For a layer, every other option is priced per step with its neighbours held as planned: its
 own time (m microbatches and the once-a-step part) and the layout changes on its edges (m

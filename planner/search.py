@@ -490,6 +490,9 @@ class Built:
     # where the program chooses it (build's `group`); the 3-D search fixes it per layer
     ties: tuple[tuple[int, ...], ...] = ()
     prices: tuple[tuple[Price, ...], ...] = ()  # per layer and option: planner.price.Price
+    # one group of all devices (build's `group`): a 1-D plan, which executor.parallelize
+    # runs whole (DDP or FSDP over the group), not executor.pipeline's stages
+    one_group: bool = False
 
     def temp(self, i: int, c: int) -> float:
         """The optimizer temporaries layer i's option c carries in its weight_bytes (0
@@ -510,8 +513,8 @@ def build(cache: CostCache, pp: int, dp: int, tp: int, rows: int,
     (pp = dp = 1, tp = N, the whole batch: a 1-D plan, planner.choices) offering what
     planner.offers.OneGroup says; there a tie group's strategy is the program's to choose
     (Built.ties), a pin names its option exactly and every pinned layer must exist, and
-    the rows carry no optimizer temporaries (a 1-D plan adds what the step holds beside
-    its layers after the solve: planner.assemble.held_beside_layers)."""
+    the rows carry no optimizer temporaries (a 1-D plan checks what the step holds beside
+    its layers after the solve: planner.pipeline.stage_held.peak_bytes)."""
     graph, cluster = cache.graph, cache.cluster
     unit_names, unit_of = _units_of(cache)
     if group is None:
@@ -554,7 +557,7 @@ def build(cache: CostCache, pp: int, dp: int, tp: int, rows: int,
                  temp_bytes=tuple(np.asarray(t, dtype=float) for t in temps),
                  sync_s=tuple(got.sync_s for got in priced),
                  sync_serial_s=tuple(got.sync_serial_s for got in priced), ties=ties,
-                 prices=tuple(got.prices for got in priced))
+                 prices=tuple(got.prices for got in priced), one_group=group is not None)
 
 
 def _shape_options(cache: CostCache, pp: int, dp: int, tp: int, rows: int, pin,

@@ -1,10 +1,10 @@
 """What a training step holds beside each layer's weights, gradients, optimizer state and
 saved activations (strategies.catalog.weights_memory, the per-layer part): the executor's
 buffers and the optimizer's temporaries, as torch 2.13 allocates them. One function,
-`step_held_bytes`, gives it for one device, from a `HeldLayer` per layer on it; a 1-D
-plan's reported memory adds it (planner.assemble.held_beside_layers), a 3-D plan's adds it
-per pipeline rank (planner.pipeline.stage_held.held_beside_stages). A 1-D solve is
-repeated with the budget lowered by it where a solution would not fit with it
+`step_held_bytes`, gives it for one device, from a `HeldLayer` per layer on it; every
+plan's reported memory adds it per pipeline rank (planner.pipeline.stage_held.
+held_beside_stages; a 1-D plan is one rank, its layers as `one_d_layer` says). A 1-D
+solve is repeated with the budget lowered by it where a solution would not fit with it
 (planner.optimize); the 3-D search carries the optimizer's temporaries in its memory rows
 (summed_temp_bytes) and solves a shape again in less room where the rest does not fit
 (planner.search). Not priced here: bf16-mixed's copies, and the saved activations, which

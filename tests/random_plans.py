@@ -17,7 +17,7 @@ import numpy as np
 
 from planner.choices import layer_choices
 from planner.ilp import solve
-from planner.assemble import assemble
+from planner.plan3d import one_d_plan
 from planner.profiled import profiled_graph
 from planner.plan import Plan
 
@@ -43,6 +43,6 @@ def random_plans(model, devices: str, inputs, count: int, seed: int,
         seen.add(drawn.choice)
         real = replace(drawn, objective_s=problem.cost_of(drawn.choice),
                        bound_s=problem.cost_of(drawn.choice))
-        plans.append(assemble(graph, cluster, optimizer, choices, real, cluster.device.memory_bytes,
-                              None, None, time.perf_counter()))
+        plans.append(one_d_plan(graph, cluster, optimizer, choices, real,
+                                cluster.device.memory_bytes, None, None, time.perf_counter()))
     return plans

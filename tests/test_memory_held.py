@@ -57,7 +57,7 @@ def test_a_plan_fits_its_limit_with_what_the_step_holds_or_is_refused(limit_mb):
 def test_a_3d_plan_adds_what_each_pipeline_rank_holds():
     """Each device's memory is its breakdown (the stage problem's per-layer sum) plus
     strategies.step_memory.step_held_bytes of the layers its pipeline rank runs: the rule
-    1-D plans follow (planner.assemble.held_beside_layers), here the for-loop AdamW's two
+    1-D plans follow (planner.pipeline.stage_held.held_beside_stages), here the for-loop AdamW's two
     temporaries of the rank's largest layer, the buffers of the cut, and on the last stage
     the loss and the buffers torch.distributed.pipelining receives into."""
     import math

@@ -1,23 +1,26 @@
 """Where a 3-D plan's solution puts things on the pipeline ranks, and the memory each rank
 holds in its step: the per-layer rows the stage problem sums (weights, gradients,
 optimizer state, activations in flight) and what the step holds beside them
-(strategies.step_memory). The search checks its plans against `peak_bytes` and the Plan
-reports the same figure (planner.plan3d.to_plan): one price for a rank's memory.
+(strategies.step_memory). The search checks its plans against `peak_bytes`, so does a
+1-D plan's integer program (planner.optimize), and the Plan reports the same figure
+(planner.plan3d.to_plan): one price for a device's memory, whatever the plan's kind.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from planner import dp_shard
 from planner.pipeline import schedules
 from planner.pipeline.stages import in_flight, stage_ranks
 from strategies.cluster import Cluster
+from strategies.memory import split_name
 from strategies.step_memory import (
     HeldLayer,
     loss_held_bytes,
+    one_d_layer,
     output_share,
     pipeline_buffer_bytes,
     replaced_bytes,
@@ -79,25 +82,33 @@ def held_beside_stages(built, choice, stage: list[int], ranks_of: list[int], sha
                        cluster: Cluster, optimizer: str, outputs_of=(),
                        flight: list[int] | None = None) -> list[float]:
     """Per pipeline rank, what its step holds beyond the per-layer memory the stage problem
-    sums (strategies.step_memory, the rule 1-D plans follow too): its layers as the
-    executor keeps them (_held_layers), the loss of one microbatch where the model's
-    outputs are made (`outputs_of`: their nodes), and what is kept throughout
-    (_kept_bytes)."""
+    sums (strategies.step_memory): its layers as the executor keeps them (_held_layers),
+    the loss of one microbatch where the model's outputs are made (`outputs_of`: their
+    nodes), and what is kept throughout (_kept_bytes). A plan over one group of all
+    devices (Built.one_group, a 1-D plan) runs under executor.parallelize, not
+    executor.pipeline: DDP's Reducer keeps its buckets for the module's life, the one
+    backward frees activations as it makes gradients (its layers tell their activations:
+    not_together_bytes), the loss frees the output once read, and the batch is not copied
+    into microbatches (batch_held_bytes)."""
+    one = built.one_group
     flight = flight or [1] * (max(stage, default=0) + 1)
     saved, replaced = _reshard_copies(built, choice, stage, ranks_of, shape, flight)
     layers = _held_layers(built, choice, stage, ranks_of, shape, cluster, replaced)
     numel = [0.0] * shape.pp
     for i, share in _outputs(built, choice, outputs_of, shape.tp):
         numel[ranks_of[stage[i]]] += math.prod(built.layers[i].output.shape) * share
-    kept = _kept_bytes(built, stage, ranks_of, shape)
+    kept = [0.0] if one else _kept_bytes(built, stage, ranks_of, shape)
     scheduled = _scheduled(built, choice, stage, ranks_of, shape, flight, replaced)
-    # at least 0: the search's rows budget is a relaxation of a rank's memory only while
-    # nothing beside the rows is negative (planner.search._Search.rows_budget), so where the
-    # schedule's take-back is more than the rest, the rank is priced at its rows
-    return [max(0.0, step_held_bytes(mine, optimizer, cluster.device.kind,
-                                     kept_buckets=False, loss_bytes=stage_loss_bytes(n),
-                                     saved_bytes=copies, kept_bytes=keep, schedule=sched))
+    held = [step_held_bytes(mine, optimizer, cluster.device.kind, kept_buckets=one,
+                            loss_bytes=loss_held_bytes(n) if one else stage_loss_bytes(n),
+                            saved_bytes=copies, kept_bytes=keep, schedule=sched)
             for mine, n, copies, keep, sched in zip(layers, numel, saved, kept, scheduled)]
+    # at least 0 on a 3-D shape: the search's rows budget is a relaxation of a rank's
+    # memory only while nothing beside the rows is negative (planner.search._Search.
+    # rows_budget), so where the schedule's take-back is more than the rest, the rank is
+    # priced at its rows; a 1-D plan's program is solved again at the true figure instead
+    # (planner.optimize._solve_within_memory)
+    return held if one else [max(0.0, h) for h in held]
 
 
 def stage_loss_bytes(output_numel: float) -> float:
@@ -180,27 +191,36 @@ def together_bytes(order, per_stage: dict[int, list[tuple[float, float]]]) -> fl
 
 def _held_layers(built, choice, stage, ranks_of, shape: Shape, cluster: Cluster,
                  replaced=None) -> list[list[HeldLayer]]:
-    """Each pipeline rank's layers as executor.pipeline keeps them: a replicated layer's
-    gradient summed in flat buckets after the backward, an FSDP layer gathered over dp, an
-    HSDP one over the dp ranks of a node; `replaced`: per layer, its activations in flight
-    that layout-change copies replace (_reshard_copies). Their activations are not told:
-    1-D plans take back what the sum counts of gradients beside activations
-    (strategies.step_memory.not_together_bytes), which a pipeline's ranks measured short
-    by 7-12% (benchmarks/memory.py, GPT-2 on 2 and 4 ranks): a pipeline rank holds its
-    gradients beside later microbatches' activations; its take-back follows its schedule
+    """Each pipeline rank's layers as the executor keeps them: under executor.pipeline, a
+    replicated layer's gradient summed in flat buckets after the backward, an FSDP layer
+    gathered over dp, an HSDP one over the dp ranks of a node; on one group of all devices
+    (a 1-D plan, executor.parallelize), as strategies.step_memory.one_d_layer says, each
+    telling what it keeps for backward. `replaced`: per layer, its activations in flight
+    that layout-change copies replace (_reshard_copies). A pipeline rank's activations are
+    not told: it holds its gradients beside later microbatches' activations, which the
+    1-D take-back (strategies.step_memory.not_together_bytes) measured short by 7-12%
+    (benchmarks/memory.py, GPT-2 on 2 and 4 ranks); its take-back follows its schedule
     (_scheduled, together_bytes)."""
     dp, tp = shape.dp, shape.tp
     gather = {suffix: dp_shard.gathered_over(suffix, dp, tp, cluster.devices_per_node)
               for suffix in ("", dp_shard.SUFFIX, dp_shard.HSDP_SUFFIX)}
     layers: list[list[HeldLayer]] = [[] for _ in range(shape.pp)]
-    for i in range(len(built.layers)):
+    for i, layer in enumerate(built.layers):
         c = choice[i]
         local = float(built.local_param_bytes[i][c])
+        mine = replaced.get(i, 0.0) if replaced else 0.0
+        if built.one_group:
+            strategy = built.strategies[i][c]
+            held = one_d_layer(split_name(strategy.name)[0], layer.param_bytes,
+                               strategy.model_parallel, tp,
+                               float(built.problem.layers[i].activation_bytes[c]))
+            layers[0].append(replace(held, replaced_bytes=mine))
+            continue
         sharded = built.sharded[i][c] if built.sharded else ""
         summed = dp > 1 or (tp > 1 and not built.strategies[i][c].model_parallel)
         layers[ranks_of[stage[i]]].append(HeldLayer(
             local, local * gather[sharded], bucketed=not sharded and summed,
-            replaced_bytes=replaced.get(i, 0.0) if replaced else 0.0))
+            replaced_bytes=mine))
     return layers
 
 
