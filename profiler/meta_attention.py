@@ -36,22 +36,24 @@ def efficient_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_cau
                         scale=None, enable_gqa=False, biases=None):
     """scaled_dot_product_attention's output, computed by the memory-efficient kernel
     (grouped-query heads repeated to the query's, as the math path does; a boolean mask as
-    an additive bias of its last two dims, the same for every batch row and head, made
-    once per mask in `biases` as the model's one mask serves every layer)."""
+    an additive bias of its last two dims broadcast over batch rows and heads, made once
+    per mask in `biases` as the model's one mask serves every layer). On meta only shapes
+    and storages exist, which is all the saved bytes read: no value is computed."""
     if enable_gqa and key.size(-3) != query.size(-3):
         repeat = query.size(-3) // key.size(-3)
         key = key.repeat_interleave(repeat, dim=-3)
         value = value.repeat_interleave(repeat, dim=-3)
     bias = attn_mask
     if attn_mask is not None and attn_mask.dtype == torch.bool:
-        cached = None if biases is None else biases.get(id(attn_mask))
+        # keyed by the mask kept alive beside its bias, so that no other mask takes its id
+        _, cached = (None, None) if biases is None else biases.get(id(attn_mask), (None, None))
         if cached is None:
             square = attn_mask[(0,) * (attn_mask.dim() - 2)]  # the mask's last two dims
             cached = torch.zeros(square.shape, dtype=query.dtype, device=query.device)
             cached = cached.masked_fill(square.logical_not(), float("-inf"))
             cached = cached.expand(attn_mask.shape)
             if biases is not None:
-                biases[id(attn_mask)] = cached
+                biases[id(attn_mask)] = (attn_mask, cached)
         bias = cached
     out, *_ = torch.ops.aten._scaled_dot_product_efficient_attention(
         query, key, value, bias, True, dropout_p, is_causal, scale=scale)
