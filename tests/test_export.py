@@ -131,10 +131,8 @@ def test_a_job_that_does_not_fit_is_priced_and_says_so():
     assert max(plan.predicted.memory_bytes) > 1e3 and plan.predicted.step_time_s > 0
 
 
-def test_price_job_carries_the_pipeline_schedule_and_microbatches_of_a_decoder():
-    """A tiny Llama (torch.export, cut at its blocks) priced as FSDP 2 x PP 2, interleaved
-    1F1B with 2 stages per rank and 4 microbatches: the plan runs that schedule, and says
-    how it priced the job's full activation checkpointing."""
+def _tiny_meta_llama():
+    """A 2-block Llama built on meta and a batch of 8 sequences of 16 token ids for it."""
     transformers = pytest.importorskip("transformers")
     config = transformers.LlamaConfig(
         vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
@@ -142,7 +140,14 @@ def test_price_job_carries_the_pipeline_schedule_and_microbatches_of_a_decoder()
         use_cache=False)
     with torch.device("meta"):
         model = transformers.LlamaForCausalLM(config)
-    ids = torch.zeros(8, 16, dtype=torch.long, device="meta")
+    return model, torch.zeros(8, 16, dtype=torch.long, device="meta")
+
+
+def test_price_job_carries_the_pipeline_schedule_and_microbatches_of_a_decoder():
+    """A tiny Llama (torch.export, cut at its blocks) priced as FSDP 2 x PP 2, interleaved
+    1F1B with 2 stages per rank and 4 microbatches: the plan runs that schedule, and says
+    how it priced the job's full activation checkpointing."""
+    model, ids = _tiny_meta_llama()
     job = JobConfig(global_batch=8, seq_len=16, dp_shard=2, pp=2, chunks=2, microbatches=4,
                     schedule="Interleaved1F1B", recompute="full", num_layers=2)
     plan = planner.price_job(model, "4xA100", job, (ids,), {"use_cache": False})
@@ -159,14 +164,7 @@ def test_price_job_prices_torchtitans_tp_sequence_parallel_with_its_levers():
     tokens (as torchtitan's apply_tp), microbatches whose rows tp divides are priced (its
     DTensor hooks take any rows), the levers are on the plan's cluster and named; without
     sequence parallelism the same job is refused those rows, as hyplan's executor is."""
-    transformers = pytest.importorskip("transformers")
-    config = transformers.LlamaConfig(
-        vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
-        use_cache=False)
-    with torch.device("meta"):
-        model = transformers.LlamaForCausalLM(config)
-    ids = torch.zeros(8, 16, dtype=torch.long, device="meta")
+    model, ids = _tiny_meta_llama()
     job = JobConfig(global_batch=8, seq_len=16, dp_shard=2, tp=2, recompute="full",
                     num_layers=2, sequence_parallel=True, compile=True)
     plan = planner.price_job(model, "4xH100", job, (ids,), {"use_cache": False})
