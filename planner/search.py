@@ -135,6 +135,12 @@ class Shape:
         """Rows per microbatch per dp replica."""
         return batch // (self.dp * self.microbatches)
 
+    def flights(self) -> tuple[int, ...]:
+        """Per global stage, the microbatches whose activations it holds at once
+        (planner.pipeline.stages.in_flight)."""
+        return tuple(in_flight(self.schedule, self.pp, self.microbatches, k, self.chunks)
+                     for k in range(self.pp * self.chunks))
+
 
 @dataclass
 class Candidate:
@@ -752,8 +758,7 @@ class _LoadBounds:
             c.outcome = "does_not_fit"
             c.note = f"needs at least {(need + self.beside_of(s)) / 1e9:.1f} GB per device"
             return False
-        flights = [in_flight(s.schedule, s.pp, s.microbatches, k, s.chunks)
-                   for k in range(s.pp * s.chunks)]
+        flights = s.flights()
         ranks = schedules.placement(s.schedule, s.pp, s.chunks)
         least = sorted(min(f for f, q in zip(flights, ranks) if q == r) for r in range(s.pp))
         key = (id(b), s.microbatches, s.chunks, s.schedule in V_SHAPED, tuple(least), budget)
@@ -777,8 +782,7 @@ class _LoadBounds:
         key = (id(b), s.pp, s.microbatches, s.schedule)
         if key not in self.one_chunk:
             budget = self.budget_of(s)
-            flights = None if budget is None else [
-                in_flight(s.schedule, s.pp, s.microbatches, k, 1) for k in range(s.pp)]
+            flights = None if budget is None else s.flights()
             self.one_chunk[key] = relaxed_path_bound(b, s.pp, s.microbatches, s.schedule,
                                                      1, budget, flights)
         c.bound_s = max(c.bound_s, self.one_chunk[key])
@@ -796,9 +800,7 @@ class _LoadBounds:
         s = c.shape
         b = self.problem_of(s).problem
         budget = self.budget_of(s)
-        flights = None if budget is None else tuple(
-            in_flight(s.schedule, s.pp, s.microbatches, k, s.chunks)
-            for k in range(s.pp * s.chunks))
+        flights = None if budget is None else s.flights()
         rows = (budget, flights) if memory else (None, None)
         key = (id(b), s.pp, s.microbatches, s.chunks, s.schedule in V_SHAPED, within, *rows)
         start, raised = self.found.get(key, (math.inf, None))

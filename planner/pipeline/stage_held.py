@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 from planner import dp_shard
 from planner.pipeline import schedules
-from planner.pipeline.stages import in_flight, stage_ranks
+from planner.pipeline.stages import stage_ranks
 from strategies.cluster import Cluster
 from strategies.memory import split_name
 from strategies.step_memory import (
@@ -52,8 +52,7 @@ class Placement:
         stage_of_unit = tuple(k for k in range(S) for _ in range(starts[k], starts[k + 1]))
         return Placement(
             stage_ranks(shape.schedule, shape.pp, shape.chunks),
-            tuple(in_flight(shape.schedule, shape.pp, shape.microbatches, k, shape.chunks)
-                  for k in range(S)),
+            shape.flights(),
             starts, stage_of_unit, tuple(stage_of_unit[l.unit] for l in problem.layers))
 
 
