@@ -257,7 +257,8 @@ class EdgeKind:
     route: str = "plain"
     into_module: bool = False  # the consumer is a module (it changes layouts in its hooks)
     # "through_rows": the edges out of the producer, which share its one hand-over; under
-    # SEQUENCE_PRICED, the modules reading it, which share one layout change
+    # DTensor hooks (edge_kind's dtensor_hooks), the modules reading it, which share one
+    # layout change
     readers: int = 1
     # for the kernel levers on TP collectives (`lever_edge`): the consumer's forward GEMM
     # on one of the ranks (m, n, k), None where it runs none; whether torchtitan's float8
@@ -266,26 +267,24 @@ class EdgeKind:
     into_float8: bool = False
 
 
-# the tracer name under which a torch.export graph is priced as torchtitan runs its TP
-# (strategies.kernel_levers.Levers.sequence_parallel): every edge a DTensor layout change
-# ("plain"), and the change into a module shared by the modules reading the same tensor:
-# torchtitan's PrepareModuleInput gathers a block's attention or feed-forward input once
-# for q, k, v or w1, w3, and reduce-scatters their summed input gradient once
-SEQUENCE_PRICED = "sequence_priced"
-
-
 def edge_kind(producer: Layer, gives, consumer: Layer, strategies, rows: int, ranks: int,
-              tracer: str, backward: bool, readers: int = 1) -> EdgeKind:
+              tracer: str, backward: bool, readers: int = 1,
+              dtensor_hooks: bool = False) -> EdgeKind:
     """The edge from `producer` (its options give `gives`) into `consumer` running one of
     `strategies`, `ranks` ranks sharing `rows` rows; `backward`: a gradient flows back
     into the producer's output (profiler.graph.ModelGraph.carries_gradient); `readers`:
-    the edges out of the producer (ModelGraph.readers; under SEQUENCE_PRICED, the modules
-    among them)."""
+    the edges out of the producer (ModelGraph.readers; with `dtensor_hooks`, the modules
+    among them). `dtensor_hooks`: a configuration priced as torchtitan runs its TP
+    (strategies.kernel_levers.Levers.sequence_parallel), where every edge is a DTensor
+    layout change ("plain") and the change into a module is shared by the modules reading
+    the same tensor: torchtitan's PrepareModuleInput gathers a block's attention or
+    feed-forward input once for q, k, v or w1, w3, and reduce-scatters their summed input
+    gradient once."""
     takes = tuple(batch_free_takes(producer, s.takes, rows) for s in strategies)
     route = "plain"
     if consumer.op != "call_module" and consumer.kind in READS_METADATA_ONLY:
         route = "metadata"
-    elif tracer == "export":
+    elif tracer == "export" and not dtensor_hooks:
         if producer.op == "call_module" and producer.output.has_rows(rows):
             route = "through_rows"
         elif producer.op != "call_module" and consumer.op != "call_module":
@@ -294,7 +293,7 @@ def edge_kind(producer: Layer, gives, consumer: Layer, strategies, rows: int, ra
                     producer.output.nbytes, ranks, rows, backward, route,
                     consumer.op == "call_module",
                     max(1, readers) if route == "through_rows" or (
-                        tracer == SEQUENCE_PRICED and consumer.op == "call_module") else 1,
+                        dtensor_hooks and consumer.op == "call_module") else 1,
                     input_gemm(consumer, ranks), _converted(consumer, TENSORWISE))
 
 
@@ -322,7 +321,7 @@ def edge_cost(kind: EdgeKind, cluster: Cluster) -> np.ndarray:
         matrix = lever_edge(kind, cluster, link, matrix)
     if kind.route == "export" and ranks > 1:  # one device: one layout
         matrix = matrix + _unrealizable(kind)
-    if kind.route == "plain" and kind.readers > 1:  # one change shared (SEQUENCE_PRICED)
+    if kind.route == "plain" and kind.readers > 1:  # one change shared (dtensor_hooks)
         matrix = matrix / kind.readers
     return matrix
 

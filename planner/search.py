@@ -58,8 +58,8 @@ from planner.block_cuts import (
 )
 from planner.offers import OUTPUT, OneGroup, module_executor_options, pinned
 from planner.price import (
-    SEQUENCE_PRICED, EdgeKind, Price, edge_cost, edge_kind, group_link, in_rhythm,
-    layer_compute_s, output_kind, price, tp_context, with_tied_copy,
+    EdgeKind, Price, edge_cost, edge_kind, group_link, in_rhythm, layer_compute_s,
+    output_kind, price, tp_context, with_tied_copy,
 )
 from planner.problem import Edge
 from planner.progress import Progress, listened, report
@@ -635,10 +635,9 @@ def _edges(cache: CostCache, priced, strategies, scaled_layers, rows: int, tp: i
     graph = cache.graph
     index = {layer.node: i for i, layer in enumerate(graph.layers)}
     # a priced sequence-parallel configuration changes layouts where torchtitan's DTensor
-    # hooks do (planner.price.SEQUENCE_PRICED), once per tensor its modules read
-    tracer, module_readers = graph.tracer, None
-    if cache.cluster.levers.sequence_parallel:
-        tracer = SEQUENCE_PRICED
+    # hooks do (planner.price.edge_kind's dtensor_hooks), once per tensor its modules read
+    hooks, module_readers = cache.cluster.levers.sequence_parallel, None
+    if hooks:
         module_readers = Counter(n for l in graph.layers if l.op == "call_module"
                                  for n in l.inputs)
     edges = []
@@ -651,7 +650,7 @@ def _edges(cache: CostCache, priced, strategies, scaled_layers, rows: int, tp: i
             if not shared or key not in cache.edges:
                 kind = edge_kind(scaled_layers[src], [s.gives for s in strategies[src]],
                                  scaled_layers[dst], strategies[dst], rows, tp,
-                                 tracer, backward, readers)
+                                 graph.tracer, backward, readers, hooks)
                 if not shared:  # options of this problem alone: ids are not kept
                     edges.append(Edge(src, dst, cache.edge(kind)))
                     continue
