@@ -94,7 +94,9 @@ QUICK_PASS_S = 3.0  # seconds for quick plans of chunked candidates (stages.quic
 # seconds for the stage MIP of an open chunked candidate with no plan (_refine_chunked)
 PROOF_S = 5.0
 REFINE = 5e-3  # relative width to which open chunked bounds are refined at the end
-REFINE_SHARE = 0.15  # of a search's budget, kept for that refining
+# of a search's budget, kept for that refining: a 405 B Llama over 512 H100s needs some 9 s
+# of its 60 for the five V-shaped pipelines its gap is made of (their memory MIPs)
+REFINE_SHARE = 0.25
 # actions (stages x microbatches x 3) up to which a chunked candidate's bound is raised by
 # stage_paths.relaxed_path_bound: 0.1 s at 1,536 (pp 8 x 2 chunks x 16 microbatches on a
 # 70 B Llama), 3 s at 6,144
@@ -528,20 +530,24 @@ def build(cache: CostCache, pp: int, dp: int, tp: int, rows: int,
         ties = ()
         # the optimizer step's temporaries that add up over a rank's layers ride on each
         # option's weights: the rows then hold what the step holds at the optimizer step
-        temps = [summed_temp_bytes(got.local_param_bytes, cache.optimizer,
-                                   cluster.device.kind) for got in priced]
+        temps = _shared([got for got in priced], lambda got: summed_temp_bytes(
+            got.local_param_bytes, cache.optimizer, cluster.device.kind))
     else:
         assert pp == dp == 1 and rows == graph.batch_size, "one group of all devices"
         priced, ties = _one_group_options(cache, tp, pin, group)
-        layers, temps = list(graph.layers), [np.zeros(len(got.names)) for got in priced]
+        layers, temps = list(graph.layers), _shared(priced, lambda got: np.zeros(len(got.names)))
     # and what each option's FSDP group gathers, which the step's backward holds beside
     # the rows (the second memory row: planner.pipeline.held_row)
+    # identical layers (a transformer's blocks) share one _PricedOptions, and so one array
+    # of each figure below: what reads them later (block_recompute, the bounds' tables)
+    # does a layer's work once per distinct array
+    weights = _shared(list(zip(priced, temps)), lambda pair: pair[0].weight_bytes + pair[1])
+    gathered = _shared(priced, lambda got: got.local_param_bytes * np.array([
+        dp_shard.gathered_over(sh, dp, tp, cluster.devices_per_node) for sh in got.sharded]))
     options = [LayerOptions(layer.name, unit_of[i], got.names, got.microbatch_s, got.step_s,
-                            got.weight_bytes + temp, got.activation_bytes, temp_bytes=temp,
-                            gathered_bytes=got.local_param_bytes * np.array([
-                                dp_shard.gathered_over(sh, dp, tp, cluster.devices_per_node)
-                                for sh in got.sharded]))
-               for i, (layer, got, temp) in enumerate(zip(graph.layers, priced, temps))]
+                            weights[i], got.activation_bytes, temp_bytes=temps[i],
+                            gathered_bytes=gathered[i])
+               for i, (layer, got) in enumerate(zip(graph.layers, priced))]
     options.append(LayerOptions(OUTPUT, len(unit_names) - 1, ("output",), np.zeros(1),
                                 np.zeros(1), np.zeros(1), np.zeros(1)))
     strategies = [got.strategies for got in priced]
@@ -564,6 +570,19 @@ def build(cache: CostCache, pp: int, dp: int, tp: int, rows: int,
                  sync_s=tuple(got.sync_s for got in priced),
                  sync_serial_s=tuple(got.sync_serial_s for got in priced), ties=ties,
                  prices=tuple(got.prices for got in priced), one_group=group is not None)
+
+
+def _shared(items: list, make) -> list:
+    """[make(item) for item in items], made once per distinct item (by identity; a pair by
+    its members'), so that equal inputs share one output object."""
+    made: dict[tuple, object] = {}
+    out = []
+    for item in items:
+        key = tuple(map(id, item)) if isinstance(item, tuple) else (id(item),)
+        if key not in made:
+            made[key] = make(item)
+        out.append(made[key])
+    return out
 
 
 def _shape_options(cache: CostCache, pp: int, dp: int, tp: int, rows: int, pin,
@@ -678,15 +697,21 @@ def _cut_times(cache: CostCache, scaled_layers, unit_of: list[int], units: int,
             last_use[index[name]] = max(last_use.get(index[name], -1), unit_of[dst])
     for name in graph.outputs:
         last_use[index[name]] = units
+    # each cut's values, listed per unit from the values' live ranges (a scan of every
+    # value at every cut took 30 ms a shape on a 405 B Llama), in last_use's order
+    crossing: list[list[int]] = [[] for _ in range(units)]
+    for src, until in last_use.items():
+        if graph.layers[src].node in sent:
+            for u in range(unit_of[src] + 1, min(until, units - 1) + 1):
+                crossing[u].append(src)
     cut_s, cut_bytes = [0.0] * units, [0.0] * units
     for u in range(1, units):
         t = sent_bytes = 0.0
-        for src, until in last_use.items():
-            if unit_of[src] < u <= until and graph.layers[src].node in sent:
-                nbytes = scaled_layers[src].output.nbytes
-                grad = 0 if scaled_layers[src].is_input else 1
-                t += (1 + grad) * send_recv_s(nbytes, link)
-                sent_bytes += nbytes
+        for src in crossing[u]:
+            nbytes = scaled_layers[src].output.nbytes
+            grad = 0 if scaled_layers[src].is_input else 1
+            t += (1 + grad) * send_recv_s(nbytes, link)
+            sent_bytes += nbytes
         cut_s[u], cut_bytes[u] = t, sent_bytes
     return cut_s, cut_bytes
 
@@ -1089,7 +1114,9 @@ class _Search:
                 continue
             b = self.problem_of(shape)
             if id(b) not in realizable:  # the stage MIP takes finite edges only
-                realizable[id(b)] = all(np.isfinite(e.cost_s).all() for e in b.problem.edges)
+                realizable[id(b)] = all(np.isfinite(cost).all() for cost in
+                                        {id(e.cost_s): e.cost_s for e in b.problem.edges}
+                                        .values())
             if not realizable[id(b)]:
                 self.out.append(Candidate(shape, "infeasible", note="a layout change the "
                                           "module executor cannot make "

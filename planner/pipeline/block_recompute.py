@@ -63,6 +63,11 @@ def recompute_blocks(built, graph: ModelGraph, tp: int = 1):
     syncs, serials = list(built.sync_s), list(built.sync_serial_s)
     transient = 0.0
     members_of = problem.unit_layers()  # once: per unit, a scan of every layer took minutes
+    # identical layers (a transformer's blocks) share their arrays (planner.search.build):
+    # each distinct one is doubled once, not once per layer (a 405 B Llama: 1,260 layers)
+    twice, largest = _once(_twice), _once(lambda a: float(a.max()))
+    variants = _once(lambda costs, kept, *arrays, options, layer: _with_recomputed(
+        options, costs, kept, layer=layer))
     for u, name in enumerate(problem.units):
         if name not in blocks:
             continue
@@ -71,22 +76,29 @@ def recompute_blocks(built, graph: ModelGraph, tp: int = 1):
         entering = {src for i in members for src in graph.layers[i].inputs
                     if src not in inside and src in carried}
         kept_bytes = float(sum(built.layers[index[src]].output.nbytes for src in entering))
-        transient = max(transient, sum(float(problem.layers[i].activation_bytes.max())
+        transient = max(transient, sum(largest(problem.layers[i].activation_bytes)
                                        for i in members))
         for j, i in enumerate(members):
-            kept = kept_per_option(built.strategies[i], kept_bytes, tp) if j == 0 else 0.0
-            layers[i] = _with_recomputed(problem.layers[i], built, i, kept)
+            kept = (tuple(kept_per_option(built.strategies[i], kept_bytes, tp)) if j == 0
+                    else 0.0)
+            options = problem.layers[i]
+            # identical layers share their prices and their arrays (planner.search.build)
+            arrays = variants(built.costs[i], kept, id(options.microbatch_s),
+                              id(options.weight_bytes), options=options, layer=built.layers[i])
+            layers[i] = replace(options, strategies=options.strategies + tuple(
+                s + SUFFIX for s in options.strategies), **arrays)
             strategies[i], costs[i] = strategies[i] * 2, costs[i] * 2
-            local[i] = np.concatenate([local[i], local[i]])
+            local[i] = twice(local[i])
             for per_option in (temps, syncs, serials):
                 if per_option:
-                    per_option[i] = np.concatenate([per_option[i], per_option[i]])
+                    per_option[i] = twice(per_option[i])
             if sharded:
                 sharded[i] = sharded[i] * 2
     doubled = {i for i, l in enumerate(layers) if l.recomputed is not None}
-    edges = tuple(replace(e, cost_s=np.tile(np.asarray(e.cost_s), (
-        2 if e.src in doubled else 1, 2 if e.dst in doubled else 1)))
-        if e.src in doubled or e.dst in doubled else e for e in problem.edges)
+    tiled = _once(lambda cost, reps: np.tile(np.asarray(cost), reps))
+    edges = tuple(type(e)(e.src, e.dst, tiled(e.cost_s, (2 if e.src in doubled else 1,
+                                                         2 if e.dst in doubled else 1)))
+                  if e.src in doubled or e.dst in doubled else e for e in problem.edges)
     return replace(built, problem=replace(problem, layers=tuple(layers), edges=edges),
                    strategies=tuple(strategies), costs=tuple(costs),
                    local_param_bytes=tuple(local), sharded=tuple(sharded),
@@ -102,17 +114,16 @@ def kept_per_option(strategies, kept_bytes: float, tp: int) -> list[float]:
             for s in strategies]
 
 
-def _with_recomputed(options: LayerOptions, built, i: int, kept_bytes) -> LayerOptions:
-    """Layer i's options, then each again recomputed: its forward once more per
-    microbatch, and of its activations only `kept_bytes` (the block's input, charged to
-    its first layer; one figure, or one per option)."""
+def _with_recomputed(options: LayerOptions, costs, kept_bytes, *, layer) -> dict:
+    """The arrays of a layer's options (`options`, priced as `costs`), then each again
+    recomputed: its forward once more per microbatch, and of its activations only
+    `kept_bytes` (the block's input, charged to its first layer; one figure, or one per
+    option)."""
     n = len(options.strategies)
-    extra_s = np.array([recompute_s(built.layers[i], c.compute_s) for c in built.costs[i]])
-    return replace(
-        options, strategies=options.strategies + tuple(s + SUFFIX for s in options.strategies),
+    extra_s = np.array([recompute_s(layer, c.compute_s) for c in costs])
+    return dict(
         microbatch_s=np.concatenate([options.microbatch_s, options.microbatch_s + extra_s]),
-        step_s=np.concatenate([options.step_s, options.step_s]),
-        weight_bytes=np.concatenate([options.weight_bytes, options.weight_bytes]),
+        step_s=_twice(options.step_s), weight_bytes=_twice(options.weight_bytes),
         activation_bytes=np.concatenate([options.activation_bytes,
                                          np.broadcast_to(np.asarray(kept_bytes, float), n)]),
         recomputed=np.repeat([False, True], n),
@@ -122,3 +133,18 @@ def _with_recomputed(options: LayerOptions, built, i: int, kept_bytes) -> LayerO
 def _twice(per_option: np.ndarray | None) -> np.ndarray | None:
     """A per-option array for the options and their recomputed copies."""
     return None if per_option is None else np.concatenate([per_option, per_option])
+
+
+def _once(fn):
+    """`fn(value, *rest)` made once per `value` object (by identity; each kept alive while
+    the memo lives, so that an id is not reused) and `rest` (hashable)."""
+    made: dict[tuple, tuple] = {}
+
+    def call(value, *rest, **kwargs):
+        key = (id(value), *rest)
+        hit = made.get(key)
+        if hit is None:
+            hit = made[key] = (fn(value, *rest, **kwargs), value)
+        return hit[0]
+
+    return call

@@ -226,13 +226,21 @@ class _Tables:
 
     @staticmethod
     def of(problem: "StageProblem") -> "_Tables":
-        U, L = len(problem.units), len(problem.layers)
+        U = len(problem.units)
         width = max(len(l.strategies) for l in problem.layers)
+        # layers sharing their arrays (a transformer's blocks: planner.search.build) are
+        # one row from the start; np.unique below merges equal values of the rest
+        first: dict[tuple, int] = {}
+        rep = np.array([first.setdefault(tuple(map(id, (
+            l.microbatch_s, l.step_s, l.weight_bytes, l.activation_bytes, l.recomputed,
+            l.temp_bytes, l.gathered_bytes))), len(first)) for l in problem.layers])
+        distinct = [problem.layers[i] for i in np.unique(rep, return_index=True)[1]]
+        L = len(distinct)
         mb, step = np.full((L, width), math.inf), np.full((L, width), math.inf)
         w, a = np.zeros((L, width)), np.zeros((L, width))
         temp, gathered = np.zeros((L, width)), np.zeros((L, width))
         recomputed = np.full((L, width), 0.5)  # 0 plain, 1 recomputed, 0.5 either
-        for i, l in enumerate(problem.layers):
+        for i, l in enumerate(distinct):
             n = len(l.strategies)
             mb[i, :n], step[i, :n] = l.microbatch_s, l.step_s
             w[i, :n], a[i, :n] = l.weight_bytes, l.activation_bytes
@@ -243,16 +251,19 @@ class _Tables:
             if l.gathered_bytes is not None:
                 gathered[i, :n] = l.gathered_bytes
         unit = np.array([l.unit for l in problem.layers])
-        layer_least = np.bincount(unit, weights=mb.min(axis=1), minlength=U)
+        layer_least = np.bincount(unit, weights=mb.min(axis=1)[rep], minlength=U)
         # padding is +inf, never the least
-        step_by_unit = np.bincount(unit, weights=step.min(axis=1), minlength=U)
+        step_by_unit = np.bincount(unit, weights=step.min(axis=1)[rep], minlength=U)
         edge_least = np.zeros(U)
+        least: dict[int, float] = {}  # per edge cost array (shared by repeated blocks)
         for e in problem.edges:
-            edge_least[problem.layers[e.dst].unit] += float(np.asarray(e.cost_s).min())
+            if id(e.cost_s) not in least:
+                least[id(e.cost_s)] = float(np.asarray(e.cost_s).min())
+            edge_least[problem.layers[e.dst].unit] += least[id(e.cost_s)]
         rows, inverse = np.unique(np.concatenate([mb, step, w, a, recomputed, w - temp,
                                                   gathered], 1), axis=0, return_inverse=True)
         counts = np.zeros((len(rows), U))
-        np.add.at(counts, (inverse.ravel(), unit), 1.0)
+        np.add.at(counts, (inverse.ravel()[rep], unit), 1.0)
         mb, step, w, a, recomputed, rest, gathered = np.split(rows, 7, axis=1)
         joint = np.maximum(unit_least.unit_least_s(problem), layer_least + edge_least)
         return _Tables(mb, step, w, a, counts, layer_least, edge_least, joint, step_by_unit,
