@@ -66,7 +66,7 @@ def recompute_blocks(built, graph: ModelGraph, tp: int = 1):
     # identical layers (a transformer's blocks) share their arrays (planner.search.build):
     # each distinct one is doubled once, not once per layer (a 405 B Llama: 1,260 layers)
     twice, largest = _once(_twice), _once(lambda a: float(a.max()))
-    variants = _once(lambda costs, kept, *arrays, options, layer: _with_recomputed(
+    variants = _once(lambda costs, kept, *arrays, options, layer: _recomputed_arrays(
         options, costs, kept, layer=layer))
     for u, name in enumerate(problem.units):
         if name not in blocks:
@@ -85,8 +85,7 @@ def recompute_blocks(built, graph: ModelGraph, tp: int = 1):
             # identical layers share their prices and their arrays (planner.search.build)
             arrays = variants(built.costs[i], kept, id(options.microbatch_s),
                               id(options.weight_bytes), options=options, layer=built.layers[i])
-            layers[i] = replace(options, strategies=options.strategies + tuple(
-                s + SUFFIX for s in options.strategies), **arrays)
+            layers[i] = _doubled(options, arrays)
             strategies[i], costs[i] = strategies[i] * 2, costs[i] * 2
             local[i] = twice(local[i])
             for per_option in (temps, syncs, serials):
@@ -114,11 +113,22 @@ def kept_per_option(strategies, kept_bytes: float, tp: int) -> list[float]:
             for s in strategies]
 
 
-def _with_recomputed(options: LayerOptions, costs, kept_bytes, *, layer) -> dict:
-    """The arrays of a layer's options (`options`, priced as `costs`), then each again
-    recomputed: its forward once more per microbatch, and of its activations only
-    `kept_bytes` (the block's input, charged to its first layer; one figure, or one per
-    option)."""
+def _with_recomputed(options: LayerOptions, built, i: int, kept_bytes) -> LayerOptions:
+    """Layer i's options, then each again recomputed: its forward once more per
+    microbatch, and of its activations only `kept_bytes` (the block's input, charged to
+    its first layer; one figure, or one per option)."""
+    return _doubled(options, _recomputed_arrays(options, built.costs[i], kept_bytes,
+                                                layer=built.layers[i]))
+
+
+def _doubled(options: LayerOptions, arrays: dict) -> LayerOptions:
+    """`options` with each strategy again, recomputed, and `arrays` for them all."""
+    return replace(options, strategies=options.strategies + tuple(
+        s + SUFFIX for s in options.strategies), **arrays)
+
+
+def _recomputed_arrays(options: LayerOptions, costs, kept_bytes, *, layer) -> dict:
+    """The arrays of _with_recomputed's options (`costs`: the layer's priced options)."""
     n = len(options.strategies)
     extra_s = np.array([recompute_s(layer, c.compute_s) for c in costs])
     return dict(
