@@ -126,22 +126,10 @@ def test_keyword_inputs_are_split_by_rows_and_checked_by_name():
         executor.shard_keywords(plan, {"mask": mask[:4]}, rank=0)
 
 
-class TiedTransposed(nn.Module):
-    """MobileBERT's head: the embedding's weight read again, transposed, between modules."""
-
-    def __init__(self):
-        super().__init__()
-        self.embed = nn.Embedding(16, 8)
-        self.proj = nn.Linear(8, 8)
-
-    def forward(self, ids):
-        return self.proj(self.embed(ids)) @ self.embed.weight.t()
-
-
 def test_a_weight_with_a_complete_and_a_partial_gradient_is_refused_before_a_step():
     from executor.modules import _refuse_mixed_gradients, module_path, partial_outside_modules
 
-    model = TiedTransposed()
+    model = models.TiedTransposed()
     plan = planner.baseline(model, "2xcpu", "ddp", example_inputs=(torch.randint(0, 16, (4, 3)),),
                             measure=False, tracer="export")
     paths = {l.node: module_path(model, l) for l in plan.layers}
