@@ -48,7 +48,6 @@ from planner.price import step_overhead_s
 from planner.problem import Solution
 from planner.profiled import profiled_graph
 from planner.search import CostCache, Shape, shapes
-from planner.ties import data_parallel_else_replicate
 from planner.volume import communication_bytes
 from profiler.graph import Layer, ModelGraph
 from strategies.catalog import Strategy
@@ -60,7 +59,10 @@ Rule = Callable[[Layer, list[Strategy]], list[Strategy]]
 
 
 def _ddp(layer: Layer, options: list[Strategy]) -> list[Strategy]:
-    return data_parallel_else_replicate(options)
+    """DDP: each layer on its rank's rows where it applies, else whole on every rank (a
+    layer of a shared parameter goes with its tie group: FIXED_TIES)."""
+    dp = [s for s in options if s.name == "data_parallel"]
+    return dp or [s for s in options if s.name == "replicate"]
 
 
 def _tensor(layer: Layer, options: list[Strategy]) -> list[Strategy]:
@@ -100,6 +102,9 @@ BASELINES: dict[str, Rule | None] = {
     "ep": _ep,
     "cp": None,  # priced (strategies.context), not yet offered to the search
 }
+# the kinds whose rules hold a shared parameter as DDP does (the rest of their layers fall
+# back to _ddp): each tie group runs planner.ties.tied_strategy's one strategy
+FIXED_TIES = ("ddp", "fsdp", "ep")
 # the kinds that are one integer program over a 1-D mesh: cheap enough that optimize()
 # prices each of them beside every plan it makes
 ONE_D_KINDS = ("ddp", "tensor", "fsdp")
@@ -130,7 +135,8 @@ def solve_baseline(graph: ModelGraph, cluster: Cluster, optimizer: str, kind: st
     rule = _check(kind)
     if rule is None:
         raise ValueError(f"baseline: {kind!r} is not a 1-D plan; use planner.baseline()")
-    choices = layer_choices(graph, cluster, optimizer, None, keep=rule, cache=cache)
+    choices = layer_choices(graph, cluster, optimizer, None, keep=rule, cache=cache,
+                            fixed_ties=kind in FIXED_TIES)
     return choices, solve(choices.problem, time_limit_s)
 
 

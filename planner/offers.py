@@ -4,7 +4,7 @@ Every shape offers what the executor runs: for a torch.export graph, only what t
 executor can run (`module_executor_options`). A plan over one group of all devices (the
 shape pp = dp = 1, tp = N: planner.choices) offers more and less beside that, as `OneGroup`
 says: the memory levers over the group (strategies.memory: fsdp, "+recompute"), a tie
-group's common strategy chosen by the solver, a baseline's rule, and pins by exact name.
+group's common strategy chosen by the solver (or fixed, for a baseline), a baseline's rule, and pins by exact name.
 """
 
 from __future__ import annotations
@@ -69,11 +69,14 @@ class OneGroup:
     strategies.memory too. `only`: just the strategies named in it (and `replicate` where
     none of them applies): how pure data parallelism is costed. `keep(layer, options)`:
     the options a baseline allows for a layer (planner.baseline). Neither applies to the
-    layers of a shared parameter, held whole in every plan kind."""
+    layers of a shared parameter, held whole in every plan kind: the program picks which
+    way for each tie group, or with `fixed_ties` runs planner.ties.tied_strategy's (a
+    baseline that holds shared parameters as DDP does)."""
 
     levers: bool = True
     only: frozenset[str] | None = None
     keep: Callable[[Layer, list[Strategy]], list[Strategy]] | None = None
+    fixed_ties: bool = False
 
     def candidates(self, layer: Layer, options: list[Strategy], ctx: CostContext,
                    tracer: str, tied: bool) -> list[Strategy]:

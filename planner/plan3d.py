@@ -32,7 +32,7 @@ from planner.search import (
     DEFAULT_SEARCH_TIME_S, SearchResult, Shape, build, rank_groups, search, time_left,
 )
 from planner.pipeline.stage_held import Placement, peak_bytes
-from planner.pipeline.stages import evaluate
+from planner.pipeline.stages import StageSolution, evaluate
 from strategies.catalog import OPTIMIZER_STATE_FACTOR, CostContext, update_s
 from strategies.cluster import Cluster
 from strategies.memory import split_name
@@ -170,31 +170,37 @@ def to_plan(graph, cluster: Cluster, optimizer: str, budget: float, result: Sear
 
 def one_d_plan(graph, cluster: Cluster, optimizer: str, choices: Choices, solution: Solution,
                budget: float, data_parallel_s: float | None, single_s: float | None,
-               seconds: float, data_parallel_memory_bytes: float | None = None) -> Plan:
+               seconds: float, data_parallel_memory_bytes: float | None = None, *,
+               staged: tuple[StageSolution, list[float]] | None = None) -> Plan:
     """The Plan of a solution of the 1-D integer program (planner.choices: the shape
     1 x 1 x N) by plan_of, with the pure data-parallel and one-device step times it is
     compared against (None: not costed) and the bytes each device sends (planner.volume,
-    which prices the edges into the output as the user gets it)."""
+    which prices the edges into the output as the user gets it). `staged`: the solution
+    as the one stage (Choices.staged) and its peak_bytes, where the caller has them (its
+    memory check made them)."""
     report = SolverReport(
         status=solution.status, objective_s=solution.objective_s, bound_s=solution.bound_s,
         seconds=solution.seconds, backend=solution.backend,
         num_variables=solution.num_variables, num_constraints=solution.num_constraints,
         planning_seconds=seconds)
-    return plan_of(graph, cluster, optimizer, budget, choices.built, choices.shape,
-                   choices.staged(solution), report,
-                   baselines=((data_parallel_s, data_parallel_memory_bytes), single_s),
-                   communication_bytes=volume.communication_bytes(choices, solution.choice))
+    stage, peak = staged or (choices.staged(solution), None)
+    return plan_of(graph, cluster, optimizer, budget, choices.built, choices.shape, stage,
+                   report, baselines=((data_parallel_s, data_parallel_memory_bytes), single_s),
+                   communication_bytes=volume.communication_bytes(choices, solution.choice),
+                   peak=peak)
 
 
 def plan_of(graph, cluster: Cluster, optimizer: str, budget: float, built, shape: Shape,
             solution, solver: SolverReport, *, baselines, why: str = "",
             search: SearchReport | None = None,
-            communication_bytes: float | None = None) -> Plan:
+            communication_bytes: float | None = None, peak: list[float] | None = None
+            ) -> Plan:
     """The Plan of one solution of any plan kind: a 3-D shape's or one group of all
     devices' (Built.one_group, a 1-D plan): its layers, stages and mesh, the step's split
     and memory per device (peak_bytes: the layers and what the step holds beside them).
     `solver`, `search`, `why` (the schedule's): how the caller found it; `baselines`:
-    ((step time, memory) of pure data parallelism, one device's step time)."""
+    ((step time, memory) of pure data parallelism, one device's step time); `peak`: its
+    peak_bytes, where the caller has them."""
     problem, choice, times = built.problem, solution.choice, solution.times
     pp, dp, tp, m, v = shape.pp, shape.dp, shape.tp, shape.microbatches, shape.chunks
     at = Placement.of(shape, solution, built)
@@ -226,7 +232,8 @@ def plan_of(graph, cluster: Cluster, optimizer: str, budget: float, built, shape
                                 microbatch_rows=shape.rows(graph.batch_size),
                                 bubble_fraction=bubble_s / (bubble_s + busy) if busy else 0.0,
                                 stages=stages, why=why)
-    peak = peak_bytes(built, solution, shape, cluster, optimizer, set(graph.outputs), at)
+    peak = peak or peak_bytes(built, solution, shape, cluster, optimizer, set(graph.outputs),
+                              at)
     (data_parallel, data_parallel_memory), single = baselines
     fixed = step_overhead_s(cluster)  # outside every choice
     predicted = Predicted(

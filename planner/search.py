@@ -71,7 +71,7 @@ from planner.pipeline.stages import (
     LayerOptions, StageProblem, StageSolution, TimeLimit, estimate, in_flight, lower_bound,
     min_memory_bytes, quick_plan, solve_stages,
 )
-from planner.ties import data_parallel_else_replicate, tie_groups
+from planner.ties import tie_groups, tied_allowed, tied_strategy
 from profiler.graph import Layer, ModelGraph
 from profiler.traffic import scaled_rows
 from strategies.catalog import CostContext, candidates
@@ -328,7 +328,8 @@ class CostCache:
     def __init__(self, graph: ModelGraph, cluster: Cluster, optimizer: str):
         self.graph, self.cluster, self.optimizer = graph, cluster, optimizer
         self.unit_keys = units(graph)
-        self.tied = {node for group in graph.tied_groups() for node in group}
+        self.tie_groups = graph.tied_groups()
+        self.tied = {node for group in self.tie_groups for node in group}
         self._layer: dict = {}
         self._edge: dict = {}
         self._rhythm: dict = {}  # (tp, rows): the cluster at that rhythm (in_rhythm)
@@ -367,8 +368,8 @@ class CostCache:
             if self.graph.tracer == "export":
                 options = module_executor_options(scaled, options,
                                                   cluster.levers.sequence_parallel)
-            if tied:
-                options = data_parallel_else_replicate(options)
+            if tied:  # which one the group runs is fixed per shape (_tied_names)
+                options = tied_allowed(options)
         value = LayerEntry(scaled, tuple(options), ctx)
         self._layer[key] = value
         return value
@@ -442,12 +443,15 @@ class _PricedOptions:
 
 
 def _priced_options(cache: "CostCache", entry: LayerEntry, layer: Layer, dp: int, tp: int,
-                    want: str | None, tied_copy, tied_link) -> _PricedOptions:
-    """Each of `entry`'s options, then its FSDP and HSDP variants where offered
-    (planner.dp_shard), kept to `want` where pinned, priced by planner.price."""
+                    want: str | None, tied_copy, tied_link, tie: str | None = None
+                    ) -> _PricedOptions:
+    """Each of `entry`'s options (only the one named `tie` where its tie group runs that:
+    _tied_names), then its FSDP and HSDP variants where offered (planner.dp_shard), kept to
+    `want` where pinned, priced by planner.price."""
     graph, cluster = cache.graph, cache.cluster
-    variants = [(s, "") for s in entry.strategies]
-    variants += [(s, sh) for s in entry.strategies for sh in dp_shard.variants(
+    strategies = [s for s in entry.strategies if tie is None or s.name == tie]
+    variants = [(s, "") for s in strategies]
+    variants += [(s, sh) for s in strategies for sh in dp_shard.variants(
         layer, s.name, dp, tp, graph.tracer, layer.node in cache.tied,
         cluster.devices_per_node)]
     names = [s.name + sh for s, sh in variants]
@@ -495,7 +499,8 @@ class Built:
     sync_s: tuple[np.ndarray, ...] = ()
     sync_serial_s: tuple[np.ndarray, ...] = ()
     # layers that share a parameter, each group to pick one strategy name (planner.ties):
-    # where the program chooses it (build's `group`); the 3-D search fixes it per layer
+    # where the program chooses it (build's `group`); the 3-D search fixes it per group
+    # (planner.ties.tied_strategy)
     ties: tuple[tuple[int, ...], ...] = ()
     prices: tuple[tuple[Price, ...], ...] = ()  # per layer and option: planner.price.Price
     # one group of all devices (build's `group`): a 1-D plan, which executor.parallelize
@@ -599,24 +604,44 @@ def _shape_options(cache: CostCache, pp: int, dp: int, tp: int, rows: int, pin,
     # gradient all-reduced with the first stage's over the pipeline's link (block_cuts)
     tied_copy = tied_heads(graph) if pp > 1 and not ends_together else {}
     tied_link = group_link(cluster, pp * dp * tp)
+    entries = [cache.layer(layer, tp, rows, computing) for layer in graph.layers]
+    ties = _tied_names(cache, entries, tp)
     priced, scaled = [], []
-    for layer in graph.layers:
-        entry = cache.layer(layer, tp, rows, computing)
+    for layer, entry in zip(graph.layers, entries):
         want = pin.get(layer.name) if pin else None
-        copy = tied_copy.get(layer.node)
-        key = (id(entry), dp, want, copy, layer.node in cache.tied)
+        copy, tie = tied_copy.get(layer.node), ties.get(layer.node)
+        key = (id(entry), dp, want, copy, layer.node in cache.tied, tie)
         if key not in cache.options:  # identical layers (a transformer's blocks) share one
             cache.options[key] = _priced_options(cache, entry, layer, dp, tp, want, copy,
-                                                 tied_link)
+                                                 tied_link, tie)
         priced.append(cache.options[key])
         scaled.append(entry.layer)
     return priced, scaled
 
 
+def _tied_names(cache: CostCache, entries: list[LayerEntry], tp: int) -> dict[str, str]:
+    """Per node of a tie group, the one strategy its group runs on a shape of the 3-D
+    search (planner.ties.tied_strategy: its stage problems have no tie rows), read from
+    the members' entries `entries` (one per layer of the graph); none on one rank where
+    the members' only options differ in name alone."""
+    if not cache.tie_groups:
+        return {}
+    index = {layer.node: i for i, layer in enumerate(cache.graph.layers)}
+    out = {}
+    for group in cache.tie_groups:
+        members = [index[node] for node in group]
+        name = tied_strategy([[s.name for s in entries[i].strategies] for i in members],
+                             [cache.graph.layers[i].name for i in members], tp)
+        if name is not None:
+            out.update((node, name) for node in group)
+    return out
+
+
 def _one_group_options(cache: CostCache, tp: int, pin, group: OneGroup
                        ) -> tuple[list[_PricedOptions], tuple[tuple[int, ...], ...]]:
     """Each layer's priced options on one group of all devices (build's `group`), and the
-    tie groups, each layer of one kept to the strategies all of its group offer."""
+    tie groups, each layer of one kept to the strategies all of its group offer, or to the
+    one planner.ties.tied_strategy fixes where `group` says so (OneGroup.fixed_ties)."""
     graph = cache.graph
     pin = dict(pin or {})
     priced = [_group_options(cache, cache.layer(layer, tp, graph.batch_size, None, group),
@@ -626,9 +651,14 @@ def _one_group_options(cache: CostCache, tp: int, pin, group: OneGroup
         raise ValueError(f"pin: no layer named {sorted(pin)}; layers: "
                          f"{[l.name for l in graph.layers if not l.is_input]}")
     index = {layer.node: i for i, layer in enumerate(graph.layers)}
-    ties, allowed = tie_groups([[index[node] for node in g] for g in graph.tied_groups()],
-                               [list(got.names) for got in priced],
-                               [layer.name for layer in graph.layers])
+    offers = [list(got.names) for got in priced]
+    layer_names = [layer.name for layer in graph.layers]
+    ties, allowed = tie_groups([[index[node] for node in g] for g in cache.tie_groups],
+                               offers, layer_names, tp)
+    if group.fixed_ties:
+        fixed = [tied_strategy([offers[i] for i in members], [layer_names[i] for i in members],
+                               tp) for members in ties]
+        allowed = [{name} if name else names for name, names in zip(fixed, allowed)]
     for members, names in zip(ties, allowed):
         for i in members:
             priced[i] = priced[i].only(names)

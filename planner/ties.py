@@ -29,35 +29,49 @@ TIED_STRATEGIES = ("data_parallel", "replicate")
 
 
 def tied_allowed(options: list) -> list:
-    """The options a reader of a shared parameter may take, where the integer program
-    picks one for the whole group (the 1-D problem's ties, below)."""
+    """The options a reader of a shared parameter may take; which one the whole group runs
+    is the 1-D program's choice (tie_groups) or fixed (tied_strategy)."""
     return [s for s in options if split_name(s.name)[0] in TIED_STRATEGIES]
 
 
-def data_parallel_else_replicate(options: list) -> list:
-    """One of TIED_STRATEGIES fixed for every reader where a program has no tie rows (the
-    3-D search's stage problems; a 1-D plan's program chooses it: `tie_groups`): data
-    parallel where it applies, else replicated. Also the DDP baseline's rule
-    (planner.baseline)."""
-    dp = [s for s in options if s.name == "data_parallel"]
-    return dp or [s for s in options if s.name == "replicate"]
+def _no_common(layer_names) -> ValueError:
+    """The error where readers of one parameter offer no strategy of TIED_STRATEGIES alike."""
+    return ValueError(
+        f"layers {', '.join(layer_names)} share a parameter and have no strategy in common "
+        f"among {TIED_STRATEGIES} (pinned differently?); pin them alike or not at all")
 
 
-def tie_groups(groups, names: list[list[str]], layer_names: list[str]
+def tied_strategy(offers, layer_names, ranks: int) -> str | None:
+    """The one strategy every reader of a shared parameter runs where no program chooses it
+    for the group (the 3-D search's stage problems, the DDP baseline): data parallel where
+    every reader offers it, else replicated for all, so that a reader which never sees the
+    batch (a weight read again transposed) keeps the whole group's gradient complete rather
+    than half partial. `offers`: each reader's option names. None on one rank where they
+    share neither: there the two are one placement (the whole weight, every row, nothing
+    to sync) and each reader keeps its only option. ValueError elsewhere."""
+    for name in TIED_STRATEGIES:
+        if all(name in names for names in offers):
+            return name
+    if ranks == 1:
+        return None
+    raise _no_common(layer_names)
+
+
+def tie_groups(groups, names: list[list[str]], layer_names: list[str], ranks: int
                ) -> tuple[tuple[int, ...], list[set[str]]]:
     """The tie groups `groups` (layer indices) as the integer program's ties, and for each
     the strategies of TIED_STRATEGIES all its layers offer (`names`: each layer's option
     names), where a 1-D plan's program picks one for the group; ValueError where there is
-    none (pinned differently)."""
+    none (pinned differently), save on one rank, where the group needs no tie
+    (tied_strategy)."""
     ties, allowed = [], []
     for members in groups:
         common = set.intersection(*(set(names[i]) for i in members))
         kept = {n for n in common if split_name(n)[0] in TIED_STRATEGIES}
+        if not kept and ranks == 1:
+            continue
         if not kept:
-            layers = ", ".join(layer_names[i] for i in members)
-            raise ValueError(
-                f"layers {layers} share a parameter and have no strategy in common among "
-                f"{TIED_STRATEGIES} (pinned differently?); pin them alike or not at all")
+            raise _no_common([layer_names[i] for i in members])
         ties.append(tuple(members))
         allowed.append(kept)
     return tuple(ties), allowed

@@ -39,6 +39,18 @@ class SmallCNN(nn.Module):
         return self.classifier(x)
 
 
+class TiedTransposed(nn.Module):
+    """MobileBERT's head: the embedding's weight read again, transposed, between modules."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(16, 8)
+        self.proj = nn.Linear(8, 8)
+
+    def forward(self, ids):
+        return self.proj(self.embed(ids)) @ self.embed.weight.t()
+
+
 MODELS = {"mlp": (mlp, (16,)), "deep_mlp": (deep_mlp, (16,)), "cnn": (SmallCNN, (3, 16, 16))}
 
 

@@ -1,5 +1,7 @@
 """Bad input stops early with one message that names what was wrong and the fix."""
 
+import re
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -53,6 +55,27 @@ def test_plan_that_cannot_fit_says_needed_and_available_memory():
         planner.optimize(model, "8xK20", example_inputs=inputs)
     message = str(info.value)
     assert "needs at least" in message and "has 5.4 GB" in message and "add devices" in message
+
+
+def test_the_memory_a_plan_needs_at_least_counts_what_the_step_holds_beside_its_layers():
+    """The figure is the least-memory assignment's peak as a step holds it (DDP's buckets,
+    the loss, optimizer temporaries beside the layers), not the layers' least alone."""
+    from alexnet_example import build
+
+    from planner.choices import layer_choices
+    from planner.optimize import least_need_bytes
+    from planner.profiled import profiled_graph
+
+    model, inputs, _ = build(65536, "meta")
+    with pytest.raises(planner.PlanDoesNotFit) as info:
+        planner.optimize(model, "8xK20", example_inputs=inputs)
+    needed = float(re.search(r"needs at least ([\d.]+) GB", str(info.value)).group(1)) * 1e9
+    graph, cluster = profiled_graph(model, "8xK20", inputs)
+    choices = layer_choices(graph, cluster, "adam", cluster.device.memory_bytes)
+    layers_least = sum(min(c.memory_bytes for c in row.costs) for row in choices.layers)
+    peak = least_need_bytes(choices, cluster, "adam", graph.outputs)
+    assert peak > layers_least and needed >= layers_least
+    assert needed == pytest.approx(peak, abs=0.05e9)  # printed to 0.1 GB
 
 
 @pytest.mark.parametrize("spec,needle", [("8xFOO", "unknown device 'FOO'"),
@@ -126,22 +149,10 @@ def test_keyword_inputs_are_split_by_rows_and_checked_by_name():
         executor.shard_keywords(plan, {"mask": mask[:4]}, rank=0)
 
 
-class TiedTransposed(nn.Module):
-    """MobileBERT's head: the embedding's weight read again, transposed, between modules."""
-
-    def __init__(self):
-        super().__init__()
-        self.embed = nn.Embedding(16, 8)
-        self.proj = nn.Linear(8, 8)
-
-    def forward(self, ids):
-        return self.proj(self.embed(ids)) @ self.embed.weight.t()
-
-
 def test_a_weight_with_a_complete_and_a_partial_gradient_is_refused_before_a_step():
     from executor.modules import _refuse_mixed_gradients, module_path, partial_outside_modules
 
-    model = TiedTransposed()
+    model = models.TiedTransposed()
     plan = planner.baseline(model, "2xcpu", "ddp", example_inputs=(torch.randint(0, 16, (4, 3)),),
                             measure=False, tracer="export")
     paths = {l.node: module_path(model, l) for l in plan.layers}
