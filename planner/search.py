@@ -535,26 +535,13 @@ def build(cache: CostCache, pp: int, dp: int, tp: int, rows: int,
         ties = ()
         # the optimizer step's temporaries that add up over a rank's layers ride on each
         # option's weights: the rows then hold what the step holds at the optimizer step
-        temps = _shared([got for got in priced], lambda got: summed_temp_bytes(
+        temps = _shared(priced, lambda got: summed_temp_bytes(
             got.local_param_bytes, cache.optimizer, cluster.device.kind))
     else:
         assert pp == dp == 1 and rows == graph.batch_size, "one group of all devices"
         priced, ties = _one_group_options(cache, tp, pin, group)
         layers, temps = list(graph.layers), _shared(priced, lambda got: np.zeros(len(got.names)))
-    # and what each option's FSDP group gathers, which the step's backward holds beside
-    # the rows (the second memory row: planner.pipeline.held_row)
-    # identical layers (a transformer's blocks) share one _PricedOptions, and so one array
-    # of each figure below: what reads them later (block_recompute, the bounds' tables)
-    # does a layer's work once per distinct array
-    weights = _shared(list(zip(priced, temps)), lambda pair: pair[0].weight_bytes + pair[1])
-    gathered = _shared(priced, lambda got: got.local_param_bytes * np.array([
-        dp_shard.gathered_over(sh, dp, tp, cluster.devices_per_node) for sh in got.sharded]))
-    options = [LayerOptions(layer.name, unit_of[i], got.names, got.microbatch_s, got.step_s,
-                            weights[i], got.activation_bytes, temp_bytes=temps[i],
-                            gathered_bytes=gathered[i])
-               for i, (layer, got) in enumerate(zip(graph.layers, priced))]
-    options.append(LayerOptions(OUTPUT, len(unit_names) - 1, ("output",), np.zeros(1),
-                                np.zeros(1), np.zeros(1), np.zeros(1)))
+    options = _layer_options(cache, priced, temps, unit_of, len(unit_names), dp, tp)
     strategies = [got.strategies for got in priced]
     edges = _edges(cache, priced, strategies, layers, rows, tp, shared=group is None)
     # an export graph's stages recompute what depends on positions alone (planner.block_cuts)
@@ -575,6 +562,27 @@ def build(cache: CostCache, pp: int, dp: int, tp: int, rows: int,
                  sync_s=tuple(got.sync_s for got in priced),
                  sync_serial_s=tuple(got.sync_serial_s for got in priced), ties=ties,
                  prices=tuple(got.prices for got in priced), one_group=group is not None)
+
+
+def _layer_options(cache: CostCache, priced: list[_PricedOptions], temps: list,
+                   unit_of: list[int], units: int, dp: int, tp: int) -> list[LayerOptions]:
+    """Each layer's options in the stage problem (its unit, times, memory rows, and what
+    each option's FSDP group gathers, which the step's backward holds beside the rows:
+    the second memory row, planner.pipeline.held_row), then the output sink. Identical
+    layers (a transformer's blocks) share one _PricedOptions and so one array of each
+    figure: what reads them later (block_recompute, the bounds' tables) does a layer's
+    work once per distinct array."""
+    weights = _shared(list(zip(priced, temps)), lambda pair: pair[0].weight_bytes + pair[1])
+    per_node = cache.cluster.devices_per_node
+    gathered = _shared(priced, lambda got: got.local_param_bytes * np.array([
+        dp_shard.gathered_over(sh, dp, tp, per_node) for sh in got.sharded]))
+    options = [LayerOptions(layer.name, unit_of[i], got.names, got.microbatch_s, got.step_s,
+                            weights[i], got.activation_bytes, temp_bytes=temps[i],
+                            gathered_bytes=gathered[i])
+               for i, (layer, got) in enumerate(zip(cache.graph.layers, priced))]
+    options.append(LayerOptions(OUTPUT, units - 1, ("output",), np.zeros(1), np.zeros(1),
+                                np.zeros(1), np.zeros(1)))
+    return options
 
 
 def _shared(items: list, make) -> list:

@@ -131,13 +131,13 @@ def _recomputed_arrays(options: LayerOptions, costs, kept_bytes, *, layer) -> di
     """The arrays of _with_recomputed's options (`costs`: the layer's priced options)."""
     n = len(options.strategies)
     extra_s = np.array([recompute_s(layer, c.compute_s) for c in costs])
-    return dict(
-        microbatch_s=np.concatenate([options.microbatch_s, options.microbatch_s + extra_s]),
-        step_s=_twice(options.step_s), weight_bytes=_twice(options.weight_bytes),
-        activation_bytes=np.concatenate([options.activation_bytes,
-                                         np.broadcast_to(np.asarray(kept_bytes, float), n)]),
-        recomputed=np.repeat([False, True], n),
-        temp_bytes=_twice(options.temp_bytes), gathered_bytes=_twice(options.gathered_bytes))
+    return {
+        "microbatch_s": np.concatenate([options.microbatch_s, options.microbatch_s + extra_s]),
+        "step_s": _twice(options.step_s), "weight_bytes": _twice(options.weight_bytes),
+        "activation_bytes": np.concatenate([options.activation_bytes, np.broadcast_to(
+            np.asarray(kept_bytes, float), n)]),
+        "recomputed": np.repeat([False, True], n), "temp_bytes": _twice(options.temp_bytes),
+        "gathered_bytes": _twice(options.gathered_bytes)}
 
 
 def _twice(per_option: np.ndarray | None) -> np.ndarray | None:
