@@ -140,7 +140,11 @@ class StageProblem:
     @functools.cached_property
     def _split(self) -> "StageProblem":
         f = self.split_backward
-        return replace(self, layers=tuple(replace(l, microbatch_s=l.microbatch_s * f)
+        longer: dict[int, np.ndarray] = {}  # one per shared array: tables stay deduplicated
+        for l in self.layers:
+            if id(l.microbatch_s) not in longer:
+                longer[id(l.microbatch_s)] = l.microbatch_s * f
+        return replace(self, layers=tuple(replace(l, microbatch_s=longer[id(l.microbatch_s)])
                                           for l in self.layers),
                        split_backward=1.0)
 
