@@ -7,6 +7,9 @@ so a new refusal (or a lost one) fails the test.
 All plans are made first, in this process; then one launch of 2 ranks runs them all
 (starting processes is the slow part on this machine), each rank a fresh interpreter
 (`run_ranks(forked=False)`: forked ones, running two dozen models each, twice died of SIGSEGV).
+tests/test_experts.py's mixture-of-experts plans run in the same launches (its 2-rank
+jobs in the 2-rank one, its ep 2 x dp 2 plans in the 4-rank one), and the two tests that
+check them are here (`test_experts_*`): a fresh rank's start is ~5 s of this machine.
 """
 
 from __future__ import annotations
@@ -83,8 +86,22 @@ def assert_runs_match(jobs: list, results: list) -> None:
                                            msg=lambda m: f"{name} {label} rank {rank}, {key}: {m}")
 
 
+def run_with_experts(rank: int, world: int, jobs: list, moe_jobs: list) -> tuple[dict, dict]:
+    """`run_plans` of the zoo's jobs, then tests/test_experts.py's `run_plans` of its
+    mixture-of-experts jobs (its own models and names), in the same ranks."""
+    import test_experts
+
+    return run_plans(rank, world, jobs), test_experts.run_plans(rank, world, moe_jobs)
+
+
 @pytest.fixture(scope="module")
 def zoo_runs():
+    """The zoo's plans (every model x KINDS), their refusals and each rank's results, the
+    models planned, and tests/test_experts.py's (plans, refusals, results) of every
+    mixture-of-experts model x its kinds: one launch of 2 fresh ranks runs the zoo's jobs,
+    the random plans and the experts' (a fresh rank's start is ~5 s of this machine)."""
+    import test_experts
+
     plans, refusals, models = {}, {}, {}
     for name in ZOO:
         # kept: the 4-rank test plans the same instances (traced once: planner.profiled)
@@ -95,8 +112,11 @@ def zoo_runs():
             except ValueError as error:
                 refusals[(name, kind)] = str(error)
     jobs = [(name, kind, plan.to_json()) for (name, kind), plan in plans.items()]
-    results = run_ranks(run_plans, 2, jobs + _random_jobs(), forked=False)
-    return plans, refusals, results, models
+    moe_plans, moe_refusals = test_experts.plan_every_kind()
+    moe_jobs = [(name, kind, plan.to_json()) for (name, kind), plan in moe_plans.items()]
+    ranks = run_ranks(run_with_experts, 2, jobs + _random_jobs(), moe_jobs, forked=False)
+    results = [zoo for zoo, _ in ranks]
+    return plans, refusals, results, models, (moe_plans, moe_refusals, [moe for _, moe in ranks])
 
 
 def _random_jobs() -> list:
@@ -134,7 +154,7 @@ def refused_as_listed(name: str, kind: str, refusals: dict, refused: dict) -> bo
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("name", list(ZOO))
 def test_plan_trains_like_one_process(zoo_runs, name, kind):
-    plans, refusals, results, _ = zoo_runs
+    plans, refusals, results, *_ = zoo_runs
     if refused_as_listed(name, kind, refusals, REFUSED):
         return
     expected = reference(ZOO[name])
@@ -154,19 +174,50 @@ FOUR_RANKS = [("gpt2", "tensor"), ("gpt2", "optimum"), ("bert", "fsdp"), ("vit",
               ("resnet", "ddp"), ("t5", "tensor")]
 
 
-def test_four_ranks_train_like_one_process(zoo_runs):
-    """Where the split matters (a row per rank; tensor-parallel shards of a quarter; tied
-    embeddings and a BatchNorm over 4 ranks), the same plans on 4 gloo ranks (of the
-    models the fixture traced: a Hugging Face model's torch.export trace is ~2 s)."""
+@pytest.fixture(scope="module")
+def four_rank_runs(zoo_runs):
+    """FOUR_RANKS's jobs and each rank's results, and tests/test_experts.py's ep 2 x dp 2
+    (plans, pins, results): one launch of 4 fresh ranks runs both (each fresh rank ~5 s)."""
+    import test_experts
+
     made = zoo_runs[3]
     jobs = [(name, kind, make_plan(name, kind, "4xcpu", made[name]).to_json())
             for name, kind in FOUR_RANKS]
-    assert_runs_match(jobs, run_ranks(run_plans, 4, jobs, forked=False))
+    ep_plans, pins = test_experts.plan_ep2_x_dp2()
+    ep_jobs = [(name, kind, plan.to_json()) for (name, kind), plan in ep_plans.items()]
+    ranks = run_ranks(run_with_experts, 4, jobs, ep_jobs, forked=False)
+    return jobs, [zoo for zoo, _ in ranks], (ep_plans, pins, [moe for _, moe in ranks])
+
+
+def test_four_ranks_train_like_one_process(four_rank_runs):
+    """Where the split matters (a row per rank; tensor-parallel shards of a quarter; tied
+    embeddings and a BatchNorm over 4 ranks), the same plans on 4 gloo ranks (of the
+    models the fixture traced: a Hugging Face model's torch.export trace is ~2 s)."""
+    jobs, results, _ = four_rank_runs
+    assert_runs_match(jobs, results)
+
+
+def test_experts_every_plan_kind_trains_like_one_process(zoo_runs):
+    """tests/test_experts.py's: every mixture-of-experts model in every plan kind, expert
+    parallelism among them, trains like one process on 2 ranks (or is refused as its
+    REFUSED says); run in the zoo's launch, so it is here."""
+    import test_experts
+
+    test_experts.assert_every_kind_trains_like_one_process(*zoo_runs[4])
+
+
+def test_experts_ep2_x_dp2_replicated_or_fsdp_sharded_trains_like_one_process(four_rank_runs):
+    """tests/test_experts.py's: the EP group carved out of 4 data-parallel ranks (ep 2 x
+    dp 2), experts replicated or FSDP2-sharded over the dp ranks, trains like one process;
+    run in the zoo's 4-rank launch, so it is here."""
+    import test_experts
+
+    test_experts.assert_ep2_x_dp2_trains_like_one_process(*four_rank_runs[2])
 
 
 def test_random_plans_from_the_planners_options_train_like_one_process(zoo_runs):
     """The random plans of `_random_jobs`, run in the zoo's launch."""
-    _, _, results, _ = zoo_runs
+    _, _, results, *_ = zoo_runs
     jobs = [key for key in results[0] if key[1].startswith("random")]
     assert {name for name, _ in jobs} == set(RANDOM_MODELS)
     assert_runs_match([(name, label, None) for name, label in jobs], results)
