@@ -154,21 +154,22 @@ def run_plans(rank: int, world: int, jobs: list) -> dict:
     return out
 
 
-def plan_every_kind() -> tuple[dict, dict]:
+def plan_every_kind() -> tuple[dict, dict, dict]:
     """(model, kind) -> its 2-rank plan, and -> the reason it is refused: every model of
     MOE_ZOO in every kind, planned in this process for one launch of 2 fresh ranks
-    (`run_plans`). The launch is tests/test_zoo.py's: its zoo's jobs and these run in the
-    same ranks (a rank started fresh costs ~5 s of this machine), and the test that checks
-    them (`assert_every_kind_trains_like_one_process`) is there."""
-    plans, refusals = {}, {}
+    (`run_plans`); and the instances planned (traced once: planner.profiled), for
+    `plan_ep2_x_dp2`. The launch is tests/test_zoo.py's: its zoo's jobs and these run in
+    the same ranks (a rank started fresh costs ~5 s of this machine), and the test that
+    checks them (`assert_every_kind_trains_like_one_process`) is there."""
+    plans, refusals, models = {}, {}, {}
     for name in MOE_ZOO:
-        model = MOE_ZOO[name].make()
+        model = models[name] = MOE_ZOO[name].make()
         for kind in KINDS:
             try:
                 plans[(name, kind)] = make_plan(name, kind, model)
             except ValueError as error:
                 refusals[(name, kind)] = str(error)
-    return plans, refusals
+    return plans, refusals, models
 
 
 def assert_every_kind_trains_like_one_process(plans: dict, refusals: dict, results: list) -> None:
@@ -225,16 +226,19 @@ def carved_pins(family: int, model: nn.Module) -> dict[str, str]:
     return {path: CARVED[(i + family) % 2] for i, path in enumerate(experts_paths(model))}
 
 
-def plan_ep2_x_dp2() -> tuple[dict, dict]:
+def plan_ep2_x_dp2(models: dict | None = None) -> tuple[dict, dict]:
     """The EP group carved out of 4 data-parallel ranks (ep 2 x dp 2): each expert on the
     2 ranks of a dp group, its gradient summed over them, or FSDP2-sharded over them; the
     experts modules pinned, the rest solved. (model, "ep2xdp2") -> its 4-rank plan, and
     model -> its pins, for one launch of 4 ranks that runs every family: tests/test_zoo.py's
     4-rank launch, beside the zoo's 4-rank plans (`assert_ep2_x_dp2_trains_like_one_process`
-    checks them there)."""
+    checks them there). `models`: instances `plan_every_kind` planned, planned again here
+    (their traces kept: a Hugging Face model's torch.export trace is ~1-2 s); fresh ones
+    where not given."""
     plans, pins = {}, {}
     for family, name in enumerate(EP_DP):
-        entry, model = MOE_ZOO[name], MOE_ZOO[name].make()
+        entry = MOE_ZOO[name]
+        model = models[name] if models else entry.make()
         inputs, kwargs = entry.example()
         pins[name] = carved_pins(family, model)
         plans[(name, "ep2xdp2")] = planner.optimize(

@@ -97,8 +97,8 @@ def run_with_experts(rank: int, world: int, jobs: list, moe_jobs: list) -> tuple
 @pytest.fixture(scope="module")
 def zoo_runs():
     """The zoo's plans (every model x KINDS), their refusals and each rank's results, the
-    models planned, and tests/test_experts.py's (plans, refusals, results) of every
-    mixture-of-experts model x its kinds: one launch of 2 fresh ranks runs the zoo's jobs,
+    models planned, tests/test_experts.py's (plans, refusals, results) of every
+    mixture-of-experts model x its kinds and the instances it planned: one launch of 2 fresh ranks runs the zoo's jobs,
     the random plans and the experts' (a fresh rank's start is ~5 s of this machine)."""
     import test_experts
 
@@ -112,25 +112,26 @@ def zoo_runs():
             except ValueError as error:
                 refusals[(name, kind)] = str(error)
     jobs = [(name, kind, plan.to_json()) for (name, kind), plan in plans.items()]
-    moe_plans, moe_refusals = test_experts.plan_every_kind()
+    moe_plans, moe_refusals, moe_models = test_experts.plan_every_kind()
     moe_jobs = [(name, kind, plan.to_json()) for (name, kind), plan in moe_plans.items()]
-    ranks = run_ranks(run_with_experts, 2, jobs + _random_jobs(), moe_jobs, forked=False)
+    ranks = run_ranks(run_with_experts, 2, jobs + _random_jobs(models), moe_jobs, forked=False)
     results = [zoo for zoo, _ in ranks]
-    return plans, refusals, results, models, (moe_plans, moe_refusals, [moe for _, moe in ranks])
+    return (plans, refusals, results, models,
+            (moe_plans, moe_refusals, [moe for _, moe in ranks]), moe_models)
 
 
-def _random_jobs() -> list:
+def _random_jobs(models: dict) -> list:
     """A few random feasible plans (tests/random_plans.py: the real integer program under a
     random objective) of models with tied and bare parameters, run in the same launch as
     the kinds (a launch of fresh ranks costs ~10 s here); benchmarks/random_plans.py draws
-    hundreds."""
+    hundreds. `models`: the fixture's instances of them (traced once: planner.profiled)."""
     from random_plans import random_plans
 
     jobs = []
     for name in RANDOM_MODELS:
         entry = ZOO[name]
         inputs, kwargs = entry.example()
-        plans = random_plans(entry.make(), "2xcpu", inputs, 3, seed=1, kwargs=kwargs)
+        plans = random_plans(models[name], "2xcpu", inputs, 3, seed=1, kwargs=kwargs)
         jobs += [(name, f"random {i}", plan.to_json()) for i, plan in enumerate(plans)]
     return jobs
 
@@ -183,7 +184,7 @@ def four_rank_runs(zoo_runs):
     made = zoo_runs[3]
     jobs = [(name, kind, make_plan(name, kind, "4xcpu", made[name]).to_json())
             for name, kind in FOUR_RANKS]
-    ep_plans, pins = test_experts.plan_ep2_x_dp2()
+    ep_plans, pins = test_experts.plan_ep2_x_dp2(zoo_runs[5])
     ep_jobs = [(name, kind, plan.to_json()) for (name, kind), plan in ep_plans.items()]
     ranks = run_ranks(run_with_experts, 4, jobs, ep_jobs, forked=False)
     return jobs, [zoo for zoo, _ in ranks], (ep_plans, pins, [moe for _, moe in ranks])
