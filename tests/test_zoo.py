@@ -8,8 +8,10 @@ All plans are made first, in this process; then one launch of 2 ranks runs them 
 (starting processes is the slow part on this machine), each rank a fresh interpreter
 (`run_ranks(forked=False)`: forked ones, running two dozen models each, twice died of SIGSEGV).
 tests/test_experts.py's mixture-of-experts plans run in the same launches (its 2-rank
-jobs in the 2-rank one, its ep 2 x dp 2 plans in the 4-rank one), and the two tests that
-check them are here (`test_experts_*`): a fresh rank's start is ~5 s of this machine.
+jobs in the 2-rank one, its ep 2 x dp 2 plans in the 4-rank one), and so does
+tests/test_moe_pricing.py's sparse-routed Llama 4 pipeline (2 ranks); the tests that
+check them are here (`test_experts_*`, `test_moe_pricing_*`): a fresh rank's start is
+~5 s of this machine.
 """
 
 from __future__ import annotations
@@ -86,12 +88,20 @@ def assert_runs_match(jobs: list, results: list) -> None:
                                            msg=lambda m: f"{name} {label} rank {rank}, {key}: {m}")
 
 
-def run_with_experts(rank: int, world: int, jobs: list, moe_jobs: list) -> tuple[dict, dict]:
+def run_with_experts(rank: int, world: int, jobs: list, moe_jobs: list,
+                     calls: tuple = ()) -> tuple[dict, dict, list]:
     """`run_plans` of the zoo's jobs, then tests/test_experts.py's `run_plans` of its
-    mixture-of-experts jobs (its own models and names), in the same ranks."""
+    mixture-of-experts jobs (its own models and names), in the same ranks; then each of
+    `calls` (fn, args): fn(rank, world, *args), or the error it raised, as text."""
     import test_experts
 
-    return run_plans(rank, world, jobs), test_experts.run_plans(rank, world, moe_jobs)
+    done = []
+    for fn, args in calls:
+        try:
+            done.append(fn(rank, world, *args))
+        except Exception as error:  # noqa: BLE001 - reported by the test that checks it
+            done.append(f"{type(error).__name__}: {error}")
+    return run_plans(rank, world, jobs), test_experts.run_plans(rank, world, moe_jobs), done
 
 
 @pytest.fixture(scope="module")
@@ -99,8 +109,11 @@ def zoo_runs():
     """The zoo's plans (every model x KINDS), their refusals and each rank's results, the
     models planned, tests/test_experts.py's (plans, refusals, results) of every
     mixture-of-experts model x its kinds and the instances it planned: one launch of 2 fresh ranks runs the zoo's jobs,
-    the random plans and the experts' (a fresh rank's start is ~5 s of this machine)."""
+    the random plans, the experts' and tests/test_moe_pricing.py's sparse-routed Llama 4
+    pipeline (its plan or the error planning raised, and each rank's parameters): a fresh
+    rank's start is ~5 s of this machine."""
     import test_experts
+    import test_moe_pricing
 
     plans, refusals, models = {}, {}, {}
     for name in ZOO:
@@ -114,10 +127,17 @@ def zoo_runs():
     jobs = [(name, kind, plan.to_json()) for (name, kind), plan in plans.items()]
     moe_plans, moe_refusals, moe_models = test_experts.plan_every_kind()
     moe_jobs = [(name, kind, plan.to_json()) for (name, kind), plan in moe_plans.items()]
-    ranks = run_ranks(run_with_experts, 2, jobs + _random_jobs(models), moe_jobs, forked=False)
-    results = [zoo for zoo, _ in ranks]
+    try:  # tests/test_moe_pricing.py's sparse-routed Llama 4 pipeline
+        sparse = test_moe_pricing.plan_sparse_llama4()
+        calls = ((test_moe_pricing._pipeline_parameters, (sparse.to_json(),)),)
+    except Exception as error:  # noqa: BLE001 - raised by its test, not by every zoo test
+        sparse, calls = error, ()
+    ranks = run_ranks(run_with_experts, 2, jobs + _random_jobs(models), moe_jobs, calls,
+                      forked=False)
+    results = [zoo for zoo, _, _ in ranks]
     return (plans, refusals, results, models,
-            (moe_plans, moe_refusals, [moe for _, moe in ranks]), moe_models)
+            (moe_plans, moe_refusals, [moe for _, moe, _ in ranks]), moe_models,
+            (sparse, [done[0] if done else None for _, _, done in ranks]))
 
 
 def _random_jobs(models: dict) -> list:
@@ -187,7 +207,7 @@ def four_rank_runs(zoo_runs):
     ep_plans, pins = test_experts.plan_ep2_x_dp2(zoo_runs[5])
     ep_jobs = [(name, kind, plan.to_json()) for (name, kind), plan in ep_plans.items()]
     ranks = run_ranks(run_with_experts, 4, jobs, ep_jobs, forked=False)
-    return jobs, [zoo for zoo, _ in ranks], (ep_plans, pins, [moe for _, moe in ranks])
+    return jobs, [zoo for zoo, _, _ in ranks], (ep_plans, pins, [moe for _, moe, _ in ranks])
 
 
 def test_four_ranks_train_like_one_process(four_rank_runs):
@@ -214,6 +234,17 @@ def test_experts_ep2_x_dp2_replicated_or_fsdp_sharded_trains_like_one_process(fo
     import test_experts
 
     test_experts.assert_ep2_x_dp2_trains_like_one_process(*four_rank_runs[2])
+
+
+def test_moe_pricing_sparse_routed_llama4_plans_a_pipeline_and_trains_like_one_process(zoo_runs):
+    """tests/test_moe_pricing.py's: the sparse-routed Llama 4's pipeline baseline plans two
+    stages on 2 ranks and trains like one process; run in the zoo's launch, so it is here."""
+    import test_moe_pricing
+
+    plan, results = zoo_runs[6]
+    if isinstance(plan, Exception):
+        raise plan
+    test_moe_pricing.assert_sparse_llama4_trains_like_one_process(plan, results)
 
 
 def test_random_plans_from_the_planners_options_train_like_one_process(zoo_runs):
