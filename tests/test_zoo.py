@@ -16,6 +16,8 @@ check them are here (`test_experts_*`, `test_moe_pricing_*`): a fresh rank's sta
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import pytest
 import torch
 
@@ -90,9 +92,10 @@ def assert_runs_match(jobs: list, results: list) -> None:
 
 def run_with_experts(rank: int, world: int, jobs: list, moe_jobs: list,
                      calls: tuple = ()) -> tuple[dict, dict, list]:
-    """`run_plans` of the zoo's jobs, then tests/test_experts.py's `run_plans` of its
-    mixture-of-experts jobs (its own models and names), in the same ranks; then each of
-    `calls` (fn, args): fn(rank, world, *args), or the error it raised, as text."""
+    """In the same ranks: first each of `calls` (fn, args): fn(rank, world, *args), or the
+    error it raised, as text; then `run_plans` of the zoo's jobs; then
+    tests/test_experts.py's `run_plans` of its mixture-of-experts jobs (its own models
+    and names)."""
     import test_experts
 
     done = []
@@ -104,14 +107,24 @@ def run_with_experts(rank: int, world: int, jobs: list, moe_jobs: list,
     return run_plans(rank, world, jobs), test_experts.run_plans(rank, world, moe_jobs), done
 
 
+class ZooRuns(NamedTuple):
+    """What the zoo's 2-rank launch ran (`zoo_runs`)."""
+
+    plans: dict  # (model, kind) -> its plan
+    refusals: dict  # (model, kind) -> the reason the planner refused it
+    results: list  # each rank's run_plans of the plans and the random plans
+    models: dict  # model -> the instance planned (traced once: planner.profiled)
+    experts: tuple  # tests/test_experts.py's (plans, refusals, each rank's results)
+    expert_models: dict  # model -> the instance test_experts planned
+    sparse_llama4: tuple  # test_moe_pricing's (plan, or the error planning raised; ranks')
+
+
 @pytest.fixture(scope="module")
-def zoo_runs():
-    """The zoo's plans (every model x KINDS), their refusals and each rank's results, the
-    models planned, tests/test_experts.py's (plans, refusals, results) of every
-    mixture-of-experts model x its kinds and the instances it planned: one launch of 2 fresh ranks runs the zoo's jobs,
-    the random plans, the experts' and tests/test_moe_pricing.py's sparse-routed Llama 4
-    pipeline (its plan or the error planning raised, and each rank's parameters): a fresh
-    rank's start is ~5 s of this machine."""
+def zoo_runs() -> ZooRuns:
+    """The zoo's plans (every model x KINDS) and what they ran, with tests/test_experts.py's
+    plans of every mixture-of-experts model x its kinds and tests/test_moe_pricing.py's
+    sparse-routed Llama 4 pipeline: one launch of 2 fresh ranks runs all of them and the
+    random plans (a fresh rank's start is ~5 s of this machine)."""
     import test_experts
     import test_moe_pricing
 
@@ -134,10 +147,9 @@ def zoo_runs():
         sparse, calls = error, ()
     ranks = run_ranks(run_with_experts, 2, jobs + _random_jobs(models), moe_jobs, calls,
                       forked=False)
-    results = [zoo for zoo, _, _ in ranks]
-    return (plans, refusals, results, models,
-            (moe_plans, moe_refusals, [moe for _, moe, _ in ranks]), moe_models,
-            (sparse, [done[0] if done else None for _, _, done in ranks]))
+    return ZooRuns(plans, refusals, [zoo for zoo, _, _ in ranks], models,
+                   (moe_plans, moe_refusals, [moe for _, moe, _ in ranks]), moe_models,
+                   (sparse, [done[0] if done else None for _, _, done in ranks]))
 
 
 def _random_jobs(models: dict) -> list:
@@ -201,10 +213,10 @@ def four_rank_runs(zoo_runs):
     (plans, pins, results): one launch of 4 fresh ranks runs both (each fresh rank ~5 s)."""
     import test_experts
 
-    made = zoo_runs[3]
+    made = zoo_runs.models
     jobs = [(name, kind, make_plan(name, kind, "4xcpu", made[name]).to_json())
             for name, kind in FOUR_RANKS]
-    ep_plans, pins = test_experts.plan_ep2_x_dp2(zoo_runs[5])
+    ep_plans, pins = test_experts.plan_ep2_x_dp2(zoo_runs.expert_models)
     ep_jobs = [(name, kind, plan.to_json()) for (name, kind), plan in ep_plans.items()]
     ranks = run_ranks(run_with_experts, 4, jobs, ep_jobs, forked=False)
     return jobs, [zoo for zoo, _, _ in ranks], (ep_plans, pins, [moe for _, moe, _ in ranks])
@@ -224,7 +236,7 @@ def test_experts_every_plan_kind_trains_like_one_process(zoo_runs):
     REFUSED says); run in the zoo's launch, so it is here."""
     import test_experts
 
-    test_experts.assert_every_kind_trains_like_one_process(*zoo_runs[4])
+    test_experts.assert_every_kind_trains_like_one_process(*zoo_runs.experts)
 
 
 def test_experts_ep2_x_dp2_replicated_or_fsdp_sharded_trains_like_one_process(four_rank_runs):
@@ -241,7 +253,7 @@ def test_moe_pricing_sparse_routed_llama4_plans_a_pipeline_and_trains_like_one_p
     stages on 2 ranks and trains like one process; run in the zoo's launch, so it is here."""
     import test_moe_pricing
 
-    plan, results = zoo_runs[6]
+    plan, results = zoo_runs.sparse_llama4
     if isinstance(plan, Exception):
         raise plan
     test_moe_pricing.assert_sparse_llama4_trains_like_one_process(plan, results)
