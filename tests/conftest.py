@@ -49,15 +49,17 @@ def pytest_runtest_protocol(item, nextitem):
 # --- the slowest files first, so the 2 xdist workers end together -----------------------------
 
 # Seconds each file took on this 2-core machine (`pytest -n 2 --dist loadfile --durations=0`,
-# summed per file, 2026-11-28); files not listed take under 20 s. xdist hands out files in
-# collection order (`--no-loadscope-reorder` in pyproject.toml), so the longest go first and
-# the short ones fill in at the end (longest-processing-time-first scheduling). Without it
-# test_zoo.py, last in the alphabet, ran alone for its last two minutes.
+# summed per file, 2026-11-29: 462 s in all); files not listed take under 15 s. xdist hands
+# out files in collection order (`--no-loadscope-reorder` in pyproject.toml), so the longest
+# go first and the short ones fill in at the end (longest-processing-time-first scheduling).
+# Without it test_zoo.py, last in the alphabet, ran alone for its last two minutes. (It runs
+# tests/test_experts.py's and test_moe_pricing.py's multi-rank jobs in its own launches.)
 SLOW_FILES = {
-    "test_zoo.py": 165, "test_experts.py": 98, "test_torchvision.py": 89,
-    "test_train_cli.py": 73, "test_pipeline_search.py": 66, "test_repeat_blocks.py": 57,
-    "test_hf_pipeline.py": 45, "test_moe_pricing.py": 35, "test_small_batch_plans.py": 30,
-    "test_hf_fsdp.py": 29, "test_stage_dp.py": 29, "test_calibrate.py": 21,
+    "test_zoo.py": 198, "test_train_cli.py": 76, "test_torchvision.py": 73,
+    "test_pipeline_search.py": 62, "test_hf_pipeline.py": 35, "test_small_batch_plans.py": 26,
+    "test_repeat_blocks.py": 25, "test_search_budget.py": 22, "test_stage_dp.py": 21,
+    "test_moe_pricing.py": 19, "test_profile_cache.py": 18, "test_calibrate.py": 18,
+    "test_plot.py": 16, "test_hf_fsdp.py": 16,
 }
 
 

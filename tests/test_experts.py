@@ -5,7 +5,10 @@ equal to the single-process run on the whole batch (rtol 1e-5, as tests/test_zoo
 The experts modules are found by their shape and kept whole (profiler.export_trace); the
 routing ops between modules keep rows (strategies.rowwise); expert parallelism splits the
 experts and moves tokens by all-to-all (strategies.experts, executor.experts). All plans
-are made first, in this process; one launch of 2 fresh ranks runs them all.
+are made first, in this process; one launch of 2 fresh ranks runs them all, and one of 4
+the ep 2 x dp 2 plans: tests/test_zoo.py's launches, where the tests that check these
+plans are (`test_experts_*`), so that a fresh rank's start (~5 s of this machine: torch,
+hyplan, transformers imported) is paid once for the zoo's jobs and these.
 """
 
 from __future__ import annotations
@@ -17,7 +20,6 @@ from torch import nn
 
 import executor
 import planner
-from distributed import run_ranks
 from moe_zoo import MOE_ZOO, ROUTED, FxMoE
 from test_zoo import refused_as_listed
 from planner.profiled import trace_model
@@ -152,19 +154,28 @@ def run_plans(rank: int, world: int, jobs: list) -> dict:
     return out
 
 
-def test_every_plan_kind_trains_like_one_process():
-    """One test, not one per (model, kind): under xdist each worker that ran a share of
-    them would plan and launch everything again (the slow part on this machine)."""
-    plans, refusals = {}, {}
+def plan_every_kind() -> tuple[dict, dict, dict]:
+    """(model, kind) -> its 2-rank plan, and -> the reason it is refused: every model of
+    MOE_ZOO in every kind, planned in this process for one launch of 2 fresh ranks
+    (`run_plans`); and the instances planned (traced once: planner.profiled), for
+    `plan_ep2_x_dp2`. The launch is tests/test_zoo.py's: its zoo's jobs and these run in
+    the same ranks (a rank started fresh costs ~5 s of this machine), and the test that
+    checks them (`assert_every_kind_trains_like_one_process`) is there."""
+    plans, refusals, models = {}, {}, {}
     for name in MOE_ZOO:
-        model = MOE_ZOO[name].make()
+        model = models[name] = MOE_ZOO[name].make()
         for kind in KINDS:
             try:
                 plans[(name, kind)] = make_plan(name, kind, model)
             except ValueError as error:
                 refusals[(name, kind)] = str(error)
-    jobs = [(name, kind, plan.to_json()) for (name, kind), plan in plans.items()]
-    results = run_ranks(run_plans, 2, jobs, forked=False)
+    return plans, refusals, models
+
+
+def assert_every_kind_trains_like_one_process(plans: dict, refusals: dict, results: list) -> None:
+    """Each (model, kind) is refused as REFUSED says, or every parameter on every rank
+    after 3 steps (`results`: each rank's `run_plans` of every plan) equals one process's.
+    One check for all of them, as one test: each failure listed."""
     failures = []
     for name in MOE_ZOO:
         expected = reference(MOE_ZOO[name])
@@ -215,21 +226,31 @@ def carved_pins(family: int, model: nn.Module) -> dict[str, str]:
     return {path: CARVED[(i + family) % 2] for i, path in enumerate(experts_paths(model))}
 
 
-def test_ep2_x_dp2_replicated_or_fsdp_sharded_trains_like_one_process():
+def plan_ep2_x_dp2(models: dict | None = None) -> tuple[dict, dict]:
     """The EP group carved out of 4 data-parallel ranks (ep 2 x dp 2): each expert on the
     2 ranks of a dp group, its gradient summed over them, or FSDP2-sharded over them; the
-    experts modules pinned, the rest solved. One launch of 4 ranks runs every family."""
+    experts modules pinned, the rest solved. (model, "ep2xdp2") -> its 4-rank plan, and
+    model -> its pins, for one launch of 4 ranks that runs every family: tests/test_zoo.py's
+    4-rank launch, beside the zoo's 4-rank plans (`assert_ep2_x_dp2_trains_like_one_process`
+    checks them there). `models`: instances `plan_every_kind` planned, planned again here
+    (their traces kept: a Hugging Face model's torch.export trace is ~1-2 s); fresh ones
+    where not given."""
     plans, pins = {}, {}
     for family, name in enumerate(EP_DP):
-        entry, model = MOE_ZOO[name], MOE_ZOO[name].make()
+        entry = MOE_ZOO[name]
+        model = models[name] if models else entry.make()
         inputs, kwargs = entry.example()
         pins[name] = carved_pins(family, model)
         plans[(name, "ep2xdp2")] = planner.optimize(
             model, "4xcpu", example_inputs=inputs, example_kwargs=kwargs, optimizer="sgd",
             measure=False, pin=pins[name])
     assert {s for pin in pins.values() for s in pin.values()} == set(CARVED)
-    jobs = [(name, kind, plan.to_json()) for (name, kind), plan in plans.items()]
-    results = run_ranks(run_plans, 4, jobs, forked=False)
+    return plans, pins
+
+
+def assert_ep2_x_dp2_trains_like_one_process(plans: dict, pins: dict, results: list) -> None:
+    """Each plan keeps its pins, and every parameter on every one of the 4 ranks
+    (`results`: each rank's `run_plans` of the plans) equals one process's."""
     failures = []
     for name in EP_DP:
         got = {l.name: l.strategy for l in plans[(name, "ep2xdp2")].layers if l.name in pins[name]}

@@ -132,19 +132,24 @@ def assert_trained_like_one_process(jobs: list, ranks: list[dict]) -> None:
         assert held == set(expected), f"{name} {kind}: no rank holds {set(expected) - held}"
 
 
-def copied_outputs(rank: int, world: int, jobs: list) -> tuple[dict, list[str]]:
-    """compared_with_one_process's results, and the modules whose outputs the first job's
-    plan copies."""
+def copied_outputs(rank: int, world: int, jobs: list,
+                   references: dict | None = None) -> tuple[dict, list[str]]:
+    """compared_with_one_process's results (`references` as it takes them), and the
+    modules whose outputs the first job's plan copies."""
     name, _, plan_json = jobs[0]
     model = executor.parallelize(TORCHVISION_ZOO[name].make(), planner.Plan.from_json(plan_json))
     copied = sorted(path for path, module in model.named_modules()
                     if own_output in module._forward_hooks.values())
     del model
-    return compared_with_one_process(rank, world, jobs), copied
+    return compared_with_one_process(rank, world, jobs, references), copied
 
 
 @pytest.fixture(scope="module")
-def torchvision_runs():
+def torchvision_runs(tmp_path_factory):
+    """The rows' plans, and one launch of 2 ranks that runs them all against each model's
+    single-process reference, trained once here (`save_reference`, on one thread as a
+    rank trains it) instead of on each rank: the same 3 float64 steps, ~12 s of this
+    machine a rank (Inception-v3 8, AlexNet 4)."""
     plans = {}
     for name in dict(ROWS):
         model = TORCHVISION_ZOO[name].make()  # one instance for its kinds: traced once
@@ -152,7 +157,9 @@ def torchvision_runs():
             plans[(name, kind)] = make_plan(name, kind, model=model)
     jobs = [(name, kind, plans[(name, kind)].to_json()) for name, kind in ROWS]
     jobs.sort(key=lambda job: job[:2] != ("alexnet", "tensor"))  # the one copied_outputs reads
-    ranks = run_ranks(copied_outputs, 2, jobs, forked=False, timeout_s=900)
+    folder = tmp_path_factory.mktemp("torchvision-references")
+    references = {name: save_reference(name, str(folder / f"{name}.pt")) for name in dict(ROWS)}
+    ranks = run_ranks(copied_outputs, 2, jobs, references, forked=False, timeout_s=900)
     return plans, jobs, [results for results, _ in ranks], [copied for _, copied in ranks]
 
 

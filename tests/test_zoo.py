@@ -7,9 +7,16 @@ so a new refusal (or a lost one) fails the test.
 All plans are made first, in this process; then one launch of 2 ranks runs them all
 (starting processes is the slow part on this machine), each rank a fresh interpreter
 (`run_ranks(forked=False)`: forked ones, running two dozen models each, twice died of SIGSEGV).
+tests/test_experts.py's mixture-of-experts plans run in the same launches (its 2-rank
+jobs in the 2-rank one, its ep 2 x dp 2 plans in the 4-rank one), and so does
+tests/test_moe_pricing.py's sparse-routed Llama 4 pipeline (2 ranks); the tests that
+check them are here (`test_experts_*`, `test_moe_pricing_*`): a fresh rank's start is
+~5 s of this machine.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import pytest
 import torch
@@ -83,8 +90,44 @@ def assert_runs_match(jobs: list, results: list) -> None:
                                            msg=lambda m: f"{name} {label} rank {rank}, {key}: {m}")
 
 
+def run_with_experts(rank: int, world: int, jobs: list, moe_jobs: list,
+                     calls: tuple = ()) -> tuple[dict, dict, list]:
+    """In the same ranks: first each of `calls` (fn, args): fn(rank, world, *args), or the
+    error it raised, as text; then `run_plans` of the zoo's jobs; then
+    tests/test_experts.py's `run_plans` of its mixture-of-experts jobs (its own models
+    and names)."""
+    import test_experts
+
+    done = []
+    for fn, args in calls:
+        try:
+            done.append(fn(rank, world, *args))
+        except Exception as error:  # noqa: BLE001 - reported by the test that checks it
+            done.append(f"{type(error).__name__}: {error}")
+    return run_plans(rank, world, jobs), test_experts.run_plans(rank, world, moe_jobs), done
+
+
+class ZooRuns(NamedTuple):
+    """What the zoo's 2-rank launch ran (`zoo_runs`)."""
+
+    plans: dict  # (model, kind) -> its plan
+    refusals: dict  # (model, kind) -> the reason the planner refused it
+    results: list  # each rank's run_plans of the plans and the random plans
+    models: dict  # model -> the instance planned (traced once: planner.profiled)
+    experts: tuple  # tests/test_experts.py's (plans, refusals, each rank's results)
+    expert_models: dict  # model -> the instance test_experts planned
+    sparse_llama4: tuple  # test_moe_pricing's (plan, or the error planning raised; ranks')
+
+
 @pytest.fixture(scope="module")
-def zoo_runs():
+def zoo_runs() -> ZooRuns:
+    """The zoo's plans (every model x KINDS) and what they ran, with tests/test_experts.py's
+    plans of every mixture-of-experts model x its kinds and tests/test_moe_pricing.py's
+    sparse-routed Llama 4 pipeline: one launch of 2 fresh ranks runs all of them and the
+    random plans (a fresh rank's start is ~5 s of this machine)."""
+    import test_experts
+    import test_moe_pricing
+
     plans, refusals, models = {}, {}, {}
     for name in ZOO:
         # kept: the 4-rank test plans the same instances (traced once: planner.profiled)
@@ -95,22 +138,32 @@ def zoo_runs():
             except ValueError as error:
                 refusals[(name, kind)] = str(error)
     jobs = [(name, kind, plan.to_json()) for (name, kind), plan in plans.items()]
-    results = run_ranks(run_plans, 2, jobs + _random_jobs(), forked=False)
-    return plans, refusals, results, models
+    moe_plans, moe_refusals, moe_models = test_experts.plan_every_kind()
+    moe_jobs = [(name, kind, plan.to_json()) for (name, kind), plan in moe_plans.items()]
+    try:  # tests/test_moe_pricing.py's sparse-routed Llama 4 pipeline
+        sparse = test_moe_pricing.plan_sparse_llama4()
+        calls = ((test_moe_pricing._pipeline_parameters, (sparse.to_json(),)),)
+    except Exception as error:  # noqa: BLE001 - raised by its test, not by every zoo test
+        sparse, calls = error, ()
+    ranks = run_ranks(run_with_experts, 2, jobs + _random_jobs(models), moe_jobs, calls,
+                      forked=False)
+    return ZooRuns(plans, refusals, [zoo for zoo, _, _ in ranks], models,
+                   (moe_plans, moe_refusals, [moe for _, moe, _ in ranks]), moe_models,
+                   (sparse, [done[0] if done else None for _, _, done in ranks]))
 
 
-def _random_jobs() -> list:
+def _random_jobs(models: dict) -> list:
     """A few random feasible plans (tests/random_plans.py: the real integer program under a
     random objective) of models with tied and bare parameters, run in the same launch as
     the kinds (a launch of fresh ranks costs ~10 s here); benchmarks/random_plans.py draws
-    hundreds."""
+    hundreds. `models`: the fixture's instances of them (traced once: planner.profiled)."""
     from random_plans import random_plans
 
     jobs = []
     for name in RANDOM_MODELS:
         entry = ZOO[name]
         inputs, kwargs = entry.example()
-        plans = random_plans(entry.make(), "2xcpu", inputs, 3, seed=1, kwargs=kwargs)
+        plans = random_plans(models[name], "2xcpu", inputs, 3, seed=1, kwargs=kwargs)
         jobs += [(name, f"random {i}", plan.to_json()) for i, plan in enumerate(plans)]
     return jobs
 
@@ -134,7 +187,7 @@ def refused_as_listed(name: str, kind: str, refusals: dict, refused: dict) -> bo
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("name", list(ZOO))
 def test_plan_trains_like_one_process(zoo_runs, name, kind):
-    plans, refusals, results, _ = zoo_runs
+    plans, refusals, results, *_ = zoo_runs
     if refused_as_listed(name, kind, refusals, REFUSED):
         return
     expected = reference(ZOO[name])
@@ -154,19 +207,61 @@ FOUR_RANKS = [("gpt2", "tensor"), ("gpt2", "optimum"), ("bert", "fsdp"), ("vit",
               ("resnet", "ddp"), ("t5", "tensor")]
 
 
-def test_four_ranks_train_like_one_process(zoo_runs):
+@pytest.fixture(scope="module")
+def four_rank_runs(zoo_runs):
+    """FOUR_RANKS's jobs and each rank's results, and tests/test_experts.py's ep 2 x dp 2
+    (plans, pins, results): one launch of 4 fresh ranks runs both (each fresh rank ~5 s)."""
+    import test_experts
+
+    made = zoo_runs.models
+    jobs = [(name, kind, make_plan(name, kind, "4xcpu", made[name]).to_json())
+            for name, kind in FOUR_RANKS]
+    ep_plans, pins = test_experts.plan_ep2_x_dp2(zoo_runs.expert_models)
+    ep_jobs = [(name, kind, plan.to_json()) for (name, kind), plan in ep_plans.items()]
+    ranks = run_ranks(run_with_experts, 4, jobs, ep_jobs, forked=False)
+    return jobs, [zoo for zoo, _, _ in ranks], (ep_plans, pins, [moe for _, moe, _ in ranks])
+
+
+def test_four_ranks_train_like_one_process(four_rank_runs):
     """Where the split matters (a row per rank; tensor-parallel shards of a quarter; tied
     embeddings and a BatchNorm over 4 ranks), the same plans on 4 gloo ranks (of the
     models the fixture traced: a Hugging Face model's torch.export trace is ~2 s)."""
-    made = zoo_runs[3]
-    jobs = [(name, kind, make_plan(name, kind, "4xcpu", made[name]).to_json())
-            for name, kind in FOUR_RANKS]
-    assert_runs_match(jobs, run_ranks(run_plans, 4, jobs, forked=False))
+    jobs, results, _ = four_rank_runs
+    assert_runs_match(jobs, results)
+
+
+def test_experts_every_plan_kind_trains_like_one_process(zoo_runs):
+    """tests/test_experts.py's: every mixture-of-experts model in every plan kind, expert
+    parallelism among them, trains like one process on 2 ranks (or is refused as its
+    REFUSED says); run in the zoo's launch, so it is here."""
+    import test_experts
+
+    test_experts.assert_every_kind_trains_like_one_process(*zoo_runs.experts)
+
+
+def test_experts_ep2_x_dp2_replicated_or_fsdp_sharded_trains_like_one_process(four_rank_runs):
+    """tests/test_experts.py's: the EP group carved out of 4 data-parallel ranks (ep 2 x
+    dp 2), experts replicated or FSDP2-sharded over the dp ranks, trains like one process;
+    run in the zoo's 4-rank launch, so it is here."""
+    import test_experts
+
+    test_experts.assert_ep2_x_dp2_trains_like_one_process(*four_rank_runs[2])
+
+
+def test_moe_pricing_sparse_routed_llama4_plans_a_pipeline_and_trains_like_one_process(zoo_runs):
+    """tests/test_moe_pricing.py's: the sparse-routed Llama 4's pipeline baseline plans two
+    stages on 2 ranks and trains like one process; run in the zoo's launch, so it is here."""
+    import test_moe_pricing
+
+    plan, results = zoo_runs.sparse_llama4
+    if isinstance(plan, Exception):
+        raise plan
+    test_moe_pricing.assert_sparse_llama4_trains_like_one_process(plan, results)
 
 
 def test_random_plans_from_the_planners_options_train_like_one_process(zoo_runs):
     """The random plans of `_random_jobs`, run in the zoo's launch."""
-    _, _, results, _ = zoo_runs
+    _, _, results, *_ = zoo_runs
     jobs = [key for key in results[0] if key[1].startswith("random")]
     assert {name for name, _ in jobs} == set(RANDOM_MODELS)
     assert_runs_match([(name, label, None) for name, label in jobs], results)
