@@ -26,6 +26,7 @@ def random_plans(model, devices: str, inputs, count: int, seed: int,
                  optimizer: str = "sgd", kwargs: dict | None = None) -> list[Plan]:
     """`count` random feasible plans of `model` on `devices` (duplicates dropped);
     `kwargs`: its keyword inputs."""
+    started = time.perf_counter()
     graph, cluster = profiled_graph(model, devices, inputs, kwargs, measure=False)
     choices = layer_choices(graph, cluster, optimizer, None)
     problem = choices.problem
@@ -44,5 +45,6 @@ def random_plans(model, devices: str, inputs, count: int, seed: int,
         real = replace(drawn, objective_s=problem.cost_of(drawn.choice),
                        bound_s=problem.cost_of(drawn.choice))
         plans.append(one_d_plan(graph, cluster, optimizer, choices, real,
-                                cluster.device.memory_bytes, None, None, time.perf_counter()))
+                                cluster.device.memory_bytes, None, None,
+                                time.perf_counter() - started))
     return plans
