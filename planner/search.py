@@ -1319,6 +1319,10 @@ class _Search:
                                                   and c.solution.status != "optimal")
             if c.shape.chunks > 1:
                 continue
+            if _unvisited(c) and _ruled_out(c, incumbent):
+                continue
+            if incumbent is not None and c.bound_s >= incumbent * (1 - 1e-9):
+                continue  # settled: no path bound to raise (seconds on a 64-GPU GPT)
             self.loads.raise_path(c)
             if _unvisited(c) and _ruled_out(c, incumbent):
                 continue
