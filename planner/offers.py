@@ -4,7 +4,8 @@ Every shape offers what the executor runs: for a torch.export graph, only what t
 executor can run (`module_executor_options`). A plan over one group of all devices (the
 shape pp = dp = 1, tp = N: planner.choices) offers more and less beside that, as `OneGroup`
 says: the memory levers over the group (strategies.memory: fsdp, "+recompute"), a tie
-group's common strategy chosen by the solver (or fixed, for a baseline), a baseline's rule, and pins by exact name.
+group's common strategy chosen by the solver (or fixed, for a baseline), a baseline's
+rule, and pins by exact name.
 """
 
 from __future__ import annotations

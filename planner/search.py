@@ -71,6 +71,7 @@ from planner.pipeline.stages import (
     LayerOptions, StageProblem, StageSolution, TimeLimit, estimate, in_flight, lower_bound,
     min_memory_bytes, quick_plan, solve_stages,
 )
+from planner.per_object import once_per_object
 from planner.ties import tie_groups, tied_allowed, tied_strategy
 from profiler.graph import Layer, ModelGraph
 from profiler.traffic import scaled_rows
@@ -535,12 +536,14 @@ def build(cache: CostCache, pp: int, dp: int, tp: int, rows: int,
         ties = ()
         # the optimizer step's temporaries that add up over a rank's layers ride on each
         # option's weights: the rows then hold what the step holds at the optimizer step
-        temps = _shared(priced, lambda got: summed_temp_bytes(
+        temp_of = once_per_object(lambda got: summed_temp_bytes(
             got.local_param_bytes, cache.optimizer, cluster.device.kind))
+        temps = [temp_of(got) for got in priced]
     else:
         assert pp == dp == 1 and rows == graph.batch_size, "one group of all devices"
         priced, ties = _one_group_options(cache, tp, pin, group)
-        layers, temps = list(graph.layers), _shared(priced, lambda got: np.zeros(len(got.names)))
+        zeros = once_per_object(lambda got: np.zeros(len(got.names)))
+        layers, temps = list(graph.layers), [zeros(got) for got in priced]
     options = _layer_options(cache, priced, temps, unit_of, len(unit_names), dp, tp)
     strategies = [got.strategies for got in priced]
     edges = _edges(cache, priced, strategies, layers, rows, tp, shared=group is None)
@@ -572,30 +575,18 @@ def _layer_options(cache: CostCache, priced: list[_PricedOptions], temps: list,
     layers (a transformer's blocks) share one _PricedOptions and so one array of each
     figure: what reads them later (block_recompute, the bounds' tables) does a layer's
     work once per distinct array."""
-    weights = _shared(list(zip(priced, temps)), lambda pair: pair[0].weight_bytes + pair[1])
     per_node = cache.cluster.devices_per_node
-    gathered = _shared(priced, lambda got: got.local_param_bytes * np.array([
+    # a layer's optimizer temporaries are its _PricedOptions' (build): keyed by it alone
+    weights = once_per_object(lambda got, temp: got.weight_bytes + temp)
+    gathered = once_per_object(lambda got: got.local_param_bytes * np.array([
         dp_shard.gathered_over(sh, dp, tp, per_node) for sh in got.sharded]))
     options = [LayerOptions(layer.name, unit_of[i], got.names, got.microbatch_s, got.step_s,
-                            weights[i], got.activation_bytes, temp_bytes=temps[i],
-                            gathered_bytes=gathered[i])
+                            weights(got, temp=temps[i]), got.activation_bytes,
+                            temp_bytes=temps[i], gathered_bytes=gathered(got))
                for i, (layer, got) in enumerate(zip(cache.graph.layers, priced))]
     options.append(LayerOptions(OUTPUT, units - 1, ("output",), np.zeros(1), np.zeros(1),
                                 np.zeros(1), np.zeros(1)))
     return options
-
-
-def _shared(items: list, make) -> list:
-    """[make(item) for item in items], made once per distinct item (by identity; a pair by
-    its members'), so that equal inputs share one output object."""
-    made: dict[tuple, object] = {}
-    out = []
-    for item in items:
-        key = tuple(map(id, item)) if isinstance(item, tuple) else (id(item),)
-        if key not in made:
-            made[key] = make(item)
-        out.append(made[key])
-    return out
 
 
 def _shape_options(cache: CostCache, pp: int, dp: int, tp: int, rows: int, pin,
@@ -1319,11 +1310,8 @@ class _Search:
                                                   and c.solution.status != "optimal")
             if c.shape.chunks > 1:
                 continue
-            if _unvisited(c) and _ruled_out(c, incumbent):
-                continue
-            if incumbent is not None and c.bound_s >= incumbent * (1 - 1e-9):
-                continue  # settled: no path bound to raise (seconds on a 64-GPU GPT)
-            self.loads.raise_path(c)
+            if incumbent is None or c.bound_s < incumbent * (1 - 1e-9):
+                self.loads.raise_path(c)  # not once settled: seconds on a 64-GPU GPT
             if _unvisited(c) and _ruled_out(c, incumbent):
                 continue
             if (open_ or _unvisited(c)) and (incumbent is None

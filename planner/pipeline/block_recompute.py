@@ -31,6 +31,7 @@ from dataclasses import replace
 import numpy as np
 
 from planner.block_cuts import carries_weights, why_no_blocks
+from planner.per_object import once_per_object
 from planner.pipeline.stages import LayerOptions
 from profiler.graph import ModelGraph
 from strategies.layouts import Layout
@@ -65,9 +66,9 @@ def recompute_blocks(built, graph: ModelGraph, tp: int = 1):
     members_of = problem.unit_layers()  # once: per unit, a scan of every layer took minutes
     # identical layers (a transformer's blocks) share their arrays (planner.search.build):
     # each distinct one is doubled once, not once per layer (a 405 B Llama: 1,260 layers)
-    twice, largest = _once(_twice), _once(lambda a: float(a.max()))
-    variants = _once(lambda costs, kept, *arrays, options, layer: _recomputed_arrays(
-        options, costs, kept, layer=layer))
+    twice, largest = once_per_object(_twice), once_per_object(lambda a: float(a.max()))
+    variants = once_per_object(lambda costs, kept, *arrays, options, layer:
+                               _recomputed_arrays(options, costs, kept, layer=layer))
     for u, name in enumerate(problem.units):
         if name not in blocks:
             continue
@@ -94,7 +95,7 @@ def recompute_blocks(built, graph: ModelGraph, tp: int = 1):
             if sharded:
                 sharded[i] = sharded[i] * 2
     doubled = {i for i, l in enumerate(layers) if l.recomputed is not None}
-    tiled = _once(lambda cost, reps: np.tile(np.asarray(cost), reps))
+    tiled = once_per_object(lambda cost, reps: np.tile(np.asarray(cost), reps))
     edges = tuple(type(e)(e.src, e.dst, tiled(e.cost_s, (2 if e.src in doubled else 1,
                                                          2 if e.dst in doubled else 1)))
                   if e.src in doubled or e.dst in doubled else e for e in problem.edges)
@@ -143,18 +144,3 @@ def _recomputed_arrays(options: LayerOptions, costs, kept_bytes, *, layer) -> di
 def _twice(per_option: np.ndarray | None) -> np.ndarray | None:
     """A per-option array for the options and their recomputed copies."""
     return None if per_option is None else np.concatenate([per_option, per_option])
-
-
-def _once(fn):
-    """`fn(value, *rest)` made once per `value` object (by identity; each kept alive while
-    the memo lives, so that an id is not reused) and `rest` (hashable)."""
-    made: dict[tuple, tuple] = {}
-
-    def call(value, *rest, **kwargs):
-        key = (id(value), *rest)
-        hit = made.get(key)
-        if hit is None:
-            hit = made[key] = (fn(value, *rest, **kwargs), value)
-        return hit[0]
-
-    return call

@@ -67,6 +67,7 @@ from planner.pipeline import (
     held_row, schedules, stage_dp, stage_intervals, stage_loads, stage_mip, unit_least,
 )
 from planner.numerics import time_unit_s
+from planner.per_object import once_per_object
 from planner.problem import Edge, Infeasible, Node, Option, Problem
 from planner.pipeline.schedules import SCHEDULES
 
@@ -140,11 +141,8 @@ class StageProblem:
     @functools.cached_property
     def _split(self) -> "StageProblem":
         f = self.split_backward
-        longer: dict[int, np.ndarray] = {}  # one per shared array: tables stay deduplicated
-        for l in self.layers:
-            if id(l.microbatch_s) not in longer:
-                longer[id(l.microbatch_s)] = l.microbatch_s * f
-        return replace(self, layers=tuple(replace(l, microbatch_s=longer[id(l.microbatch_s)])
+        longer = once_per_object(lambda t: t * f)  # shared arrays stay shared (tables)
+        return replace(self, layers=tuple(replace(l, microbatch_s=longer(l.microbatch_s))
                                           for l in self.layers),
                        split_backward=1.0)
 
@@ -259,11 +257,9 @@ class _Tables:
         # padding is +inf, never the least
         step_by_unit = np.bincount(unit, weights=step.min(axis=1)[rep], minlength=U)
         edge_least = np.zeros(U)
-        least: dict[int, float] = {}  # per edge cost array (shared by repeated blocks)
+        least = once_per_object(lambda cost: float(np.asarray(cost).min()))
         for e in problem.edges:
-            if id(e.cost_s) not in least:
-                least[id(e.cost_s)] = float(np.asarray(e.cost_s).min())
-            edge_least[problem.layers[e.dst].unit] += least[id(e.cost_s)]
+            edge_least[problem.layers[e.dst].unit] += least(e.cost_s)
         rows, inverse = np.unique(np.concatenate([mb, step, w, a, recomputed, w - temp,
                                                   gathered], 1), axis=0, return_inverse=True)
         counts = np.zeros((len(rows), U))
