@@ -11,14 +11,15 @@ plans), with the kernel levers the job turns priced (planner.price_job.job_lever
 torch.compile, float8, async TP, and torchtitan's sequence-parallel TP where tp > 1).
 
 Sources (pytorch/torchtitan):
-- 8B on 8 and 128 H100, FSDP, local batch 2, seq 8192, selective (op) AC, eager:
-  benchmarks/llama3_h100_202412_torchtitan.md (commit 31a17bf), tables 1 and 3: 5,762 and
-  5,605 tokens/s/GPU; job file train_configs/llama3_8b.toml at 9dec370 (the table's
-  torchtitan version), `--training.batch_size 2`.
-- 70B on 256 H100, FSDP 32 x TP 8, local batch 16, full AC, bf16, torch.compile: 597
-  tokens/s/GPU: benchmarks/asyncTP_llama3_h100_2025-06_torchtitan.md, table "Llama3 70b on
-  256 H100s with FSDP=32, TP=8, torch.compile, full AC, local batch size 16", row "None
-  (bfloat16)", column "Vanilla TP" (597.3); job file
+- 8B on 8 and 128 H100, FSDP, local batch 2, seq 8192, selective (op) AC:
+  benchmarks/llama3_h100_202412_torchtitan.md (commit 31a17bf), tables 1 and 3: eager
+  5,762 and 5,605 tokens/s/GPU, torch.compile 6,667 and 6,514, compile + float8 8,532 and
+  8,380; job file train_configs/llama3_8b.toml at 9dec370 (the table's torchtitan
+  version), `--training.batch_size 2`, compile and float8 as overrides.
+- 70B on 256 H100, FSDP 32 x TP 8, local batch 16, full AC, bf16, torch.compile:
+  benchmarks/asyncTP_llama3_h100_2025-06_torchtitan.md, table "Llama3 70b on 256 H100s
+  with FSDP=32, TP=8, torch.compile, full AC, local batch size 16": bfloat16 597.3
+  (vanilla TP) and 652.4 (async TP), float8 tensorwise 809.8 and 942.4; job file
   torchtitan/models/llama3/train_configs/llama3_70b.toml at 820504e (that file's
   torchtitan version) with the table's settings as overrides.
 - 405B on 512 H100, FSDP 8 x TP 8 x PP 8, local batch 32 (global 256), full AC, with
@@ -63,10 +64,33 @@ JOBS = {j.key: j for j in [
     Job("8b-128", "llama3-8b", "16x8xH100-96GB", "llama3_8b_9dec370.toml",
         {"training.batch_size": 2}, 5605, "",
         "llama3_h100_202412_torchtitan.md table 3 (FSDP)"),
-    Job("70b", "llama3-70b", "32x8xH100-96GB", "llama3_70b_820504e.toml",
-        {"activation_checkpoint.mode": "full", "training.local_batch_size": 16,
-         "training.compile": True}, 597, "compile",
-        "asyncTP_llama3_h100_2025-06_torchtitan.md, 70b table, bfloat16 vanilla TP (597.3)"),
+    Job("8b-8-compile", "llama3-8b", "8xH100-96GB", "llama3_8b_9dec370.toml",
+        {"training.batch_size": 2, "training.compile": True}, 6667, "compile",
+        "llama3_h100_202412_torchtitan.md table 1 (FSDP + torch.compile)"),
+    Job("8b-8-float8", "llama3-8b", "8xH100-96GB", "llama3_8b_9dec370.toml",
+        {"training.batch_size": 2, "training.compile": True,
+         "float8.enable_float8_linear": True}, 8532, "compile + float8",
+        "llama3_h100_202412_torchtitan.md table 1 (FSDP + torch.compile + Float8)"),
+    Job("8b-128-compile", "llama3-8b", "16x8xH100-96GB", "llama3_8b_9dec370.toml",
+        {"training.batch_size": 2, "training.compile": True}, 6514, "compile",
+        "llama3_h100_202412_torchtitan.md table 3 (FSDP + torch.compile)"),
+    Job("8b-128-float8", "llama3-8b", "16x8xH100-96GB", "llama3_8b_9dec370.toml",
+        {"training.batch_size": 2, "training.compile": True,
+         "float8.enable_float8_linear": True}, 8380, "compile + float8",
+        "llama3_h100_202412_torchtitan.md table 3 (FSDP + torch.compile + Float8)"),
+    *[Job(key, "llama3-70b", "32x8xH100-96GB", "llama3_70b_820504e.toml",
+          {"activation_checkpoint.mode": "full", "training.local_batch_size": 16,
+           "training.compile": True, **extra}, published, levers,
+          f"asyncTP_llama3_h100_2025-06_torchtitan.md, 70b table, {row} ({published})")
+      for key, extra, published, levers, row in [
+          ("70b", {}, 597.3, "compile", "bfloat16, vanilla TP"),
+          ("70b-async", {"parallelism.enable_async_tensor_parallel": True}, 652.4,
+           "compile + async TP", "bfloat16, async TP"),
+          ("70b-float8", {"model.converters": ["float8"]}, 809.8, "compile + float8",
+           "float8 tensorwise, vanilla TP"),
+          ("70b-float8-async", {"model.converters": ["float8"],
+                                "parallelism.enable_async_tensor_parallel": True}, 942.4,
+           "compile + float8 + async TP", "float8 tensorwise, async TP")]],
     Job("405b-1f1b", "llama3-405b", "64x8xH100-96GB", "llama3_405b_9dec370.toml",
         {"training.batch_size": 32, "experimental.pipeline_parallel_degree": 8,
          "experimental.pipeline_parallel_schedule": "1F1B"}, 100,
@@ -149,10 +173,13 @@ def price(job: Job, built, own: dict) -> None:
     print(f"  | {job.key} | {job.published:,.0f} ({job.levers or 'eager'}) | {shown} | "
           f"{got / job.published - 1:+.1%} | {levers} |")
     print(f"  source: pytorch/torchtitan benchmarks/{job.source}")
-    key = (job.preset, job.devices, config.global_batch, seq)
+    # hyplan's plan for the same job, priced with the job's kernel levers (the job's
+    # cluster), as `hyplan compare --torchtitan` does (planner.report.compare_job): the
+    # export hands them back to torchtitan
+    key = (job.preset, job.devices, config.global_batch, seq, priced.cluster.levers)
     if key not in own:
         started = time.perf_counter()
-        own[key] = planner.optimize(model, job.devices, inputs, kwargs, mesh="auto",
+        own[key] = planner.optimize(model, priced.cluster, inputs, kwargs, mesh="auto",
                                     tracer="blocks", precision=config.precision)
         print(f"  hyplan's plan (planned in {time.perf_counter() - started:.1f} s):")
     else:

@@ -9,8 +9,9 @@ and every layer with weights pinned to the data-parallel wrapping the job asks f
 data-parallel where the job has neither and no tensor parallelism), as planner.baseline's
 "fsdp_tp" pins torchtitan's 2-D plan. The search still picks what the job leaves to the
 framework's recipe: each layer's split over tp (column, row, vocabulary) and which blocks
-the activation checkpointing mode recomputes (whole blocks, where memory needs them:
-hyplan has no op-level selective checkpointing). So a job's price and hyplan's own plan
+the activation checkpointing mode recomputes ("full": every block, as the frameworks run it;
+"selective": whole blocks where memory needs them, hyplan having no op-level selective
+checkpointing). So a job's price and hyplan's own plan
 come from one function, and `hyplan compare --torchtitan` can put them side by side.
 
     job = read_torchtitan(Path("llama3_8b.toml").read_text(), devices=8)
@@ -76,7 +77,7 @@ def price_job(model: nn.Module, devices, job: JobConfig, example_inputs: Sequenc
     shape = job_shape(job, cluster.num_devices, graph.batch_size)
     _check_runs(job, shape, graph, cluster)
     recompute = job.recompute != "none" and block_recompute.offered(graph)
-    shape = replace(shape, recompute=recompute)
+    shape = replace(shape, recompute=recompute, recompute_all=recompute and every_block(job))
     pin = job_pin(job, graph, cluster, optimizer, shape.rows(graph.batch_size))
     budget = memory_limit_bytes or cluster.device.memory_bytes
     kw = {"time_limit_s": time_limit_s, "only": [shape], "pin": pin,
@@ -86,7 +87,8 @@ def price_job(model: nn.Module, devices, job: JobConfig, example_inputs: Sequenc
     except PlanDoesNotFit:  # priced anyway: the plan says it does not fit
         # each solve its own search_time_s: a bisection solves the shape several times
         plan = _least_memory(lambda b: plan_3d(graph, cluster, optimizer, b,
-                                               time.perf_counter(), **kw), budget, recompute)
+                                               time.perf_counter(), **kw), budget,
+                             recompute and not shape.recompute_all)
         predicted = plan.predicted.model_copy(update={"memory_limit_bytes": budget})
         plan = plan.model_copy(update={"predicted": predicted})
         return _noted(plan, job, recompute, f"does not fit {budget / 1e9:.1f} GB per device: "
@@ -97,8 +99,10 @@ def price_job(model: nn.Module, devices, job: JobConfig, example_inputs: Sequenc
 def job_levers(job: JobConfig, cluster: Cluster) -> Levers:
     """The kernel levers the job turns (strategies.kernel_levers), priced as it runs them:
     torch.compile, async TP, float8 where the devices have float8 tensor cores (else left
-    eager and said: `_noted`), and its TP sequence parallel where the job runs it so
-    (torchtitan's always; Megatron-LM's --sequence-parallel)."""
+    eager and said: `_noted`), its TP sequence parallel where the job runs it so
+    (torchtitan's always; Megatron-LM's --sequence-parallel), and over tp the loss on the
+    head's vocabulary shards (both frameworks': torchtitan's loss_parallel, Megatron-LM's
+    vocab-parallel cross-entropy)."""
     float8 = job.float8 or None
     if float8 and "float8" not in cluster.device.peak_flops:
         float8 = None
@@ -107,14 +111,24 @@ def job_levers(job: JobConfig, cluster: Cluster) -> Levers:
         "float8": cluster.levers.float8 or float8,
         "async_tp": cluster.levers.async_tp or (job.async_tp and job.tp > 1),
         "sequence_parallel": cluster.levers.sequence_parallel or (
-            job.tp > 1 and job.sequence_parallel)})
+            job.tp > 1 and job.sequence_parallel),
+        "loss_parallel": cluster.levers.loss_parallel or job.tp > 1})
+
+
+def every_block(job: JobConfig) -> bool:
+    """Whether the job checkpoints every block whatever memory needs: torchtitan's "full"
+    mode (Megatron-LM's full granularity, uniform method), not every k-th block nor its
+    op-level "selective" mode, which hyplan prices as the blocks memory needs."""
+    return job.recompute == "full" and job.recompute_every == 1
 
 
 def _least_memory(plan_within, budget: float, recompute: bool) -> Plan:
-    """A job that does not fit `budget`, priced: with no memory limit, or where the job
-    checkpoints blocks, at about the least memory it fits in (bisected between the budget
-    and the unlimited plan's memory), so that it recomputes what memory makes it, not
-    nothing (the search checkpoints a block only where memory needs it)."""
+    """A job that does not fit `budget`, priced: with no memory limit, or where the search
+    picks the checkpointed blocks (`recompute`), at about the least memory it fits in
+    (bisected between the budget and the unlimited plan's memory), so that it recomputes
+    what memory makes it, not nothing (the search checkpoints a block only where memory
+    needs it). A job that recomputes every block is priced once, unlimited: its memory is
+    what it holds."""
     best = plan_within(UNBOUNDED_BYTES)
     if not recompute:
         return best
@@ -248,8 +262,9 @@ def _noted(plan: Plan, job: JobConfig, recompute: bool, over: str = "") -> Plan:
         notes.append(f"priced without {', '.join(unpriced)}: {plan.cluster.device.name} has "
                      f"no float8 tensor cores")
     if job.recompute != "none":
-        notes.append(f"activation checkpointing {job.recompute!r} priced as whole-block "
-                     f"recompute where memory needs it" if recompute else
+        notes.append(f"activation checkpointing {job.recompute!r} priced as "
+                     + ("every block recomputed" if every_block(job) else
+                        "whole-block recompute where memory needs it") if recompute else
                      f"activation checkpointing {job.recompute!r} not priced: hyplan "
                      f"checkpoints only the blocks of a decoder torch.export traced")
     note = "; ".join(notes + ([plan.solver.note] if plan.solver.note else []))

@@ -78,6 +78,7 @@ from profiler.traffic import scaled_rows
 from strategies.catalog import CostContext, candidates
 from strategies.cluster import Cluster
 from strategies.collectives import send_recv_s
+from strategies.layouts import Layout
 from strategies.step_memory import pipeline_buffer_bytes, summed_temp_bytes
 
 FIRST_PASS_S = 5.0  # seconds per candidate in the search's first pass
@@ -133,6 +134,9 @@ class Shape:
     chunks: int = 1
     # blocks may be checkpointed, the solve picks which (planner.pipeline.block_recompute)
     recompute: bool = False
+    # with recompute: every block checkpointed, not the solve's pick (a job's "full"
+    # activation checkpointing: planner.price_job)
+    recompute_all: bool = False
 
     def rows(self, batch: int) -> int:
         """Rows per microbatch per dp replica."""
@@ -221,7 +225,8 @@ def _unvisited(c: "Candidate") -> bool:
 def _words(shape: "Shape") -> str:
     chunks = f" v={shape.chunks}" if shape.chunks > 1 else ""
     return (f"pp {shape.pp} x dp {shape.dp} x tp {shape.tp}, m {shape.microbatches} "
-            f"{shape.schedule}{chunks}{' recompute' if shape.recompute else ''}")
+            f"{shape.schedule}{chunks}{' recompute' if shape.recompute else ''}"
+            f"{' every block' if shape.recompute_all else ''}")
 
 
 def _divisors(n: int) -> list[int]:
@@ -707,9 +712,12 @@ def _edges(cache: CostCache, priced, strategies, scaled_layers, rows: int, tp: i
     sink = len(graph.layers)
     for name in graph.outputs:
         src = index[name]
-        kind = output_kind(scaled_layers[src], [s.gives for s in strategies[src]], rows, tp,
-                           graph.carries_gradient(graph.layers[src].node))
-        edges.append(Edge(src, sink, cache.edge(kind)))
+        gives = [s.gives for s in strategies[src]]
+        cost = cache.edge(output_kind(scaled_layers[src], gives, rows, tp,
+                                      graph.carries_gradient(graph.layers[src].node)))
+        if cache.cluster.levers.loss_parallel:  # the loss reads a vocabulary shard as it is
+            cost = np.where(np.array([g == Layout.FEATURE for g in gives])[:, None], 0.0, cost)
+        edges.append(Edge(src, sink, cost))
     return edges
 
 
@@ -984,6 +992,9 @@ def _shapes_to_try(graph: ModelGraph, cluster: Cluster, max_microbatches: int | 
         cut = not why_no_blocks(graph)  # once: it walks every layer (0.2 s on 405 B)
         todo = [s for s in todo if (s.pp == 1 or cut)
                 and (s.tp == 1 or tp_whole_rows(s, batch, cluster))]
+    if any(s.recompute_all and not s.recompute for s in todo):
+        raise ValueError("only: recompute_all=True checkpoints every block the shape's "
+                         "recompute offers; set recompute=True with it")
     if any(s.recompute for s in todo) and not block_recompute.offered(graph):
         raise ValueError(f"only: recompute=True checkpoints the transformer blocks of a "
                          f"decoder torch.export traced, and {graph.model_name} is not one; "
@@ -1041,10 +1052,11 @@ class _Search:
         """The shape's stage problem, built once per (pp, dp, tp, rows, recompute, tie)."""
         together = self.ties_ends and shape.schedule in V_SHAPED
         key = (shape.pp, shape.dp, shape.tp, shape.rows(self.graph.batch_size),
-               shape.recompute, together)
+               shape.recompute, shape.recompute_all, together)
         if key not in self.built:
             self.built[key] = (block_recompute.recompute_blocks(
-                self.problem_of(replace(shape, recompute=False)), self.graph, shape.tp)
+                self.problem_of(replace(shape, recompute=False, recompute_all=False)),
+                self.graph, shape.tp, every=shape.recompute_all)
                 if shape.recompute else build(self.cache, *key[:4], pin=self.pin,
                                               ends_together=together))
         return self.built[key]

@@ -29,6 +29,11 @@ class Levers(BaseModel):
     # offered on torch.export graphs too, where hyplan's own executor runs them whole
     # (planner.offers): a priced configuration, not one hyplan runs
     sequence_parallel: bool = False
+    # the loss on each rank's vocabulary shard of a vocabulary-split head (torchtitan's
+    # loss_parallel, on with its TP; Megatron-LM's vocab-parallel cross-entropy): no
+    # gather of the logits, 1/tp of the loss's tensors on a rank. Priced only: hyplan's
+    # executor hands the logits back whole (planner.handback)
+    loss_parallel: bool = False
 
     @field_validator("float8")
     @classmethod
@@ -41,12 +46,13 @@ class Levers(BaseModel):
     @property
     def any(self) -> bool:
         return (self.compile or self.float8 is not None or self.async_tp
-                or self.sequence_parallel)
+                or self.sequence_parallel or self.loss_parallel)
 
     def describe(self) -> str:
         """The levers on, in words ("eager" when none)."""
         on = (["torch.compile"] if self.compile else []) + (
             [f"float8 {self.float8}"] if self.float8 else []) + (
             ["async TP"] if self.async_tp else []) + (
-            ["sequence parallel"] if self.sequence_parallel else [])
+            ["sequence parallel"] if self.sequence_parallel else []) + (
+            ["loss parallel"] if self.loss_parallel else [])
         return " + ".join(on) or "eager"

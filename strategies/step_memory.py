@@ -154,11 +154,13 @@ def one_d_layer(strategy: str, param_bytes: float, model_parallel: bool,
                      activation_bytes=activation_bytes)
 
 
-def output_share(gives: Layout, ranks: int) -> float:
+def output_share(gives: Layout, ranks: int, loss_parallel: bool = False) -> float:
     """The share of a model output one device holds for the loss: 1/ranks where the layer
-    that makes it gives it split by rows or tokens (a data-parallel head), all of it
+    that makes it gives it split by rows or tokens (a data-parallel head), or by features
+    under a loss that reads its shard (`loss_parallel`: Levers.loss_parallel), all of it
     otherwise (handed back whole: planner.handback)."""
-    return 1 / ranks if gives in (Layout.BATCH, Layout.SEQUENCE) else 1.0
+    split = (Layout.BATCH, Layout.SEQUENCE) + ((Layout.FEATURE,) if loss_parallel else ())
+    return 1 / ranks if gives in split else 1.0
 
 
 def loss_held_bytes(output_numel: float) -> float:

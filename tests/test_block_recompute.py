@@ -94,6 +94,41 @@ def test_the_solve_picks_which_blocks_to_recompute_as_brute_force():
     assert subsets & {1, 2, 3}, subsets
 
 
+def test_every_block_recomputed_is_the_brute_force_of_all_blocks_recomputed():
+    """A job's "full" checkpointing (Shape.recompute_all): every block recomputed whatever
+    memory needs, and the best such plan: brute force over the choices that recompute all
+    four blocks, on one and two stages, by the program and the fast exact solvers."""
+    graph, cluster = _profiled("llama4", 2)
+    rows = graph.batch_size // 2
+    plain = build(CostCache(graph, cluster, "sgd"), 2, 1, 1, rows)
+    offered = recompute_blocks(plain, graph).problem
+    every = recompute_blocks(plain, graph, every=True)
+    assert not every.problem.linked_units()  # nothing left to link: the solve cannot choose
+    for pp in (1, 2):
+        free = brute_force(offered, pp, 2, "1F1B", None)
+        expected = min((t for t in _all_recomputed(offered, pp)), key=lambda t: t.objective_s)
+        assert free[0].objective_s < expected.objective_s  # recompute costs a forward
+        for method in ("auto", "mip"):
+            solved = solve_stages(every.problem, pp, 2, "1F1B", None, method=method)
+            assert len(every.problem.recomputed_units(solved.choice)) == 4
+            assert solved.times.objective_s == pytest.approx(expected.objective_s, rel=1e-9)
+    plan = plan_3d(graph, cluster, "sgd", 1e15, time.perf_counter(),
+                   only=[Shape(2, 1, 1, 2, "1F1B", recompute=True, recompute_all=True)])
+    assert sorted(plan.recompute_blocks) == sorted(graph.blocks)
+
+
+def _all_recomputed(problem, pp):
+    """Each cut's best with every block recomputed, by enumeration."""
+    import itertools
+
+    from planner.pipeline.stages import evaluate
+    options = [range(len(l.strategies)) if l.recomputed is None
+               else np.flatnonzero(l.recomputed) for l in problem.layers]
+    for cuts in itertools.combinations(range(1, len(problem.units)), pp - 1):
+        for choice in itertools.product(*options):
+            yield evaluate(problem, (0, *cuts), choice, 2, "1F1B")
+
+
 def test_the_plan_counts_kept_inputs_in_flight_and_one_block_live_in_backward():
     graph, cluster = _profiled("llama4", 2)
     problem, budget = _subset_budget(graph, cluster)

@@ -145,16 +145,23 @@ def _tiny_meta_llama():
 
 def test_price_job_carries_the_pipeline_schedule_and_microbatches_of_a_decoder():
     """A tiny Llama (torch.export, cut at its blocks) priced as FSDP 2 x PP 2, interleaved
-    1F1B with 2 stages per rank and 4 microbatches: the plan runs that schedule, and says
-    how it priced the job's full activation checkpointing."""
+    1F1B with 2 stages per rank and 4 microbatches: the plan runs that schedule, and its
+    full activation checkpointing recomputes every block (as torchtitan's "full" mode does,
+    though memory does not need it here); "selective" recomputes only what memory needs."""
     model, ids = _tiny_meta_llama()
     job = JobConfig(global_batch=8, seq_len=16, dp_shard=2, pp=2, chunks=2, microbatches=4,
                     schedule="Interleaved1F1B", recompute="full", num_layers=2)
     plan = planner.price_job(model, "4xA100", job, (ids,), {"use_cache": False})
     assert plan.mesh.shape == [2, 2, 1] and plan.microbatches == 4
     assert (plan.pipeline.schedule, plan.pipeline.chunks) == ("Interleaved1F1B", 2)
-    assert "whole-block recompute where memory needs it" in plan.solver.note
+    assert "'full' priced as every block recomputed" in plan.solver.note
+    assert plan.recompute_blocks and sorted(plan.recompute_blocks) == sorted(
+        f"model.layers.{i}" for i in range(2)), plan.recompute_blocks
     assert "dp_shard 2 x pp 2, Interleaved1F1B (2 per rank)" in plan.mesh_choice
+    selective = planner.price_job(model, "4xA100", replace(job, recompute="selective"), (ids,),
+                                  {"use_cache": False})
+    assert "where memory needs it" in selective.solver.note and not selective.recompute_blocks
+    assert selective.predicted.step_time_s < plan.predicted.step_time_s
     assert express(plan).job.seq_len == 16
 
 
@@ -170,7 +177,9 @@ def test_price_job_prices_torchtitans_tp_sequence_parallel_with_its_levers():
     plan = planner.price_job(model, "4xH100", job, (ids,), {"use_cache": False})
     levers = plan.cluster.levers
     assert levers.compile and levers.sequence_parallel and not levers.async_tp
-    assert "kernel levers priced: torch.compile + sequence parallel" in plan.solver.note
+    assert "kernel levers priced: torch.compile + sequence parallel + loss parallel" \
+        in plan.solver.note
+    assert express(plan).job.compile  # the levers it was priced with, handed back
     norms = [l for l in plan.layers if l.name.endswith("layernorm")]
     assert norms and all(l.strategy.startswith("sequence_parallel") for l in norms)
     with pytest.raises(ValueError, match="tensor_parallel_degree 2 with microbatches of 4"):
@@ -195,3 +204,33 @@ def test_a_december_2024_torchtitan_file_splits_the_local_batch_per_pipeline_ran
     job = read_torchtitan(text, devices=512)
     assert (job.dp_shard, job.tp, job.pp, job.chunks) == (8, 8, 8, 2)
     assert (job.global_batch, job.microbatches, job.microbatch_rows) == (256, 8, 4)
+
+
+def test_a_job_over_tp_keeps_no_copies_inside_recomputed_blocks_and_a_loss_shard():
+    """torchtitan's FSDP 2 x TP 2 with full checkpointing: the layout changes inside a
+    recomputed block (the all-gathered input of its column-parallel Linears) are made again
+    in backward, not kept, so a plan holds only the copies outside blocks; and its loss
+    reads each rank's vocabulary shard (loss parallel), 1/tp of the logits a rank holds."""
+    from planner.pipeline import stage_held
+    from planner.profiled import profiled_graph
+    from planner.search import Shape, search
+    from strategies.kernel_levers import Levers
+    from strategies.parse import parse_devices
+    model, ids = _tiny_meta_llama()
+    levers = Levers(sequence_parallel=True, loss_parallel=True)
+    devices = parse_devices("4xH100").model_copy(update={"levers": levers})
+    graph, cluster = profiled_graph(model, devices, (ids,), {"use_cache": False},
+                                    tracer="blocks")
+    saved = {}
+    for every in (False, True):
+        shape = Shape(1, 2, 2, 1, "1F1B", recompute=True, recompute_all=every)
+        found = search(graph, cluster, "adam", None, only=[shape], time_limit_s=10)
+        built, choice = found.built, found.best.solution.choice
+        stage = [0] * len(built.problem.layers)
+        saved[every] = stage_held._reshard_copies(built, choice, stage, [0], shape, [1])[0][0]
+        inside = [e for e in built.problem.edges if e.dst < len(built.layers)
+                  and stage_held._recomputed(built.problem.layers[e.dst], choice[e.dst])]
+        assert bool(inside) == every
+        shares = dict(stage_held._outputs(built, choice, set(graph.outputs), 2, True))
+        assert list(shares.values()) == [0.5]  # the head's vocabulary shard, not the whole
+    assert 0 < saved[True] < saved[False]

@@ -187,8 +187,13 @@ def express(plan: Plan, seq_len: int | None = None) -> Expressed:
     else:
         job, departures = _express_1d(plan)
     recompute, every, more = _recompute(plan, blocks)
+    # the kernel levers the plan was priced with (its cluster's: a plan searched beside a
+    # job that turns them, planner.report.compare_job), which the frameworks then turn
+    levers = plan.cluster.levers
     job = replace(job, seq_len=seq, num_layers=len(blocks), recompute=recompute,
-                  recompute_every=every, precision=plan.precision or "fp32")
+                  recompute_every=every, precision=plan.precision or "fp32",
+                  compile=levers.compile, float8=levers.float8 or "",
+                  async_tp=levers.async_tp and job.tp > 1)
     return Expressed(job, tuple(departures + more))
 
 

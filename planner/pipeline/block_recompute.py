@@ -47,12 +47,15 @@ def offered(graph: ModelGraph) -> bool:
 SUFFIX = "+recompute"
 
 
-def recompute_blocks(built, graph: ModelGraph, tp: int = 1):
+def recompute_blocks(built, graph: ModelGraph, tp: int = 1, every: bool = False):
     """`built` (a planner.search.Built on `graph`) with a recomputed variant of every
     option of every layer inside a block (the module docstring), and its transient_bytes
     set to the largest block's activations for one microbatch. `tp`: the ranks a block's
     input is split over where its first layer takes it by tokens (a sequence-parallel
-    norm, as torchtitan checkpoints a Shard(1) hidden state: Levers.sequence_parallel)."""
+    norm, as torchtitan checkpoints a Shard(1) hidden state: Levers.sequence_parallel).
+    `every`: the recomputed variants replace the plain options, so every block is
+    recomputed whatever the solve picks (a job's "full" activation checkpointing, which
+    recomputes blocks memory does not need it for)."""
     problem = built.problem
     blocks = set(graph.blocks)
     carried = carries_weights(graph)
@@ -67,6 +70,7 @@ def recompute_blocks(built, graph: ModelGraph, tp: int = 1):
     # identical layers (a transformer's blocks) share their arrays (planner.search.build):
     # each distinct one is doubled once, not once per layer (a 405 B Llama: 1,260 layers)
     twice, largest = once_per_object(_twice), once_per_object(lambda a: float(a.max()))
+    halves = once_per_object(_recomputed_half)  # shared like the arrays they halve
     variants = once_per_object(lambda costs, kept, *arrays, options, layer:
                                _recomputed_arrays(options, costs, kept, layer=layer))
     for u, name in enumerate(problem.units):
@@ -86,6 +90,9 @@ def recompute_blocks(built, graph: ModelGraph, tp: int = 1):
             # identical layers share their prices and their arrays (planner.search.build)
             arrays = variants(built.costs[i], kept, id(options.microbatch_s),
                               id(options.weight_bytes), options=options, layer=built.layers[i])
+            if every:
+                layers[i] = _recomputed_only(options, halves(arrays, len(options.strategies)))
+                continue
             layers[i] = _doubled(options, arrays)
             strategies[i], costs[i] = strategies[i] * 2, costs[i] * 2
             local[i] = twice(local[i])
@@ -94,7 +101,8 @@ def recompute_blocks(built, graph: ModelGraph, tp: int = 1):
                     per_option[i] = twice(per_option[i])
             if sharded:
                 sharded[i] = sharded[i] * 2
-    doubled = {i for i, l in enumerate(layers) if l.recomputed is not None}
+    doubled = ({i for i, l in enumerate(layers) if l.recomputed is not None} if not every
+               else set())
     tiled = once_per_object(lambda cost, reps: np.tile(np.asarray(cost), reps))
     edges = tuple(type(e)(e.src, e.dst, tiled(e.cost_s, (2 if e.src in doubled else 1,
                                                          2 if e.dst in doubled else 1)))
@@ -126,6 +134,18 @@ def _doubled(options: LayerOptions, arrays: dict) -> LayerOptions:
     """`options` with each strategy again, recomputed, and `arrays` for them all."""
     return replace(options, strategies=options.strategies + tuple(
         s + SUFFIX for s in options.strategies), **arrays)
+
+
+def _recomputed_only(options: LayerOptions, arrays: dict) -> LayerOptions:
+    """`options` recomputed, each in place of its plain self (`arrays`: the recomputed
+    options' own, `_recomputed_half` of `_doubled`'s)."""
+    return replace(options, strategies=tuple(s + SUFFIX for s in options.strategies),
+                   **arrays)
+
+
+def _recomputed_half(arrays: dict, n: int) -> dict:
+    """Of `_doubled`'s arrays (n plain options, then n recomputed), the recomputed half."""
+    return {k: None if v is None else v[n:] for k, v in arrays.items()}
 
 
 def _recomputed_arrays(options: LayerOptions, costs, kept_bytes, *, layer) -> dict:

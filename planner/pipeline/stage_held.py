@@ -94,7 +94,8 @@ def held_beside_stages(built, choice, stage: list[int], ranks_of: list[int], sha
     saved, replaced = _reshard_copies(built, choice, stage, ranks_of, shape, flight)
     layers = _held_layers(built, choice, stage, ranks_of, shape, cluster, replaced)
     numel = [0.0] * shape.pp
-    for i, share in _outputs(built, choice, outputs_of, shape.tp):
+    for i, share in _outputs(built, choice, outputs_of, shape.tp,
+                             cluster.levers.loss_parallel):
         numel[ranks_of[stage[i]]] += math.prod(built.layers[i].output.shape) * share
     kept = [0.0] if one else _kept_bytes(built, stage, ranks_of, shape)
     scheduled = _scheduled(built, choice, stage, ranks_of, shape, flight, replaced)
@@ -223,12 +224,12 @@ def _held_layers(built, choice, stage, ranks_of, shape: Shape, cluster: Cluster,
     return layers
 
 
-def _outputs(built, choice, outputs_of, tp: int):
+def _outputs(built, choice, outputs_of, tp: int, loss_parallel: bool = False):
     """(layer index, the share of its output one device holds) of each layer that makes a
     model output (strategies.step_memory.output_share over tp)."""
     for i, layer in enumerate(built.layers):
         if layer.node in outputs_of:
-            yield i, output_share(built.strategies[i][choice[i]].gives, tp)
+            yield i, output_share(built.strategies[i][choice[i]].gives, tp, loss_parallel)
 
 
 def _kept_bytes(built, stage, ranks_of, shape: Shape) -> list[float]:
@@ -272,11 +273,15 @@ def _reshard_copies(built, choice, stage, ranks_of, shape: Shape,
                     flight: list[int]) -> tuple[list[float], dict[int, float]]:
     """Per pipeline rank, the copies layout changes over tp make (reshard_copy_bytes), one
     per microbatch in flight on their stage; and per layer, its activations in flight
-    those copies replace (strategies.step_memory.replaced_bytes)."""
+    those copies replace (strategies.step_memory.replaced_bytes). A layer of a block
+    recomputed whole keeps nothing of its input, the copy no more than the rest: the block
+    makes it again in backward (planner.pipeline.block_recompute)."""
     saved = [0.0] * shape.pp
     copies: dict[int, list[float]] = {}
     for e in built.problem.edges if shape.tp > 1 else ():
-        if e.dst >= len(built.layers):  # the sink: the loss reads the output itself
+        # the sink (the loss reads the output itself), or a reader that keeps nothing
+        if e.dst >= len(built.layers) or _recomputed(built.problem.layers[e.dst],
+                                                     choice[e.dst]):
             copies.setdefault(e.src, []).append(0.0)
             continue
         k = stage[e.dst]
@@ -292,3 +297,8 @@ def _reshard_copies(built, choice, stage, ranks_of, shape: Shape,
             float(built.problem.layers[i].activation_bytes[c]), layer.saved_per_output,
             layer.users_saved_per_output, mine)
     return saved, replaced
+
+
+def _recomputed(options, c: int) -> bool:
+    """Is option `c` of a layer (LayerOptions) the recomputed variant of a block's layer?"""
+    return options.recomputed is not None and bool(options.recomputed[c])

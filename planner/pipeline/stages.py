@@ -178,9 +178,8 @@ class StageProblem:
             out[layer.unit].append(i)
         return out
 
-    def linked_units(self) -> dict[int, list[int]]:
-        """{unit: its layers with recomputed variants}: a block checkpointed whole, so
-        its layers pick recomputed options all together or none
+    def recomputable_units(self) -> dict[int, list[int]]:
+        """{unit: its layers with recomputed options}: a block checkpointed whole
         (planner.pipeline.block_recompute)."""
         out: dict[int, list[int]] = {}
         for i, layer in enumerate(self.layers):
@@ -188,9 +187,17 @@ class StageProblem:
                 out.setdefault(layer.unit, []).append(i)
         return out
 
+    def linked_units(self) -> dict[int, list[int]]:
+        """{unit: its layers with recomputed variants beside plain ones}: a block the solve
+        may checkpoint, so its layers pick recomputed options all together or none. A
+        block recomputed whatever the solve picks (every option recomputed: a job's
+        "full" activation checkpointing) links nothing."""
+        return {u: members for u, members in self.recomputable_units().items()
+                if not all(self.layers[i].recomputed.all() for i in members)}
+
     def recomputed_units(self, choice) -> tuple[int, ...]:
         """The units whose layers run their recomputed options under `choice`."""
-        return tuple(u for u, members in self.linked_units().items()
+        return tuple(u for u, members in self.recomputable_units().items()
                      if self.layers[members[0]].recomputed[choice[members[0]]])
 
     def consistent(self, choice) -> bool:
@@ -429,7 +436,7 @@ def brute_force_budgets(problem: StageProblem, pp: int, microbatches: int, sched
         for picked in itertools.product((False, True), repeat=len(linked)):
             on = {u for u, p in zip(linked, picked) if p}
             yield from itertools.product(*(
-                range(len(l.strategies)) if l.recomputed is None else
+                range(len(l.strategies)) if l.unit not in linked else
                 np.flatnonzero(l.recomputed == (l.unit in on)) for l in problem.layers))
 
     for cuts in itertools.combinations(range(1, U), pp * chunks - 1):
