@@ -1,8 +1,13 @@
 """The mixture-of-experts presets (profiler.presets: DeepSeek-V3, Qwen3-235B-A22B,
 Mixtral-8x22B, Llama 4 Scout, gpt-oss-120b) planned as `hyplan plan PRESET --devices D
---seq 4096 --batch 8` plans them, on the smallest H100 cluster of a ladder that fits.
+--seq 4096 --batch B` plans them, on the smallest H100 cluster of a ladder that fits.
 
-    PYTHONPATH=$PWD python benchmarks/moe_presets.py [--presets a,b] [--search-time S]
+    PYTHONPATH=$PWD python benchmarks/moe_presets.py [--presets a,b] [--search-time S] [--batch B]
+
+The global batch is 1,024 sequences of 4,096 tokens by default (4 M tokens a step, the
+order of the published runs: DeepSeek-V3 trained at up to 15,360 sequences of 4K,
+Megatron-Core's MoE runs at 256-1,024); a batch of 8 leaves one microbatch on 64-128 GPUs
+and a bubble that is most of every step.
 
 Per preset: the cluster tried first is the smallest of the ladder whose memory holds the
 weights, gradients and Adam state at bf16-mixed's 16 bytes per parameter (a lower bound:
@@ -31,7 +36,7 @@ from profiler.presets import load_llm
 PRESETS = ("gpt-oss-120b", "llama4-scout", "mixtral-8x22b", "qwen3-235b-a22b", "deepseek-v3")
 # nodes of 8 H100: the ladder of clusters tried, smallest first
 NODES = (1, 2, 4, 8, 16, 32, 64)
-SEQ, BATCH = 4096, 8
+SEQ, BATCH = 4096, 1024
 # weights, gradients and Adam's two moments at bf16-mixed: fp32 master 4 + grad 4 + 8 state
 BYTES_PER_PARAM = 16
 H100_BYTES = 80e9
@@ -61,10 +66,10 @@ def describe(plan, shape) -> str:
             f"{p.memory_limit_bytes / 1e9:.1f} GB; solver {plan.solver.status}")
 
 
-def run(preset: str, search_time_s: float) -> None:
-    model, inputs, kwargs, shape, seq = load_llm(preset, BATCH, SEQ)
+def run(preset: str, search_time_s: float, batch: int = BATCH) -> None:
+    model, inputs, kwargs, shape, seq = load_llm(preset, batch, SEQ)
     print(f"== {preset}: {shape.params / 1e9:.1f} B parameters ({shape.active_params / 1e9:.1f} B "
-          f"active), seq {seq}, batch {BATCH} ==", flush=True)
+          f"active), seq {seq}, batch {batch} ==", flush=True)
     # traced once, ahead: optimize's search_time_s counts from its call's start, and the
     # first cluster's call paid the trace out of it (DeepSeek-V3 ~90 s, gpt-oss 70-100 s
     # of a 30 s budget: "no plan found within the time budget" on the rung that fits)
@@ -94,9 +99,11 @@ def main() -> None:
     parser.add_argument("--presets", default=",".join(PRESETS))
     parser.add_argument("--search-time", type=float, default=30.0,
                         help="planner.optimize's search_time_s per cluster (default 30)")
+    parser.add_argument("--batch", type=int, default=BATCH,
+                        help=f"global batch in sequences of {SEQ} tokens (default {BATCH})")
     args = parser.parse_args()
     for preset in args.presets.split(","):
-        run(preset, args.search_time)
+        run(preset, args.search_time, args.batch)
 
 
 if __name__ == "__main__":
