@@ -165,8 +165,34 @@ def test_context_parallel_price_counts_kv_gather_and_scatter_bytes():
         context_parallel_cost(layer, 3, ctx)
 
 
-def test_cp_baseline_says_it_is_priced_but_not_searched():
+def test_cp_baseline_is_the_fastest_cp_x_dp_plan_with_a_cp_mesh():
+    from planner import Plan
     from planner.baseline import baseline
 
-    with pytest.raises(ValueError, match="cp is priced but not yet searched"):
-        baseline(torch.nn.Linear(4, 4), "2xA100-80GB", "cp", (torch.randn(4, 4),))
+    plan = baseline(_llama(), "4xcpu", "cp", (_ids(0),))
+    cp = plan.context_parallel
+    assert plan.mesh.dim_names == ["dp", "cp"] and plan.mesh.shape == [4 // cp.degree, cp.degree]
+    assert plan.mesh.groups["cp"][0] == list(range(cp.degree))
+    strategies = {l.name: l.strategy for l in plan.layers}
+    assert strategies["model.layers.0.self_attn"].startswith("context_parallel")
+    assert strategies["model.layers.0.mlp.up_proj"].startswith("token_shard")
+    # every (degree, weights) candidate is named in why, the chosen one the fastest fitting
+    assert all(f"cp {d} {w}" in cp.why for d in (2, 4) for w in ("DDP", "FSDP"))
+    assert "Context parallel: cp" in plan.explain()
+    assert Plan.from_json(plan.to_json()) == plan
+    old = plan.model_dump(mode="json")
+    del old["context_parallel"]  # a plan file from before context parallelism
+    assert Plan.model_validate(old).context_parallel is None
+
+
+def test_cp_baseline_refuses_a_model_without_attention_or_an_unsplit_sequence():
+    from planner.baseline import baseline
+
+    mlp = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 8))
+    with pytest.raises(ValueError, match="has none"):
+        baseline(mlp, "2xcpu", "cp", (torch.randn(2, 16, 8),))
+    from examples.gpt import GPT
+
+    gpt = GPT(layers=1, width=16, heads=2, seq=6, vocab=VOCAB)
+    with pytest.raises(ValueError, match="2·cp equal chunks"):
+        baseline(gpt, "4xcpu", "cp", (torch.zeros(4, 6, dtype=torch.long),))
