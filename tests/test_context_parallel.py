@@ -1,8 +1,9 @@
-"""Context parallelism (executor.context_parallel): the head-tail split and its inverse; 3
-SGD steps under cp 2 (2-rank groups) and dp 2 x cp 2 (4 gloo ranks) leaving the parameters
-of one process's 3 steps on the whole batch, for a tiny Hugging Face Llama and the fx GPT of
-examples/gpt.py (float64); its price (strategies.context) on hand-counted bytes; and the
-"cp" baseline's refusal."""
+"""Context parallelism: the head-tail split and its inverse; the "cp" baseline's plan
+(planner.context_plan) run by executor.parallelize for 3 SGD steps, cp 2 on 2 gloo ranks
+and dp 2 x cp 2 on 4 (DDP, and FSDP2 with recomputation), leaving the parameters of one
+process's 3 steps on the whole batch, for a tiny Hugging Face Llama and the fx GPT of
+examples/gpt.py (float64); the price of a block (strategies.context) on hand-counted bytes;
+the baseline's mesh, record and refusals."""
 
 from __future__ import annotations
 
@@ -11,18 +12,15 @@ from itertools import product
 import pytest
 import torch
 import torch.nn.functional as F
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from executor.context_parallel import (
     IGNORE_INDEX,
-    apply,
     join_sequence,
-    positions,
-    shard,
     shift_labels,
     split_sequence,
     token_loss,
 )
+from planner import Plan
 from tests.distributed import run_ranks
 
 VOCAB, SEQ, ROWS, STEPS, LR = 64, 16, 2, 3, 0.5
@@ -71,36 +69,61 @@ def _reference(name: str) -> dict[str, torch.Tensor]:
     return {k: v.detach() for k, v in model.named_parameters()}
 
 
-def _ranks(rank: int, world: int) -> dict:
-    """Both runs on 4 ranks, one launch: cp 2 alone (ranks 0-1 and 2-3 each run it as its
-    own pair: every collective of a cp-only run stays inside its 2-rank group), then dp 2
-    x cp 2 over all four."""
-    grid = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "cp"))
-    out = {"cp2": _train(grid["cp"]), "dp2xcp2": _train(grid)}
-    model, ids = apply(_llama(), grid), shard(grid, _ids(0))
-    try:  # a padding mask would be dropped by transformers: refused before any collective
-        model(ids, attention_mask=torch.ones_like(ids))
-    except ValueError as error:
-        out["padding"] = str(error)
-    return out
+def _plans(devices: str) -> dict[str, str]:
+    """The "cp" baseline of each model on `devices`, as JSON (made once, in the parent)."""
+    from planner.baseline import baseline
+
+    return {name: baseline(make(), devices, "cp", (_ids(0),)).to_json()
+            for name, make in MODELS.items()}
 
 
-def _train(mesh: DeviceMesh) -> dict:
+def _sharded_recomputed(plan):
+    """`plan` with its weights FSDP2-sharded over the mesh (the mode the planner picks where
+    DDP's replicas do not fit) and every MLP projection recomputed."""
+    layers = [l.model_copy(update={"recompute": ".mlp." in l.name and l.param_bytes > 0})
+              for l in plan.layers]
+    cp = plan.context_parallel.model_copy(update={"sharded": True})
+    return plan.model_copy(update={"context_parallel": cp, "layers": layers})
+
+
+def _ranks(rank: int, world: int, plans: dict[str, str]) -> dict:
+    """Each model's cp plan through executor.parallelize and shard_batch, 3 SGD steps; on 4
+    ranks (dp 2 x cp 2) also FSDP with recomputation, and a padding mask refused."""
+    from planner import Plan
+
     out = {}
-    for name, make in MODELS.items():
-        model = make()
-        hf = name == "llama"
-        model = apply(model, mesh, sequence_buffers=None if hf else {"positions": 0})
-        opt = torch.optim.SGD(model.parameters(), lr=LR)
-        for step in range(STEPS):
-            ids = _ids(step)
-            kwargs = {"position_ids": positions(mesh, SEQ)} if hf else {}
-            logits = _logits(model(shard(mesh, ids), **kwargs))
-            opt.zero_grad()
-            token_loss(logits, shard(mesh, shift_labels(ids)), mesh).backward()
-            opt.step()
-        out[name] = {k: v.detach() for k, v in model.module.named_parameters()}
+    for name, text in plans.items():
+        plan = Plan.from_json(text)
+        out[name] = _train(name, plan)
+        if world == 4:
+            out[name + " fsdp+recompute"] = _train(name, _sharded_recomputed(plan))
+    if world == 4:
+        import executor
+
+        model = executor.parallelize(_llama(), Plan.from_json(plans["llama"]))
+        ids = executor.shard_batch(Plan.from_json(plans["llama"]), (_ids(0),))[0]
+        try:  # a padding mask would be dropped by transformers: refused first
+            model(ids, attention_mask=torch.ones_like(ids))
+        except ValueError as error:
+            out["padding"] = str(error)
     return out
+
+
+def _train(name: str, plan) -> dict:
+    import executor
+
+    model = executor.parallelize(MODELS[name](), plan)
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    for step in range(STEPS):
+        ids = _ids(step)
+        inputs, labels = executor.shard_batch(plan, (ids, shift_labels(ids)))
+        logits = _logits(model(inputs))
+        opt.zero_grad()
+        token_loss(logits, labels).backward()
+        opt.step()
+    inner = getattr(model, "module", model)  # DDP keeps it as .module; FSDP in place
+    return {k: getattr(v, "full_tensor", lambda v=v: v)().detach()
+            for k, v in inner.named_parameters()}
 
 
 def test_split_sequence_balances_causal_work_and_joins_back():
@@ -115,17 +138,29 @@ def test_split_sequence_balances_causal_work_and_joins_back():
         split_sequence(whole, 0, 4)
 
 
-def test_context_parallel_steps_equal_one_process():
-    results = run_ranks(_ranks, 4)
+def test_cp_plans_train_like_one_process():
+    """planner.baseline(..., "cp") + executor.parallelize: cp 2 on 2 ranks, cp 2 x dp 2 on
+    4 (DDP, and FSDP2 with recomputed MLPs), 3 steps each, parameters equal to one
+    process's steps on the whole batch."""
+    plans = {2: _plans("2xcpu"), 4: _plans("4xcpu")}
+    for world, made in plans.items():
+        for text in made.values():
+            assert Plan.from_json(text).mesh.shape == [world // 2, 2]
+    results = {world: run_ranks(_ranks, world, plans[world]) for world in plans}
+    worst = 0.0
     for name in MODELS:
         expected = _reference(name)
-        for (rank, result), run in product(enumerate(results), ("cp2", "dp2xcp2")):
-            got = result[run][name]
-            assert got.keys() == expected.keys(), name
-            assert "pass no attention_mask" in result["padding"]
-            for key, value in expected.items():
-                torch.testing.assert_close(got[key], value, rtol=1e-9, atol=1e-11,
-                                           msg=f"{name} {run} rank {rank} {key}")
+        for world, got_ranks in results.items():
+            runs = [name] + ([name + " fsdp+recompute"] if world == 4 else [])
+            for (rank, result), run in product(enumerate(got_ranks), runs):
+                got = result[run]
+                assert got.keys() == expected.keys(), run
+                for key, value in expected.items():
+                    torch.testing.assert_close(got[key], value, rtol=1e-9, atol=1e-11,
+                                               msg=f"{run} on {world} ranks, rank {rank} {key}")
+                    worst = max(worst, float((got[key] - value).abs().max()))
+    assert all("pass no attention_mask" in r["padding"] for r in results[4])
+    print(f"largest parameter difference: {worst:.3g}")
 
 
 def test_context_parallel_price_counts_kv_gather_and_scatter_bytes():
