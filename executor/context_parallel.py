@@ -304,14 +304,14 @@ def plan_sequence(plan) -> int:
 def parallelize_plan(model: nn.Module, plan, mesh: DeviceMesh | None = None) -> nn.Module:
     """This rank's `model` under a cp Plan: `apply` over the plan's mesh with its weight
     mode (DDP, or FSDP2 with `Plan.context_parallel.sharded`), the plan's recomputed
-    modules under activation checkpointing, and (an fx model) every 1-D buffer as long
-    as the sequence taken for a position index and split like the tokens."""
+    blocks and modules under activation checkpointing, and (an fx model) every 1-D buffer
+    as long as the sequence taken for a position index and split like the tokens."""
     mesh = mesh or mesh_of(plan)
     if tuple(mesh.mesh_dim_names or ()) != ("dp", "cp") or list(mesh.shape) != plan.mesh.shape:
         raise ValueError(f"context parallel: the mesh {tuple(mesh.shape)} "
                          f"{mesh.mesh_dim_names} is not the plan's {plan.mesh.shape} "
                          f"('dp', 'cp'); pass mesh=None to make it from the plan")
-    recomputed = [l.name for l in plan.layers if l.recompute]
+    recomputed = recomputed_modules(plan)
     hf = hasattr(model, "set_attn_implementation")
     if hf:  # module paths of the model itself: checkpointed before or after, alike
         _checkpoint(model, recomputed)
@@ -322,6 +322,14 @@ def parallelize_plan(model: nn.Module, plan, mesh: DeviceMesh | None = None) -> 
     if not hf:  # the traced graph keeps the leaf modules at their paths
         _checkpoint(getattr(out, "module", out), recomputed)
     return out
+
+
+def recomputed_modules(plan) -> list[str]:
+    """The module paths to run under activation checkpointing: the plan's recomputed
+    blocks (torchtitan's full AC), and its recomputed layers outside them."""
+    blocks = list(plan.recompute_blocks)
+    inside = tuple(b + "." for b in blocks)
+    return blocks + [l.name for l in plan.layers if l.recompute and not l.name.startswith(inside)]
 
 
 def _checkpoint(model: nn.Module, paths: list[str]) -> None:

@@ -161,12 +161,15 @@ def summarize(choices: Choices, solution: Solution, cluster: Cluster,
 def baseline(model: nn.Module, devices, kind: str, example_inputs: Sequence | None = None,
              example_kwargs: dict | None = None, *, optimizer: str = "adam",
              leaf_modules=(), measure: bool | None = None, time_limit_s: float = 60.0,
-             tracer: str = "auto") -> Plan:
+             tracer: str = "auto", cp: int | None = None) -> Plan:
     """The `kind` baseline ("ddp", "tensor", "fsdp", "pipeline", "fsdp_tp", "ep" or "cp")
     for `model` on `devices`, as a Plan the executor runs like any other; `tracer` as
-    optimize's."""
+    optimize's; `cp`: the "cp" kind at that degree only (default: the best degree)."""
     started = time.perf_counter()
     _check(kind)  # an unknown kind stops here, before the model is traced
+    if cp is not None and kind != "cp":
+        raise ValueError(f"baseline: cp={cp} is a degree of the 'cp' kind, not of {kind!r}; "
+                         f"pass kind='cp' or drop cp")
     if kind == "pipeline":
         return _pipeline(model, devices, example_inputs, example_kwargs, optimizer,
                          leaf_modules, measure, time_limit_s, started)
@@ -174,7 +177,7 @@ def baseline(model: nn.Module, devices, kind: str, example_inputs: Sequence | No
                                     leaf_modules, measure, tracer)
     if kind == "cp":
         return context_parallel(graph, cluster, optimizer, cluster.device.memory_bytes,
-                                started, time_limit_s)
+                                started, cp)
     if kind == "fsdp_tp":
         return fsdp_tp(graph, cluster, optimizer, cluster.device.memory_bytes, started,
                        time_limit_s=time_limit_s)

@@ -6,16 +6,17 @@ the batch's per-token work: attention blocks under `ContextParallel(degree=cp)` 
 all-gathered over the cp group, strategies.context), every other layer under `TokenShard`
 (the model's own code on the rank's tokens); weights replicated with DDP over the whole
 mesh, as `executor.context_parallel.apply` runs it, or FSDP2-sharded over it (the `+fsdp`
-variants, as torchtitan runs long context), each module optionally recomputed
-(activation checkpointing) where memory binds.
+variants, as torchtitan runs long context); and, for a decoder traced by torch.export,
+every transformer block under activation checkpointing or none (torchtitan's full AC,
+planner.pipeline.block_recompute's variants).
 
-It is the 1-D problem of planner.choices (one group of all N devices, priced by
-planner.price, solved by planner.ilp within memory) with a rule that keeps those options,
-once per (cp, sharded); the fastest that fits wins (else the one needing least memory,
-reported as not fitting). No layout changes between layers: each rank runs the model's
-code on its tokens and the only collectives are attention's and the weights' (in the
-options' prices), so the problem has no edges. Enumerating the few degrees and solving
-each exactly makes the winner optimal for the cost model.
+Each (cp, weights, recompute) is the 1-D problem of planner.choices (one group of all N
+devices, priced by planner.price) with one option per layer, so its step and memory are
+the stage problem's `evaluate` and `peak_bytes` of that one assignment; the fastest that
+fits wins (else the one needing least memory, reported as not fitting), which makes it
+optimal for the cost model over the degrees. No layout changes between layers: each rank
+runs the model's code on its tokens and the only collectives are attention's and the
+weights' (in the options' prices), so the problem has no edges.
 """
 
 from __future__ import annotations
@@ -24,13 +25,14 @@ import time
 from dataclasses import dataclass, replace
 
 from planner.choices import Choices, layer_choices
-from planner.fit import solve_within_memory, staged_peak
-from planner.ilp import solve
 from planner.offers import OneGroup
+from planner.pipeline import block_recompute
+from planner.pipeline.stage_held import peak_bytes
+from planner.pipeline.stages import StageSolution, evaluate
 from planner.plan import ContextParallelPlan, MeshPlan, Plan
 from planner.plan3d import one_d_plan
 from planner.price import group_link, step_overhead_s
-from planner.profiled import PlanDoesNotFit
+from planner.problem import Solution
 from planner.search import CostCache
 from profiler.graph import Layer, ModelGraph
 from strategies.catalog import Strategy
@@ -42,7 +44,6 @@ from strategies.context import (
     TokenShard,
 )
 from strategies.gpu_compute import attention_dims
-from strategies.memory import Recompute
 
 
 def is_attention(layer: Layer) -> bool:
@@ -67,9 +68,11 @@ def sequence_length(graph: ModelGraph) -> int:
 
 
 def degrees(devices: int, batch: int, seq: int) -> list[int]:
-    """The cp degrees of N devices: cp >= 2 dividing N whose 2·cp chunks split the
-    sequence, with the batch's rows split evenly over dp = N / cp."""
-    return [cp for cp in range(2, devices + 1)
+    """The cp degrees of N devices: cp dividing N whose 2·cp chunks split the sequence,
+    with the batch's rows split evenly over dp = N / cp. cp 1 is the family's plain end,
+    every sequence whole on one device (data parallelism with these options, as
+    torchtitan's "FSDP 8, CP 1" long-context run)."""
+    return [cp for cp in range(1, devices + 1)
             if devices % cp == 0 and seq % (2 * cp) == 0 and batch % (devices // cp) == 0]
 
 
@@ -83,62 +86,75 @@ class _ContextGroup(OneGroup):
 
 
 def keep_rule(cp: int, sharded: bool):
-    """The options of each layer at cp `cp`: attention under ContextParallel, the rest on
-    its tokens, `sharded` (FSDP2 over the group) where a module has weights, each module
-    also recomputed."""
+    """The one option of each layer at cp `cp`: attention under ContextParallel, the rest
+    on its tokens, `sharded` (FSDP2 over the group) where a module has weights."""
     def keep(layer: Layer, options: list[Strategy]) -> list[Strategy]:
         if layer.is_input:
             return [TokenShard()]
         if is_attention(layer):
-            base = (ShardedContextParallel if sharded else ContextParallel)(degree=cp)
-        else:
-            shard = sharded and layer.param_bytes > 0 and layer.op == "call_module"
-            base = ShardedTokenShard() if shard else TokenShard()
-        return [base, Recompute(inner=base)] if layer.op == "call_module" else [base]
+            return [(ShardedContextParallel if sharded else ContextParallel)(degree=cp)]
+        shard = sharded and layer.param_bytes > 0 and layer.op == "call_module"
+        return [ShardedTokenShard() if shard else TokenShard()]
     return keep
 
 
-def _choices(cache: CostCache, cp: int, sharded: bool, budget: float | None) -> Choices:
-    """The 1-D problem of a cp plan, its edges dropped (module docstring)."""
+def _choices(cache: CostCache, cp: int, sharded: bool, recompute: bool) -> Choices:
+    """The 1-D problem of a cp plan, its edges dropped (module docstring); `recompute`:
+    every transformer block under activation checkpointing (block_recompute's variant of
+    each of its layers: the block keeps its input, 1/N of it per rank, and runs its
+    forward again in backward)."""
     graph = cache.graph
-    choices = layer_choices(graph, cache.cluster, cache.optimizer, budget, cache=cache,
+    choices = layer_choices(graph, cache.cluster, cache.optimizer, None, cache=cache,
                             group=_ContextGroup(levers=False, keep=keep_rule(cp, sharded)))
-    built = replace(choices.built, problem=replace(choices.built.problem, edges=()))
-    return replace(choices, problem=replace(choices.problem, edges=()), built=built)
+    built = choices.built
+    if recompute:
+        built = block_recompute.recompute_blocks(built, graph, cache.cluster.num_devices)
+    built = replace(built, problem=replace(built.problem, edges=()))
+    rows = tuple(replace(row, strategies=built.strategies[i], costs=built.costs[i],
+                         prices=row.prices * (len(built.costs[i]) // len(row.costs)))
+                 for i, row in enumerate(choices.layers))
+    return replace(choices, problem=replace(choices.problem, edges=()), built=built,
+                   layers=rows)
 
 
 @dataclass(frozen=True)
 class Tried:
-    """One (cp, sharded) candidate: its problem, solution, staged form and peak memory."""
+    """One (cp, sharded, recompute) candidate: its problem, the one assignment it has
+    (each block's recomputed option where it recomputes), the step and its peak memory."""
 
     cp: int
     sharded: bool
+    recompute: bool
     choices: Choices
-    solution: object
-    staged: object
+    solution: Solution
+    staged: StageSolution
     peak: list[float]
     step_s: float
     fits: bool
 
     def label(self) -> str:
-        return f"cp {self.cp}" + (" FSDP" if self.sharded else " DDP")
+        return (f"cp {self.cp}" + (" FSDP" if self.sharded else " DDP")
+                + (" + full AC" if self.recompute else ""))
 
 
-def _try(cache: CostCache, cp: int, sharded: bool, budget: float, time_limit_s: float
-         ) -> Tried:
-    """The best plan at (cp, sharded) within `budget`, or without a limit where none fits
-    (then reported as not fitting)."""
-    cluster, optimizer, outputs = cache.cluster, cache.optimizer, cache.graph.outputs
-    try:
-        choices = _choices(cache, cp, sharded, budget)
-        solution, staged, peak = solve_within_memory(choices, budget, time_limit_s, optimizer,
-                                                     cluster, outputs)
-    except PlanDoesNotFit:
-        choices = _choices(cache, cp, sharded, None)
-        solution = solve(choices.problem, time_limit_s)
-        staged, peak = staged_peak(choices, solution, cluster, optimizer, outputs)
-    return Tried(cp, sharded, choices, solution, staged, peak,
-                 solution.objective_s + step_overhead_s(cluster), max(peak) <= budget)
+def priced(cache: CostCache, cp: int, sharded: bool, recompute: bool, budget: float
+           ) -> Tried:
+    """The cp plan at (cp, sharded, recompute): each layer has one option, so its step is
+    the stage problem's evaluate of that assignment and its memory peak_bytes' (the rules
+    every plan's figures read)."""
+    choices = _choices(cache, cp, sharded, recompute)
+    problem = choices.built.problem
+    choice = tuple(int(layer.recomputed is not None and layer.recomputed[-1])
+                   for layer in problem.layers)
+    times = evaluate(problem, (0,), choice, 1, "1F1B")
+    solution = Solution(choice, times.step_s, times.step_s, "optimal", 0.0,
+                        "one option per layer")
+    staged = choices.staged(solution)
+    cluster = cache.cluster
+    peak = peak_bytes(choices.built, staged, choices.shape, cluster, cache.optimizer,
+                      set(cache.graph.outputs))
+    return Tried(cp, sharded, recompute, choices, solution, staged, peak,
+                 times.step_s + step_overhead_s(cluster), max(peak) <= budget)
 
 
 def _why(best: Tried, tried: list[Tried]) -> str:
@@ -153,20 +169,27 @@ def _why(best: Tried, tried: list[Tried]) -> str:
 
 
 def context_parallel(graph: ModelGraph, cluster: Cluster, optimizer: str, budget: float,
-                     started: float, time_limit_s: float = 60.0) -> Plan:
+                     started: float, cp: int | None = None) -> Plan:
     """The best context-parallel plan of `graph` on `cluster` within `budget` bytes per
-    device (module docstring)."""
+    device (module docstring); `cp`: that degree only."""
     n, batch = cluster.num_devices, graph.batch_size
     seq = sequence_length(graph)
     cps = degrees(n, batch, seq)
+    if cp is not None:
+        if cp not in cps:
+            raise ValueError(f"baseline: cp={cp} is not a degree of this job; it has "
+                             f"{cps or 'none'} (cp divides the {n} devices and 2·cp the "
+                             f"{seq}-token sequence, dp = devices / cp the batch of {batch})")
+        cps = [cp]
     if not cps:
-        raise ValueError(f"baseline: 'cp' needs cp >= 2 dividing the {n} devices with the "
+        raise ValueError(f"baseline: 'cp' needs a cp dividing the {n} devices with the "
                          f"{seq}-token sequence split into 2·cp equal chunks and the batch "
-                         f"of {batch} split over dp = devices / cp; pad the sequence to a "
-                         f"multiple of 2·cp (4 for cp 2) or pass a batch dp divides")
+                         f"of {batch} split over dp = devices / cp; pad the sequence to an "
+                         f"even length (2·cp: 4 for cp 2) or pass a batch dp divides")
     cache = CostCache(graph, cluster, optimizer)
-    tried = [_try(cache, cp, sharded, budget, time_limit_s)
-             for cp in cps for sharded in (False, True)]
+    modes = (False, True) if block_recompute.offered(graph) else (False,)
+    tried = [priced(cache, degree, sharded, recompute, budget)
+             for degree in cps for sharded in (False, True) for recompute in modes]
     fitting = [t for t in tried if t.fits]
     best = (min(fitting, key=lambda t: t.step_s) if fitting
             else min(tried, key=lambda t: max(t.peak)))

@@ -9,20 +9,23 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable, Sequence
+from dataclasses import replace
 
 from torch import nn
 
 from planner.baseline import LABELS, ONE_D_KINDS, available, solve_baseline, summarize
-from planner.choices import layer_choices
-from planner.fit import solve_within_memory
+from planner.choices import Choices, layer_choices
 from planner.ilp import solve
 from planner.once import plan_once
+from planner.pipeline.stage_held import peak_bytes
+from planner.pipeline.stages import StageSolution
 from planner.plan import Plan
 from planner.plan3d import choose_mesh, one_d_plan
 from planner.price import step_overhead_s
-from planner.problem import Infeasible
-from planner.profiled import check_arguments, profiled_graph
+from planner.problem import Infeasible, Solution
+from planner.profiled import GB, PlanDoesNotFit, check_arguments, profiled_graph
 from planner.search import DEFAULT_SEARCH_TIME_S, CostCache
+from planner.ties import expand, merge_ties
 from strategies.cluster import Cluster
 
 # Where the optimum beats the best standard plan by less than this, optimize() keeps the
@@ -110,7 +113,7 @@ def _plan_1d(graph, cluster: Cluster, optimizer: str, budget: float, pin, time_l
     from one planner.search.CostCache."""
     cache = CostCache(graph, cluster, optimizer)
     choices = layer_choices(graph, cluster, optimizer, budget, pin=pin, cache=cache)
-    solution, staged, peak = solve_within_memory(choices, budget, time_limit_s, optimizer,
+    solution, staged, peak = _solve_within_memory(choices, budget, time_limit_s, optimizer,
                                                   cluster, graph.outputs)
     dp_choices = layer_choices(graph, cluster, optimizer, None, only={"data_parallel"},
                                cache=cache)
@@ -179,3 +182,59 @@ def _with_baselines(plan: Plan, solved: dict, cluster: Cluster, budget: float) -
                for kind, (choices, solution) in solved.items()}
     predicted = plan.predicted.model_copy(update={"baselines": records})
     return plan.model_copy(update={"predicted": predicted})
+
+
+def _solve_within_memory(choices: Choices, budget: float, time_limit_s: float,
+                         optimizer: str, cluster: Cluster, outputs=()
+                         ) -> tuple[Solution, StageSolution, list[float]]:
+    """The optimum whose memory, as the step holds it (planner.pipeline.stage_held.
+    peak_bytes: the per-layer sum the integer program sees and what the step holds beside
+    it), fits the budget, with it as the one stage and that peak (which one_d_plan reads
+    rather than compute again). The second part depends on the assignment (DDP's buckets,
+    the largest FSDP layer), so where a solution's exceeds what the program left, the
+    program is solved again with the budget lowered by it: a plan never promises to fit
+    what does not."""
+    problem = choices.problem
+    try:
+        for _ in range(4):
+            solution = solve(problem, time_limit_s)
+            staged, peak = _staged_peak(choices, solution, cluster, optimizer, outputs)
+            if peak[0] <= budget:
+                return solution, staged, peak
+            held = peak[0] - problem.memory_of(solution.choice)
+            problem = replace(problem, memory_budget_bytes=budget - held)
+        raise Infeasible("the step's buffers leave no assignment within memory",
+                         family="memory")
+    except Infeasible as error:
+        if error.family != "memory":
+            raise
+        need = least_need_bytes(choices, cluster, optimizer, outputs)
+        raise PlanDoesNotFit(
+            f"plan does not fit: needs at least {need / GB:.1f} GB on each of "
+            f"{choices.context.ranks} devices, has {budget / GB:.1f} GB; add devices, "
+            f"lower the batch, use a lighter optimizer (optimizer='sgd'), or raise "
+            f"memory_limit_bytes"
+        ) from None
+
+
+def _staged_peak(choices: Choices, solution: Solution, cluster: Cluster, optimizer: str,
+                 outputs=()) -> tuple[StageSolution, list[float]]:
+    """`solution` as the one stage of the 1-D problem and the memory its step holds at its
+    peak (planner.pipeline.stage_held.peak_bytes), by the rule every plan's memory reads."""
+    staged = choices.staged(solution)
+    return staged, peak_bytes(choices.built, staged, choices.shape, cluster, optimizer,
+                              set(outputs))
+
+
+def least_need_bytes(choices: Choices, cluster: Cluster, optimizer: str, outputs=()) -> float:
+    """What a step of the 1-D problem needs at least per device by our own rule: the
+    least-memory assignment (each tie group on one strategy) with what the step holds
+    beside its layers (DDP's buckets, the loss, optimizer temporaries), so a
+    PlanDoesNotFit's figure is one a plan could meet."""
+    problem = choices.problem
+    merged, picks = merge_ties(problem)
+    least = tuple(min(range(len(node.options)), key=lambda k: node.options[k].memory_bytes)
+                  for node in merged.nodes)
+    choice = expand(least, picks, len(problem.nodes))
+    solution = Solution(choice, problem.cost_of(choice), 0.0, "feasible", 0.0, "least memory")
+    return _staged_peak(choices, solution, cluster, optimizer, outputs)[1][0]

@@ -120,7 +120,8 @@ class ContextParallelPlan(_Data):
     """A context-parallel plan (the "cp" baseline, planner.context_plan): its degree, how
     its weights are held, and why this degree won. The mesh is ("dp", "cp")."""
 
-    degree: int = Field(gt=1, description="cp: ranks that split every sequence")
+    degree: int = Field(ge=1, description="cp: ranks that split every sequence (1: none, "
+                        "every sequence whole on a device)")
     sharded: bool = Field(False, description="weights FSDP2-sharded over cp x dp (else "
                           "replicated, DDP over the whole mesh)")
     why: str = Field("", description="its step time beside the other degrees' and "

@@ -74,7 +74,9 @@ class ContextParallel(Strategy):
     def applies(self, layer: Layer, ctx: CostContext) -> bool:
         cp, dp = self.split(ctx)
         shape = layer.output.shape
-        return (cp > 1 and ctx.ranks % cp == 0 and len(shape) == 3 and shape[0] % dp == 0
+        # degree 1 (asked for): every sequence whole, the family's data-parallel end
+        return ((self.degree > 0 or cp > 1) and ctx.ranks % cp == 0 and len(shape) == 3
+                and shape[0] % dp == 0
                 and shape[1] % (2 * cp) == 0)
 
     def cost(self, layer: Layer, ctx: CostContext) -> Cost:

@@ -63,7 +63,7 @@ def test_the_memory_a_plan_needs_at_least_counts_what_the_step_holds_beside_its_
     from alexnet_example import build
 
     from planner.choices import layer_choices
-    from planner.fit import least_need_bytes
+    from planner.optimize import least_need_bytes
     from planner.profiled import profiled_graph
 
     model, inputs, _ = build(65536, "meta")

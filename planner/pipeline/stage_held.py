@@ -106,7 +106,7 @@ def held_beside_stages(built, choice, stage: list[int], ranks_of: list[int], sha
     # memory only while nothing beside the rows is negative (planner.search._Search.
     # rows_budget), so where the schedule's take-back is more than the rest, the rank is
     # priced at its rows; a 1-D plan's program is solved again at the true figure instead
-    # (planner.fit.solve_within_memory)
+    # (planner.optimize._solve_within_memory)
     return held if one else [max(0.0, h) for h in held]
 
 

@@ -22,6 +22,7 @@ from planner.baseline import BASELINES, LABELS, baseline
 from planner.optimize import optimize
 from planner.plan import Plan
 from planner.report.explain import _gb, _ms, does_not_fit
+from strategies.context import FSDP_SUFFIX, TOKEN_SPLIT
 
 
 @dataclass(frozen=True)
@@ -50,13 +51,26 @@ def compare(model: nn.Module, devices, example_inputs: Sequence, *, optimizer: s
     return rows
 
 
+def _kind(layer) -> str:
+    """DP, FSDP, MP, CP (a context-parallel plan's, +FSDP where sharded) or whole."""
+    if layer.model_parallel:
+        return "MP"
+    base = layer.strategy.removesuffix(FSDP_SUFFIX)
+    if base in TOKEN_SPLIT:
+        return "CP+FSDP" if base != layer.strategy else "CP"
+    return {"data_parallel": "DP", "fsdp": "FSDP"}.get(layer.strategy, "whole")
+
+
 def _split(plan: Plan) -> str:
-    """How the layers with weights run: data parallel, sharded (FSDP), model parallel or
-    whole, and the pipeline stages if any."""
-    kinds = ["MP" if l.model_parallel else {"data_parallel": "DP", "fsdp": "FSDP"}.get(
-        l.strategy, "whole") for l in plan.layers if l.param_bytes]
-    text = ", ".join(f"{kinds.count(k)} {k}" for k in ("DP", "FSDP", "MP", "whole")
+    """How the layers with weights run: data parallel, sharded (FSDP), model parallel,
+    context parallel or whole, and the pipeline stages if any."""
+    kinds = [_kind(l) for l in plan.layers if l.param_bytes]
+    shown = ("CP", "CP+FSDP", "whole") if plan.context_parallel else (
+        "DP", "FSDP", "MP", "whole")
+    text = ", ".join(f"{kinds.count(k)} {k}" for k in shown
                      if kinds.count(k) or k in ("DP", "MP"))
+    if plan.context_parallel:
+        text += f"; cp {plan.context_parallel.degree} x dp {plan.mesh.size('dp')}"
     if plan.pipeline is not None:
         text += f"; {len(plan.pipeline.stages)} stages"
     return text

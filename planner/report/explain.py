@@ -128,6 +128,10 @@ def context_lines(plan: Plan) -> list[str]:
     n, chunks = plan.num_devices, 2 * cp.degree
     weights = (f"FSDP2-sharded over all {n} ranks" if cp.sharded else
                f"replicated, gradients all-reduced over all {n} ranks (DDP)")
+    if cp.degree == 1:
+        return [f"Context parallel: cp 1 x dp {m.size('dp')}: no sequence split pays here "
+                f"(every sequence whole on one device); weights {weights}",
+                f"  why cp 1: {cp.why}"]
     mesh = (f"Context parallel: cp {cp.degree} x dp {m.size('dp')} (mesh dims dp, cp); each "
             f"sequence cut into {chunks} chunks, rank r of a cp group keeping chunks r and "
             f"{chunks - 1}-r (equal work under the causal mask); attention all-gathers K/V "
