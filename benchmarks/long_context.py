@@ -88,24 +88,37 @@ def row(seq: int) -> None:
 
 
 def _titan(seq, batch, cp, published, model, inputs, kwargs, shape) -> None:
-    """torchtitan's own configuration priced: its cp, FSDP, every module recomputed."""
+    """torchtitan's own configuration priced: its cp, FSDP, every block recomputed; and its
+    terms: the K/V all-gather and reduce-scatter, what full AC adds (the same plan
+    without it, fitting or not)."""
     graph, priced_on = profiled_graph(model, cluster(LEVERS), inputs, kwargs, tracer="blocks")
-    tried = priced(CostCache(graph, priced_on, "adamw"), cp, True, True,
-                   priced_on.device.memory_bytes)
+    cache = CostCache(graph, priced_on, "adamw")
+    budget = priced_on.device.memory_bytes
+    tried, plain = priced(cache, cp, True, True, budget), priced(cache, cp, True, False, budget)
     tps = llm_throughput(tried.step_s, batch, seq, 8, shape,
-                         priced_on.device.peak_flops["bfloat16"]).tokens_per_s_per_device
+                         priced_on.device.peak_flops["bfloat16"])
     print(f"  {'torchtitan config priced':<26s} cp {cp} x dp {8 // cp} FSDP  step "
-          f"{tried.step_s:7.2f} s  {tps:6,.0f} tokens/s/GPU ({tps / published - 1:+.0%})  "
-          f"memory {max(tried.peak) / 2**30:5.1f} GiB  every block recomputed")
+          f"{tried.step_s:7.2f} s  {tps.tokens_per_s_per_device:6,.0f} tokens/s/GPU "
+          f"({tps.tokens_per_s_per_device / published - 1:+.0%})  memory "
+          f"{max(tried.peak) / 2**30:5.1f} GiB  every block recomputed; MFU {tps.mfu:.1%} "
+          f"(published: {tps.mfu * published / tps.tokens_per_s_per_device:.1%})")
+    rows, choice = tried.choices.layers, tried.solution.choice
+    notes = [row.costs[c].notes for row, c in zip(rows, choice)]
+    kv = sum(n.get("kv_all_gather_s", 0.0) + n.get("kv_reduce_scatter_s", 0.0) for n in notes)
+    print(f"    terms: K/V all-gather + reduce-scatter {kv:.2f} s, full AC "
+          f"+{tried.step_s - plain.step_s:.2f} s (without it: {max(plain.peak) / 2**30:.0f} "
+          f"GiB)")
 
 
 def _terms(plan) -> None:
-    """The step's split and the attention blocks' K/V traffic, so an error can be read."""
+    """The step's split and the attention blocks' share, so an error can be read."""
     p = plan.predicted
     attention = [l for l in plan.layers if l.strategy.startswith("context_parallel")]
+    # a recomputed block's extra forward sits in its layers' step beside their compute,
+    # which planner.plan3d reports inside communication_s (see the torchtitan line's terms)
     print(f"    compute {p.compute_s:.2f} s (attention blocks "
-          f"{sum(l.compute_s for l in attention):.2f}), communication {p.communication_s:.2f} "
-          f"s (attention's K/V and FSDP {sum(l.communication_s for l in attention):.2f}), "
+          f"{sum(l.compute_s for l in attention):.2f}), communication and recompute "
+          f"{p.communication_s:.2f} s (attention blocks' {sum(l.communication_s for l in attention):.2f}), "
           f"optimizer {p.other_s:.2f} s")
 
 

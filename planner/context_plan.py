@@ -158,14 +158,18 @@ def priced(cache: CostCache, cp: int, sharded: bool, recompute: bool, budget: fl
 
 
 def _why(best: Tried, tried: list[Tried]) -> str:
-    """The degree chosen and the others' step times or memory beside it."""
-    def said(t: Tried) -> str:
-        state = (f"{t.step_s * 1e3:.4g} ms" if t.fits
-                 else f"does not fit ({max(t.peak) / 1e9:.3g} GB)")
-        return f"{t.label()} {state}"
-    others = "; ".join(said(t) for t in tried if t is not best)
-    head = said(best) + (", the fastest that fits" if best.fits else ", the least memory")
-    return head + (f"; vs {others}" if others else "")
+    """The degree chosen, the other fitting candidates' step times beside it, and what the
+    others would need."""
+    def ms(t: Tried) -> str:
+        return f"{t.label()} {t.step_s * 1e3:.4g} ms"
+
+    head = (ms(best) + ", the fastest that fits" if best.fits else
+            f"{best.label()}, the least memory ({max(best.peak) / 1e9:.3g} GB)")
+    faster = [ms(t) for t in tried if t.fits and t is not best]
+    over = [f"{t.label()} {max(t.peak) / 1e9:.3g} GB" for t in tried
+            if not t.fits and t is not best]
+    return (head + (f"; vs {'; '.join(faster)}" if faster else "")
+            + (f"; not fitting: {', '.join(over)}" if over else ""))
 
 
 def context_parallel(graph: ModelGraph, cluster: Cluster, optimizer: str, budget: float,
