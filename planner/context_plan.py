@@ -161,7 +161,8 @@ def _why(best: Tried, tried: list[Tried]) -> str:
     """The degree chosen, the other fitting candidates' step times beside it, and what the
     others would need."""
     def ms(t: Tried) -> str:
-        return f"{t.label()} {t.step_s * 1e3:.4g} ms"
+        step = f"{t.step_s:.3f} s" if t.step_s >= 1 else f"{t.step_s * 1e3:.4g} ms"
+        return f"{t.label()} {step}"
 
     head = (ms(best) + ", the fastest that fits" if best.fits else
             f"{best.label()}, the least memory ({max(best.peak) / 1e9:.3g} GB)")

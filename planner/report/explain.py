@@ -128,10 +128,6 @@ def context_lines(plan: Plan) -> list[str]:
     n, chunks = plan.num_devices, 2 * cp.degree
     weights = (f"FSDP2-sharded over all {n} ranks" if cp.sharded else
                f"replicated, gradients all-reduced over all {n} ranks (DDP)")
-    if cp.degree == 1:
-        return [f"Context parallel: cp 1 x dp {m.size('dp')}: no sequence split pays here "
-                f"(every sequence whole on one device); weights {weights}",
-                f"  why cp 1: {cp.why}"]
     mesh = (f"Context parallel: cp {cp.degree} x dp {m.size('dp')} (mesh dims dp, cp); each "
             f"sequence cut into {chunks} chunks, rank r of a cp group keeping chunks r and "
             f"{chunks - 1}-r (equal work under the causal mask); attention all-gathers K/V "
@@ -139,7 +135,13 @@ def context_lines(plan: Plan) -> list[str]:
     inputs = ("Inputs: each rank passes its replica's rows, its chunks of every sequence "
               "(executor.shard_batch); labels shifted before the split; the loss is "
               "executor.context_parallel.token_loss over the rank's tokens")
-    return [mesh, f"  why cp {cp.degree}: {cp.why}", inputs]
+    checkpointed = (f"Activation checkpointing: all {len(plan.recompute_blocks)} transformer "
+                    f"blocks (keep their input, run their forward again in backward)"
+                    if plan.recompute_blocks else "Activation checkpointing: none")
+    if cp.degree == 1:
+        mesh = (f"Context parallel: cp 1 x dp {m.size('dp')}: no sequence split pays here "
+                f"(every sequence whole on one device); weights {weights}")
+    return [mesh, f"  why cp {cp.degree}: {cp.why}", checkpointed, inputs]
 
 
 def table(plan: Plan) -> Table:
@@ -264,7 +266,8 @@ def explain(plan: Plan, width: int = 130) -> str:
         extra = [f"Mesh choice: {plan.mesh_choice}"] + extra
     if plan.standard_choice:
         extra = [f"Standard plan: {plan.standard_choice}"] + extra
-    extra += lever_lines(plan) + sequence_lines(plan)
+    if plan.context_parallel is None:  # a cp plan's weights and checkpointing: its own lines
+        extra += lever_lines(plan) + sequence_lines(plan)
     for line in summary(plan) + extra:
         console.print(line, highlight=False, soft_wrap=True)
     console.print(table(plan))
