@@ -59,7 +59,7 @@ def sequence_length(graph: ModelGraph) -> int:
     if not lengths:
         raise ValueError(f"baseline: 'cp' splits the sequence inside attention blocks, and "
                          f"{graph.model_name} has none (a leaf module with heads, "
-                         f"[batch, seq, hidden] out; register your own with "
+                         f"(batch, seq, hidden) out; register your own with "
                          f"strategies.register_attention); use 'ddp' or 'fsdp'")
     if len(lengths) > 1:
         raise ValueError(f"baseline: 'cp' needs one sequence length, {graph.model_name}'s "

@@ -127,6 +127,9 @@ def render(rows: list[Row], width: int = 130) -> str:
         ratio = best.plan.predicted.step_time_s / rows[0].plan.predicted.step_time_s
         verdict = (f"predicted {ratio:.2f}x faster" if ratio >= 1.005 else
                    "the same plan or as fast (the baseline is already optimal here)")
+        if ratio < 0.995:  # a kind hyplan's own search does not offer (context parallel)
+            verdict = (f"predicted {1 / ratio:.2f}x slower: its search does not offer this "
+                       f"kind; plan it with `hyplan plan ... --kind {best.kind}`")
         console.print(f"The fastest baseline that fits is {best.label}: hyplan's plan is "
                       f"{verdict}. ratio = step time / hyplan's; sent/device = bytes each "
                       f"device sends per step.", highlight=False)
