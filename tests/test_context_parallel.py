@@ -97,11 +97,11 @@ def _ranks(rank: int, world: int, plans: dict[str, str]) -> dict:
     from planner import Plan
 
     out = {}
-    for name, text in plans.items():
-        plan = Plan.from_json(text)
-        out[name] = _train(name, plan)
+    for run, text in plans.items():
+        plan, name = Plan.from_json(text), run.split()[0]
+        out[run] = _train(name, plan)
         if world == 4:
-            out[name + " fsdp+recompute"] = _train(name, _sharded_recomputed(plan))
+            out[run + " fsdp+recompute"] = _train(name, _sharded_recomputed(plan))
     if world == 4:
         import executor
 
@@ -144,21 +144,26 @@ def test_split_sequence_balances_causal_work_and_joins_back():
 
 
 def test_cp_plans_train_like_one_process():
-    """planner.baseline(..., "cp") + executor.parallelize: cp 2 on 2 ranks, cp 2 x dp 2 on
-    4 (DDP, and FSDP2 with recomputed MLPs), 3 steps each, parameters equal to one
-    process's steps on the whole batch."""
+    """planner.baseline(..., "cp") + executor.parallelize: cp 2 on 2 ranks (and cp 1 x dp
+    2), cp 2 x dp 2 on 4 (DDP, and FSDP2 with a recomputed block and MLPs), 3 steps each,
+    parameters equal to one process's steps on the whole batch."""
+    from planner.baseline import baseline
+
     models = {name: make() for name, make in MODELS.items()}
     plans = {2: _plans(models, "2xcpu"), 4: _plans(models, "4xcpu")}
     for world, made in plans.items():
         for text in made.values():
             plan = Plan.from_json(text)  # DDP over the mesh: FSDP2 is the variant below
             assert plan.mesh.shape == [world // 2, 2] and not plan.context_parallel.sharded
+    # the family's data-parallel end, cp 1 x dp 2: the same executor path
+    plans[2]["gpt cp1"] = baseline(models["gpt"], "2xcpu", "cp", (_ids(0),), cp=1,
+                                   measure=False).to_json()
     results = {world: run_ranks(_ranks, world, plans[world]) for world in plans}
     worst = 0.0
     for name in MODELS:
         expected = _reference(name)
         for world, got_ranks in results.items():
-            runs = [name] + ([name + " fsdp+recompute"] if world == 4 else [])
+            runs = [run for run in got_ranks[0] if run.split()[0] == name]
             for (rank, result), run in product(enumerate(got_ranks), runs):
                 got = result[run]
                 assert got.keys() == expected.keys(), run
@@ -226,6 +231,11 @@ def test_cp_baseline_is_the_fastest_cp_x_dp_plan_with_a_cp_mesh():
     old = plan.model_dump(mode="json")
     del old["context_parallel"]  # a plan file from before context parallelism
     assert Plan.model_validate(old).context_parallel is None
+    from executor import train_step
+
+    model = torch.nn.Linear(2, 2)  # refused before anything runs: its loss needs token_loss
+    with pytest.raises(ValueError, match="token_loss"):
+        train_step(model, plan, (_ids(0),), None, torch.optim.SGD(model.parameters()))
 
 
 def test_cp_baseline_refuses_a_model_without_attention_or_an_unsplit_sequence():
