@@ -202,7 +202,28 @@ def context_parallel(graph: ModelGraph, cluster: Cluster, optimizer: str, budget
                       None, time.perf_counter() - started, staged=(best.staged, best.peak))
     record = ContextParallelPlan(degree=best.cp, sharded=best.sharded, why=_why(best, tried))
     return plan.model_copy(update={"mesh": mesh_plan(cluster, best.cp),
-                                   "context_parallel": record})
+                                   "context_parallel": record,
+                                   "layers": _reasons(plan.layers, best)})
+
+
+def _reasons(layers, best: Tried) -> list:
+    """Each layer's reason in a cp plan's terms (its one option: the plan-level why says
+    why this degree): attention's K/V traffic, the weights' mode."""
+    weights = "FSDP2-sharded over the mesh" if best.sharded else "replicated (DDP)"
+    costs = {row.layer.name: row.costs[c] for row, c in
+             zip(best.choices.layers, best.solution.choice)}
+    out = []
+    for layer in layers:
+        notes = costs[layer.name].notes if layer.name in costs else {}
+        if "kv_bytes" in notes:
+            kv_s = (notes["kv_all_gather_s"] + notes["kv_reduce_scatter_s"]) * 1e3
+            reason = (f"attention over cp {best.cp}: its queries' chunks against the "
+                      f"sequence's K/V ({notes['kv_bytes'] / 1e6:.3g} MB all-gathered, their "
+                      f"gradients reduce-scattered: {kv_s:.3g} ms per step); weights {weights}")
+        else:
+            reason = f"the model's own code on this rank's tokens; weights {weights}"
+        out.append(layer.model_copy(update={"reason": reason}))
+    return out
 
 
 def mesh_plan(cluster: Cluster, cp: int) -> MeshPlan:
