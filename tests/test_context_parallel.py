@@ -249,3 +249,27 @@ def test_cp_baseline_refuses_a_model_without_attention_or_an_unsplit_sequence():
     gpt = GPT(layers=1, width=16, heads=2, seq=6, vocab=VOCAB)
     with pytest.raises(ValueError, match="2·cp equal chunks"):
         baseline(gpt, "4xcpu", "cp", (torch.zeros(2, 6, dtype=torch.long),))
+
+
+def test_cp_degrees_divide_devices_sequence_and_batch():
+    from planner.context_plan import degrees
+
+    assert degrees(8, 8, 32768) == [1, 2, 4, 8]  # torchtitan's 32K job: any degree
+    assert degrees(8, 2, 131072) == [4, 8]  # dp = 8 / cp must split 2 rows
+    assert degrees(8, 1, 12) == []  # one row: only cp 8 splits it, and 12 is no 16 chunks
+
+
+def test_hyplan_plan_kind_cp_for_a_long_sequence(tmp_path, capsys):
+    import json
+
+    from planner.cli import main
+
+    config = {"model_type": "llama", "hidden_size": 256, "intermediate_size": 512,
+              "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+              "vocab_size": 1024, "max_position_embeddings": 4096}
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))
+    argv = ["plan", str(path), "--devices", "4xH100", "--seq", "4096", "--batch", "1"]
+    assert main([*argv, "--kind", "cp"]) == 0
+    out = capsys.readouterr().out  # one sequence on 4 devices: only cp 4 splits it
+    assert "Context parallel: cp 4 x dp 1" in out and "tokens/s per device" in out
