@@ -94,7 +94,8 @@ class ContextParallel(Strategy):
                     weights_memory(layer.param_bytes, ctx) + kept,
                     update_s(layer.param_bytes, ctx),
                     {"kv_bytes": kv, "kv_all_gather_s": gather, "kv_reduce_scatter_s": scatter,
-                     "communication_bytes": sent, "gradient_bytes": layer.param_bytes,
+                     "kv_sent_bytes": sent, "communication_bytes": sent + sync.sent_bytes,
+                     "gradient_bytes": layer.param_bytes,
                      "gradient_all_reduce_s": sync.all_reduce_s,
                      "gradient_sent_bytes": sync.sent_bytes, "cp": cp})
 
@@ -165,8 +166,8 @@ def _sharded(plain: Cost, layer: Layer, ctx: CostContext) -> Cost:
              if k not in ("gradient_all_reduce_s", "gradient_sent_bytes")}
     notes.update(fsdp.notes)
     # the K/V traffic stays; the gradients' all-reduce gives way to FSDP's collectives
-    kv_sent = plain.notes["communication_bytes"] if "kv_bytes" in plain.notes else 0.0
-    notes["communication_bytes"] = kv_sent + fsdp.notes["communication_bytes"]
+    notes["communication_bytes"] = (plain.notes.get("kv_sent_bytes", 0.0)
+                                    + fsdp.notes["communication_bytes"])
     return Cost(plain.compute_s, plain.communication_s + fsdp.communication_s,
                 plain.memory_bytes - weights + sharded, fsdp.update_s, notes)
 

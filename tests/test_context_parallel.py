@@ -201,13 +201,14 @@ def test_context_parallel_price_counts_kv_gather_and_scatter_bytes():
     kv = 2 * (2 * 1024) * 2 * 64 * 4  # K and V: rows x tokens x kv heads x head dim, fp32
     assert cost.notes["kv_bytes"] == kv == 2 * 2**20
     # all-gather and reduce-scatter each send 3/4 of it from every rank
-    assert cost.notes["communication_bytes"] == 2 * 3 / 4 * kv
+    assert cost.notes["kv_sent_bytes"] == 2 * 3 / 4 * kv
     assert cost.communication_s == pytest.approx(2 * (3 * 1e-3 + 3 / 4 * kv / 1e9))
     whole = context_parallel_cost(layer, 1, ctx)
     assert whole.communication_s == 0 and cost.compute_s == pytest.approx(whole.compute_s / 4)
     # a quarter of the activations and the gathered K/V kept for backward, weights whole
     assert cost.memory_bytes - whole.memory_bytes == pytest.approx(out / 4 - out + kv)
     assert cost.notes["gradient_sent_bytes"] == 2 * 3 / 4 * 2**20  # DDP's all-reduce
+    assert cost.notes["communication_bytes"] == 2 * 3 / 4 * (kv + 2**20)  # both, per step
     with pytest.raises(ValueError, match="2·cp = 6"):
         context_parallel_cost(layer, 3, ctx)
 
