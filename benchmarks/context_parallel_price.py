@@ -41,7 +41,7 @@ def main() -> None:
             cost = context_parallel_cost(block(seq), cp, ctx)
             print(f"{seq:>7} {cp:>3} {cost.notes['kv_bytes'] / 2**20:>8.0f} "
                   f"{cost.communication_s * 1e3:>18.3f} "
-                  f"{cost.notes['communication_bytes'] / 2**20:>14.1f} "
+                  f"{cost.notes['kv_sent_bytes'] / 2**20:>14.1f} "
                   f"{cost.memory_bytes / 2**30:>16.2f}")
 
 

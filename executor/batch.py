@@ -7,6 +7,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
+from executor.context_parallel import shard_for_plan
 from planner.handback import output_whole
 from planner.plan import Plan
 
@@ -25,7 +26,9 @@ def shard_batch(plan: Plan, batch: Sequence, rank: int | None = None) -> tuple:
     rows where the plan says `batch`, and passed whole where it says `replicate` (the plan
     starts model-parallel). The rest (targets) are split by rows, as the model's outputs
     are, or passed whole where the rows do not split evenly over the devices
-    (planner.handback). Keyword inputs: `shard_keywords`.
+    (planner.handback). Keyword inputs: `shard_keywords`. Under a context-parallel plan
+    every entry is (rows, seq, ...): its replica's rows and this rank's chunks of every
+    sequence (executor.context_parallel.shard_for_plan; targets as shift_labels(ids)).
     """
     if isinstance(batch, RankBatch):
         return tuple(batch)
@@ -34,6 +37,8 @@ def shard_batch(plan: Plan, batch: Sequence, rank: int | None = None) -> tuple:
     world = plan.num_devices
     if rank is None:
         rank = dist.get_rank() if dist.is_initialized() else 0
+    if plan.context_parallel is not None:
+        return tuple(shard_for_plan(plan, value, rank) for value in batch)
     inputs = plan.positional_inputs
     out = []
     for i, value in enumerate(batch):

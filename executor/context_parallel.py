@@ -25,7 +25,13 @@ its tokens, so their gradients are averaged as data parallelism's are. With the 
     token_loss(logits, shard(mesh, shift_labels(ids)), mesh).backward()
 
 Causal attention only, without padding masks, dropout or sliding windows (each refused
-with a message). Not yet reached from `executor.parallelize`: no Plan says cp yet.
+with a message). A Plan that says cp (planner.baseline(..., "cp"): `Plan.context_parallel`)
+reaches it through `executor.parallelize` (`parallelize_plan` here), its inputs split by
+`executor.shard_batch` (`shard_for_plan`)::
+
+    model = executor.parallelize(model, plan)
+    ids, labels = executor.shard_batch(plan, (ids, shift_labels(ids)))
+    token_loss(model(ids).logits, labels).backward()
 """
 
 from __future__ import annotations
@@ -35,8 +41,11 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import fx, nn
 from torch.distributed._functional_collectives import all_gather_single_autograd
-from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel
+
+from executor.levers import checkpoint_module
 
 IGNORE_INDEX = -100  # the label cross-entropy skips: the last token has no next one
 ATTENTION_NAME = "hyplan_context_parallel"  # the attention function's key in transformers
@@ -99,18 +108,22 @@ def positions(mesh: DeviceMesh, seq: int, rows: int = 1) -> torch.Tensor:
     return split_sequence(whole, cp_mesh.get_local_rank(), cp_mesh.size(), 1)
 
 
-def token_loss(logits: torch.Tensor, labels: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+def token_loss(logits: torch.Tensor, labels: torch.Tensor, mesh: DeviceMesh | None = None
+               ) -> torch.Tensor:
     """Cross-entropy over this rank's tokens, as the whole batch's mean would count them:
     its sum over the targets the whole mesh has (ignored ones aside), times the mesh size,
-    so DDP's gradient mean gives the one-process gradient even where ranks hold different
-    numbers of targets (the last token's is ignored)."""
+    so DDP's (or FSDP's) gradient mean gives the one-process gradient even where ranks hold
+    different numbers of targets (the last token's is ignored). `mesh`: None where it is
+    every rank (a cp Plan's)."""
     # at least float32 (bfloat16 logits), never below the model's own precision
     wide = logits.to(torch.promote_types(logits.dtype, torch.float32))
     summed = F.cross_entropy(wide.flatten(0, -2), labels.flatten(),
                              ignore_index=IGNORE_INDEX, reduction="sum")
     count = (labels != IGNORE_INDEX).sum().to(torch.float64)
-    dist.all_reduce(count, group=_whole_group(mesh))
-    return summed * mesh.size() / count.clamp(min=1).to(summed.dtype)
+    group = _whole_group(mesh) if mesh is not None else None
+    dist.all_reduce(count, group=group)
+    size = mesh.size() if mesh is not None else dist.get_world_size()
+    return summed * size / count.clamp(min=1).to(summed.dtype)
 
 
 def gathered_attention(query, key, value, group, *, scale=None, causal=True):
@@ -118,6 +131,10 @@ def gathered_attention(query, key, value, group, *, scale=None, causal=True):
     whole sequence, gathered over `group`; the causal mask is written in global positions
     (the head-tail chunks of each rank). Keys may have fewer heads (grouped-query)."""
     cp, rank = dist.get_world_size(group), dist.get_rank(group)
+    if cp == 1:  # every sequence whole: the kernel's own causal mask (flash on a GPU)
+        return F.scaled_dot_product_attention(query, key, value, is_causal=causal,
+                                              scale=scale,
+                                              enable_gqa=key.shape[1] != query.shape[1])
     keys = all_gather_single_autograd(key.contiguous(), 2, group)
     values = all_gather_single_autograd(value.contiguous(), 2, group)
     mask = None
@@ -171,16 +188,27 @@ def _apply_hf(model: nn.Module, group) -> nn.Module:
 
     AttentionInterface.register(ATTENTION_NAME, _hf_attention(group))
     model.set_attn_implementation(ATTENTION_NAME)
-    model.register_forward_pre_hook(_refuse_padding_mask, with_kwargs=True)
+    model.register_forward_pre_hook(_global_positions(group), with_kwargs=True)
     return model
 
 
-def _refuse_padding_mask(module, args, kwargs):
-    """transformers builds no mask for a registered attention function, so a padding mask
-    would be dropped without a word: refused instead."""
-    if kwargs.get("attention_mask") is not None:
-        raise ValueError("context parallel: attention_mask is not split by sequence here; "
-                         "pack sequences without padding and pass no attention_mask")
+def _global_positions(group):
+    """A forward pre-hook: refuses a padding mask (transformers builds no mask for a
+    registered attention function, so it would be dropped without a word) and, where no
+    position_ids are given, passes the global positions of this rank's tokens (the model
+    would number them from 0)."""
+    def hook(module, args, kwargs):
+        if kwargs.get("attention_mask") is not None:
+            raise ValueError("context parallel: attention_mask is not split by sequence "
+                             "here; pack sequences without padding and pass no "
+                             "attention_mask")
+        if kwargs.get("position_ids") is None:
+            ids = args[0] if args else kwargs["input_ids"]
+            cp, rank = dist.get_world_size(group), dist.get_rank(group)
+            whole = torch.arange(ids.shape[1] * cp, device=ids.device)
+            kwargs["position_ids"] = split_sequence(whole, rank, cp, 0).expand(ids.shape[0], -1)
+        return args, kwargs
+    return hook
 
 
 def _apply_fx(model: nn.Module, group) -> nn.Module:
@@ -220,13 +248,15 @@ def _whole_group(mesh: DeviceMesh):
     return mesh._flatten().get_group()
 
 
-def apply(model: nn.Module, mesh: DeviceMesh, *, sequence_buffers: dict[str, int] | None = None
-          ) -> nn.Module:
+def apply(model: nn.Module, mesh: DeviceMesh, *, sequence_buffers: dict[str, int] | None = None,
+          sharded: bool = False) -> nn.Module:
     """This rank's `model` under context parallelism over `mesh` (dims ("cp",) or ("dp",
-    "cp")): a transformers model gets the gathered attention by name, any other model is
-    traced by torch.fx; `sequence_buffers` names buffers indexed by position (GPT's
-    `positions`) and the dim to split them on. Wrapped in DDP over the whole mesh. Call on
-    every rank with the same weights; feed it `shard`ed inputs and `positions`."""
+    "cp")): a transformers model gets the gathered attention by name (and its tokens'
+    global positions where none are passed), any other model is traced by torch.fx;
+    `sequence_buffers` names buffers indexed by position (GPT's `positions`) and the dim to
+    split them on. Wrapped in DDP over the whole mesh, or with `sharded` every module that
+    owns weights FSDP2-sharded over it. Call on every rank with the same weights; feed it
+    `shard`ed inputs."""
     cp_mesh, _ = _cp_dim(mesh)
     group = cp_mesh.get_group()
     if hasattr(model, "set_attn_implementation"):  # a transformers PreTrainedModel
@@ -236,8 +266,89 @@ def apply(model: nn.Module, mesh: DeviceMesh, *, sequence_buffers: dict[str, int
         model = _apply_hf(model, group)
     else:
         model = _apply_fx(model, group)
+    if sharded:
+        _fully_shard(model, mesh)
+        _split_buffers(model, sequence_buffers or {}, cp_mesh)
+        return model
     # per-token buffers differ per rank: split after DDP's first sync, never synced again
     wrapped = DistributedDataParallel(model, process_group=_whole_group(mesh),
                                       forward_sync_buffers=False)
     _split_buffers(model, sequence_buffers or {}, cp_mesh)
     return wrapped
+
+
+def _fully_shard(model: nn.Module, mesh: DeviceMesh) -> None:
+    """FSDP2 over every rank of the mesh on each module that owns weights (one unit each,
+    as the plan prices them: strategies.context's +fsdp variants), then the root. Gradients
+    are averaged over the mesh, as DDP's (a sum then a division: gloo has no PREMUL_SUM)."""
+    flat = mesh if mesh.ndim == 1 else mesh._flatten()
+    owners = [m for m in model.modules()
+              if m is not model and any(True for _ in m.parameters(recurse=False))]
+    for module in [*owners, model]:
+        fully_shard(module, mesh=flat, reshard_after_forward=True)
+        module.set_force_sum_reduction_for_comms(True)
+
+
+
+# --- a Plan that says cp (planner.context_plan) -------------------------------------------
+
+
+def mesh_of(plan) -> DeviceMesh:
+    """The plan's ("dp", "cp") mesh: cp groups of consecutive ranks, as planned."""
+    dp, cp = plan.mesh.shape
+    return init_device_mesh(plan.mesh.device_type, (dp, cp), mesh_dim_names=("dp", "cp"))
+
+
+def plan_sequence(plan) -> int:
+    """Tokens per sequence of a cp plan: its attention blocks' output dim 1."""
+    return next(l.output_shape[1] for l in plan.layers
+                if l.strategy.startswith("context_parallel"))
+
+
+def parallelize_plan(model: nn.Module, plan, mesh: DeviceMesh | None = None) -> nn.Module:
+    """This rank's `model` under a cp Plan: `apply` over the plan's mesh with its weight
+    mode (DDP, or FSDP2 with `Plan.context_parallel.sharded`), the plan's recomputed
+    blocks and modules under activation checkpointing, and (an fx model) every 1-D buffer
+    as long as the sequence taken for a position index and split like the tokens."""
+    mesh = mesh or mesh_of(plan)
+    if tuple(mesh.mesh_dim_names or ()) != ("dp", "cp") or list(mesh.shape) != plan.mesh.shape:
+        raise ValueError(f"context parallel: the mesh {tuple(mesh.shape)} "
+                         f"{mesh.mesh_dim_names} is not the plan's {plan.mesh.shape} "
+                         f"('dp', 'cp'); pass mesh=None to make it from the plan")
+    recomputed = recomputed_modules(plan)
+    hf = hasattr(model, "set_attn_implementation")
+    if hf:  # module paths of the model itself: checkpointed before or after, alike
+        _checkpoint(model, recomputed)
+    seq = plan_sequence(plan)
+    buffers = None if hf else {name: 0 for name, b in model.named_buffers()
+                               if b.dim() == 1 and b.shape[0] == seq}
+    out = apply(model, mesh, sequence_buffers=buffers, sharded=plan.context_parallel.sharded)
+    if not hf:  # the traced graph keeps the leaf modules at their paths
+        _checkpoint(getattr(out, "module", out), recomputed)
+    return out
+
+
+def recomputed_modules(plan) -> list[str]:
+    """The module paths to run under activation checkpointing: the plan's recomputed
+    blocks (torchtitan's full AC), and its recomputed layers outside them."""
+    blocks = list(plan.recompute_blocks)
+    inside = tuple(b + "." for b in blocks)
+    return blocks + [l.name for l in plan.layers if l.recompute and not l.name.startswith(inside)]
+
+
+def _checkpoint(model: nn.Module, paths: list[str]) -> None:
+    for path in paths:
+        checkpoint_module(model.get_submodule(path))
+
+
+def shard_for_plan(plan, tensor: torch.Tensor, rank: int) -> torch.Tensor:
+    """Global rank `rank`'s part of a batch tensor (rows, seq, ...) under a cp plan: its
+    replica's rows, its head-tail chunks of every sequence. Targets go in shifted
+    (`shift_labels`) so each stays with its token."""
+    dp, cp = plan.mesh.shape
+    if tensor.dim() < 2 or tensor.shape[0] != plan.global_batch:
+        raise ValueError(f"shard_batch: a context-parallel plan splits (rows, seq, ...) "
+                         f"tensors of {plan.global_batch} rows, got {tuple(tensor.shape)}; "
+                         f"pass the whole global batch, targets as shift_labels(ids)")
+    rows = tensor.chunk(dp)[rank // cp]
+    return split_sequence(rows, rank % cp, cp, 1)

@@ -1,7 +1,8 @@
 """`parallelize`: rewrite a model for this rank under a Plan, with PyTorch's own engine.
 
 Check, then dispatch: every plan is first checked (it belongs to this world size, and every
-rank holds it); then a pipeline plan goes to executor.pipeline, a torch.export plan to
+rank holds it); then a context-parallel plan goes to executor.context_parallel, a pipeline
+plan to executor.pipeline, a torch.export plan to
 executor.modules (strategies applied by module path), and a torch.fx plan to
 executor.graph_rewrite, which rewrites the traced graph in a fixed order, like torchtitan's
 parallelize functions:
@@ -24,6 +25,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from executor.agree import PlanMismatch, check_model, check_same_plan
+from executor.context_parallel import parallelize_plan
 from executor.graph_rewrite import device_of, parallelize_graph
 from executor.hf_stages import parallelize_decoder_3d
 from executor.modules import parallelize_modules
@@ -53,6 +55,9 @@ def parallelize(model: nn.Module, plan: Plan, *, mesh: DeviceMesh | None = None,
     check_same_plan(plan)  # before any other collective: different plans would deadlock
     if plan.mesh.device_type == "cpu":
         keep_freed_memory()  # the memory policy the plan's layer times were measured under
+    if plan.context_parallel is not None:  # every sequence split over a cp group
+        check_model(model, plan, leaf_modules)
+        return _in_precision(parallelize_plan(model, plan, mesh), plan)
     if plan.is_mesh_3d and plan.tracer == "export":  # stages of a decoder's own modules
         return parallelize_decoder_3d(model, plan)
     if plan.is_mesh_3d:  # pipeline x data x tensor: this rank's stage

@@ -46,6 +46,11 @@ def train_step(model: torch.nn.Module, plan: Plan, batch: Sequence, loss_fn: Cal
     or a whole batch's `attention_mask`, split by rows here: executor.batch.shard_keywords)."""
     if not isinstance(batch, (tuple, list)):
         raise ValueError("batch: pass a tuple (inputs..., targets...) of the global batch")
+    if plan.context_parallel is not None:  # a loss over split sequences needs their counts
+        raise ValueError("train_step: a context-parallel plan's loss is a sum over each "
+                         "rank's tokens (executor.context_parallel.token_loss); write the "
+                         "step as that module's docstring shows: shard_batch(plan, (ids, "
+                         "shift_labels(ids))), token_loss(model(ids).logits, labels)")
     scaler = loss_scaler(optimizer, plan)
     optimizer.zero_grad()
     if plan.is_mesh_3d:

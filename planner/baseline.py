@@ -23,9 +23,9 @@ activation checkpointing), so it is the best plan of that kind.
 mixture-of-experts experts module split by expert over the devices, tokens moved by
 all-to-all (strategies.experts), every other layer as under DDP; refused for a model
 with no experts module to split.
-`"cp"` is context parallelism over every device (strategies.context prices a block under
-it, executor.context_parallel runs it); it is priced but not yet searched, so asking for
-it says so.
+`"cp"` is context parallelism, cp x dp over the devices (planner.context_plan: every
+sequence split over a cp group, attention's K/V gathered, each cp degree and weight mode
+solved within memory, the fastest that fits); refused for a model with no attention.
 """
 
 from __future__ import annotations
@@ -40,6 +40,7 @@ from planner import dp_shard
 from planner.pipeline import block_recompute
 from planner.block_cuts import why_no_blocks
 from planner.choices import Choices, layer_choices
+from planner.context_plan import context_parallel
 from planner.ilp import solve
 from planner.once import plan_once
 from planner.plan import BaselinePredicted, Plan
@@ -100,7 +101,7 @@ BASELINES: dict[str, Rule | None] = {
     "pipeline": None,  # not a per-layer rule: mesh shapes of the 3-D search
     "fsdp_tp": None,  # likewise, with every shardable layer pinned to +fsdp
     "ep": _ep,
-    "cp": None,  # priced (strategies.context), not yet offered to the search
+    "cp": None,  # its own mesh (dp, cp): planner.context_plan
 }
 # the kinds whose rules hold a shared parameter as DDP does (the rest of their layers fall
 # back to _ddp): each tie group runs planner.ties.tied_strategy's one strategy
@@ -160,20 +161,23 @@ def summarize(choices: Choices, solution: Solution, cluster: Cluster,
 def baseline(model: nn.Module, devices, kind: str, example_inputs: Sequence | None = None,
              example_kwargs: dict | None = None, *, optimizer: str = "adam",
              leaf_modules=(), measure: bool | None = None, time_limit_s: float = 60.0,
-             tracer: str = "auto") -> Plan:
-    """The `kind` baseline ("ddp", "tensor", "fsdp", "pipeline", "fsdp_tp" or "ep") for `model`
-    on `devices`, as a Plan the executor runs like any other; `tracer` as optimize's."""
+             tracer: str = "auto", cp: int | None = None) -> Plan:
+    """The `kind` baseline ("ddp", "tensor", "fsdp", "pipeline", "fsdp_tp", "ep" or "cp")
+    for `model` on `devices`, as a Plan the executor runs like any other; `tracer` as
+    optimize's; `cp`: the "cp" kind at that degree only (default: the best degree)."""
     started = time.perf_counter()
     _check(kind)  # an unknown kind stops here, before the model is traced
-    if kind == "cp":
-        raise ValueError("baseline: cp is priced but not yet searched (strategies.context "
-                         "prices a block, executor.context_parallel.apply runs it); use "
-                         "'ddp' or 'fsdp' for a plan")
+    if cp is not None and kind != "cp":
+        raise ValueError(f"baseline: cp={cp} is a degree of the 'cp' kind, not of {kind!r}; "
+                         f"pass kind='cp' or drop cp")
     if kind == "pipeline":
         return _pipeline(model, devices, example_inputs, example_kwargs, optimizer,
                          leaf_modules, measure, time_limit_s, started)
     graph, cluster = profiled_graph(model, devices, example_inputs, example_kwargs,
                                     leaf_modules, measure, tracer)
+    if kind == "cp":
+        return context_parallel(graph, cluster, optimizer, cluster.device.memory_bytes,
+                                started, cp)
     if kind == "fsdp_tp":
         return fsdp_tp(graph, cluster, optimizer, cluster.device.memory_bytes, started,
                        time_limit_s=time_limit_s)

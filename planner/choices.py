@@ -64,8 +64,8 @@ class Choices:
 def layer_choices(graph: ModelGraph, cluster: Cluster, optimizer: str,
                   memory_budget_bytes: float | None, only: set[str] | None = None,
                   pin: dict[str, str] | None = None, levers: bool = True,
-                  keep=None, cache: CostCache | None = None, fixed_ties: bool = False
-                  ) -> Choices:
+                  keep=None, cache: CostCache | None = None, fixed_ties: bool = False,
+                  group: OneGroup | None = None) -> Choices:
     """The 1-D problem within `memory_budget_bytes` per device. `only` keeps just the
     strategies named in it (and `replicate` where none of them applies): how baselines
     such as pure data parallelism are costed. `pin` maps layer names to the strategy they
@@ -74,10 +74,12 @@ def layer_choices(graph: ModelGraph, cluster: Cluster, optimizer: str,
     allows for a layer (see planner.baseline); `fixed_ties`: each tie group runs the one
     strategy planner.ties.tied_strategy fixes, not the program's pick. `cache`: a
     planner.search.CostCache of these graph, cluster and optimizer, where the caller
-    shares one."""
+    shares one. `group`: what the group offers, in place of the OneGroup these make (a
+    context-parallel plan's, planner.context_plan)."""
     cache = cache or CostCache(graph, cluster, optimizer)
     devices, batch = cluster.num_devices, graph.batch_size
-    group = OneGroup(levers, None if only is None else frozenset(only), keep, fixed_ties)
+    group = group or OneGroup(levers, None if only is None else frozenset(only), keep,
+                              fixed_ties)
     built = build(cache, 1, 1, devices, batch, pin=pin, group=group)
     nodes = len(built.problem.layers)
     problem = ilp_problem(built.problem, range(nodes), [1] * nodes, 1, memory_budget_bytes,

@@ -42,13 +42,14 @@ from dataclasses import dataclass
 from profiler.graph import Layer
 from strategies.catalog import CostContext, update_s, weights_memory
 from strategies.collectives import all_reduce_s, fsdp_layer_s
+from strategies.context import TOKEN_SPLIT
 from strategies.devices import LinkSpec
 from strategies.memory import fsdp_copies_s
 from strategies.overlap import exposed_s, fsdp_exposed_s
 
 SUFFIX = "+fsdp"
 HSDP_SUFFIX = "+hsdp"
-SUMMED_OVER_TP = ("data_parallel", "sequence_parallel")
+SUMMED_OVER_TP = ("data_parallel", "sequence_parallel", *TOKEN_SPLIT)
 
 
 @dataclass(frozen=True)

@@ -116,6 +116,18 @@ class MeshPlan(_Data):
         return self.shape[self.dim_names.index(dim)] if dim in self.dim_names else 1
 
 
+class ContextParallelPlan(_Data):
+    """A context-parallel plan (the "cp" baseline, planner.context_plan): its degree, how
+    its weights are held, and why this degree won. The mesh is ("dp", "cp")."""
+
+    degree: int = Field(ge=1, description="cp: ranks that split every sequence (1: none, "
+                        "every sequence whole on a device)")
+    sharded: bool = Field(False, description="weights FSDP2-sharded over cp x dp (else "
+                          "replicated, DDP over the whole mesh)")
+    why: str = Field("", description="its step time beside the other degrees' and "
+                     "weight modes' (or their memory where they do not fit)")
+
+
 class MemoryBreakdown(_Data):
     """Memory of one device at its peak, in bytes, by what holds it."""
 
@@ -326,6 +338,9 @@ class Plan(_Data):
     mesh_choice: str = Field("", description="optimize(mesh='auto'): which mesh won and why")
     standard_choice: str = Field("", description="optimize(prefer_standard=...): a standard "
                                  "plan kept in place of a barely faster optimum, and why")
+    context_parallel: ContextParallelPlan | None = Field(
+        None, description="None: no context parallelism; else its degree (mesh dims dp, "
+        "cp) and weight mode, run by executor.context_parallel")
     precision: str = Field("", description="bf16-mixed, fp16-mixed or fp32: what the plan "
                            "was priced for and the executor runs (strategies.precision); "
                            "always the cluster's")

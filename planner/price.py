@@ -167,7 +167,7 @@ def price(layer: Layer, strategy: Strategy, ctx: CostContext, dp: int = 1,
         whole = strategy.gives not in (Layout.BATCH, Layout.SEQUENCE)
         cost = replace(cost, communication_s=lever_reduction_s(layer, cost, ctx, whole))
     base = split_name(strategy.name)[0]
-    tp_sharded = base == "fsdp"  # ZeRO-3 inside the tp group (strategies.memory)
+    tp_sharded = strategy.shards_weights  # ZeRO-3 inside the tp group (strategies.memory)
     local = layer.param_bytes / tp if strategy.model_parallel or tp_sharded else layer.param_bytes
     weights = weights_memory(local, ctx, sharded=tp_sharded)
     activations = cost.memory_bytes - weights

@@ -26,6 +26,14 @@ PRESETS: dict[str, tuple[str, dict]] = {
         num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
         max_position_embeddings=8192, rope_theta=500000.0, rms_norm_eps=1e-5,
         tie_word_embeddings=False)),
+    # meta-llama/Llama-3.1-8B config.json: Llama 3's sizes, 128K positions by RoPE scaling
+    "llama3.1-8b": ("LlamaConfig", dict(
+        hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+        num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
+        max_position_embeddings=131072, rope_theta=500000.0, rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                      "high_freq_factor": 4.0, "original_max_position_embeddings": 8192})),
     # meta-llama/Meta-Llama-3-70B config.json
     "llama3-70b": ("LlamaConfig", dict(
         hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,

@@ -198,6 +198,8 @@ class Strategy:
     takes: Layout = Layout.BATCH
     gives: Layout = Layout.BATCH
     model_parallel: ClassVar[bool] = False  # splits the weights (what explain() calls it)
+    # FSDP2 shards its weights, gradients and optimizer state over the group (ZeRO-3)
+    shards_weights: ClassVar[bool] = False
 
     def applies(self, layer: Layer, ctx: CostContext) -> bool:
         return True

@@ -43,6 +43,7 @@ class ShardedDataParallel(DataParallel):
     """ZeRO-3 / FSDP2 `fully_shard` on this layer over the data-parallel group."""
 
     name: ClassVar[str] = "fsdp"
+    shards_weights: ClassVar[bool] = True
 
     def applies(self, layer, ctx):
         # fully_shard wraps a module: a bare parameter read by an op has none to wrap
@@ -92,7 +93,7 @@ def fsdp_copies_s(param_bytes: float, ranks: int, link, ctx: CostContext) -> flo
 
 def weights_part(inner: Strategy, layer: Layer, ctx: CostContext) -> float:
     """The part of `inner`'s memory that is weights, gradients and optimizer state."""
-    sharded = inner.name == "fsdp"
+    sharded = inner.shards_weights
     split = inner.model_parallel or sharded
     return weights_memory(layer.param_bytes / (ctx.ranks if split else 1), ctx, sharded)
 
@@ -140,6 +141,10 @@ class Recompute(Strategy):
     @property
     def model_parallel(self) -> bool:  # type: ignore[override]
         return self.inner.model_parallel
+
+    @property
+    def shards_weights(self) -> bool:  # type: ignore[override]
+        return self.inner.shards_weights
 
     def applies(self, layer, ctx):
         return layer.op == "call_module" and self.inner.applies(layer, ctx)

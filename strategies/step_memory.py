@@ -73,6 +73,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from strategies.collectives import DDP_BUCKET_CAP_BYTES
+from strategies.context import FSDP_SUFFIX, TOKEN_SPLIT
 from strategies.layouts import Layout
 
 _WHOLE = (Layout.REPLICATE, Layout.REPLICATE_PARTIAL_GRAD)
@@ -137,7 +138,7 @@ def schedule_not_together_bytes(gradient: float, activation: float, together: fl
     return max(0.0, gradient + activation + max(temps, start) - peak)
 
 
-_SUMMED = ("data_parallel", "sequence_parallel")
+_SUMMED = ("data_parallel", "sequence_parallel", *TOKEN_SPLIT)
 
 
 def one_d_layer(strategy: str, param_bytes: float, model_parallel: bool,
@@ -147,7 +148,7 @@ def one_d_layer(strategy: str, param_bytes: float, model_parallel: bool,
     sequence-parallel: executor.styles.summed_params) goes through DDP's buckets, a
     replicated one (every rank the whole batch) is left out of DDP
     (executor.styles.data_parallel_over)."""
-    fsdp = strategy.startswith("fsdp")
+    fsdp = strategy.startswith("fsdp") or strategy.endswith(FSDP_SUFFIX)
     local = param_bytes / ranks if (model_parallel or fsdp) else param_bytes
     return HeldLayer(local, param_bytes if fsdp else 0.0,
                      bucketed=ranks > 1 and strategy in _SUMMED,

@@ -12,8 +12,8 @@ from planner.report.throughput import llm_throughput
 from profiler.presets import PRESETS, LLMShape, load_llm
 
 # published parameter counts (model cards / papers), in billions
-PUBLISHED_B = {"llama3-8b": 8.03, "llama3-70b": 70.6, "llama3-405b": 405.9,
-               "mixtral-8x7b": 46.7, "gpt3-175b": 174.6, "mixtral-8x22b": 141,
+PUBLISHED_B = {"llama3-8b": 8.03, "llama3.1-8b": 8.03, "llama3-70b": 70.6,
+               "llama3-405b": 405.9, "mixtral-8x7b": 46.7, "gpt3-175b": 174.6, "mixtral-8x22b": 141,
                "deepseek-v3": 671, "qwen3-235b-a22b": 235, "gpt-oss-120b": 116.8,
                # Meta's 109 B counts the vision encoder a text-only causal LM leaves out
                "llama4-scout": 107.8}

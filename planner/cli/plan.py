@@ -3,6 +3,7 @@ saved plan.
 
     hyplan plan examples/alexnet.py --devices 8xK20 --batch 1024 --json plan.json
     hyplan plan llama3-8b --devices 8xH100 --seq 8192 --batch 16
+    hyplan plan llama3.1-8b --devices 8xH100 --seq 131072 --batch 2 --kind cp
     hyplan show plan.json
 """
 
@@ -11,11 +12,17 @@ from __future__ import annotations
 import argparse
 
 import planner
+from planner.baseline import BASELINES
+from planner.cli.model_args import (
+    build_model,
+    cluster_arg,
+    forward_kwargs,
+    load_factory,
+    parse_memory,
+)
 from planner.cli.progress import search_progress
 from planner.search import DEFAULT_SEARCH_TIME_S
-from planner.cli.model_args import (
-    build_model, cluster_arg, forward_kwargs, load_factory, parse_memory,
-)
+
 
 def _prefer_standard(args) -> dict:
     """--prefer-standard, when given (else optimize()'s default)."""
@@ -55,13 +62,7 @@ def _plan(args) -> int:
         model, inputs = build_model(factory, args.batch, device)
         kwargs = forward_kwargs(factory)
     try:
-        with search_progress():
-            plan = planner.optimize(model, cluster, example_inputs=inputs,
-                                    example_kwargs=kwargs, optimizer=args.optimizer,
-                                    memory_limit_bytes=memory_limit, mesh=args.mesh,
-                                    tracer="blocks" if llm else "auto",
-                                    search_time_s=args.search_time,
-                                    **_prefer_standard(args))
+        plan = _make_plan(args, model, cluster, inputs, kwargs, memory_limit, llm)
     except planner.PlanDoesNotFit as error:  # name the flags, not the Python arguments
         message = str(error).replace("optimizer='sgd'", "--optimizer sgd")
         raise planner.PlanDoesNotFit(message.replace("memory_limit_bytes", "--memory-limit")) \
@@ -78,6 +79,20 @@ def _plan(args) -> int:
         print(f"Plan written to {args.json}; view it with `hyplan show {args.json}`")
     _write_plots(plan, args.plot)
     return 0
+
+
+def _make_plan(args, model, cluster, inputs, kwargs, memory_limit, llm: bool):
+    """optimize()'s plan, or with --kind the best plan of that kind (planner.baseline: "cp"
+    for context parallelism at long context)."""
+    tracer = "blocks" if llm else "auto"
+    if args.kind is not None:
+        return planner.baseline(model, cluster, args.kind, inputs, kwargs, optimizer=args.optimizer,
+                        tracer=tracer)
+    with search_progress():
+        return planner.optimize(model, cluster, example_inputs=inputs, example_kwargs=kwargs,
+                                optimizer=args.optimizer, memory_limit_bytes=memory_limit,
+                                mesh=args.mesh, tracer=tracer, search_time_s=args.search_time,
+                                **_prefer_standard(args))
 
 
 def _check_plot(directory: str | None) -> None:
@@ -125,7 +140,7 @@ def add_plan(commands) -> None:
     plan.add_argument("model", metavar="MODEL",
                       help="a Python file (examples/alexnet.py) or package.module[:factory] "
                       "whose build(batch, device='meta') returns (model, example_inputs, "
-                      "loss_fn); or an LLM preset (llama3-8b, llama3-70b, llama3-405b, "
+                      "loss_fn); or an LLM preset (llama3-8b, llama3.1-8b, llama3-70b, llama3-405b, "
                       "mixtral-8x7b, gpt3-175b) or a Hugging Face causal-LM config.json, "
                       "built on the meta device")
     plan.add_argument("--seq", type=int, default=None,
@@ -166,6 +181,10 @@ def add_plan(commands) -> None:
                       help="keep the best standard plan (DDP, tensor parallel, FSDP) when it is "
                       "predicted within this fraction of the optimum (default 0.03, "
                       "planner.optimize's; 0 keeps the optimum)")
+    plan.add_argument("--kind", default=None, choices=list(BASELINES),
+                      help="the best plan of one kind instead of hyplan's choice per layer "
+                      "(planner.baseline), e.g. cp: context parallelism, each sequence split "
+                      "over a cp group, for long context (--seq 131072)")
     plan.add_argument("--json", metavar="FILE", help="also save the plan as JSON to FILE")
     plan.add_argument("--plot", metavar="DIR", help="also draw the plan (strategy map, memory "
                       "per device, schedule timeline) as PNG and SVG into DIR")

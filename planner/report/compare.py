@@ -22,6 +22,7 @@ from planner.baseline import BASELINES, LABELS, baseline
 from planner.optimize import optimize
 from planner.plan import Plan
 from planner.report.explain import _gb, _ms, does_not_fit
+from strategies.context import FSDP_SUFFIX, TOKEN_SPLIT
 
 
 @dataclass(frozen=True)
@@ -50,13 +51,26 @@ def compare(model: nn.Module, devices, example_inputs: Sequence, *, optimizer: s
     return rows
 
 
+def _kind(layer) -> str:
+    """DP, FSDP, MP, CP (a context-parallel plan's, +FSDP where sharded) or whole."""
+    if layer.model_parallel:
+        return "MP"
+    base = layer.strategy.removesuffix(FSDP_SUFFIX)
+    if base in TOKEN_SPLIT:
+        return "CP+FSDP" if base != layer.strategy else "CP"
+    return {"data_parallel": "DP", "fsdp": "FSDP"}.get(layer.strategy, "whole")
+
+
 def _split(plan: Plan) -> str:
-    """How the layers with weights run: data parallel, sharded (FSDP), model parallel or
-    whole, and the pipeline stages if any."""
-    kinds = ["MP" if l.model_parallel else {"data_parallel": "DP", "fsdp": "FSDP"}.get(
-        l.strategy, "whole") for l in plan.layers if l.param_bytes]
-    text = ", ".join(f"{kinds.count(k)} {k}" for k in ("DP", "FSDP", "MP", "whole")
+    """How the layers with weights run: data parallel, sharded (FSDP), model parallel,
+    context parallel or whole, and the pipeline stages if any."""
+    kinds = [_kind(l) for l in plan.layers if l.param_bytes]
+    shown = ("CP", "CP+FSDP", "whole") if plan.context_parallel else (
+        "DP", "FSDP", "MP", "whole")
+    text = ", ".join(f"{kinds.count(k)} {k}" for k in shown
                      if kinds.count(k) or k in ("DP", "MP"))
+    if plan.context_parallel:
+        text += f"; cp {plan.context_parallel.degree} x dp {plan.mesh.size('dp')}"
     if plan.pipeline is not None:
         text += f"; {len(plan.pipeline.stages)} stages"
     return text
@@ -113,6 +127,9 @@ def render(rows: list[Row], width: int = 130) -> str:
         ratio = best.plan.predicted.step_time_s / rows[0].plan.predicted.step_time_s
         verdict = (f"predicted {ratio:.2f}x faster" if ratio >= 1.005 else
                    "the same plan or as fast (the baseline is already optimal here)")
+        if ratio < 0.995:  # a kind hyplan's own search does not offer (context parallel)
+            verdict = (f"predicted {1 / ratio:.2f}x slower: its search does not offer this "
+                       f"kind; plan it with `hyplan plan ... --kind {best.kind}`")
         console.print(f"The fastest baseline that fits is {best.label}: hyplan's plan is "
                       f"{verdict}. ratio = step time / hyplan's; sent/device = bytes each "
                       f"device sends per step.", highlight=False)

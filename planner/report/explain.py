@@ -105,6 +105,8 @@ def summary(plan: Plan) -> list[str]:
     lines.append(f"Solver: {s.status} (objective {_ms(s.objective_s)}, bound {_ms(s.bound_s)}"
                  f"{gap}), {s.seconds:.2f} s with {s.backend}; planning took "
                  f"{s.planning_seconds:.1f} s" + (f"; {s.note}" if s.note else ""))
+    if plan.context_parallel is not None:
+        return lines + context_lines(plan)
     if plan.inputs:
         lines.append("Inputs: " + ", ".join(
             f"{i.name} ({'each rank passes its rows' if i.layout == 'batch' else 'every rank passes the whole batch'})"
@@ -117,6 +119,29 @@ def summary(plan: Plan) -> list[str]:
         lines.append(f"Output: handed back whole to every rank, the targets passed whole "
                      f"({why}; the plan prices the gather)")
     return lines
+
+
+def context_lines(plan: Plan) -> list[str]:
+    """A context-parallel plan's mesh, how it splits each sequence and holds the weights,
+    why this degree, and what each rank is fed."""
+    cp, m = plan.context_parallel, plan.mesh
+    n, chunks = plan.num_devices, 2 * cp.degree
+    weights = (f"FSDP2-sharded over all {n} ranks" if cp.sharded else
+               f"replicated, gradients all-reduced over all {n} ranks (DDP)")
+    mesh = (f"Context parallel: cp {cp.degree} x dp {m.size('dp')} (mesh dims dp, cp); each "
+            f"sequence cut into {chunks} chunks, rank r of a cp group keeping chunks r and "
+            f"{chunks - 1}-r (equal work under the causal mask); attention all-gathers K/V "
+            f"over its cp group ({m.group_links.get('cp', '?')}); weights {weights}")
+    inputs = ("Inputs: each rank passes its replica's rows, its chunks of every sequence "
+              "(executor.shard_batch); labels shifted before the split; the loss is "
+              "executor.context_parallel.token_loss over the rank's tokens")
+    checkpointed = (f"Activation checkpointing: all {len(plan.recompute_blocks)} transformer "
+                    f"blocks (keep their input, run their forward again in backward)"
+                    if plan.recompute_blocks else "Activation checkpointing: none")
+    if cp.degree == 1:
+        mesh = (f"Context parallel: cp 1 x dp {m.size('dp')}: no sequence split pays here "
+                f"(every sequence whole on one device); weights {weights}")
+    return [mesh, f"  why cp {cp.degree}: {cp.why}", checkpointed, inputs]
 
 
 def table(plan: Plan) -> Table:
@@ -241,7 +266,8 @@ def explain(plan: Plan, width: int = 130) -> str:
         extra = [f"Mesh choice: {plan.mesh_choice}"] + extra
     if plan.standard_choice:
         extra = [f"Standard plan: {plan.standard_choice}"] + extra
-    extra += lever_lines(plan) + sequence_lines(plan)
+    if plan.context_parallel is None:  # a cp plan's weights and checkpointing: its own lines
+        extra += lever_lines(plan) + sequence_lines(plan)
     for line in summary(plan) + extra:
         console.print(line, highlight=False, soft_wrap=True)
     console.print(table(plan))

@@ -1,0 +1,241 @@
+"""The "cp" baseline: the best context-parallel plan, cp x dp over the devices.
+
+Every rank of a (dp, cp) mesh holds 1/cp of the sequences of its replica's rows (the
+head-tail balanced chunks of executor.context_parallel), so each layer does 1/(cp·dp) of
+the batch's per-token work: attention blocks under `ContextParallel(degree=cp)` (their K/V
+all-gathered over the cp group, strategies.context), every other layer under `TokenShard`
+(the model's own code on the rank's tokens); weights replicated with DDP over the whole
+mesh, as `executor.context_parallel.apply` runs it, or FSDP2-sharded over it (the `+fsdp`
+variants, as torchtitan runs long context); and, for a decoder traced by torch.export,
+every transformer block under activation checkpointing or none (torchtitan's full AC,
+planner.pipeline.block_recompute's variants).
+
+Each (cp, weights, recompute) is the 1-D problem of planner.choices (one group of all N
+devices, priced by planner.price) with one option per layer, so its step and memory are
+the stage problem's `evaluate` and `peak_bytes` of that one assignment; the fastest that
+fits wins (else the one needing least memory, reported as not fitting), which makes it
+optimal for the cost model over the degrees. No layout changes between layers: each rank
+runs the model's code on its tokens and the only collectives are attention's and the
+weights' (in the options' prices), so the problem has no edges.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, replace
+
+from planner.choices import Choices, layer_choices
+from planner.offers import OneGroup
+from planner.pipeline import block_recompute
+from planner.pipeline.stage_held import peak_bytes
+from planner.pipeline.stages import StageSolution, evaluate
+from planner.plan import ContextParallelPlan, MeshPlan, Plan
+from planner.plan3d import one_d_plan
+from planner.price import group_link, step_overhead_s
+from planner.problem import Solution
+from planner.search import CostCache
+from profiler.graph import Layer, ModelGraph
+from strategies.catalog import Strategy
+from strategies.cluster import Cluster
+from strategies.context import (
+    ContextParallel,
+    ShardedContextParallel,
+    ShardedTokenShard,
+    TokenShard,
+)
+from strategies.gpu_compute import attention_dims
+
+
+def is_attention(layer: Layer) -> bool:
+    """An attention block the executor splits by sequence: a leaf with heads and weights,
+    [batch, seq, hidden] out (strategies.gpu_compute.attention_dims)."""
+    return not layer.is_input and attention_dims(layer) is not None
+
+
+def sequence_length(graph: ModelGraph) -> int:
+    """The tokens per sequence: the attention blocks' output dim 1. Raises for a model
+    with no attention to split."""
+    lengths = {layer.output.shape[1] for layer in graph.layers if is_attention(layer)}
+    if not lengths:
+        raise ValueError(f"baseline: 'cp' splits the sequence inside attention blocks, and "
+                         f"{graph.model_name} has none (a leaf module with heads, "
+                         f"(batch, seq, hidden) out; register your own with "
+                         f"strategies.register_attention); use 'ddp' or 'fsdp'")
+    if len(lengths) > 1:
+        raise ValueError(f"baseline: 'cp' needs one sequence length, {graph.model_name}'s "
+                         f"attention blocks see {sorted(lengths)}")
+    return lengths.pop()
+
+
+def degrees(devices: int, batch: int, seq: int) -> list[int]:
+    """The cp degrees of N devices: cp dividing N whose 2·cp chunks split the sequence,
+    with the batch's rows split evenly over dp = N / cp. cp 1 is the family's plain end,
+    every sequence whole on one device (data parallelism with these options, as
+    torchtitan's "FSDP 8, CP 1" long-context run)."""
+    return [cp for cp in range(1, devices + 1)
+            if devices % cp == 0 and seq % (2 * cp) == 0 and batch % (devices // cp) == 0]
+
+
+@dataclass(frozen=True)
+class _ContextGroup(OneGroup):
+    """The options a cp plan allows: its rule's, on every layer (a tied embedding and
+    head too: under cp they run on the rank's tokens like any other layer)."""
+
+    def allowed(self, layer: Layer, options: list[Strategy], tied: bool) -> list[Strategy]:
+        return self.keep(layer, options)
+
+
+def keep_rule(cp: int, sharded: bool):
+    """The one option of each layer at cp `cp`: attention under ContextParallel, the rest
+    on its tokens, `sharded` (FSDP2 over the group) where a module has weights."""
+    def keep(layer: Layer, options: list[Strategy]) -> list[Strategy]:
+        if layer.is_input:
+            return [TokenShard()]
+        if is_attention(layer):
+            return [(ShardedContextParallel if sharded else ContextParallel)(degree=cp)]
+        shard = sharded and layer.param_bytes > 0 and layer.op == "call_module"
+        return [ShardedTokenShard() if shard else TokenShard()]
+    return keep
+
+
+def _choices(cache: CostCache, cp: int, sharded: bool, recompute: bool) -> Choices:
+    """The 1-D problem of a cp plan, its edges dropped (module docstring); `recompute`:
+    every transformer block under activation checkpointing (block_recompute's variant of
+    each of its layers: the block keeps its input, 1/N of it per rank, and runs its
+    forward again in backward)."""
+    graph = cache.graph
+    choices = layer_choices(graph, cache.cluster, cache.optimizer, None, cache=cache,
+                            group=_ContextGroup(levers=False, keep=keep_rule(cp, sharded)))
+    built = choices.built
+    if recompute:
+        built = block_recompute.recompute_blocks(built, graph, cache.cluster.num_devices)
+    built = replace(built, problem=replace(built.problem, edges=()))
+    rows = tuple(replace(row, strategies=built.strategies[i], costs=built.costs[i],
+                         prices=row.prices * (len(built.costs[i]) // len(row.costs)))
+                 for i, row in enumerate(choices.layers))
+    return replace(choices, problem=replace(choices.problem, edges=()), built=built,
+                   layers=rows)
+
+
+@dataclass(frozen=True)
+class Tried:
+    """One (cp, sharded, recompute) candidate: its problem, the one assignment it has
+    (each block's recomputed option where it recomputes), the step and its peak memory."""
+
+    cp: int
+    sharded: bool
+    recompute: bool
+    choices: Choices
+    solution: Solution
+    staged: StageSolution
+    peak: list[float]
+    step_s: float
+    fits: bool
+
+    def label(self) -> str:
+        return (f"cp {self.cp}" + (" FSDP" if self.sharded else " DDP")
+                + (" + full AC" if self.recompute else ""))
+
+
+def priced(cache: CostCache, cp: int, sharded: bool, recompute: bool, budget: float
+           ) -> Tried:
+    """The cp plan at (cp, sharded, recompute): each layer has one option, so its step is
+    the stage problem's evaluate of that assignment and its memory peak_bytes' (the rules
+    every plan's figures read)."""
+    choices = _choices(cache, cp, sharded, recompute)
+    problem = choices.built.problem
+    choice = tuple(int(layer.recomputed is not None and layer.recomputed[-1])
+                   for layer in problem.layers)
+    times = evaluate(problem, (0,), choice, 1, "1F1B")
+    solution = Solution(choice, times.step_s, times.step_s, "optimal", 0.0,
+                        "one option per layer")
+    staged = choices.staged(solution)
+    cluster = cache.cluster
+    peak = peak_bytes(choices.built, staged, choices.shape, cluster, cache.optimizer,
+                      set(cache.graph.outputs))
+    return Tried(cp, sharded, recompute, choices, solution, staged, peak,
+                 times.step_s + step_overhead_s(cluster), max(peak) <= budget)
+
+
+def _why(best: Tried, tried: list[Tried]) -> str:
+    """The degree chosen, the other fitting candidates' step times beside it, and what the
+    others would need."""
+    def ms(t: Tried) -> str:
+        step = f"{t.step_s:.3f} s" if t.step_s >= 1 else f"{t.step_s * 1e3:.4g} ms"
+        return f"{t.label()} {step}"
+
+    head = (ms(best) + ", the fastest that fits" if best.fits else
+            f"{best.label()}, the least memory ({max(best.peak) / 1e9:.3g} GB)")
+    faster = [ms(t) for t in tried if t.fits and t is not best]
+    over = [f"{t.label()} {max(t.peak) / 1e9:.3g} GB" for t in tried
+            if not t.fits and t is not best]
+    return (head + (f"; vs {'; '.join(faster)}" if faster else "")
+            + (f"; not fitting: {', '.join(over)}" if over else ""))
+
+
+def context_parallel(graph: ModelGraph, cluster: Cluster, optimizer: str, budget: float,
+                     started: float, cp: int | None = None) -> Plan:
+    """The best context-parallel plan of `graph` on `cluster` within `budget` bytes per
+    device (module docstring); `cp`: that degree only."""
+    n, batch = cluster.num_devices, graph.batch_size
+    seq = sequence_length(graph)
+    cps = degrees(n, batch, seq)
+    if cp is not None:
+        if cp not in cps:
+            raise ValueError(f"baseline: cp={cp} is not a degree of this job; it has "
+                             f"{cps or 'none'} (cp divides the {n} devices and 2·cp the "
+                             f"{seq}-token sequence, dp = devices / cp the batch of {batch})")
+        cps = [cp]
+    if not cps:
+        raise ValueError(f"baseline: 'cp' needs a cp dividing the {n} devices with the "
+                         f"{seq}-token sequence split into 2·cp equal chunks and the batch "
+                         f"of {batch} split over dp = devices / cp; pad the sequence to an "
+                         f"even length (2·cp: 4 for cp 2) or pass a batch dp divides")
+    cache = CostCache(graph, cluster, optimizer)
+    modes = (False, True) if block_recompute.offered(graph) else (False,)
+    tried = [priced(cache, degree, sharded, recompute, budget)
+             for degree in cps for sharded in (False, True) for recompute in modes]
+    fitting = [t for t in tried if t.fits]
+    best = (min(fitting, key=lambda t: t.step_s) if fitting
+            else min(tried, key=lambda t: max(t.peak)))
+    plan = one_d_plan(graph, cluster, optimizer, best.choices, best.solution, budget, None,
+                      None, time.perf_counter() - started, staged=(best.staged, best.peak))
+    record = ContextParallelPlan(degree=best.cp, sharded=best.sharded, why=_why(best, tried))
+    return plan.model_copy(update={"mesh": mesh_plan(cluster, best.cp),
+                                   "context_parallel": record,
+                                   "layers": _reasons(plan.layers, best)})
+
+
+def _reasons(layers, best: Tried) -> list:
+    """Each layer's reason in a cp plan's terms (its one option: the plan-level why says
+    why this degree): attention's K/V traffic, the weights' mode."""
+    weights = "FSDP2-sharded over the mesh" if best.sharded else "replicated (DDP)"
+    costs = {row.layer.name: row.costs[c] for row, c in
+             zip(best.choices.layers, best.solution.choice)}
+    out = []
+    for layer in layers:
+        notes = costs[layer.name].notes if layer.name in costs else {}
+        if "kv_bytes" in notes:
+            kv_s = (notes["kv_all_gather_s"] + notes["kv_reduce_scatter_s"]) * 1e3
+            reason = (f"attention over cp {best.cp}: its queries' chunks against the "
+                      f"sequence's K/V ({notes['kv_bytes'] / 1e6:.3g} MB all-gathered, their "
+                      f"gradients reduce-scattered: {kv_s:.3g} ms per step); weights {weights}")
+        else:
+            reason = f"the model's own code on this rank's tokens; weights {weights}"
+        out.append(layer.model_copy(update={"reason": reason}))
+    return out
+
+
+def mesh_plan(cluster: Cluster, cp: int) -> MeshPlan:
+    """The ("dp", "cp") mesh: cp groups of consecutive ranks (inside a node where cp fits
+    one), dp groups across them; executor.context_parallel builds it with these names."""
+    n = cluster.num_devices
+    dp = n // cp
+    groups = {"cp": [list(range(d * cp, (d + 1) * cp)) for d in range(dp)],
+              "dp": [list(range(c, n, cp)) for c in range(cp)]}
+    links = {"cp": group_link(cluster, cp).name}
+    if dp > 1:
+        links["dp"] = group_link(cluster, n).name
+    return MeshPlan(shape=[dp, cp], dim_names=["dp", "cp"], device_type=cluster.device.kind,
+                    nodes=cluster.nodes, devices_per_node=cluster.devices_per_node,
+                    groups=groups, group_links=links)
