@@ -31,6 +31,12 @@ from strategies.layouts import Layout
 def device_of(plan: Plan) -> torch.device:
     """The device this rank computes on under `plan`."""
     if plan.mesh.device_type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(
+                f"the plan is for {plan.num_devices} CUDA devices "
+                f"({plan.cluster.device.name}) and this process sees none; run it where "
+                f"torch.cuda.is_available(), or re-plan for these ranks (devices="
+                f"'{plan.num_devices}xcpu')")
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device(plan.mesh.device_type)
 

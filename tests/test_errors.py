@@ -179,3 +179,11 @@ def test_parameters_no_gradient_reaches_are_left_out_of_ddp():
                             measure=False)
     assert dead_params(plan) == {"pooler.weight", "pooler.bias"}
     assert summed_params(plan) == {"fc.weight", "fc.bias"}
+
+
+def test_a_gpu_plan_on_cpu_ranks_says_so(one_rank_group):
+    x = models.batch("mlp", 8, 0)[0]
+    plan = planner.optimize(models.build("mlp"), "1xV100", example_inputs=(x,))
+    with pytest.raises(ValueError, match=r"CUDA devices \(V100\) and this process sees "
+                                         r"none; .*devices='1xcpu'"):
+        executor.parallelize(models.build("mlp"), plan)
