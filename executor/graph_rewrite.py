@@ -68,12 +68,42 @@ def apply_tensor_parallel(gm: fx.GraphModule, mesh, layers: dict[str, LayerPlan]
         if node.op != "call_module" or layer is None or not layer.model_parallel:
             continue
         layout, shape = [gives[n.name] for n in node.all_input_nodes if n.name in gives][0]
+        if _takes_rows(layer):  # its inputs resharded to rows first (insert_reshards)
+            layout = Layout.BATCH
         plan[str(node.target)] = tensor_parallel_style(
             layer.strategy, Layout(layer.output_layout), placement(layout.forward, shape),
             layer.output_shape, gm.get_submodule(str(node.target)))
     if plan:
         parallelize_module(gm, mesh, plan)
     return set(plan)
+
+
+def _takes_rows(layer: LayerPlan) -> bool:
+    """A model-parallel layer that takes each rank's rows on every input (expert
+    parallelism: hidden states, expert ids and weights alike): its inputs are resharded as
+    a data-parallel layer's are, where its style would see only the first one's layout."""
+    return layer.model_parallel and Layout(layer.input_layout) == Layout.BATCH
+
+
+def _readers_agree(tuple_node: fx.Node, layers: dict[str, LayerPlan], shape, want_of) -> bool:
+    """Do the planned readers of a tuple-yielding node (split, chunk, topk) all take it in
+    one layout, so that resharding what it reads serves them all?"""
+    wants = {want_of(layers[u.name], shape) for u in tuple_node.users if u.name in layers}
+    return len(wants) <= 1
+
+
+def _reshard_output(node: fx.Node, gives: dict, made: Layout, reshard) -> None:
+    """`node` (a reader of a tuple made in layout `made`) runs on it as made; what it gives
+    is resharded to the layout its plan says it gives before any other node reads it, and
+    its readers see the resharded node as it (`gives`), to reshard it further."""
+    given, shape = gives[node.name]
+    if made == given:
+        return
+    users = list(node.users)
+    out = reshard(node.next, node, given, given=(made, shape))
+    for user in users:
+        user.replace_input_with(node, out)
+    gives[out.name] = gives[node.name]
 
 
 def reshard_paths(gm: fx.GraphModule) -> set[str]:
@@ -109,29 +139,38 @@ def insert_reshards(gm: fx.GraphModule, mesh, layers: dict[str, LayerPlan], give
     itself)."""
     count = 0
 
-    def reshard(before: fx.Node, src: fx.Node, dst_layout: Layout) -> fx.Node:
+    def reshard(before: fx.Node, src: fx.Node, dst_layout: Layout, given=None) -> fx.Node:
         nonlocal count
-        layout, shape = gives[src.name]
+        layout, shape = given or gives[src.name]
         name = f"hyplan_reshard_{count}"
         count += 1
         gm.add_submodule(name, Reshard(mesh, layout, dst_layout, shape))
         with gm.graph.inserting_before(before):
             return gm.graph.call_module(name, (src,))
 
+    def want_of(layer: LayerPlan, shape) -> Layout:
+        want = Layout(layer.input_layout)
+        if want == Layout.BATCH and (not shape or shape[0] != plan_batch):
+            want = Layout.REPLICATE_PARTIAL_GRAD  # see planner.price.batch_free_takes
+        return want
+
     for node in list(gm.graph.nodes):
         layer = layers.get(node.name)
-        if layer is not None and not layer.model_parallel:
+        if layer is not None and (not layer.model_parallel or _takes_rows(layer)):
             for src in list(node.all_input_nodes):
                 target = node
                 if src.name not in gives:
                     inner = _tuple_source(src, gives) if src.op == "call_function" else None
                     if inner is None:
                         continue
+                    if not _readers_agree(src, layers, gives[inner.name][1], want_of):
+                        # its readers take it in different layouts (topk's values by rows,
+                        # its indices whole): each reads it as made, its output resharded
+                        _reshard_output(node, gives, gives[inner.name][0], reshard)
+                        continue
                     target, src = src, inner  # split/chunk: reshard what it splits
-                want = Layout(layer.input_layout)
                 layout, shape = gives[src.name]
-                if want == Layout.BATCH and (not shape or shape[0] != plan_batch):
-                    want = Layout.REPLICATE_PARTIAL_GRAD  # see planner.price.batch_free_takes
+                want = want_of(layer, shape)
                 if layout != want and src in target.all_input_nodes:
                     target.replace_input_with(src, reshard(target, src, want))
         if node.op == "output" and final:

@@ -260,3 +260,38 @@ def assert_ep2_x_dp2_trains_like_one_process(plans: dict, pins: dict, results: l
         except AssertionError as error:
             failures.append(f"{name}: {str(error).splitlines()[0]}")
     assert not failures, "\n".join(failures)
+
+
+# --- random plans with expert parallelism ---------------------------------------------
+
+RANDOM_EP = ("qwen3_moe", "deepseek_v3", "gpt_oss", "fx_moe")
+
+
+def plan_random(models: dict, devices: str = "2xcpu", count: int = 3) -> dict:
+    """(model, "random i") -> a random feasible plan (tests/random_plans.py: the real
+    integer program under a random objective) of each RANDOM_EP model on `devices`; the
+    seed is fixed so that expert parallelism is among them (ep over every rank and, on 4
+    ranks, ep 2 carved out of dp). `models`: instances `plan_every_kind` traced."""
+    from random_plans import random_plans
+
+    plans = {}
+    for name in RANDOM_EP:
+        inputs, kwargs = MOE_ZOO[name].example()
+        drawn = random_plans(models[name], devices, inputs, count, seed=1, kwargs=kwargs)
+        plans.update({(name, f"random {i}"): plan for i, plan in enumerate(drawn)})
+    return plans
+
+
+def assert_random_plans_train_like_one_process(plans: dict, results: list) -> None:
+    """Every random plan (`plan_random`) trains like one process, and expert parallelism
+    was drawn in some of them."""
+    experts = {s for plan in plans.values() for l in plan.layers
+               if (s := l.strategy).startswith("expert_parallel")}
+    assert experts, "no random plan drew expert parallelism: change the seed"
+    failures = []
+    for name, kind in plans:
+        try:
+            check_kind(name, kind, plans, {}, results, reference(MOE_ZOO[name]))
+        except AssertionError as error:
+            failures.append(f"{name} {kind}: {str(error).splitlines()[0]}")
+    assert not failures, "\n".join(failures)

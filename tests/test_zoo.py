@@ -116,6 +116,7 @@ class ZooRuns(NamedTuple):
     models: dict  # model -> the instance planned (traced once: planner.profiled)
     experts: tuple  # tests/test_experts.py's (plans, refusals, each rank's results)
     expert_models: dict  # model -> the instance test_experts planned
+    random_experts: dict  # test_experts' random plans, run in the same launch
     sparse_llama4: tuple  # test_moe_pricing's (plan, or the error planning raised; ranks')
 
 
@@ -139,7 +140,9 @@ def zoo_runs() -> ZooRuns:
                 refusals[(name, kind)] = str(error)
     jobs = [(name, kind, plan.to_json()) for (name, kind), plan in plans.items()]
     moe_plans, moe_refusals, moe_models = test_experts.plan_every_kind()
-    moe_jobs = [(name, kind, plan.to_json()) for (name, kind), plan in moe_plans.items()]
+    random_moe = test_experts.plan_random(moe_models)
+    moe_jobs = [(name, kind, plan.to_json())
+                for (name, kind), plan in {**moe_plans, **random_moe}.items()]
     try:  # tests/test_moe_pricing.py's sparse-routed Llama 4 pipeline
         sparse = test_moe_pricing.plan_sparse_llama4()
         calls = ((test_moe_pricing._pipeline_parameters, (sparse.to_json(),)),)
@@ -149,6 +152,7 @@ def zoo_runs() -> ZooRuns:
                       forked=False)
     return ZooRuns(plans, refusals, [zoo for zoo, _, _ in ranks], models,
                    (moe_plans, moe_refusals, [moe for _, moe, _ in ranks]), moe_models,
+                   random_moe,
                    (sparse, [done[0] if done else None for _, _, done in ranks]))
 
 
@@ -217,16 +221,19 @@ def four_rank_runs(zoo_runs):
     jobs = [(name, kind, make_plan(name, kind, "4xcpu", made[name]).to_json())
             for name, kind in FOUR_RANKS]
     ep_plans, pins = test_experts.plan_ep2_x_dp2(zoo_runs.expert_models)
-    ep_jobs = [(name, kind, plan.to_json()) for (name, kind), plan in ep_plans.items()]
+    random_ep = test_experts.plan_random(zoo_runs.expert_models, "4xcpu", count=2)
+    ep_jobs = [(name, kind, plan.to_json())
+               for (name, kind), plan in {**ep_plans, **random_ep}.items()]
     ranks = run_ranks(run_with_experts, 4, jobs, ep_jobs, forked=False)
-    return jobs, [zoo for zoo, _, _ in ranks], (ep_plans, pins, [moe for _, moe, _ in ranks])
+    moe = [moe for _, moe, _ in ranks]
+    return jobs, [zoo for zoo, _, _ in ranks], (ep_plans, pins, moe), (random_ep, moe)
 
 
 def test_four_ranks_train_like_one_process(four_rank_runs):
     """Where the split matters (a row per rank; tensor-parallel shards of a quarter; tied
     embeddings and a BatchNorm over 4 ranks), the same plans on 4 gloo ranks (of the
     models the fixture traced: a Hugging Face model's torch.export trace is ~2 s)."""
-    jobs, results, _ = four_rank_runs
+    jobs, results, *_ = four_rank_runs
     assert_runs_match(jobs, results)
 
 
@@ -246,6 +253,18 @@ def test_experts_ep2_x_dp2_replicated_or_fsdp_sharded_trains_like_one_process(fo
     import test_experts
 
     test_experts.assert_ep2_x_dp2_trains_like_one_process(*four_rank_runs[2])
+
+
+def test_experts_random_plans_with_expert_parallelism_train_like_one_process(zoo_runs,
+                                                                            four_rank_runs):
+    """tests/test_experts.py's: random feasible plans of the mixture-of-experts models, ep
+    over every rank among them (2 ranks) and ep 2 carved out of dp (4 ranks), train like
+    one process; run in the zoo's launches, so it is here."""
+    import test_experts
+
+    test_experts.assert_random_plans_train_like_one_process(
+        zoo_runs.random_experts, zoo_runs.experts[2])
+    test_experts.assert_random_plans_train_like_one_process(*four_rank_runs[3])
 
 
 def test_moe_pricing_sparse_routed_llama4_plans_a_pipeline_and_trains_like_one_process(zoo_runs):
