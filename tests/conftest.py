@@ -56,7 +56,8 @@ def pytest_runtest_protocol(item, nextitem):
 # tests/test_experts.py's and test_moe_pricing.py's multi-rank jobs in its own launches.)
 SLOW_FILES = {
     "test_zoo.py": 198, "test_train_cli.py": 76, "test_torchvision.py": 73,
-    "test_pipeline_search.py": 62, "test_context_parallel.py": 40, "test_hf_pipeline.py": 35, "test_small_batch_plans.py": 26,
+    "test_pipeline_search.py": 62, "test_context_parallel.py": 40, "test_hf_pipeline.py": 35,
+    "test_small_batch_plans.py": 26,
     "test_repeat_blocks.py": 25, "test_search_budget.py": 22, "test_stage_dp.py": 21,
     "test_moe_pricing.py": 19, "test_profile_cache.py": 18, "test_calibrate.py": 18,
     "test_plot.py": 16, "test_hf_fsdp.py": 16,
