@@ -77,10 +77,7 @@ def recompute_blocks(built, graph: ModelGraph, tp: int = 1, every: bool = False)
         if name not in blocks:
             continue
         members = [i for i in members_of[u] if i < len(graph.layers)]  # not the sink
-        inside = {graph.layers[i].node for i in members}
-        entering = {src for i in members for src in graph.layers[i].inputs
-                    if src not in inside and src in carried}
-        kept_bytes = float(sum(built.layers[index[src]].output.nbytes for src in entering))
+        kept_bytes = _input_bytes(members, graph, built, carried, index)
         transient = max(transient, sum(largest(problem.layers[i].activation_bytes)
                                        for i in members))
         for j, i in enumerate(members):
@@ -103,15 +100,31 @@ def recompute_blocks(built, graph: ModelGraph, tp: int = 1, every: bool = False)
                 sharded[i] = sharded[i] * 2
     doubled = ({i for i, l in enumerate(layers) if l.recomputed is not None} if not every
                else set())
-    tiled = once_per_object(lambda cost, reps: np.tile(np.asarray(cost), reps))
-    edges = tuple(type(e)(e.src, e.dst, tiled(e.cost_s, (2 if e.src in doubled else 1,
-                                                         2 if e.dst in doubled else 1)))
-                  if e.src in doubled or e.dst in doubled else e for e in problem.edges)
+    edges = _tiled_edges(problem.edges, doubled)
     return replace(built, problem=replace(problem, layers=tuple(layers), edges=edges),
                    strategies=tuple(strategies), costs=tuple(costs),
                    local_param_bytes=tuple(local), sharded=tuple(sharded),
                    temp_bytes=tuple(temps), sync_s=tuple(syncs),
                    sync_serial_s=tuple(serials), transient_bytes=transient)
+
+
+def _input_bytes(members: list[int], graph: ModelGraph, built, carried, index) -> float:
+    """Bytes of what enters a block from outside it and carries weights' work (the hidden
+    state): what a checkpointed block keeps."""
+    inside = {graph.layers[i].node for i in members}
+    entering = {src for i in members for src in graph.layers[i].inputs
+                if src not in inside and src in carried}
+    return float(sum(built.layers[index[src]].output.nbytes for src in entering))
+
+
+def _tiled_edges(edges, doubled: set[int]) -> tuple:
+    """`edges` with each cost matrix tiled along the sides whose layer has its options
+    doubled (the same layout change for a recomputed option as for its plain one); alike
+    matrices tiled once."""
+    tiled = once_per_object(lambda cost, reps: np.tile(np.asarray(cost), reps))
+    return tuple(type(e)(e.src, e.dst, tiled(e.cost_s, (2 if e.src in doubled else 1,
+                                                        2 if e.dst in doubled else 1)))
+                 if e.src in doubled or e.dst in doubled else e for e in edges)
 
 
 def kept_per_option(strategies, kept_bytes: float, tp: int) -> list[float]:
