@@ -58,6 +58,8 @@ from dataclasses import dataclass, replace
 import planner
 from planner.export import express, read_megatron, to_megatron, to_torchtitan
 from profiler.presets import build_llm
+from strategies.kernel_levers import Levers
+from strategies.parse import parse_devices
 
 A100_PEAK = 312e12  # fp16 dense tensor-core FLOP/s, the paper's "theoretical peak"
 VOCAB = 51200  # README: "All models use a vocabulary size of 51,200"
@@ -131,7 +133,7 @@ def model_args(args: str) -> argparse.Namespace:
     return p.parse_known_args(shlex.split(args))[0]
 
 
-def build_gpt(args: str, batch: int, attention: str = "eager"):
+def build_gpt(args: str, batch: int, attention: str = "eager", tied: bool = True):
     """(model, inputs, kwargs, seq): Megatron's GPT of these arguments on meta, as GPT-2's
     block (module docstring: what differs). `attention`: transformers' implementation;
     "eager" materializes the score matrix as Megatron-LM's attention of 2021 did."""
@@ -140,7 +142,7 @@ def build_gpt(args: str, batch: int, attention: str = "eager"):
     m = model_args(args)
     config = GPT2Config(n_layer=m.num_layers, n_embd=m.hidden_size,
                         n_head=m.num_attention_heads, n_positions=m.max_position_embeddings,
-                        vocab_size=VOCAB, tie_word_embeddings=True,
+                        vocab_size=VOCAB, tie_word_embeddings=tied,
                         attn_implementation=attention)
     model, inputs, kwargs = build_llm(config, batch, m.seq_length)
     return model, inputs, kwargs, m.seq_length
@@ -197,52 +199,62 @@ def published_step(row: Row) -> float:
         row.published_tflops * 1e12 * row.gpus)
 
 
-def price_nearest(config, row: Row, built):
-    """(price_job's plan, the job priced): the job itself, or where hyplan does not run
-    its microbatches (tensor parallelism on rows tp divides: planner.search.tp_whole_rows)
-    the fewest microbatches it does run (smaller, more of them: the same rows a step), said
-    here."""
+def differs(job, config) -> str:
+    """What of `job` is not `config` (microbatches, virtual stages), in words."""
+    what = []
+    if job.microbatches != config.microbatches:
+        what.append(f"{job.microbatches} microbatches of {job.microbatch_rows} (the job: "
+                    f"{config.microbatches} of {config.microbatch_rows})")
+    if job.chunks != config.chunks:
+        what.append(f"{job.chunks} virtual stages per rank (the job: {config.chunks})")
+    return " and ".join(what)
+
+
+def price_nearest(config, row: Row, built, devices):
+    """[(price_job's plan, the job priced, what differs from the job)]: the job itself, or
+    the nearest hyplan runs: the fewest more, smaller microbatches where it does not run
+    the job's (tensor parallelism on rows tp divides: planner.search.tp_whole_rows), and
+    where the job's virtual stages per rank are not ones it offers (2 or 4:
+    planner.pipeline.schedules.chunks_allowed), each it does offer (the job's 3 lies
+    between them)."""
     model, inputs, kwargs, _ = built
-    try:
-        return planner.price_job(model, row.devices, config, inputs, kwargs,
-                                 tracer="blocks"), config
-    except ValueError as error:
-        first = error
     local = config.global_batch // config.dp
-    for m in range(config.microbatches + 1, local + 1):
-        if local % m:
-            continue
-        nearest = replace(config, microbatches=m)
-        try:
-            plan = planner.price_job(model, row.devices, nearest, inputs, kwargs,
-                                     tracer="blocks")
-        except ValueError:
-            continue
-        print(f"    not as written ({str(first).split(':')[1].strip()}...): priced with "
-              f"{m} microbatches of {nearest.microbatch_rows} (the job: "
-              f"{config.microbatches} of {config.microbatch_rows})")
-        return plan, nearest
-    raise ValueError(f"no microbatch count of {config.describe()} runs in hyplan: {first}")
+    out, first = [], None
+    for v in [config.chunks] if config.chunks in (1, 2, 4) else [2, 4]:
+        for m in range(config.microbatches, local + 1):
+            if local % m:
+                continue
+            job = replace(config, microbatches=m, chunks=v)
+            try:
+                plan = planner.price_job(model, devices, job, inputs, kwargs, tracer="blocks")
+            except ValueError as error:
+                first = first or error
+                continue
+            out.append((plan, job, differs(job, config)))
+            break
+    if not out:
+        raise ValueError(f"no job near {config.describe()} runs in hyplan: {first}")
+    return out
 
 
-def priced(row: Row, config, built, label: str):
-    """The job priced (price_nearest), printed; (plan, the job priced)."""
-    started = time.perf_counter()
-    plan, config = price_nearest(config, row, built)
-    print(f"  {label}: priced in {time.perf_counter() - started:.1f} s: {describe(plan, row)}")
-    print(f"    solver: {plan.solver.status}, gap {plan.solver.gap:.2%}; {plan.solver.note}")
-    return plan, config
+# the variants priced: (label, what it stands for, compile lever, tied embedding)
+VARIANTS = {
+    "eager": ("as written", "GPT-2's modules kernel by kernel", False, True),
+    "fused": ("fused", "Megatron's default fused kernels, priced as the compile lever",
+              True, True),
+    "untied": ("fused, vocab-parallel head", ("the same, and the output layer and "
+               "embedding split by vocabulary over tp as Megatron's tied pair is (hyplan "
+               "keeps a tied pair whole: an untied pair stands for it)"), True, False),
+}
 
 
-def price(row: Row, own: bool) -> None:
-    """One published row: imported, priced beside its figure as written (eager: GPT-2's
-    modules kernel by kernel) and with Megatron's fused kernels, which its defaults turn on
-    (6985e58 arguments.py: --masked-softmax-fusion, --bias-gelu-fusion,
-    --bias-dropout-fusion, apex's fused LayerNorm), priced as hyplan's torch.compile
-    lever, which fuses the same element-wise and normalization work (strategies.fusion);
-    then hyplan's own plan beside it."""
+def price(row: Row, variants: list[str], own: bool) -> None:
+    """One published row: imported, priced beside its figure in each variant (VARIANTS):
+    as written, and with Megatron's fused kernels, which its defaults turn on (6985e58
+    arguments.py: --masked-softmax-fusion, --bias-gelu-fusion, --bias-dropout-fusion;
+    apex's fused LayerNorm), priced as hyplan's torch.compile lever, which fuses the same
+    element-wise and normalization work (strategies.fusion); then hyplan's own plan."""
     config = read_megatron(row.args, row.gpus)
-    built = build_gpt(row.args, config.global_batch)
     print(f"== {row.key}: GPT {row.layers} x {row.hidden} ({row.heads} heads) on "
           f"{row.devices}")
     print(f"  arguments: {row.args}")
@@ -252,29 +264,48 @@ def price(row: Row, own: bool) -> None:
     print(f"  published: {row.published_tflops:.0f} TFLOP/s/GPU as the paper counts, "
           f"{row.published_tflops * 1e12 / A100_PEAK:.0%} of peak: a step of "
           f"{published:.2f} s, {tokens_per_gpu(row, published):,.0f} tokens/s/GPU")
-    eager, config = priced(row, config, built, "as written (eager)")
-    fused, _ = priced(row, replace(config, compile=True), built,
-                      "with Megatron's fused kernels (the compile lever)")
+    lines, models, fused = [], {}, None
+    for key in variants:
+        label, means, compile_, tied = VARIANTS[key]
+        if tied not in models:
+            models.clear()  # one big model on meta at a time
+            models[tied] = build_gpt(row.args, config.global_batch, tied=tied)
+        started = time.perf_counter()
+        for plan, job, what in price_nearest(replace(config, compile=compile_), row,
+                                             models[tied], row.devices):
+            shown = label + (f" ({job.chunks} per rank)" if what and job.chunks !=
+                             config.chunks else "")
+            print(f"  {shown}: {means}; priced in {time.perf_counter() - started:.1f} s"
+                  + (f"; not as written: priced with {what}" if what else ""))
+            print(f"    {describe(plan, row)}")
+            print(f"    solver: {plan.solver.status}, gap {plan.solver.gap:.2%}; "
+                  f"{plan.solver.note}")
+            lines.append(row_line(row, plan, shown))
+            if key == "fused":
+                fused = fused or (plan, job)
     print("  | job | priced | published TFLOP/s/GPU (tokens/s/GPU) | hyplan | error |")
-    print(row_line(row, eager, "eager"))
-    print(row_line(row, fused, "fused"))
+    print("\n".join(lines))
     if own:
-        own_plan(row, built, config, fused)
+        own_plan(row, models.get(True) or build_gpt(row.args, config.global_batch),
+                 config, fused)
     print()
 
 
-def own_plan(row: Row, built, config, job_plan) -> None:
-    """hyplan's plan for the same model, devices and batch, exported both ways."""
+def own_plan(row: Row, built, config, job) -> None:
+    """hyplan's plan for the same model, devices and batch (with the fused kernels'
+    lever, as the job's fused price), exported both ways."""
     model, inputs, kwargs, _ = built
+    cluster = parse_devices(row.devices)
+    cluster = cluster.model_copy(update={"levers": Levers(compile=True)})
     started = time.perf_counter()
-    plan = planner.optimize(model, row.devices, inputs, kwargs, mesh="auto", tracer="blocks",
+    plan = planner.optimize(model, cluster, inputs, kwargs, mesh="auto", tracer="blocks",
                             precision=config.precision)
-    print(f"  hyplan's plan (planned in {time.perf_counter() - started:.1f} s, eager):")
+    print(f"  hyplan's plan (planned in {time.perf_counter() - started:.1f} s, fused):")
     expressed = express(plan)
-    step = job_plan.predicted.step_time_s
     # a job that does not fit is no rival in speed: what it needs, never a ratio
-    beside = (f"{step / plan.predicted.step_time_s:.2f}x the fused job's throughput"
-              if fits(job_plan) else "the job does not fit: no ratio")
+    beside = ("no fused price of the job to compare" if job is None else
+              f"{job[0].predicted.step_time_s / plan.predicted.step_time_s:.2f}x the fused "
+              f"job's throughput" if fits(job[0]) else "the job does not fit: no ratio")
     print(f"    {expressed.job.describe()}: {describe(plan, row)}; {beside}; solver "
           f"{plan.solver.status}, gap {plan.solver.gap:.2%}")
     for d in expressed.departures:
@@ -289,11 +320,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--jobs", default=",".join(ROWS), help="comma-separated: "
                         + ", ".join(ROWS))
+    parser.add_argument("--variants", default="eager,fused,untied", help="comma-separated: "
+                        + ", ".join(f"{k} ({v[1]})" for k, v in VARIANTS.items()))
     parser.add_argument("--no-own", action="store_true", help="price the published jobs "
                         "only, without hyplan's own plan for each")
     args = parser.parse_args()
     for key in args.jobs.split(","):
-        price(ROWS[key], not args.no_own)
+        price(ROWS[key], args.variants.split(","), not args.no_own)
 
 
 if __name__ == "__main__":
