@@ -2,7 +2,8 @@
 and hyplan's own plan for each job beside them, exported to torchtitan TOML and Megatron-LM
 arguments.
 
-    PYTHONPATH=$PWD python benchmarks/megatron_jobs.py [--jobs 1.7b,18b,39b,...] [--no-own]
+    PYTHONPATH=$PWD python benchmarks/megatron_jobs.py [--jobs 1.7b,18b,...]
+        [--variants eager,fused,untied] [--no-own]
 
 Each row is the command line Megatron-LM ran (`pretrain_gpt.py` arguments), read by
 planner.export.read_megatron and priced by planner.price_job (the 3-D search restricted to
@@ -39,8 +40,23 @@ its predicted step time; tokens/s/GPU beside it.
 
 The model: Hugging Face's GPT-2 block at Megatron's sizes (pre-LayerNorm, GELU MLP of 4h,
 learned positions, biases, input embedding tied to the output layer, as Megatron's GPT of
-2021), vocabulary 51,200 (the README's). Its FLOPs are the formula's: the formula leaves
-out the biases, layer norms and softmax (well under 1%).
+2021), vocabulary 51,200 (the README's), its attention "eager" (the score matrix written out,
+scaled, masked, softmaxed, dropped out and multiplied by V, as Megatron-LM's attention of
+2021; no flash attention then). Its FLOPs are the formula's: the formula leaves out the
+biases, layer norms and softmax (well under 1%). What differs, and what each variant
+(VARIANTS) prices of it: Megatron fuses bias+GELU, scale+mask+softmax and bias+dropout+add,
+and runs apex's fused LayerNorm, by default ("fused": hyplan's compile lever, the same
+element-wise and normalization fusion); Megatron splits its tied embedding and output
+layer by vocabulary over tp, where hyplan keeps a tied pair whole, replicated over tp
+(planner.ties.TIED_STRATEGIES) ("untied": an untied pair, which hyplan splits, stands for
+it, with a second table's memory and gradient that Megatron does not have).
+
+Not priced as written, and said per row: hyplan's executor runs a torch.export graph
+tensor parallel only on microbatches whose rows tp does not divide (3.6B, 7.5B, 18B are
+priced with more, smaller microbatches, the same rows a step), and offers 2 or 4 virtual
+stages per rank, not the 3 of the 76B and 530B rows (priced at both). Full recompute is
+priced as hyplan's price_job prices `recompute full` at this commit: whole blocks where
+memory needs them (the plan says how many).
 
 The H100 table that replaced it in the README (images/model_table.png, f2e5db4, 2024-07-15:
 1.7B-462B on up to 6,144 H100, MFU 41-48%) gives TP, PP, DP and the batch but not the
