@@ -85,9 +85,9 @@ TINY = ("--num-layers 4 --hidden-size 64 --num-attention-heads 4 --seq-length 32
 @pytest.fixture(scope="module")
 def tiny_plan():
     """hyplan's plan for a published row's kind of job, shrunk to run here: a 4-block GPT
-    (the benchmark's builder) on 2 x 4 A100."""
+    (the benchmark's builder) on 4 A100."""
     model, inputs, kwargs, _ = build_gpt(TINY, 16)
-    return planner.optimize(model, "2x4xA100-80GB", inputs, kwargs, mesh="auto",
+    return planner.optimize(model, "4xA100-80GB", inputs, kwargs, mesh="auto",
                             tracer="blocks", precision="fp16-mixed", time_limit_s=10)
 
 
@@ -107,3 +107,33 @@ def test_hyplans_plan_exports_to_arguments_megatron_core_accepts(tiny_plan):
     fields = config_fields(job)
     TransformerConfig(hidden_size=64, num_attention_heads=4, params_dtype=torch.float16,
                       pipeline_dtype=torch.float16, **fields)
+
+
+# the 145B row's kind of job (tp, pp, 2 virtual stages per rank, microbatches of 1 row,
+# full recompute, fp16, DDP), shrunk to a 4-block GPT on 8 devices
+SHRUNK = ("--activations-checkpoint-method uniform --tensor-model-parallel-size 2 "
+          "--pipeline-model-parallel-size 2 --micro-batch-size 1 --global-batch-size 16 "
+          "--num-layers 4 --hidden-size 64 --num-attention-heads 4 --DDP-impl local "
+          "--seq-length 32 --max-position-embeddings 32 --fp16 "
+          "--num-layers-per-virtual-pipeline-stage 1")
+
+
+def test_a_published_kind_of_job_priced_and_exported_is_the_same_job():
+    """Import, price, export: the priced plan runs the job's mesh and schedule, and its
+    Megatron-LM arguments read back to the job's degrees and pass megatron-core's
+    TransformerConfig."""
+    pytest.importorskip("megatron.core")
+    from megatron.core.transformer import TransformerConfig
+
+    job = read_megatron(SHRUNK, 8)
+    assert (job.tp, job.pp, job.dp, job.chunks, job.microbatches) == (2, 2, 2, 2, 8)
+    model, inputs, kwargs, _ = build_gpt(SHRUNK, job.global_batch)
+    plan = planner.price_job(model, "8xA100-80GB", job, inputs, kwargs, tracer="blocks",
+                             time_limit_s=10)
+    assert plan.mesh.shape == [2, 2, 2] and plan.microbatches == 8
+    assert (plan.pipeline.schedule, plan.pipeline.chunks) == ("Interleaved1F1B", 2)
+    back = read_megatron(to_megatron(plan).text, 8)
+    assert (back.tp, back.pp, back.dp, back.chunks, back.microbatches, back.recompute) == (
+        2, 2, 2, 2, 8, express(plan).job.recompute)
+    TransformerConfig(hidden_size=64, num_attention_heads=4, params_dtype=torch.float16,
+                      pipeline_dtype=torch.float16, **config_fields(back))
