@@ -329,7 +329,10 @@ def own_plan(row: Row, built, config, job) -> None:
     print("    torchtitan TOML:")
     print("\n".join("      " + line for line in to_torchtitan(expressed).text.splitlines()
                     if line))
-    print(f"    Megatron-LM: {to_megatron(expressed).text}")
+    megatron = to_megatron(expressed)
+    print(f"    Megatron-LM: {megatron.text}")
+    for d in megatron.departures[len(expressed.departures):]:
+        print(f"    Megatron-LM departs: {d}")
 
 
 def main() -> None:
