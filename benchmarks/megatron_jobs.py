@@ -54,9 +54,8 @@ it, with a second table's memory and gradient that Megatron does not have).
 Not priced as written, and said per row: hyplan's executor runs a torch.export graph
 tensor parallel only on microbatches whose rows tp does not divide (3.6B, 7.5B, 18B are
 priced with more, smaller microbatches, the same rows a step), and offers 2 or 4 virtual
-stages per rank, not the 3 of the 76B and 530B rows (priced at both). Full recompute is
-priced as hyplan's price_job prices `recompute full` at this commit: whole blocks where
-memory needs them (the plan says how many).
+stages per rank, not the 3 of the 76B and 530B rows (priced at both). Full recompute
+(`uniform`, one layer a unit) is priced as price_job prices it: every block recomputed.
 
 The H100 table that replaced it in the README (images/model_table.png, f2e5db4, 2024-07-15:
 1.7B-462B on up to 6,144 H100, MFU 41-48%) gives TP, PP, DP and the batch but not the
