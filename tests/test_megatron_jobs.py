@@ -137,3 +137,20 @@ def test_a_published_kind_of_job_priced_and_exported_is_the_same_job():
         2, 2, 2, 2, 8, express(plan).job.recompute)
     TransformerConfig(hidden_size=64, num_attention_heads=4, params_dtype=torch.float16,
                       pipeline_dtype=torch.float16, **config_fields(back))
+
+
+@pytest.mark.parametrize("layers, pp, chunks, departs", [
+    (105, 63, 1, True),  # hyplan's 530B plan: 105 blocks over 63 stages
+    (128, 6, 1, True),  # its 1T plan
+    (96, 24, 1, False),
+    (96, 16, 2, False),
+    (60, 4, 2, True),  # 7.5 blocks a virtual stage
+])
+def test_blocks_megatron_cannot_split_evenly_are_a_departure(layers, pp, chunks, departs):
+    """Megatron-LM asserts the blocks divide among the (virtual) stages unless told a
+    layout: an export with stages it cannot split evenly says so."""
+    from planner.export.config import Expressed, JobConfig
+    job = JobConfig(global_batch=pp * 4, pp=pp, chunks=chunks, microbatches=pp * 4,
+                    schedule="Interleaved1F1B" if chunks > 1 else "1F1B", num_layers=layers)
+    exported = to_megatron(Expressed(job))
+    assert any("--pipeline-model-parallel-layout" in d.why for d in exported.departures) == departs

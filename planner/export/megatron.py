@@ -66,6 +66,16 @@ def _departures(job: JobConfig) -> list[Departure]:
             "FSDP2 shards over the whole data-parallel group")))
     if job.recompute == "full" and job.recompute_every > 1 and job.num_layers % job.pp:
         out.append(Departure(("recompute",), "blocks not divisible among the stages"))
+    stages = job.pp * job.chunks
+    if job.pp > 1 and job.num_layers and job.num_layers % stages:
+        # megatron/training/arguments.py asserts num_layers % pp == 0 (and per virtual
+        # stage) unless a layout or uneven first/last stages are given
+        out.append(Departure(("pipeline",), (
+            f"{job.num_layers} blocks over {stages} pipeline stages, which Megatron-LM splits "
+            f"only evenly from these arguments (it stops: 'Number of layers should be "
+            f"divisible by the pipeline-model-parallel size'): give it the plan's stages with "
+            f"--pipeline-model-parallel-layout, or --decoder-first-pipeline-num-layers / "
+            f"--decoder-last-pipeline-num-layers")))
     return out
 
 
