@@ -81,7 +81,8 @@ class Cost:
 def compute_s(layer: Layer, fraction: float, ctx: CostContext, split: str = "batch") -> float:
     """Forward + backward time of `fraction` of the layer's work on one device, `split` the
     way the work is divided ("batch" rows, "out" or "in" features, "feature" of a
-    parameter-free op). Measured where the layer was timed here at that very shape (the
+    parameter-free op, "shard": heads or table rows, whose rank holds `fraction` of the
+    weights too and does `fraction` of the work, as rows). Measured where the layer was timed here at that very shape (the
     data-parallel rows, a model-parallel shard, or whole), scaled from the nearest
     measurement otherwise, by shape on a GPU that has a `GPUShape` (strategies.gpu_compute),
     else a roofline over FLOPs and bytes moved."""
@@ -93,7 +94,7 @@ def compute_s(layer: Layer, fraction: float, ctx: CostContext, split: str = "bat
     slowdown = (memory_contention(moved, ctx) if not layer.params
                 else ctx.cluster.compute_slowdown)
     if layer.measured_s is not None:
-        if split == "batch" or round(1 / fraction) == 1:
+        if split in ("batch", "shard") or round(1 / fraction) == 1:
             return rows_s(layer, ctx.batch * fraction) * slowdown
         if split in layer.measured_shards and layer.measured_parts == round(1 / fraction):
             # a feature shard runs every one of the context's rows, its time following

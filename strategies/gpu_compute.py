@@ -281,8 +281,9 @@ def layer_s(layer: Layer, fraction: float, split: str, device: DeviceSpec, dtype
     size = element_bytes(dtype)
     out = _numel(layer) * fraction
     if layer.kind == "Embedding":
-        # gather rows forward; backward writes a dense gradient of the whole table
-        moved = 3 * out * size + layer.param_bytes
+        # gather rows forward; backward writes a dense gradient of the whole table (of the
+        # rank's rows of it, split by vocabulary)
+        moved = 3 * out * size + layer.param_bytes * (fraction if split == "shard" else 1.0)
         return memory_bound_s(moved, 3, device)
     # forward reads the inputs and writes the output; backward reads the output's
     # gradient and the inputs and writes the inputs' gradients

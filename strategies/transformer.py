@@ -123,8 +123,10 @@ class HeadParallel(Strategy):
         local = layer.param_bytes / ctx.ranks
         memory = weights_memory(local, ctx) + _head_parallel_kept(layer, self.gives, ctx)
         # the executor's style runs DTensor as a row-parallel layer does (its input made
-        # whole from a DTensor, its output reduced as one), and its weights are DTensors
-        return Cost(split_compute_s(layer, ctx), comm, memory, update_s(local, ctx),
+        # whole from a DTensor, its output reduced as one), and its weights are DTensors;
+        # a rank's share of the heads, and of the weights' traffic (autocast's casts, the
+        # gradient): "shard", not "batch", where the weights are whole on every rank
+        return Cost(split_compute_s(layer, ctx, "shard"), comm, memory, update_s(local, ctx),
                     {"output_reduction_s": comm, "output_bytes": layer.output.nbytes,
                      "communication_bytes": sent})
 
@@ -149,8 +151,9 @@ class VocabParallel(Strategy):
     def cost(self, layer, ctx):
         comm, kept, sent = _output_reduction(layer, self.gives, ctx)
         local = layer.param_bytes / ctx.ranks
-        # torch's RowwiseParallel on the embedding: a row-parallel layer's DTensor cost
-        return Cost(split_compute_s(layer, ctx), comm,
+        # torch's RowwiseParallel on the embedding: a row-parallel layer's DTensor cost;
+        # the rank's rows of the table ("shard": its gradient and casts too)
+        return Cost(split_compute_s(layer, ctx, "shard"), comm,
                     weights_memory(local, ctx) + kept, update_s(local, ctx),
                     {"output_reduction_s": comm, "output_bytes": layer.output.nbytes,
                      "communication_bytes": sent})

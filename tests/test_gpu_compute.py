@@ -135,3 +135,33 @@ def test_a_gpus_first_use_calibration_makes_a_profile_that_plans(monkeypatch):
     plan = planner.optimize(model, cluster, (torch.randn(32, 64),), precision="bf16-mixed",
                             measure=False)
     assert 0 < plan.predicted.step_time_s < 1e-3
+
+
+def test_a_head_parallel_rank_moves_its_share_of_the_weights():
+    """A head-parallel attention rank holds 1/tp of the projections, so it casts and
+    accumulates 1/tp of them (the trace's weight traffic, `ff` and `bf`), not the whole
+    module's on every rank, as a data-parallel rank of it does. Before: 310B on tp 8 with
+    1-row microbatches, 12.9 GB a microbatch charged to every rank, 2.6x its MLP."""
+    from strategies.catalog import split_compute_s
+    from strategies.gpu_compute import memory_bound_s, traffic_s
+    from strategies.transformer import HeadParallel
+
+    cluster = parse_devices("8xA100-80GB").at_precision("bf16-mixed")
+    hidden, heads, rows, weight = 4096, 32, 2048, 6e9  # a weight traffic of 6 GB each way
+    layer = Layer(name="attn", node="attn", op="call_module", kind="GPT2Attention",
+                  inputs=("x",), output=TensorMeta((1, rows, hidden), "float32",
+                                                  rows * hidden * 4),
+                  attrs={"num_attention_heads": heads,
+                         "traffic": {"bfloat16": (1e9, weight, 1e9, weight, 4, 4)}},
+                  param_bytes=4 * hidden * hidden * 4, param_count=4 * hidden * hidden)
+    ctx = CostContext(cluster=cluster, ranks=8, batch=1)
+    device = cluster.device
+    assert math.isclose(traffic_s(layer, 1 / 8, device, "bfloat16", "shard"),
+                        memory_bound_s((2e9 + 2 * weight) / 8, 8, device, elementwise=True))
+    assert math.isclose(traffic_s(layer, 1 / 8, device, "bfloat16", "batch"),
+                        memory_bound_s(2e9 / 8 + 2 * weight, 8, device, elementwise=True))
+    priced = HeadParallel().cost(layer, ctx).compute_s
+    assert math.isclose(priced, split_compute_s(layer, ctx, "shard"))
+    # the whole weights' traffic on every rank would cost 7/8 of it more
+    assert split_compute_s(layer, ctx, "batch") - priced > 0.8 * memory_bound_s(
+        2 * weight, 8, device, elementwise=True) * 7 / 8

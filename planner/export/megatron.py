@@ -66,6 +66,16 @@ def _departures(job: JobConfig) -> list[Departure]:
             "FSDP2 shards over the whole data-parallel group")))
     if job.recompute == "full" and job.recompute_every > 1 and job.num_layers % job.pp:
         out.append(Departure(("recompute",), "blocks not divisible among the stages"))
+    stages = job.pp * job.chunks
+    if job.pp > 1 and job.num_layers and job.num_layers % stages:
+        # megatron/training/arguments.py asserts num_layers % pp == 0 (and per virtual
+        # stage) unless a layout or uneven first/last stages are given
+        out.append(Departure(("pipeline",), (
+            f"{job.num_layers} blocks over {stages} pipeline stages, which Megatron-LM splits "
+            f"only evenly from these arguments (it stops: 'Number of layers should be "
+            f"divisible by the pipeline-model-parallel size'): give it the plan's stages with "
+            f"--pipeline-model-parallel-layout, or --decoder-first-pipeline-num-layers / "
+            f"--decoder-last-pipeline-num-layers")))
     return out
 
 
@@ -112,15 +122,38 @@ def _parser() -> argparse.ArgumentParser:
                  "--context-parallel-size", "--expert-model-parallel-size",
                  "--num-layers-per-virtual-pipeline-stage", "--virtual-pipeline-model-parallel-size",
                  "--recompute-num-layers", "--micro-batch-size", "--global-batch-size",
-                 "--seq-length", "--num-layers"):
+                 "--seq-length", "--num-layers", "--activations-checkpoint-num-layers"):
         p.add_argument(flag, type=int)
     for flag in ("--recompute-granularity", "--recompute-method", "--fp8-format",
-                 "--fp8-recipe"):
+                 "--fp8-recipe", "--activations-checkpoint-method"):
         p.add_argument(flag)
     for flag in ("--sequence-parallel", "--bf16", "--fp16", "--use-distributed-optimizer",
-                 "--use-torch-fsdp2", "--tp-comm-overlap", "--recompute-activations"):
+                 "--use-torch-fsdp2", "--tp-comm-overlap", "--recompute-activations",
+                 "--checkpoint-activations"):
         p.add_argument(flag, action="store_true")
     return p
+
+
+def _recompute(a, pp: int) -> tuple[str, int]:
+    """(mode, every) of the recompute arguments: today's `--recompute-granularity` /
+    `--recompute-method` / `--recompute-num-layers`, or the 2021 spelling the SC21 paper's
+    scripts use (Megatron-LM 6985e58, megatron/arguments.py: `--activations-checkpoint-method
+    uniform|block` with `--activations-checkpoint-num-layers`, `--checkpoint-activations`
+    read as uniform), which became the full granularity: every block recomputed, or with
+    "block" the first n of each stage."""
+    method, layers = a.recompute_method, a.recompute_num_layers
+    full = a.recompute_granularity == "full"
+    if a.activations_checkpoint_method or a.checkpoint_activations:
+        full = True
+        method = a.activations_checkpoint_method or "uniform"
+        layers = a.activations_checkpoint_num_layers or 1
+    if full:
+        if method == "block" and a.num_layers and layers:
+            return "full", max(1, (a.num_layers // pp) // layers)
+        return "full", 1
+    if a.recompute_granularity == "selective" or a.recompute_activations:
+        return "selective", 1
+    return "none", 1
 
 
 def read_megatron(args: str | list[str], devices: int) -> JobConfig:
@@ -147,13 +180,7 @@ def read_megatron(args: str | list[str], devices: int) -> JobConfig:
             raise JobFileError("megatron: --num-layers-per-virtual-pipeline-stage needs "
                                "--num-layers to count the virtual stages")
         chunks = a.num_layers // (pp * a.num_layers_per_virtual_pipeline_stage)
-    recompute, every = "none", 1
-    if a.recompute_granularity == "full":
-        recompute = "full"
-        if a.recompute_method == "block" and a.num_layers and a.recompute_num_layers:
-            every = max(1, (a.num_layers // pp) // a.recompute_num_layers)
-    elif a.recompute_granularity == "selective" or a.recompute_activations:
-        recompute = "selective"
+    recompute, every = _recompute(a, pp)
     precision = "bf16-mixed" if a.bf16 else "fp16-mixed" if a.fp16 else "fp32"
     return JobConfig(global_batch=global_batch, seq_len=a.seq_length or 0,
                      dp_shard=dp if a.use_torch_fsdp2 else 1,
