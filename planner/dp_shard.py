@@ -49,6 +49,9 @@ from strategies.overlap import exposed_s, fsdp_exposed_s
 
 SUFFIX = "+fsdp"
 HSDP_SUFFIX = "+hsdp"
+# a pin (planner.search.build), not a suffix: every option replicated over dp, none of
+# its sharded variants (DDP over dp, the strategy over tp left free)
+REPLICATED = "+replicated"
 SUMMED_OVER_TP = ("data_parallel", "sequence_parallel", *TOKEN_SPLIT)
 
 

@@ -218,7 +218,7 @@ def job_pin(job: JobConfig, graph, cluster, optimizer: str, rows: int) -> dict[s
     if job.tp == 1:
         return pin
     cache = CostCache(graph, cluster, optimizer)
-    shard = suffix if suffix.startswith("+") else ""
+    shard = suffix if suffix in (dp_shard.SUFFIX, dp_shard.HSDP_SUFFIX) else ""
     for layer in graph.layers:
         if not layer.param_bytes or "norm" in layer.kind.lower():
             continue
@@ -231,9 +231,10 @@ def job_pin(job: JobConfig, graph, cluster, optimizer: str, rows: int) -> dict[s
 
 def dp_wrapping(job: JobConfig, devices_per_node: int) -> str:
     """The pin of every layer over dp: "+fsdp" (dp_shard > 1), "+hsdp" (both dp degrees),
-    "data_parallel" (DDP without tp), or "" where the search picks per layer (DDP beside
-    tp: torchtitan does not run it; Megatron-LM's distributed optimizer shards the
-    optimizer state, which the search prices as FSDP or replicated per layer)."""
+    "data_parallel" (DDP without tp), dp_shard.REPLICATED (DDP beside tp: Megatron-LM's
+    replicas without its distributed optimizer), or "" where the search picks per layer
+    (Megatron-LM's distributed optimizer shards the optimizer state, which the search
+    prices as FSDP or replicated per layer)."""
     if job.dp == 1:
         return ""
     if job.dp_shard > 1 and job.dp_replicate > 1:
@@ -247,7 +248,9 @@ def dp_wrapping(job: JobConfig, devices_per_node: int) -> str:
         return dp_shard.HSDP_SUFFIX
     if job.dp_shard > 1:
         return dp_shard.SUFFIX
-    return "data_parallel" if job.tp == 1 else ""
+    if job.tp == 1:
+        return "data_parallel"
+    return "" if job.sharded_optimizer else dp_shard.REPLICATED
 
 
 def _noted(plan: Plan, job: JobConfig, recompute: bool, over: str = "") -> Plan:

@@ -462,7 +462,8 @@ def _priced_options(cache: "CostCache", entry: LayerEntry, layer: Layer, dp: int
         cluster.devices_per_node)]
     names = [s.name + sh for s, sh in variants]
     keep = [j for j, n in enumerate(names) if want and (
-        n == want or (want.startswith("+") and n.endswith(want)))]
+        n == want or (want.startswith("+") and n.endswith(want))
+        or (want == dp_shard.REPLICATED and not variants[j][1]))]
     if keep:
         variants, names = [variants[j] for j in keep], [names[j] for j in keep]
     prices = [cache.price(entry, s, dp, sh) for s, sh in variants]
@@ -526,7 +527,8 @@ def build(cache: CostCache, pp: int, dp: int, tp: int, rows: int,
     `pin` maps layer names to the option they must use where it applies: a strategy's
     name, or with "+fsdp" ("+hsdp") its variant sharded over the dp group (the dp ranks of
     a node: planner.dp_shard); a bare suffix ("+fsdp") keeps every option with it (the
-    strategy over tp stays free: planner.baseline's "fsdp_tp"). `ends_together`: the first
+    strategy over tp stays free: planner.baseline's "fsdp_tp"), and dp_shard.REPLICATED
+    every option without one (DDP over dp). `ends_together`: the first
     and last stages lie on one rank (a V-shaped schedule), which holds a tied embedding and
     head as one weight: no copy to price. `group`: the shape is one group of all devices
     (pp = dp = 1, tp = N, the whole batch: a 1-D plan, planner.choices) offering what

@@ -234,3 +234,23 @@ def test_a_job_over_tp_keeps_no_copies_inside_recomputed_blocks_and_a_loss_shard
         shares = dict(stage_held._outputs(built, choice, set(graph.outputs), 2, True))
         assert list(shares.values()) == [0.5]  # the head's vocabulary shard, not the whole
     assert 0 < saved[True] < saved[False]
+
+
+def test_a_megatron_job_without_its_distributed_optimizer_is_priced_as_ddp():
+    """Megatron-LM's replicas beside tp are plain DDP unless --use-distributed-optimizer
+    shards the optimizer state: without it no layer is priced FSDP-sharded over dp."""
+    model, ids = _tiny_meta_llama()
+    args = ("--tensor-model-parallel-size 2 --micro-batch-size 4 --global-batch-size 8 "
+            "--seq-length 16 --sequence-parallel --bf16 --num-layers 2")
+    plain = read_megatron(args, devices=4)
+    assert not plain.sharded_optimizer
+    assert read_megatron(args + " --use-distributed-optimizer", devices=4).sharded_optimizer
+    kw = {"example_kwargs": {"use_cache": False}}
+    held = max(planner.price_job(model, "4xH100", plain, (ids,), **kw).predicted.memory_bytes)
+    # below what DDP holds: the distributed optimizer's job may shard weights to fit there
+    tight = dict(kw, memory_limit_bytes=0.9 * held)
+    sharded = planner.price_job(model, "4xH100", replace(plain, sharded_optimizer=True),
+                                (ids,), **tight)
+    assert any(l.dp_shard for l in sharded.layers)
+    ddp = planner.price_job(model, "4xH100", plain, (ids,), **tight)
+    assert not any(l.dp_shard for l in ddp.layers)

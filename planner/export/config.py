@@ -68,6 +68,9 @@ class JobConfig:
     compile: bool = False
     float8: str = ""
     async_tp: bool = False
+    # Megatron-LM's --use-distributed-optimizer: the optimizer state sharded over dp (its
+    # ZeRO-1); without it, a job over dp replicas beside tp is plain DDP
+    sharded_optimizer: bool = False
 
     def __post_init__(self):
         for name in ("dp_replicate", "dp_shard", "tp", "pp", "cp", "ep", "microbatches",

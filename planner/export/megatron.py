@@ -192,4 +192,5 @@ def read_megatron(args: str | list[str], devices: int) -> JobConfig:
                      num_layers=a.num_layers or 0, sequence_parallel=a.sequence_parallel,
                      precision=precision, float8=(
                          "rowwise" if a.fp8_recipe in ("blockwise", "mxfp8") else "tensorwise")
-                     if a.fp8_format else "", async_tp=a.tp_comm_overlap)
+                     if a.fp8_format else "", async_tp=a.tp_comm_overlap,
+                     sharded_optimizer=a.use_distributed_optimizer)
