@@ -221,7 +221,8 @@ def four_rank_runs(zoo_runs):
     jobs = [(name, kind, make_plan(name, kind, "4xcpu", made[name]).to_json())
             for name, kind in FOUR_RANKS]
     ep_plans, pins = test_experts.plan_ep2_x_dp2(zoo_runs.expert_models)
-    random_ep = test_experts.plan_random(zoo_runs.expert_models, "4xcpu", count=2)
+    random_ep = test_experts.plan_random(zoo_runs.expert_models, "4xcpu", count=2,
+                                         names=test_experts.RANDOM_EP_4)
     ep_jobs = [(name, kind, plan.to_json())
                for (name, kind), plan in {**ep_plans, **random_ep}.items()]
     ranks = run_ranks(run_with_experts, 4, jobs, ep_jobs, forked=False)
