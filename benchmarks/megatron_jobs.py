@@ -75,6 +75,8 @@ from planner.export import express, read_megatron, to_megatron, to_torchtitan
 from profiler.presets import build_llm
 from strategies.kernel_levers import Levers
 from strategies.parse import parse_devices
+from torchtitan_jobs import describe as describe_plan
+from torchtitan_jobs import fits
 
 A100_PEAK = 312e12  # fp16 dense tensor-core FLOP/s, the paper's "theoretical peak"
 VOCAB = 51200  # README: "All models use a vocabulary size of 51,200"
@@ -178,22 +180,11 @@ def tokens_per_gpu(row: Row, step_s: float) -> float:
     return row.gbs * 2048 / step_s / row.gpus
 
 
-def fits(plan) -> bool:
-    return max(plan.predicted.memory_bytes) <= plan.predicted.memory_limit_bytes
-
-
 def describe(plan, row: Row) -> str:
-    p = plan.predicted
-    blocks = len(plan.recompute_blocks)
-    layers = sum(l.recompute for l in plan.layers)  # a 1-D plan recomputes layer by layer
-    return (f"step {p.step_time_s:.3f} s (compute {p.compute_s:.3f}, communication "
-            f"{p.communication_s:.3f}, bubble {p.bubble_s:.3f}), "
-            f"{tflops_per_gpu(row, p.step_time_s):.0f} TFLOP/s/GPU as the paper counts, "
-            f"{tokens_per_gpu(row, p.step_time_s):,.0f} tokens/s/GPU, memory "
-            f"{max(p.memory_bytes) / 1e9:.1f} of {p.memory_limit_bytes / 1e9:.1f} GB "
-            f"({'fits' if fits(plan) else 'does not fit'}), recompute "
-            + (f"{'every' if '*' in plan.recompute_blocks else blocks} block(s)" if blocks
-               else f"{layers} layer(s)"))
+    """torchtitan_jobs' line for a priced plan, its throughput as the paper counts it."""
+    step_s = plan.predicted.step_time_s
+    return describe_plan(plan, 2048, f"{tflops_per_gpu(row, step_s):.0f} TFLOP/s/GPU as the "
+                         f"paper counts, {tokens_per_gpu(row, step_s):,.0f} tokens/s/GPU")
 
 
 def row_line(row: Row, plan, label: str) -> str:

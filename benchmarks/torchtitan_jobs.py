@@ -58,26 +58,19 @@ class Job:
 
 
 JOBS = {j.key: j for j in [
-    Job("8b-8", "llama3-8b", "8xH100-96GB", "llama3_8b_9dec370.toml",
-        {"training.batch_size": 2}, 5762, "",
-        "llama3_h100_202412_torchtitan.md table 1 (FSDP)"),
-    Job("8b-128", "llama3-8b", "16x8xH100-96GB", "llama3_8b_9dec370.toml",
-        {"training.batch_size": 2}, 5605, "",
-        "llama3_h100_202412_torchtitan.md table 3 (FSDP)"),
-    Job("8b-8-compile", "llama3-8b", "8xH100-96GB", "llama3_8b_9dec370.toml",
-        {"training.batch_size": 2, "training.compile": True}, 6667, "compile",
-        "llama3_h100_202412_torchtitan.md table 1 (FSDP + torch.compile)"),
-    Job("8b-8-float8", "llama3-8b", "8xH100-96GB", "llama3_8b_9dec370.toml",
-        {"training.batch_size": 2, "training.compile": True,
-         "float8.enable_float8_linear": True}, 8532, "compile + float8",
-        "llama3_h100_202412_torchtitan.md table 1 (FSDP + torch.compile + Float8)"),
-    Job("8b-128-compile", "llama3-8b", "16x8xH100-96GB", "llama3_8b_9dec370.toml",
-        {"training.batch_size": 2, "training.compile": True}, 6514, "compile",
-        "llama3_h100_202412_torchtitan.md table 3 (FSDP + torch.compile)"),
-    Job("8b-128-float8", "llama3-8b", "16x8xH100-96GB", "llama3_8b_9dec370.toml",
-        {"training.batch_size": 2, "training.compile": True,
-         "float8.enable_float8_linear": True}, 8380, "compile + float8",
-        "llama3_h100_202412_torchtitan.md table 3 (FSDP + torch.compile + Float8)"),
+    *[Job(key, "llama3-8b", devices, "llama3_8b_9dec370.toml",
+          {"training.batch_size": 2, **extra}, published, levers,
+          f"llama3_h100_202412_torchtitan.md table {table} ({row})")
+      for devices, table, runs in [("8xH100-96GB", 1, (("8b-8", 5762), ("8b-8-compile", 6667),
+                                                         ("8b-8-float8", 8532))),
+                                    ("16x8xH100-96GB", 3, (("8b-128", 5605),
+                                                           ("8b-128-compile", 6514),
+                                                           ("8b-128-float8", 8380)))]
+      for (key, published), (extra, levers, row) in zip(runs, [
+          ({}, "", "FSDP"),
+          ({"training.compile": True}, "compile", "FSDP + torch.compile"),
+          ({"training.compile": True, "float8.enable_float8_linear": True},
+           "compile + float8", "FSDP + torch.compile + Float8")])],
     *[Job(key, "llama3-70b", "32x8xH100-96GB", "llama3_70b_820504e.toml",
           {"activation_checkpoint.mode": "full", "training.local_batch_size": 16,
            "training.compile": True, **extra}, published, levers,
@@ -118,13 +111,15 @@ def fits(plan) -> bool:
     return max(plan.predicted.memory_bytes) <= plan.predicted.memory_limit_bytes
 
 
-def describe(plan, seq: int) -> str:
+def describe(plan, seq: int, throughput: str = "") -> str:
+    """A priced plan in one line: step and its terms, `throughput` (default tokens/s per
+    GPU; benchmarks/megatron_jobs.py's adds the paper's TFLOP/s), memory, recompute."""
     p = plan.predicted
     blocks = len(plan.recompute_blocks)
     layers = sum(l.recompute for l in plan.layers)  # a 1-D plan recomputes layer by layer
+    throughput = throughput or f"{tokens_per_gpu(plan, seq):,.0f} tokens/s/GPU"
     return (f"step {p.step_time_s:.3f} s (compute {p.compute_s:.3f}, communication "
-            f"{p.communication_s:.3f}, bubble {p.bubble_s:.3f}), "
-            f"{tokens_per_gpu(plan, seq):,.0f} tokens/s/GPU, memory "
+            f"{p.communication_s:.3f}, bubble {p.bubble_s:.3f}), {throughput}, memory "
             f"{max(p.memory_bytes) / 1e9:.1f} of {p.memory_limit_bytes / 1e9:.1f} GB "
             f"({'fits' if fits(plan) else 'does not fit'}), recompute "
             + (f"{'every' if '*' in plan.recompute_blocks else blocks} block(s)" if blocks

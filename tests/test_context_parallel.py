@@ -261,15 +261,10 @@ def test_cp_degrees_divide_devices_sequence_and_batch():
 
 
 def test_hyplan_plan_kind_cp_for_a_long_sequence(tmp_path, capsys):
-    import json
-
     from planner.cli import main
+    from test_presets import llama_config_file
 
-    config = {"model_type": "llama", "hidden_size": 256, "intermediate_size": 512,
-              "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-              "vocab_size": 1024, "max_position_embeddings": 4096}
-    path = tmp_path / "config.json"
-    path.write_text(json.dumps(config))
+    path = llama_config_file(tmp_path, 4096)
     argv = ["plan", str(path), "--devices", "4xH100", "--seq", "4096", "--batch", "1"]
     assert main([*argv, "--kind", "cp"]) == 0
     out = capsys.readouterr().out  # one sequence on 4 devices: only cp 4 splits it

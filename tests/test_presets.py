@@ -56,12 +56,18 @@ def test_tokens_and_mfu_by_hand():
     assert math.isclose(t.mfu, 4_000 * 84_576_000 / 1e12)
 
 
-def test_plan_from_a_config_json(tmp_path, capsys):
+def llama_config_file(tmp_path, max_position_embeddings: int):
+    """A tiny Llama's config.json, as `hyplan plan` takes one; its path."""
     config = {"model_type": "llama", "hidden_size": 256, "intermediate_size": 512,
               "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-              "vocab_size": 1024, "max_position_embeddings": 256}
+              "vocab_size": 1024, "max_position_embeddings": max_position_embeddings}
     path = tmp_path / "config.json"
     path.write_text(json.dumps(config))
+    return path
+
+
+def test_plan_from_a_config_json(tmp_path, capsys):
+    path = llama_config_file(tmp_path, 256)
     assert main(["plan", str(path), "--devices", "4xH100", "--seq", "128", "--batch", "8"]) == 0
     out = capsys.readouterr().out
     assert "tokens/s per device" in out and "MFU" in out and "bfloat16" in out
