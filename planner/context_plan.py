@@ -100,21 +100,18 @@ def keep_rule(cp: int, sharded: bool):
 
 def _choices(cache: CostCache, cp: int, sharded: bool, recompute: bool) -> Choices:
     """The 1-D problem of a cp plan, its edges dropped (module docstring); `recompute`:
-    every transformer block under activation checkpointing (block_recompute's variant of
-    each of its layers: the block keeps its input, 1/N of it per rank, and runs its
-    forward again in backward)."""
+    every transformer block under activation checkpointing (block_recompute's recomputed
+    options in place of the plain ones: the block keeps its input, 1/N of it per rank, and
+    runs its forward again in backward)."""
     graph = cache.graph
     choices = layer_choices(graph, cache.cluster, cache.optimizer, None, cache=cache,
                             group=_ContextGroup(levers=False, keep=keep_rule(cp, sharded)))
     built = choices.built
     if recompute:
-        built = block_recompute.recompute_blocks(built, graph, cache.cluster.num_devices)
+        built = block_recompute.recompute_blocks(built, graph, cache.cluster.num_devices,
+                                                 every=True)
     built = replace(built, problem=replace(built.problem, edges=()))
-    rows = tuple(replace(row, strategies=built.strategies[i], costs=built.costs[i],
-                         prices=row.prices * (len(built.costs[i]) // len(row.costs)))
-                 for i, row in enumerate(choices.layers))
-    return replace(choices, problem=replace(choices.problem, edges=()), built=built,
-                   layers=rows)
+    return replace(choices, problem=replace(choices.problem, edges=()), built=built)
 
 
 @dataclass(frozen=True)
@@ -144,8 +141,7 @@ def priced(cache: CostCache, cp: int, sharded: bool, recompute: bool, budget: fl
     every plan's figures read)."""
     choices = _choices(cache, cp, sharded, recompute)
     problem = choices.built.problem
-    choice = tuple(int(layer.recomputed is not None and layer.recomputed[-1])
-                   for layer in problem.layers)
+    choice = (0,) * len(problem.layers)
     times = evaluate(problem, (0,), choice, 1, "1F1B")
     solution = Solution(choice, times.step_s, times.step_s, "optimal", 0.0,
                         "one option per layer")
