@@ -82,10 +82,10 @@ def compute_s(layer: Layer, fraction: float, ctx: CostContext, split: str = "bat
     """Forward + backward time of `fraction` of the layer's work on one device, `split` the
     way the work is divided ("batch" rows, "out" or "in" features, "feature" of a
     parameter-free op, "shard": heads or table rows, whose rank holds `fraction` of the
-    weights too and does `fraction` of the work, as rows). Measured where the layer was timed here at that very shape (the
-    data-parallel rows, a model-parallel shard, or whole), scaled from the nearest
-    measurement otherwise, by shape on a GPU that has a `GPUShape` (strategies.gpu_compute),
-    else a roofline over FLOPs and bytes moved."""
+    weights too and does `fraction` of the work, as rows). Measured where the layer was
+    timed here at that very shape (the data-parallel rows, a model-parallel shard, or
+    whole), scaled from the nearest measurement otherwise, by shape on a GPU that has a
+    `GPUShape` (strategies.gpu_compute), else a roofline over FLOPs and bytes moved."""
     if layer.is_input:
         return 0.0
     # forward writes the output once, backward reads it and writes its gradient
