@@ -51,7 +51,7 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from planner import dp_shard
+from planner import dp_shard, expert_degrees
 from planner.pipeline import block_recompute, schedules
 from planner.block_cuts import (
     BEFORE, block_units, carries_weights, tied_heads, why_no_blocks,
@@ -449,24 +449,39 @@ class _PricedOptions:
 
 
 def _priced_options(cache: "CostCache", entry: LayerEntry, layer: Layer, dp: int, tp: int,
-                    want: str | None, tied_copy, tied_link, tie: str | None = None
-                    ) -> _PricedOptions:
+                    want: str | None, tied_copy, tied_link, tie: str | None = None,
+                    computing: float | None = None) -> _PricedOptions:
     """Each of `entry`'s options (only the one named `tie` where its tie group runs that:
-    _tied_names), then its FSDP and HSDP variants where offered (planner.dp_shard), kept to
-    `want` where pinned, priced by planner.price."""
+    _tied_names), then its FSDP and HSDP variants where offered (planner.dp_shard), an
+    experts layer's expert parallelism carved out of dp (planner.expert_degrees, priced on
+    the wider group's entry), kept to `want` where pinned, priced by planner.price."""
     graph, cluster = cache.graph, cache.cluster
     strategies = [s for s in entry.strategies if tie is None or s.name == tie]
     variants = [(s, "") for s in strategies]
     variants += [(s, sh) for s in strategies for sh in dp_shard.variants(
         layer, s.name, dp, tp, graph.tracer, layer.node in cache.tied,
         cluster.devices_per_node)]
+    over = [(entry, dp)] * len(variants)  # the entry each is priced on, and its replicas
+    rows = entry.ctx.batch
+    for e in expert_degrees.degrees(layer, dp, tp, rows, graph.batch_size):
+        wide = cache.layer(layer, tp * e, rows * e, computing)
+        s = expert_degrees.carved(wide.strategies, tp, e)
+        if s is None:
+            continue
+        # FSDP over the dp/e ranks sharing its experts; not HSDP, which the executor does not run
+        shards = [sh for sh in dp_shard.variants(layer, s.name, dp // e, tp * e, graph.tracer,
+                                                 False, cluster.devices_per_node)
+                  if sh == dp_shard.SUFFIX]
+        variants += [(s, sh) for sh in ["", *shards]]
+        over += [(wide, dp // e)] * (1 + len(shards))
     names = [s.name + sh for s, sh in variants]
     keep = [j for j, n in enumerate(names) if want and (
         n == want or (want.startswith("+") and n.endswith(want))
         or (want == dp_shard.REPLICATED and not variants[j][1]))]
     if keep:
-        variants, names = [variants[j] for j in keep], [names[j] for j in keep]
-    prices = [cache.price(entry, s, dp, sh) for s, sh in variants]
+        variants, names, over = ([variants[j] for j in keep], [names[j] for j in keep],
+                                 [over[j] for j in keep])
+    prices = [cache.price(e, s, d, sh) for (s, sh), (e, d) in zip(variants, over)]
     if tied_copy is not None:
         prices = [with_tied_copy(p, s, tied_copy, entry.ctx, dp, tied_link)
                   for p, (s, _) in zip(prices, variants)]
@@ -586,7 +601,8 @@ def _layer_options(cache: CostCache, priced: list[_PricedOptions], temps: list,
     # a layer's optimizer temporaries are its _PricedOptions' (build): keyed by it alone
     weights = once_per_object(lambda got, temp: got.weight_bytes + temp)
     gathered = once_per_object(lambda got: got.local_param_bytes * np.array([
-        dp_shard.gathered_over(sh, dp, tp, per_node) for sh in got.sharded]))
+        dp_shard.gathered_over(sh, *expert_degrees.sharing(s.name, dp, tp), per_node)
+        for s, sh in zip(got.strategies, got.sharded)]))
     options = [LayerOptions(layer.name, unit_of[i], got.names, got.microbatch_s, got.step_s,
                             weights(got, temp=temps[i]), got.activation_bytes,
                             temp_bytes=temps[i], gathered_bytes=gathered(got))
@@ -619,7 +635,7 @@ def _shape_options(cache: CostCache, pp: int, dp: int, tp: int, rows: int, pin,
         key = (id(entry), dp, want, copy, layer.node in cache.tied, tie)
         if key not in cache.options:  # identical layers (a transformer's blocks) share one
             cache.options[key] = _priced_options(cache, entry, layer, dp, tp, want, copy,
-                                                 tied_link, tie)
+                                                 tied_link, tie, computing)
         priced.append(cache.options[key])
         scaled.append(entry.layer)
     return priced, scaled

@@ -13,6 +13,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from planner import dp_shard
+from planner.expert_degrees import sharing
 from planner.pipeline import schedules
 from planner.pipeline.stages import stage_ranks
 from strategies.cluster import Cluster
@@ -202,8 +203,6 @@ def _held_layers(built, choice, stage, ranks_of, shape: Shape, cluster: Cluster,
     (benchmarks/memory.py, GPT-2 on 2 and 4 ranks); its take-back follows its schedule
     (_scheduled, together_bytes)."""
     dp, tp = shape.dp, shape.tp
-    gather = {suffix: dp_shard.gathered_over(suffix, dp, tp, cluster.devices_per_node)
-              for suffix in ("", dp_shard.SUFFIX, dp_shard.HSDP_SUFFIX)}
     layers: list[list[HeldLayer]] = [[] for _ in range(shape.pp)]
     for i, layer in enumerate(built.layers):
         c = choice[i]
@@ -217,9 +216,12 @@ def _held_layers(built, choice, stage, ranks_of, shape: Shape, cluster: Cluster,
             layers[0].append(replace(held, replaced_bytes=mine))
             continue
         sharded = built.sharded[i][c] if built.sharded else ""
-        summed = dp > 1 or (tp > 1 and not built.strategies[i][c].model_parallel)
+        strategy = built.strategies[i][c]
+        summed = dp > 1 or (tp > 1 and not strategy.model_parallel)
+        gathered = dp_shard.gathered_over(sharded, *sharing(strategy.name, dp, tp),
+                                          cluster.devices_per_node)
         layers[ranks_of[stage[i]]].append(HeldLayer(
-            local, local * gather[sharded], bucketed=not sharded and summed,
+            local, local * gathered, bucketed=not sharded and summed,
             replaced_bytes=mine))
     return layers
 
