@@ -264,6 +264,7 @@ def traffic(program: torch.export.ExportedProgram, precision: str,
     params, users = set(signature.inputs_to_parameters), set(signature.user_inputs)
     seen: dict[str, Seen] = {}
     out: dict[str, Traffic] = {}
+    tuples: dict[str, tuple[bool, bool]] = {}  # a tuple op's (needs a gradient, batch's)
     for node in program.graph_module.graph.nodes:
         value = _tensor(node)
         if node.op == "placeholder":
@@ -272,10 +273,18 @@ def traffic(program: torch.export.ExportedProgram, precision: str,
                                        node.name in params and value.dtype.is_floating_point,
                                        node.name in users)
             continue
-        if node.op != "call_function" or value is None:
-            continue  # a tuple (split, a higher-order op): its items are read by getitem
+        if node.op != "call_function":
+            continue
+        if value is None:  # a tuple (sort, topk, split): its items are read by getitem
+            ins = [seen[n.name] for n in node.all_input_nodes if n.name in seen]
+            tuples[node.name] = (any(i.grad for i in ins), any(i.batched for i in ins))
+            continue
         inputs = [seen.get(n.name) or constant(_tensor(n), batch)
                   for n in node.all_input_nodes if _tensor(n) is not None]
+        # an item of a tuple is the batch's where the tuple's inputs are (a sort of the
+        # routed pairs: its order, and all that it indexes, scale with the rows)
+        inputs += [Seen(value, value.dtype, *tuples[n.name])
+                   for n in node.all_input_nodes if n.name in tuples]
         moved, seen[node.name] = step(
             op_name(node), bool(getattr(node.target, "is_view", False)),
             cast_target(node.args, node.kwargs), value, inputs, low, batch)

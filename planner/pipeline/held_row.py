@@ -92,7 +92,9 @@ def lagrangian_by_unit(tables, work: np.ndarray, f: int, lams: np.ndarray, one: 
         return None
     rounded, taus = found
     row = memory(tables, f, rounded, taus)  # (τ, distinct, width)
-    priced = work[None, None] + lams[None, :, None, None] * row[:, None]
+    valid = np.isfinite(row)  # past a layer's options: +inf, which λ = 0 would make nan
+    priced = np.where(valid[:, None], work[None, None] + lams[None, :, None, None]
+                      * np.where(valid, row, 0.0)[:, None], math.inf)
     return tables.least_by_unit(priced), 3 * SHARE * taus[:, None] * lams[None, :]
 
 
