@@ -29,6 +29,14 @@ hook, so microbatches still accumulate), or with ":fsdp" hold it FSDP2-sharded o
 `make_expert_parallel` is registered as the "expert_parallel"
 style, which executor.modules (and executor.graph_rewrite, for a registered fx block)
 apply like any model-parallel layer's.
+
+On a 3-D plan (pp, dp, tp) an EP group wider than the layer's tp group ("expert_parallel:epK",
+K = tp·e, planner.expert_degrees) spans K consecutive ranks of its stage: `stage_meshes`
+makes the (pp, dp·tp/K, K) mesh of the world on every rank (each stage's ranks carved as
+`_ep_dp` carves a 1-D world), and `apply_carved` styles the layer over its stage's EP
+group. Its gradient is summed over the ranks holding the same experts by the stage's own
+once-a-step sync (executor.pipeline.StageModel.sync_gradients, in DDP's buckets: not a
+hook per microbatch), or its experts are FSDP2-sharded over them (the layer's `dp_shard`).
 """
 
 from __future__ import annotations
@@ -40,8 +48,9 @@ from torch.distributed._functional_collectives import all_to_all_single_autograd
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard, distribute_tensor
 from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor.parallel import ParallelStyle
+from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 
+from executor.levers import apply_levers
 from executor.styles import register_style
 from strategies.experts import NAME, parse_name
 
@@ -55,21 +64,25 @@ class ExpertParallelStyle(ParallelStyle):
     """
 
     def __init__(self, input_layout=Shard(0), output_layout=Shard(0), ep: int = 0,
-                 shard: bool = False):
+                 shard: bool = False, meshes: tuple | None = None):
+        """`meshes`: (EP mesh, mesh of the ranks sharing its experts) made by the caller
+        (`apply_carved`, a 3-D plan's stage), who then sums or shards the experts over the
+        latter itself; None: carved out of the mesh `_apply` is given, synced here."""
         super().__init__()
         if input_layout != Shard(0) or output_layout != Shard(0):
             raise ValueError(f"expert_parallel takes and gives each rank's rows (Shard(0)); "
                              f"got {input_layout} -> {output_layout}: re-plan")
-        self.ep, self.shard = ep, shard
+        self.ep, self.shard, self.meshes = ep, shard, meshes
 
     def _apply(self, module: nn.Module, mesh: DeviceMesh) -> nn.Module:
         names = [n for n, _ in module.named_parameters(recurse=False)]
         experts = next(iter(module.parameters(recurse=False))).shape[0]
         ep = self.ep or mesh.size()
-        if mesh.size() % ep or experts % ep:
-            raise ValueError(f"expert_parallel: {experts} experts over ep {ep} of {mesh.size()} "
+        ranks = self.meshes[0].size() if self.meshes else mesh.size()
+        if ranks % ep or experts % ep:
+            raise ValueError(f"expert_parallel: {experts} experts over ep {ep} of {ranks} "
                              f"ranks do not split evenly; re-plan")
-        ep_mesh, dp_mesh = _ep_dp(mesh, ep)
+        ep_mesh, dp_mesh = self.meshes or _ep_dp(mesh, ep)
         for name in names:
             param = getattr(module, name)
             module.register_parameter(name, nn.Parameter(
@@ -85,7 +98,7 @@ class ExpertParallelStyle(ParallelStyle):
 
         module.forward = forward
         module.num_experts = local  # what its own forward sizes its one-hot and histc by
-        if dp_mesh is not None:
+        if dp_mesh is not None and self.meshes is None:
             _over_dp(module, dp_mesh, self.shard)
         return module
 
@@ -174,6 +187,107 @@ def make_expert_parallel(module: nn.Module, input_placement, output_placement,
     (strategies.experts.strategy_name)."""
     ep, shard = parse_name(strategy)
     return ExpertParallelStyle(input_placement, output_placement, ep, shard)
+
+
+def carved_degree(layer, tp: int) -> int:
+    """K of a 3-D plan's layer whose EP group is wider than its tp group of `tp` ranks
+    ("expert_parallel:epK", K > tp: carved out of its stage's dp x tp ranks), 0 for any
+    other (an EP group inside the tp group runs as a tensor-parallel style over it)."""
+    parsed = parse_name(layer.strategy)
+    return parsed[0] if parsed is not None and parsed[0] > tp else 0
+
+
+def stage_meshes(plan, module_of) -> dict[int, tuple[DeviceMesh, DeviceMesh]]:
+    """{K: (this rank's EP group of K consecutive ranks of its stage, the ranks of its
+    stage holding the same experts)} for every K of `plan`'s carved layers
+    (`carved_degree`). Process groups are made by every rank in one order, so every rank
+    makes every K's, whichever stage holds the layer; first every carved layer the
+    executor cannot run is refused by name, on every rank alike (`module_of(layer)`: its
+    experts module, None where it is none)."""
+    pp, dp, tp = (plan.mesh.size(d) for d in ("pp", "dp", "tp"))
+    degrees = set()
+    for layer in plan.layers:
+        ep = carved_degree(layer, tp)
+        if ep:
+            _check_carved(layer, ep, dp, tp, module_of(layer))
+            degrees.add(ep)
+    return {ep: _stage_ep_dp(plan.mesh.device_type, pp, dp * tp, ep) for ep in sorted(degrees)}
+
+
+def _check_carved(layer, ep: int, dp: int, tp: int, module: nn.Module | None) -> None:
+    """Refuse, naming the layer and the fix, what a carved EP group cannot be: a degree
+    that does not split its stage's ranks into whole groups or its experts evenly, HSDP
+    of its experts, inputs and outputs other than each rank's rows, or no module."""
+    experts = next(module.parameters(recurse=False)).shape[0] if module is not None else 0
+    if (dp * tp) % ep:
+        why = (f", which do not divide its stage's dp x tp = {dp * tp} ranks into whole EP "
+               f"groups; re-plan with a degree tp·e for e dividing dp (planner.expert_degrees)")
+    elif module is None:
+        why = " but is no experts module of this model; re-plan with this hyplan"
+    elif experts % ep:
+        why = (f", which do not split its {experts} experts evenly; re-plan with a degree "
+               f"dividing {experts}")
+    elif layer.hsdp:
+        why = (f" with its experts HSDP-sharded over the ranks holding them, which the 3-D "
+               f"executor does not run; re-plan it '{layer.strategy}+fsdp' or replicated")
+    elif layer.input_layout != "batch" or layer.output_layout != "batch":
+        why = (f", which takes and gives each rank's rows, but it is planned "
+               f"{layer.input_layout} -> {layer.output_layout}; re-plan with this hyplan")
+    else:
+        return
+    raise ValueError(f"plan: layer {layer.name!r} runs expert parallel over {ep} ranks{why}")
+
+
+def _stage_ep_dp(device_type: str, pp: int, ranks: int, ep: int):
+    """(EP mesh, mesh of the ranks sharing its experts) of this rank: the world as a
+    (pp, ranks/ep, ep) mesh, each stage's `ranks` carved as `_ep_dp` carves a 1-D world
+    (EP groups of `ep` consecutive ranks; rank = p·ranks + stage-local rank). Made once
+    per shape and degree: the plans of one process share its process groups."""
+    key = (id(dist.group.WORLD), "stages", pp, ranks, ep)
+    if key not in _MESHES:
+        _MESHES[key] = DeviceMesh(device_type, torch.arange(pp * ranks).reshape(pp, -1, ep),
+                                  mesh_dim_names=("pp", "dp", "ep"))
+    both = _MESHES[key]
+    return both["ep"], both["dp"]
+
+
+def apply_carved(root: nn.Module, targets: list, meshes: dict, tp: int) -> dict[str, object]:
+    """Style each (module path, LayerPlan) of `targets` (carved layers of one stage) over
+    its EP group (`meshes`: `stage_meshes`). Returns {name: the group to sum its gradient
+    over once a step, or None where its one holder has it whole} of the parameters of the
+    layers not sharded over their holders (`shard_carved` shards the others): out of the
+    stage's sums over dp either way (executor.pipeline.StageModel)."""
+    summed: dict[str, object] = {}
+    for path, layer in targets:
+        ep = carved_degree(layer, tp)
+        module = root.get_submodule(path)
+        parallelize_module(root, meshes[ep][0], {path: ExpertParallelStyle(ep=ep,
+                                                                           meshes=meshes[ep])})
+        holders = meshes[ep][1]
+        if not _sharded(layer, holders):
+            group = holders.get_group() if holders.size() > 1 else None
+            summed.update(dict.fromkeys((f"{path}.{n}" for n, _ in module.named_parameters()),
+                                        group))
+    return summed
+
+
+def shard_carved(root: nn.Module, targets: list, meshes: dict, tp: int,
+                 precision=None) -> set[str]:
+    """FSDP2 over the ranks holding the same experts, for each carved layer of `targets`
+    the plan shards (`dp_shard`), as executor.levers shards any layer (in `precision`,
+    gradients summed); after `apply_carved` and the FSDP2 view-warning verdicts
+    (fully_shard renames the class). Returns the names of the parameters FSDP now owns."""
+    owned: set[str] = set()
+    for path, layer in targets:
+        holders = meshes[carved_degree(layer, tp)][1]
+        if _sharded(layer, holders):
+            owned |= apply_levers(root, [(path, "fsdp", False)], holders, precision)
+    return owned
+
+
+def _sharded(layer, holders: DeviceMesh) -> bool:
+    """Does the plan shard the layer's experts over their holders (more than one)?"""
+    return bool(layer.dp_shard) and holders.size() > 1
 
 
 register_style(NAME, make_expert_parallel)

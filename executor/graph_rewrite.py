@@ -60,12 +60,15 @@ def parallelize_graph(model: nn.Module, plan: Plan, mesh: DeviceMesh | None = No
 
 
 def apply_tensor_parallel(gm: fx.GraphModule, mesh, layers: dict[str, LayerPlan],
-                          gives) -> set[str]:
-    """DTensor styles on the model-parallel layers' modules; returns their paths."""
+                          gives, skip: set[str] = frozenset()) -> set[str]:
+    """DTensor styles on the model-parallel layers' modules; returns their paths. `skip`:
+    layers styled over another mesh (a 3-D plan's expert parallelism wider than tp,
+    executor.experts.apply_carved)."""
     plan = {}
     for node in gm.graph.nodes:
         layer = layers.get(node.name)
-        if node.op != "call_module" or layer is None or not layer.model_parallel:
+        if (node.op != "call_module" or layer is None or not layer.model_parallel
+                or node.name in skip):
             continue
         layout, shape = [gives[n.name] for n in node.all_input_nodes if n.name in gives][0]
         if _takes_rows(layer):  # its inputs resharded to rows first (insert_reshards)

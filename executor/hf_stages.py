@@ -29,9 +29,14 @@ parallelize_llama applies them (TP, then FSDP, then PP):
    microbatch of one dp replica's rows: the rows the model's code holds between modules
    are split over tp where they split evenly, else whole on every tp rank, and the hidden
    state travels between stages so;
+   an experts module whose EP group is wider than tp ("expert_parallel:epK") is styled
+   over its EP group of K consecutive ranks of the stage instead (executor.experts), its
+   experts summed over the stage's ranks holding the same ones once a step
+   (executor.pipeline.StageModel.sync_gradients);
 2. a module the plan shards over dp (`dp_shard`) is FSDP2 `fully_shard` of that module
    over the dp sub-mesh (beside DTensor tensor parallelism: a 2-D (dp, tp) mesh), which
-   reduce-scatters its gradients itself;
+   reduce-scatters its gradients itself; a carved experts module over the ranks holding
+   the same experts;
 3. the schedule over the pp group (executor.pipeline.staged).
 """
 
@@ -43,6 +48,7 @@ import torch
 from torch import nn
 
 from executor.agree import check_model
+from executor.experts import apply_carved, carved_degree, shard_carved, stage_meshes
 from executor.graph_rewrite import device_of
 from executor.levers import checkpoint_module
 from executor.modules import apply_module_layouts, module_path
@@ -51,6 +57,7 @@ from executor.pipeline import (
 )
 from executor.precision import run_in_precision
 from executor.styles import MeanOverRanks
+from planner.handback import output_layout
 from planner.plan import Plan
 from planner.pipeline.stages import stage_ranks
 from profiler.blocks import decoder_blocks
@@ -293,11 +300,18 @@ def parallelize_decoder_3d(model: nn.Module, plan: Plan) -> StageModel:
     dp, tp = plan.mesh.size("dp"), plan.mesh.size("tp")
     device = device_of(plan)
     mesh, stage_index, stage_groups, num_stages, mine = pipeline_ranks(plan)
+    # every rank makes every carved EP group's, in one order
+    meshes = stage_meshes(plan, _carved_module(model, plan, tp))
     modules = []
     sharded: set[str] = set()
+    carved: dict = {}
     for k in mine:
         stage = stage_modules(model, plan, num_stages, k).to(device)
+        experts = list({module_path(model, l): l for l in plan.layers  # once per module
+                        if l.stage == k and carved_degree(l, tp)}.items())
         held = tensor_parallel(stage, model, plan, k, mesh["tp"]) if tp > 1 else Layout.BATCH
+        carved.update(apply_carved(stage, experts, meshes, tp))
+        sharded |= shard_carved(stage, experts, meshes, tp, plan.training_precision)
         sharded |= shard_over_dp(stage, plan, k, mesh)
         last = k == num_stages - 1
         # rows whole over tp: the tp ranks compute one loss alike, counted once in the mean
@@ -305,9 +319,29 @@ def parallelize_decoder_3d(model: nn.Module, plan: Plan) -> StageModel:
         run_in_precision(module, plan.training_precision, plan.mesh.device_type, last=last)
         modules.append(module)
     out = staged(modules, mine, plan, mesh, stage_index, device, stage_groups[stage_index],
-                 sharded)
+                 sharded, carved)
     _tie_copies(out, model, plan, num_stages, sharded)
     return out
+
+
+def _carved_module(model: nn.Module, plan: Plan, tp: int):
+    """The experts module of a layer whose EP group is wider than tp (executor.experts.
+    stage_meshes checks it), None where it is none; first, such a layer is refused by name,
+    before any collective, on a plan whose stages hold each microbatch's rows whole on
+    every tp rank (planner.handback, the layout planner.search.tp_whole_rows gives a
+    torch.export graph): each rank of an EP group dispatches its own rows, which there the
+    tp ranks would each send alike."""
+    whole = tp > 1 and output_layout(microbatch_rows(plan), tp) != Layout.BATCH
+
+    def module_of(layer):
+        if whole:
+            raise ValueError(f"plan: layer {layer.name!r} runs expert parallel over "
+                             f"{carved_degree(layer, tp)} ranks of stages whose rows are "
+                             f"whole on every tp rank; re-plan it with its EP group inside "
+                             f"tp ('expert_parallel') or with tp 1")
+        path = module_path(model, layer)
+        return model.get_submodule(path) if path is not None else None
+    return module_of
 
 
 def tied_names(model: nn.Module) -> set[str]:
@@ -358,8 +392,11 @@ def tensor_parallel(stage: DecoderStage, model: nn.Module, plan: Plan, k: int,
     layers = [l.model_copy(update={"output_shape": scaled(l.output_shape)}) for l in plan.layers]
     inputs = [i.model_copy(update={"shape": scaled(i.shape)}) for i in plan.inputs]
     paths = {l.node: module_path(model, l) for l in layers}
+    tp = tp_mesh.size()
+    # a carved experts module is styled over its stage's EP group (executor.experts)
     return apply_module_layouts(stage, layers, inputs, plan.outputs, rows, tp_mesh, paths,
-                                here=lambda layer: layer.stage == k)
+                                here=lambda layer: layer.stage == k
+                                and not carved_degree(layer, tp))
 
 
 def shard_over_dp(stage: DecoderStage, plan: Plan, k: int, mesh) -> set[str]:
@@ -368,5 +405,7 @@ def shard_over_dp(stage: DecoderStage, plan: Plan, k: int, mesh) -> set[str]:
     its module's path, planner.dp_shard), with executor.levers' settings: gradients summed
     (the last stage's output gradient already carries 1/dp). Returns the names of the
     parameters FSDP now owns, which the stage's own dp all-reduce leaves alone."""
-    marked = [(l.name, l) for l in plan.layers if l.stage == k and l.dp_shard]
+    tp = plan.mesh.size("tp")
+    marked = [(l.name, l) for l in plan.layers
+              if l.stage == k and l.dp_shard and not carved_degree(l, tp)]
     return shard_modules(stage, marked, mesh, plan)

@@ -9,7 +9,9 @@ In a fixed order, like torchtitan's parallelize functions:
 3. tensor parallelism inside the stage over the tp sub-mesh, with the 1-D machinery of
    executor.parallelize (DTensor parallel styles and Reshard nodes); the last stage hands
    back rows and scales the output gradient by 1/(dp·tp), so every gradient reduction is
-   a sum;
+   a sum; an experts layer whose EP group is wider than tp ("expert_parallel:epK", K
+   consecutive ranks of the stage) is styled over that group instead
+   (executor.experts.apply_carved);
 4. the schedule: torch.distributed.pipelining's PipelineStage over the pp group, one per
    chunk this rank holds (pp x chunks stages; looped r, r + pp, ... or V-shaped r,
    2pp - 1 - r, as planner.pipeline.schedules places them), run by the plan's schedule class
@@ -23,7 +25,9 @@ In a fixed order, like torchtitan's parallelize functions:
    parallelism over tp: a 2-D (dp, tp) mesh), which reduce-scatters its gradients itself.
    An HSDP layer (`hsdp`) is `fully_shard` over the 2-D (dp_replicate, dp_shard) mesh the
    dp dim is made of: sharded inside a node, its gradient shard all-reduced across nodes
-   once per step.
+   once per step. A carved EP group's experts are summed over the dp·tp/K ranks of the
+   stage holding the same ones, in the same buckets once a step, or `fully_shard` over
+   them where the plan shards the layer.
 """
 
 from __future__ import annotations
@@ -45,6 +49,8 @@ from torch.distributed.pipelining.schedules import PipelineScheduleMulti, Pipeli
 from torch.distributed.tensor import DTensor
 
 from executor.agree import traced_as_planned
+from executor.experts import (apply_carved, carved_degree, shard_carved,
+                              stage_meshes)
 from executor.graph_rewrite import (apply_tensor_parallel, device_of, insert_reshards,
                                    reshard_paths)
 from executor.levers import apply_levers
@@ -237,7 +243,8 @@ class StageModel(nn.Module):
     through `forward` itself."""
 
     def __init__(self, chunks: list[fx.GraphModule], indices: list[int], plan: Plan, mesh,
-                 stage_index: int, device, stage_group, sharded: frozenset[str] = frozenset()):
+                 stage_index: int, device, stage_group, sharded: frozenset[str] = frozenset(),
+                 carved: dict | None = None):
         super().__init__()
         self.chunks, self.chunk_indices = chunks, indices  # not registered: see `stage`
         self.stage = chunks[0] if len(chunks) == 1 else _merged(chunks)
@@ -256,9 +263,18 @@ class StageModel(nn.Module):
         # a tied embedding's and head's copies on the first and last pipeline ranks, and
         # the group of those two ranks at this (dp, tp) position (executor.hf_stages)
         self.tied_copies, self.tied_group = [], None
+        # experts of an EP group wider than tp (executor.experts.apply_carved): summed over
+        # the ranks of the stage holding the same experts, {id(group): (group, params)}
+        self.sum_over_experts: dict[int, tuple] = {}
+        carved = carved or {}
         for name, param in self.stage.named_parameters():
             if name in sharded:
                 continue  # FSDP2 reduce-scatters it over dp in backward
+            if name in carved:
+                group = carved[name]
+                if group is not None:
+                    self.sum_over_experts.setdefault(id(group), (group, []))[1].append(param)
+                continue
             (self.sum_over_stage if name in split_rows else self.sum_over_dp).append(param)
         self.pipeline_stages: list[PipelineStage] = []
         self.schedule: PipelineScheduleSingle | PipelineScheduleMulti | None = None
@@ -311,23 +327,33 @@ class StageModel(nn.Module):
 
     def sync_gradients(self) -> None:
         """Sum each gradient over the ranks that hold a copy of its weights, in DDP's
-        buckets (what planner.price charges: one all-reduce per bucket, not per weight)."""
-        for params, group, size in ((self.sum_over_dp, self.dp_group, self.dp),
-                                    (self.sum_over_stage, self.stage_group, self.dp * self.tp)):
-            if size == 1:
-                continue
-            grads = []
-            for p in params:
-                if p.grad is None:
-                    p.grad = torch.zeros_like(p)
-                grads.append(p.grad._local_tensor if isinstance(p.grad, DTensor) else p.grad)
-            sum_in_buckets(grads, group)
+        buckets (what planner.price charges: one all-reduce per bucket, not per weight):
+        over dp, over the stage's dp x tp, and a carved EP group's experts over the ranks
+        holding the same ones."""
+        sums = [(self.sum_over_dp, self.dp_group, self.dp),
+                (self.sum_over_stage, self.stage_group, self.dp * self.tp)]
+        sums += [(params, group, dist.get_world_size(group))
+                 for group, params in self.sum_over_experts.values()]
+        for params, group, size in sums:
+            if size > 1:
+                sum_in_buckets(_local_grads(params), group)
         if self.tied_group is not None:  # after the dp sums: the two copies' totals added
             for p in self.tied_copies:
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
                 g = p.grad._local_tensor if isinstance(p.grad, DTensor) else p.grad
                 dist.all_reduce(g, group=self.tied_group)
+
+
+def _local_grads(params: list[nn.Parameter]) -> list[torch.Tensor]:
+    """Each parameter's gradient as the plain tensor this rank holds (a DTensor's local
+    shard), zeros where backward left none: every rank of a group sums the same list."""
+    grads = []
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        grads.append(p.grad._local_tensor if isinstance(p.grad, DTensor) else p.grad)
+    return grads
 
 
 def sum_in_buckets(grads: list[torch.Tensor], group) -> None:
@@ -368,17 +394,29 @@ def parallelize_3d(model: nn.Module, plan: Plan, *, leaf_modules=()) -> StageMod
     gives.update({l.node: (Layout(l.output_layout), l.output_shape) for l in plan.layers})
     gives = {k: (layout, _rows(shape, plan)) for k, (layout, shape) in gives.items()}
     tp_mesh = mesh["tp"]
+    called = {n.name: str(n.target) for n in gm.graph.nodes if n.op == "call_module"}
+    # every rank makes every carved EP group's, in one order
+    meshes = stage_meshes(plan, lambda layer: gm.get_submodule(called[layer.node])
+                          if layer.node in called else None)
     modules = []
     sharded: set[str] = set()
+    carved: dict = {}
     views: dict[str, bool] = {}  # FSDP2's view warning: every chunk's verdict, then silenced
     for k in mine:
         module = split[k].to(device)
-        parallel = apply_tensor_parallel(module, tp_mesh, layers, gives)
+        experts = carved_calls(module, layers, tp)
+        parallel = apply_tensor_parallel(module, tp_mesh, layers, gives,
+                                         skip={layer.node for _, layer in experts})
+        carved.update(apply_carved(module, experts, meshes, tp))
         insert_reshards(module, tp_mesh, layers, gives, microbatch_rows(plan),
                          final=k == num_stages - 1, mean_over=dp * tp)
-        own_written_outputs(module, parallel | reshard_paths(module))
-        marked = dp_sharded(module, layers)
-        views = view_safety(module, [path for path, _ in marked], views)
+        own_written_outputs(module, parallel | {path for path, _ in experts}
+                            | reshard_paths(module))
+        marked = [(path, layer) for path, layer in dp_sharded(module, layers)
+                  if not carved_degree(layer, tp)]
+        views = view_safety(module, [path for path, _ in marked]
+                            + [path for path, layer in experts if layer.dp_shard], views)
+        sharded |= shard_carved(module, experts, meshes, tp, plan.training_precision)
         sharded |= shard_modules(module, marked, mesh, plan)
         # under autocast; outputs sent on in the compute dtype, the last stage's in fp32
         run_in_precision(module, plan.training_precision, plan.mesh.device_type,
@@ -387,7 +425,16 @@ def parallelize_3d(model: nn.Module, plan: Plan, *, leaf_modules=()) -> StageMod
 
     silence_safe_view_warnings(views)
     return staged(modules, mine, plan, mesh, stage_index, device, stage_groups[stage_index],
-                  sharded)
+                  sharded, carved)
+
+
+def carved_calls(module: fx.GraphModule, layers: dict, tp: int) -> list:
+    """(module path, LayerPlan) of each experts module of this stage whose EP group is
+    wider than tp (executor.experts.carved_degree), once however often it is called:
+    styled over its stage's EP group, not the tp sub-mesh."""
+    return list({str(n.target): layers[n.name] for n in module.graph.nodes
+                 if n.op == "call_module" and n.name in layers
+                 and carved_degree(layers[n.name], tp)}.items())
 
 
 def pipeline_ranks(plan: Plan):
@@ -437,11 +484,12 @@ def _device_mesh(device_type: str, pp: int, dp: int, tp: int, shard_ranks: int):
 
 
 def staged(modules: list, mine: list[int], plan: Plan, mesh, stage_index: int, device,
-           stage_group, sharded: set[str]) -> "StageModel":
+           stage_group, sharded: set[str], carved: dict | None = None) -> "StageModel":
     """This rank's StageModel over its stage modules (fx stages and a decoder's alike),
-    its pipeline stages and schedule built with it."""
+    its pipeline stages and schedule built with it; `carved`: executor.experts.apply_carved's
+    {parameter: group summing it}."""
     return StageModel(modules, mine, plan, mesh, stage_index, device, stage_group,
-                      frozenset(sharded))
+                      frozenset(sharded), carved)
 
 
 def dp_sharded(module: fx.GraphModule, layers: dict) -> list:

@@ -6,12 +6,15 @@ The experts modules are found by their shape and kept whole (profiler.export_tra
 routing ops between modules keep rows (strategies.rowwise); expert parallelism splits the
 experts and moves tokens by all-to-all (strategies.experts, executor.experts). All plans
 are made first, in this process; one launch of 2 fresh ranks runs them all, and one of 4
-the ep 2 x dp 2 plans: tests/test_zoo.py's launches, where the tests that check these
-plans are (`test_experts_*`), so that a fresh rank's start (~5 s of this machine: torch,
-hyplan, transformers imported) is paid once for the zoo's jobs and these.
+the ep 2 x dp 2 plans and the 3-D plans whose EP group is carved out of a stage's dp x tp
+ranks (executor.experts.apply_carved): tests/test_zoo.py's launches, where the tests that
+check these plans are (`test_experts_*`), so that a fresh rank's start (~5 s of this
+machine: torch, hyplan, transformers imported) is paid once for the zoo's jobs and these.
 """
 
 from __future__ import annotations
+
+import time
 
 import pytest
 import torch
@@ -20,7 +23,7 @@ from torch import nn
 
 import executor
 import planner
-from moe_zoo import MOE_ZOO, ROUTED, FxMoE
+from moe_zoo import MOE_ZOO, ROUTED, FxMoE, StackedExperts
 from test_zoo import refused_as_listed
 from planner.profiled import trace_model
 from strategies.catalog import CostContext
@@ -298,3 +301,103 @@ def assert_random_plans_train_like_one_process(plans: dict, results: list) -> No
         except AssertionError as error:
             failures.append(f"{name} {kind}: {str(error).splitlines()[0]}")
     assert not failures, "\n".join(failures)
+
+
+# --- 3-D plans: the EP group carved out of the stage's dp x tp ranks ---------------------
+
+# (pp, dp, tp), the experts layers' option: ep over tp·e consecutive ranks of the stage
+# (planner.expert_degrees), its experts replicated over the dp·tp/K ranks holding the
+# same ones or FSDP2-sharded over them; ep over the whole stage; a pipeline
+CARVED_3D = (((1, 4, 1), "expert_parallel:ep2"), ((1, 4, 1), "expert_parallel:ep2+fsdp"),
+             ((1, 4, 1), "expert_parallel:ep4"), ((1, 2, 2), "expert_parallel:ep4"),
+             ((2, 2, 1), "expert_parallel:ep2"))
+CARVED_3D_MODELS = ("qwen3_moe", "fx_moe")
+# a torch.export graph runs tp > 1 only with each microbatch's rows whole on every tp
+# rank (planner.search.tp_whole_rows), rows no EP group can split: the search offers none
+NOT_PLANNED_3D = {("qwen3_moe", (1, 2, 2))}
+
+
+def plan_carved_3d(models: dict) -> tuple[dict, dict]:
+    """(model, "3d pp x dp x tp option") -> its 4-rank plan from the 3-D search restricted
+    to that one shape (a microbatch per pipeline rank, 1F1B), its experts layers pinned to
+    the option and the rest solved, as planner.price_job pins a job's; and (model, shape)
+    -> why the search found none. For tests/test_zoo.py's 4-rank launch, where
+    `assert_carved_3d_trains_like_one_process` checks them. `models`: instances
+    `plan_every_kind` traced (traced once: planner.profiled)."""
+    from planner.plan3d import plan_3d
+    from planner.profiled import PlanDoesNotFit, profiled_graph
+    from planner.search import Shape
+
+    plans, refusals = {}, {}
+    for name in CARVED_3D_MODELS:
+        inputs, kwargs = MOE_ZOO[name].example()
+        graph, cluster = profiled_graph(models[name], "4xcpu", inputs, kwargs, measure=False)
+        experts = experts_paths(models[name])
+        for (pp, dp, tp), option in CARVED_3D:
+            shape = Shape(pp, dp, tp, microbatches=pp, schedule="1F1B")
+            try:
+                plans[(name, carved_label((pp, dp, tp), option))] = plan_3d(
+                    graph, cluster, "sgd", cluster.device.memory_bytes, time.perf_counter(),
+                    only=[shape], pin=dict.fromkeys(experts, option), search_time_s=10)
+            except PlanDoesNotFit as error:
+                refusals[(name, (pp, dp, tp))] = str(error)
+    return plans, refusals
+
+
+def carved_label(shape: tuple[int, int, int], option: str) -> str:
+    """The job's kind in the launch's results: its shape and option, unique per model."""
+    return "3d {}x{}x{} {}".format(*shape, option)
+
+
+def assert_carved_3d_trains_like_one_process(plans: dict, refusals: dict, results: list):
+    """Each plan is of its shape with its experts layers as pinned (a strategy of that
+    degree, sharded over dp where "+fsdp"), the shapes the search cannot plan are those
+    NOT_PLANNED_3D lists, and every parameter on every one of the 4 ranks (`results`:
+    each rank's `run_plans` of the plans) equals one process's."""
+    assert set(refusals) == NOT_PLANNED_3D, refusals
+    failures = []
+    for name in CARVED_3D_MODELS:
+        paths, expected = experts_paths(MOE_ZOO[name].make()), reference(MOE_ZOO[name])
+        for shape, option in CARVED_3D:
+            if (name, shape) in NOT_PLANNED_3D:
+                continue
+            kind = carved_label(shape, option)
+            plan = plans[(name, kind)]
+            strategy, _, shard = option.partition("+")
+            experts = [l for l in plan.layers if l.name in paths]
+            assert plan.mesh.shape == list(shape) and experts, (name, kind)
+            assert {(l.strategy, l.dp_shard) for l in experts} == {(strategy, bool(shard))}
+            try:
+                check_kind(name, kind, plans, {}, results, expected)
+            except AssertionError as error:
+                failures.append(f"{name} {kind}: {str(error).splitlines()[0]}")
+    assert not failures, "\n".join(failures)
+
+
+def test_a_carved_ep_group_the_3d_executor_cannot_run_is_refused_by_name_before_any_group():
+    """executor.experts.stage_meshes refuses, naming the layer and the fix, a degree that
+    does not divide the stage's ranks or the experts, and HSDP of the experts, before it
+    makes any process group (no launch needed to see it)."""
+    from executor.experts import stage_meshes
+    from planner.plan3d import plan_3d
+    from planner.profiled import profiled_graph
+    from planner.search import Shape
+
+    model = MOE_ZOO["fx_moe"].make()
+    inputs, kwargs = MOE_ZOO["fx_moe"].example()
+    graph, cluster = profiled_graph(model, "4xcpu", inputs, kwargs, measure=False)
+    plan = plan_3d(graph, cluster, "sgd", cluster.device.memory_bytes, time.perf_counter(),
+                   only=[Shape(1, 4, 1, 1, "1F1B")], pin={"experts": "expert_parallel:ep2"},
+                   search_time_s=10)
+
+    def refusal(experts=model.experts, **change):
+        edited = plan.model_copy(update={"layers": [
+            l.model_copy(update=change) if l.name == "experts" else l for l in plan.layers]})
+        with pytest.raises(ValueError) as error:
+            stage_meshes(edited, lambda layer: experts)
+        assert "layer 'experts'" in str(error.value) and "re-plan" in str(error.value)
+        return str(error.value)
+
+    assert "dp x tp = 4 ranks" in refusal(strategy="expert_parallel:ep3")
+    assert "its 6 experts" in refusal(StackedExperts(experts=6), strategy="expert_parallel:ep4")
+    assert "'expert_parallel:ep2+fsdp'" in refusal(hsdp=True, dp_shard=True)

@@ -8,8 +8,8 @@ All plans are made first, in this process; then one launch of 2 ranks runs them 
 (starting processes is the slow part on this machine), each rank a fresh interpreter
 (`run_ranks(forked=False)`: forked ones, running two dozen models each, twice died of SIGSEGV).
 tests/test_experts.py's mixture-of-experts plans run in the same launches (its 2-rank
-jobs in the 2-rank one, its ep 2 x dp 2 plans in the 4-rank one), and so does
-tests/test_moe_pricing.py's sparse-routed Llama 4 pipeline (2 ranks); the tests that
+jobs in the 2-rank one, its ep 2 x dp 2 and 3-D carved-EP plans in the 4-rank one), and
+so does tests/test_moe_pricing.py's sparse-routed Llama 4 pipeline (2 ranks); the tests that
 check them are here (`test_experts_*`, `test_moe_pricing_*`): a fresh rank's start is
 ~5 s of this machine.
 """
@@ -214,7 +214,9 @@ FOUR_RANKS = [("gpt2", "tensor"), ("gpt2", "optimum"), ("bert", "fsdp"), ("vit",
 @pytest.fixture(scope="module")
 def four_rank_runs(zoo_runs):
     """FOUR_RANKS's jobs and each rank's results, and tests/test_experts.py's ep 2 x dp 2
-    (plans, pins, results): one launch of 4 fresh ranks runs both (each fresh rank ~5 s)."""
+    (plans, pins, results), its random plans and its 3-D plans with the EP group carved
+    out of a stage's dp x tp ranks (plans, refusals, results): one launch of 4 fresh ranks
+    runs them all (each fresh rank ~5 s)."""
     import test_experts
 
     made = zoo_runs.models
@@ -223,11 +225,13 @@ def four_rank_runs(zoo_runs):
     ep_plans, pins = test_experts.plan_ep2_x_dp2(zoo_runs.expert_models)
     random_ep = test_experts.plan_random(zoo_runs.expert_models, "4xcpu", count=2,
                                          names=test_experts.RANDOM_EP_4)
+    carved, not_planned = test_experts.plan_carved_3d(zoo_runs.expert_models)
     ep_jobs = [(name, kind, plan.to_json())
-               for (name, kind), plan in {**ep_plans, **random_ep}.items()]
+               for (name, kind), plan in {**ep_plans, **random_ep, **carved}.items()]
     ranks = run_ranks(run_with_experts, 4, jobs, ep_jobs, forked=False)
     moe = [moe for _, moe, _ in ranks]
-    return jobs, [zoo for zoo, _, _ in ranks], (ep_plans, pins, moe), (random_ep, moe)
+    return (jobs, [zoo for zoo, _, _ in ranks], (ep_plans, pins, moe), (random_ep, moe),
+            (carved, not_planned, moe))
 
 
 def test_four_ranks_train_like_one_process(four_rank_runs):
@@ -254,6 +258,17 @@ def test_experts_ep2_x_dp2_replicated_or_fsdp_sharded_trains_like_one_process(fo
     import test_experts
 
     test_experts.assert_ep2_x_dp2_trains_like_one_process(*four_rank_runs[2])
+
+
+def test_experts_3d_ep_carved_out_of_a_stages_dp_ranks_trains_like_one_process(four_rank_runs):
+    """tests/test_experts.py's: 3-D plans whose experts run expert parallel over K = tp·e
+    consecutive ranks of their stage (ep 2 and ep 4 on 1 x 4 x 1, replicated or FSDP2-
+    sharded over the ranks holding the same experts; ep 4 on 1 x 2 x 2; ep 2 in a 2 x 2
+    x 1 pipeline), from the search with the experts pinned, train like one process; run
+    in the zoo's 4-rank launch, so it is here."""
+    import test_experts
+
+    test_experts.assert_carved_3d_trains_like_one_process(*four_rank_runs[4])
 
 
 def test_experts_random_plans_with_expert_parallelism_train_like_one_process(zoo_runs,
