@@ -30,9 +30,10 @@ from planner.pipeline import block_recompute
 from planner.pipeline.stage_held import peak_bytes
 from planner.pipeline.stages import StageSolution, evaluate
 from planner.plan import ContextParallelPlan, MeshPlan, Plan
-from planner.plan3d import one_d_plan
+from planner.plan3d import AS_GOOD, one_d_plan
 from planner.price import group_link, step_overhead_s
 from planner.problem import Solution
+from planner.profiled import PlanDoesNotFit
 from planner.search import CostCache
 from profiler.graph import Layer, ModelGraph
 from strategies.catalog import Strategy
@@ -235,3 +236,54 @@ def mesh_plan(cluster: Cluster, cp: int) -> MeshPlan:
     return MeshPlan(shape=[dp, cp], dim_names=["dp", "cp"], device_type=cluster.device.kind,
                     nodes=cluster.nodes, devices_per_node=cluster.devices_per_node,
                     groups=groups, group_links=links)
+
+
+def contends(graph: ModelGraph, cluster: Cluster) -> bool:
+    """Whether optimize(mesh="auto") weighs a context-parallel plan beside the 1-D and 3-D
+    ones: where the batch has fewer sequences than there are devices (long context: one or
+    two sequences of 128 K tokens on 8 GPUs), so that data parallelism alone cannot use
+    them all, and the model has attention to split with a degree above 1."""
+    n, batch = cluster.num_devices, graph.batch_size
+    if n < 2 or batch >= n:
+        return False
+    try:
+        seq = sequence_length(graph)
+    except ValueError:
+        return False
+    return any(cp > 1 for cp in degrees(n, batch, seq))
+
+
+def or_context_parallel(plan_of, graph: ModelGraph, cluster: Cluster, optimizer: str,
+                        budget: float, started: float) -> Plan:
+    """`plan_of()` (mesh "auto"'s 1-D or 3-D plan), or the best context-parallel plan where
+    it `contends` and is predicted AS_GOOD faster, or fits where the other does not; the
+    plan returned says which won in `mesh_choice`."""
+    if not contends(graph, cluster):
+        return plan_of()
+    try:
+        other, refused = plan_of(), None
+    except PlanDoesNotFit as error:
+        other, refused = None, error
+    cp = context_parallel(graph, cluster, optimizer, budget, started)
+    degree, t_cp = cp.context_parallel.degree, cp.predicted.step_time_s
+    fits = degree > 1 and max(cp.predicted.memory_bytes) <= budget
+    seconds = time.perf_counter() - started
+    if other is None:
+        if not fits:
+            raise refused
+        return _chosen(cp, f"auto: context parallel cp {degree} ({t_cp:.4g} s): no 1-D or "
+                       f"3-D plan fits", seconds)
+    t = other.predicted.step_time_s
+    if fits and t_cp < (1 - AS_GOOD) * t:
+        return _chosen(cp, f"auto: context parallel cp {degree} ({t_cp:.4g} s) beats "
+                       f"{other.mesh_choice or 'the 1-D plan'} ({t:.4g} s) by {t / t_cp:.2f}x",
+                       seconds)
+    why = (f"the best context-parallel plan, cp {degree}, predicts {t_cp:.4g} s"
+           + ("" if fits else " and does not fit"))
+    return other.model_copy(update={"mesh_choice": "; ".join(
+        filter(None, [other.mesh_choice, why]))})
+
+
+def _chosen(plan: Plan, why: str, seconds: float) -> Plan:
+    solver = plan.solver.model_copy(update={"planning_seconds": seconds})
+    return plan.model_copy(update={"mesh_choice": why, "solver": solver})

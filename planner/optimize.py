@@ -15,6 +15,7 @@ from torch import nn
 
 from planner.baseline import LABELS, ONE_D_KINDS, available, solve_baseline, summarize
 from planner.choices import Choices, layer_choices
+from planner.context_plan import or_context_parallel
 from planner.ilp import solve
 from planner.once import plan_once
 from planner.pipeline.stage_held import peak_bytes
@@ -99,10 +100,15 @@ def optimize(
 
     budget = memory_limit_bytes or cluster.device.memory_bytes
     if mesh != "1d":
-        return choose_mesh(mesh, graph, cluster, optimizer, budget, started,
-                           lambda: _plan_1d(graph, cluster, optimizer, budget, pin,
-                                            time_limit_s, started, prefer_standard),
-                           pin=pin, time_limit_s=time_limit_s, search_time_s=search_time_s)
+        def chosen() -> Plan:
+            return choose_mesh(mesh, graph, cluster, optimizer, budget, started,
+                               lambda: _plan_1d(graph, cluster, optimizer, budget, pin,
+                                                time_limit_s, started, prefer_standard),
+                               pin=pin, time_limit_s=time_limit_s,
+                               search_time_s=search_time_s)
+        if mesh == "auto" and not pin:  # long context: a cp plan contends too
+            return or_context_parallel(chosen, graph, cluster, optimizer, budget, started)
+        return chosen()
     return _plan_1d(graph, cluster, optimizer, budget, pin, time_limit_s, started,
                     prefer_standard)
 
