@@ -7,8 +7,10 @@ hyplan's 3-D search (planner.search) restricted to that one shape prices it: the
 and every layer with weights pinned to the data-parallel wrapping the job asks for (FSDP2
 "+fsdp" where dp_shard > 1, HSDP "+hsdp" where both dp degrees are, DDP's replicated
 data-parallel where the job has neither and no tensor parallelism), as planner.baseline's
-"fsdp_tp" pins torchtitan's 2-D plan. The search still picks what the job leaves to the
-framework's recipe: each layer's split over tp (column, row, vocabulary) and which blocks
+"fsdp_tp" pins torchtitan's 2-D plan; with expert parallelism (ep > 1) every experts layer
+pinned to its EP group of ep ranks carved out of the stage's dp·tp ranks (expert_pin).
+The search still picks what the job leaves to the framework's recipe: each layer's split
+over tp (column, row, vocabulary) and which blocks
 the activation checkpointing mode recomputes ("full": every block, as the frameworks run it;
 "selective": whole blocks where memory needs them, hyplan having no op-level selective
 checkpointing). So a job's price and hyplan's own plan
@@ -26,7 +28,7 @@ from dataclasses import replace
 
 from torch import nn
 
-from planner import dp_shard
+from planner import dp_shard, expert_degrees
 from planner.export.config import JobConfig
 from planner.once import plan_once
 from planner.pipeline import block_recompute
@@ -42,6 +44,8 @@ from planner.search import (
     tp_whole_rows,
 )
 from strategies.cluster import Cluster
+from strategies.experts import _experts as experts_of
+from strategies.experts import strategy_name
 from strategies.kernel_levers import Levers
 from strategies.parse import parse_devices
 
@@ -50,8 +54,8 @@ UNBOUNDED_BYTES = 1e15  # the budget a configuration that does not fit is priced
 # in: from 20x over the budget, to within 10% (each a solve: a minute on 405 B)
 BISECTIONS = 5
 # degrees the price list has no term for yet: field, torchtitan's and Megatron-LM's names
-UNPRICED = {"cp": "context_parallel_degree / --context-parallel-size",
-            "ep": "expert_parallel_degree / --expert-model-parallel-size"}
+UNPRICED = {"cp": "context_parallel_degree / --context-parallel-size"}
+EP_FIELD = "expert_parallel_degree / --expert-model-parallel-size"
 
 
 @plan_once
@@ -64,7 +68,8 @@ def price_job(model: nn.Module, devices, job: JobConfig, example_inputs: Sequenc
     batch), priced as hyplan's own plans are (module docstring). A configuration that does
     not fit the devices' memory (or `memory_limit_bytes`) is still priced, and its plan
     says it does not fit. Raises ValueError naming the field where the job asks for what
-    hyplan cannot price (cp, ep) or does not match the model and devices."""
+    hyplan cannot price (cp; ep that is no EP group of its stage) or does not match the
+    model and devices."""
     started = time.perf_counter()
     refuse_unpriced(job)
     devices = parse_devices(devices)
@@ -79,6 +84,8 @@ def price_job(model: nn.Module, devices, job: JobConfig, example_inputs: Sequenc
     recompute = job.recompute != "none" and block_recompute.offered(graph)
     shape = replace(shape, recompute=recompute, recompute_all=recompute and every_block(job))
     pin = job_pin(job, graph, cluster, optimizer, shape.rows(graph.batch_size))
+    experts = expert_pin(job, graph, cluster, optimizer, shape.rows(graph.batch_size))
+    pin.update(experts)
     budget = memory_limit_bytes or cluster.device.memory_bytes
     kw = {"time_limit_s": time_limit_s, "only": [shape], "pin": pin,
           "search_time_s": search_time_s}
@@ -91,8 +98,10 @@ def price_job(model: nn.Module, devices, job: JobConfig, example_inputs: Sequenc
                              recompute and not shape.recompute_all)
         predicted = plan.predicted.model_copy(update={"memory_limit_bytes": budget})
         plan = plan.model_copy(update={"predicted": predicted})
+        _check_pinned(plan, experts)
         return _noted(plan, job, recompute, f"does not fit {budget / 1e9:.1f} GB per device: "
                       f"priced at the least memory found for it")
+    _check_pinned(plan, experts)
     return _noted(plan, job, recompute)
 
 
@@ -143,12 +152,19 @@ def _least_memory(plan_within, budget: float, recompute: bool) -> Plan:
 
 
 def refuse_unpriced(job: JobConfig) -> None:
-    """A degree the price list has no term for stops here, named."""
+    """A degree the price list has no term for, or an expert parallel degree that is no EP
+    group of a stage (expert_pin), stops here, named, before the model is traced."""
     for name, fields in UNPRICED.items():
         if getattr(job, name) > 1:
             raise ValueError(f"price_job: {name} {getattr(job, name)} ({fields}) is not "
                              f"priced by hyplan yet; price the job with {name} = 1 (its "
                              f"devices moved to data_parallel_shard_degree)")
+    if job.ep > 1 and (job.ep % job.tp or (job.dp * job.tp) % job.ep):
+        raise ValueError(f"price_job: expert parallel degree {job.ep} ({EP_FIELD}) is not an "
+                         f"EP group of a stage's data x tensor parallel ranks (dp {job.dp} x "
+                         f"tp {job.tp}): hyplan prices ep a multiple of tp that divides "
+                         f"dp x tp (expert tensor parallel size 1: each expert whole on "
+                         f"one rank)")
 
 
 def _check_matches(job: JobConfig, devices: int, batch: int, inputs) -> None:
@@ -227,6 +243,85 @@ def job_pin(job: JobConfig, graph, cluster, optimizer: str, rows: int) -> dict[s
         if len(split) == 1:
             pin[layer.name] = split[0] + shard
     return pin
+
+
+def expert_pin(job: JobConfig, graph, cluster, optimizer: str, rows: int) -> dict[str, str]:
+    """Each experts layer's option where the job runs expert parallelism (ep > 1): its
+    experts over ep consecutive ranks of its stage, tp·e of them (the tp groups of e dp
+    replicas: planner.expert_degrees), as Megatron-Core carves --expert-model-parallel-size
+    out of the data-parallel and tensor-parallel ranks with --expert-tensor-parallel-size 1
+    and torchtitan expert_parallel_degree out of dp_shard (x tp): "expert_parallel" where
+    ep = tp, else "expert_parallel:ep{ep}". Over the dp/e ranks holding the same experts it
+    is wrapped as the job wraps the rest (dp_wrapping): FSDP-sharded ("+fsdp") where the job
+    runs FSDP2 (HSDP too, the carved group having no HSDP variant), else replicated, its
+    gradient all-reduced once a step, which is how Megatron-LM's distributed optimizer
+    moves it (reduce-scatter and all-gather: the same bytes), the optimizer state it
+    shards not priced as sharded, as job_pin prices the other layers of such a job. The
+    job's expert count and top-k, where its arguments give them, must be the model's."""
+    if job.ep == 1:
+        return {}
+    layers = _experts_layers(job, graph)
+    e = job.ep // job.tp
+    _check_offered(CostCache(graph, cluster, optimizer), layers[0], job, rows)
+    wrap = dp_wrapping(job, cluster.devices_per_node)
+    if e == 1:
+        name = strategy_name() + (wrap if wrap in (dp_shard.SUFFIX, dp_shard.HSDP_SUFFIX)
+                                  else "")
+    else:
+        sharded = wrap in (dp_shard.SUFFIX, dp_shard.HSDP_SUFFIX) and job.dp // e > 1
+        name = strategy_name(job.ep) + (dp_shard.SUFFIX if sharded else "")
+    return {layer.name: name for layer in layers}
+
+
+def _experts_layers(job: JobConfig, graph) -> list:
+    """The model's experts layers, checked against the job: some there are, each holding a
+    multiple of ep experts, as many (and as many per token) as the job's arguments say."""
+    layers = [layer for layer in graph.layers if experts_of(layer)]
+    if not layers:
+        raise ValueError(f"price_job: expert parallel degree {job.ep} ({EP_FIELD}): "
+                         f"{graph.model_name} has no experts layer (a mixture-of-experts "
+                         f"block hyplan finds by shape: strategies.experts); set it to 1")
+    for layer in layers:
+        experts, top_k = experts_of(layer), layer.attrs.get("top_k", 0)
+        if experts % job.ep:
+            raise ValueError(f"price_job: expert parallel degree {job.ep} ({EP_FIELD}): "
+                             f"{layer.name} holds {experts} experts, which do not split "
+                             f"evenly over {job.ep} ranks")
+        if job.experts and job.experts != experts:
+            raise ValueError(f"price_job: the job's --num-experts {job.experts} is not the "
+                             f"model's {experts} ({layer.name})")
+        if job.router_topk and top_k and job.router_topk != top_k:
+            raise ValueError(f"price_job: the job's --moe-router-topk {job.router_topk} is "
+                             f"not the model's {top_k} experts per token ({layer.name})")
+    return layers
+
+
+def _check_offered(cache: CostCache, layer, job: JobConfig, rows: int) -> None:
+    """The catalog offers `layer` expert parallelism over the job's EP group of tp·e ranks
+    holding the e replicas' microbatches of `rows` rows (planner.expert_degrees.carved; for
+    e = 1 its own "expert_parallel" over tp), or ValueError saying so before any search."""
+    e = job.ep // job.tp
+    wide = cache.layer(layer, job.ep, rows * e).strategies
+    if expert_degrees.carved(wide, job.tp, e) is None:
+        raise ValueError(f"price_job: expert parallel degree {job.ep} ({EP_FIELD}): hyplan "
+                         f"does not offer {layer.name} expert parallelism over {job.ep} ranks "
+                         f"on microbatches of {rows} row(s): its EP group splits each "
+                         f"microbatch's rows (not its tokens) over the tp ranks; change the "
+                         f"microbatch size (--micro-batch-size)")
+
+
+def _check_pinned(plan: Plan, pin: dict[str, str]) -> None:
+    """Each experts layer runs the EP option it is pinned to: a pin the search does not
+    offer on the shape is dropped there (planner.search._priced_options), so a plan that
+    runs another is a job hyplan did not price, said rather than returned."""
+    for layer in plan.layers:
+        want = pin.get(layer.name)
+        got = layer.strategy + (dp_shard.SUFFIX if layer.dp_shard and not layer.hsdp else
+                                dp_shard.HSDP_SUFFIX if layer.hsdp else "")
+        if want and got != want:
+            raise ValueError(f"price_job: expert parallel degree ({EP_FIELD}): hyplan does "
+                             f"not offer {layer.name} {want!r} on this shape (it ran "
+                             f"{got!r}); change ep or the microbatch size")
 
 
 def dp_wrapping(job: JobConfig, devices_per_node: int) -> str:

@@ -24,6 +24,7 @@ torch.fx node runs on meta tensors (profiler.profile), so both tracers price ali
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass
 
 import torch
@@ -135,10 +136,16 @@ class Seen:
         return float(self.value.numel()) * self.dtype.itemsize
 
 
-def constant(value: torch.Tensor, batch: int) -> Seen:
+def constant(value: torch.Tensor, batch: int, rows: Collection[int] = ()) -> Seen:
     """A tensor the graph made itself (a mask, a range): its own dtype, the batch's where
-    its leading dim is the batch."""
-    return Seen(value, value.dtype, False, value.dim() > 0 and value.shape[0] == batch)
+    its leading dim is the batch, or (`rows`) that of a tensor of the batch's the same
+    node holds: a mixture of experts' buffers over its tokens or (token, expert) pairs,
+    which grow with the rows as they do, not fixed as a weight is."""
+    return Seen(value, value.dtype, False, _leads_rows(value, batch, rows))
+
+
+def _leads_rows(value: torch.Tensor, batch: int, rows: Collection[int]) -> bool:
+    return value.dim() > 0 and (value.shape[0] == batch or value.shape[0] in rows)
 
 
 def _promote(dtypes: list[torch.dtype], fallback: torch.dtype) -> torch.dtype:
@@ -158,12 +165,14 @@ def cast_target(args, kwargs) -> torch.dtype | None:
 
 
 def step(name: str, is_view: bool, wanted: torch.dtype | None, value: torch.Tensor,
-         inputs: list[Seen], low: torch.dtype | None, batch: int) -> tuple[Traffic, Seen]:
+         inputs: list[Seen], low: torch.dtype | None, batch: int,
+         rows: Collection[int] = ()) -> tuple[Traffic, Seen]:
     """One op under autocast to `low` (None: no autocast): what its kernels move and the
-    record of its output."""
+    record of its output (the batch's as `constant` says, `rows` the leading dims of the
+    node's tensors of the batch)."""
     grad = any(i.grad for i in inputs)
     batched = any(i.batched for i in inputs) or (
-        not grad and value.dim() > 0 and value.shape[0] == batch)
+        not grad and _leads_rows(value, batch, rows))
     in_dtypes = [i.dtype for i in inputs]
     # the dimensioned inputs decide promotion (a 0-dim tensor counts as a scalar)
     shaped = [i.dtype for i in inputs if i.value.dim() > 0] or in_dtypes
@@ -264,6 +273,9 @@ def traffic(program: torch.export.ExportedProgram, precision: str,
     params, users = set(signature.inputs_to_parameters), set(signature.user_inputs)
     seen: dict[str, Seen] = {}
     out: dict[str, Traffic] = {}
+    # leading dims of the batch's tensors met so far (rows, tokens, a mixture of experts'
+    # (token, expert) pairs): a tensor made in one of them is the batch's (`constant`)
+    rows: set[int] = set()
     tuples: dict[str, tuple[bool, bool]] = {}  # a tuple op's (needs a gradient, batch's)
     for node in program.graph_module.graph.nodes:
         value = _tensor(node)
@@ -272,6 +284,7 @@ def traffic(program: torch.export.ExportedProgram, precision: str,
                 seen[node.name] = Seen(value, value.dtype,
                                        node.name in params and value.dtype.is_floating_point,
                                        node.name in users)
+                _note_rows(rows, seen[node.name])
             continue
         if node.op != "call_function":
             continue
@@ -279,7 +292,7 @@ def traffic(program: torch.export.ExportedProgram, precision: str,
             ins = [seen[n.name] for n in node.all_input_nodes if n.name in seen]
             tuples[node.name] = (any(i.grad for i in ins), any(i.batched for i in ins))
             continue
-        inputs = [seen.get(n.name) or constant(_tensor(n), batch)
+        inputs = [seen.get(n.name) or constant(_tensor(n), batch, rows)
                   for n in node.all_input_nodes if _tensor(n) is not None]
         # an item of a tuple is the batch's where the tuple's inputs are (a sort of the
         # routed pairs: its order, and all that it indexes, scale with the rows)
@@ -287,7 +300,8 @@ def traffic(program: torch.export.ExportedProgram, precision: str,
                    for n in node.all_input_nodes if n.name in tuples]
         moved, seen[node.name] = step(
             op_name(node), bool(getattr(node.target, "is_view", False)),
-            cast_target(node.args, node.kwargs), value, inputs, low, batch)
+            cast_target(node.args, node.kwargs), value, inputs, low, batch, rows)
+        _note_rows(rows, seen[node.name])
         out[node.name] = moved
     # gradients summed where a tensor fans out: each reader after the first adds its own
     # (paid by the reader, so a block's price does not depend on what follows the block)
@@ -304,6 +318,11 @@ def traffic(program: torch.export.ExportedProgram, precision: str,
             else:
                 first[src.name] = node.name
     return out
+
+
+def _note_rows(rows: set[int], record: Seen) -> None:
+    if record.batched and record.value.dim() > 0:
+        rows.add(record.value.shape[0])
 
 
 def accumulation(record: Seen, readers: int) -> Traffic:
@@ -344,16 +363,21 @@ class Recorder(TorchDispatchMode):
 
 def replay(ops: list[tuple], known: dict[int, Seen], low, batch: int) -> Traffic:
     """The Traffic of recorded ops, given what is known of their inputs (by tensor id; the
-    rest are the node's own constants). `known` gains each output's record."""
+    rest are the node's own constants). `known` gains each output's record. A constant
+    or output with as many leading rows as a tensor of the batch's the node has met
+    (`rows`: its tokens, a mixture of experts' (token, expert) pairs) is the batch's too."""
     total = Traffic()
     readers: dict[int, int] = {}
+    rows = {t.shape[0] for _, _, _, _, ins in ops for t in ins
+            if t.dim() > 0 and getattr(known.get(id(t)), "batched", False)}
     for name, is_view, wanted, outs, ins in ops:
-        inputs = [known.get(id(t)) or constant(t, batch) for t in ins]
+        inputs = [known.get(id(t)) or constant(t, batch, rows) for t in ins]
         for t in ins:
             readers[id(t)] = readers.get(id(t), 0) + 1
         for i, value in enumerate(outs):
-            moved, record = step(name, is_view, wanted, value, inputs, low, batch)
+            moved, record = step(name, is_view, wanted, value, inputs, low, batch, rows)
             known[id(value)] = record
+            _note_rows(rows, record)
             if i == 0:  # one kernel writes all its outputs (split's views: none)
                 total = total + moved
     for key, count in readers.items():  # gradients summed inside the node

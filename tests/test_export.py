@@ -107,10 +107,17 @@ def test_pricing_a_pipeline_plan_with_a_per_layer_shard_comes_close():
     assert priced.predicted.step_time_s == pytest.approx(plan.predicted.step_time_s, rel=1e-3)
 
 
-@pytest.mark.parametrize("field", ["cp", "ep"])
-def test_price_job_refuses_a_degree_it_cannot_price_by_name(field):
-    job = JobConfig(global_batch=64, dp_shard=2, **{field: 2})
-    with pytest.raises(ValueError, match=f"price_job: {field} 2 .* not priced"):
+def test_price_job_refuses_a_degree_it_cannot_price_by_name():
+    job = JobConfig(global_batch=64, dp_shard=2, cp=2)
+    with pytest.raises(ValueError, match="price_job: cp 2 .* not priced"):
+        planner.price_job(mlp(), "4xA100", job, _x(), measure=False)
+
+
+def test_price_job_refuses_expert_parallelism_of_a_model_without_experts():
+    """ep is priced (tests/test_megatron_moe_jobs.py) where the model has experts layers:
+    an MLP has none, and the field is named."""
+    job = JobConfig(global_batch=64, dp_shard=4, ep=2)
+    with pytest.raises(ValueError, match="--expert-model-parallel-size.*no experts layer"):
         planner.price_job(mlp(), "4xA100", job, _x(), measure=False)
 
 

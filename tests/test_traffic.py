@@ -5,6 +5,7 @@ the MLP's activation runs in bf16 (it reads a Linear's output); the residual str
 float32; an embedding reads the rows it gathers, not its table; a microbatch scales the
 batch's bytes and keeps the weights'."""
 
+import pytest
 import torch
 from torch import nn
 
@@ -126,3 +127,23 @@ def test_what_a_sort_of_the_batch_yields_is_the_batchs():
     for node in nodes:
         rows, fixed = per_node[node.name].as_attr()[:2]
         assert rows > 0 and fixed == 0, node.name
+
+
+def test_a_mixture_of_experts_buffers_scale_with_the_rows():
+    """An experts layer makes buffers over its tokens and (token, expert) pairs (grouped
+    matmul's sorted pairs, the output it adds them into): the batch's bytes, not fixed ones
+    as a weight's, so traced at twice the rows its fixed bytes stay and the batch's double
+    (fixed, a microbatch was priced with the whole traced batch's buffers)."""
+    from moe_zoo import MOE_ZOO
+    from planner.profiled import trace_model
+
+    def experts_traffic(rows):
+        model = MOE_ZOO["mixtral"].make()
+        ids = torch.zeros(rows, SEQ, dtype=torch.long)
+        graph = trace_model(model, (ids,), {"use_cache": False}, (), "blocks")
+        return next(l for l in graph.layers if l.kind == "MixtralExperts").attrs["traffic"]
+
+    small, large = experts_traffic(2)["bfloat16"], experts_traffic(4)["bfloat16"]
+    assert (large[1], large[3]) == (small[1], small[3])
+    # (within a few bytes: a tensor of the experts' counts whose length is the batch's)
+    assert (large[0], large[2]) == pytest.approx((2 * small[0], 2 * small[2]), rel=1e-3)

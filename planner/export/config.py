@@ -71,6 +71,11 @@ class JobConfig:
     # Megatron-LM's --use-distributed-optimizer: the optimizer state sharded over dp (its
     # ZeRO-1); without it, a job over dp replicas beside tp is plain DDP
     sharded_optimizer: bool = False
+    # the routed experts of each MoE layer and how many a token is sent to, as the job's
+    # arguments give them (Megatron-LM's --num-experts, --moe-router-topk; 0: not given):
+    # they describe the model, so planner.price_job checks them against it
+    experts: int = 0
+    router_topk: int = 0
 
     def __post_init__(self):
         for name in ("dp_replicate", "dp_shard", "tp", "pp", "cp", "ep", "microbatches",

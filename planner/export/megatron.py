@@ -21,7 +21,22 @@ from planner.plan import Plan
 
 # field of megatron-core's config -> its Megatron-LM flag, where the two names differ
 _FLAG = {"virtual_pipeline_model_parallel_size": None,  # written per stage, below
-         "bf16": "--bf16", "fp16": "--fp16"}
+         "bf16": "--bf16", "fp16": "--fp16", "num_moe_experts": "--num-experts"}
+# Megatron-LM's mixture-of-experts arguments read and passed over, and why: hyplan prices
+# what the model's traced experts layer does (strategies.experts), uniform routing (each
+# expert its tokens·k/E share: a capacity factor of 1 drops none of it, dropless runs
+# have imbalance hyplan does not price), one all-to-all dispatch
+MOE_IGNORED = {
+    "--moe-grouped-gemm": "the experts' matmuls priced as the traced layer's, not per kernel",
+    "--moe-token-dispatcher-type": "dispatch priced as all-to-all whatever the dispatcher",
+    "--moe-expert-capacity-factor": "routing priced uniform (no expert over its capacity)",
+    "--moe-pad-expert-input-to-capacity": "routing priced uniform",
+    "--moe-token-drop-policy": "routing priced uniform",
+    "--moe-router-load-balancing-type": "the auxiliary loss's FLOPs are not priced",
+    "--moe-aux-loss-coeff": "a loss weight: no bearing on the step",
+    "--moe-ffn-hidden-size": "a model size (the built model's experts give it)",
+    "--moe-shared-expert-intermediate-size": "a model size (the built model gives it)",
+}
 
 
 def config_fields(job: JobConfig) -> dict[str, object]:
@@ -35,6 +50,12 @@ def config_fields(job: JobConfig) -> dict[str, object]:
         "bf16": job.precision == "bf16-mixed",
         "fp16": job.precision == "fp16-mixed",
     }
+    if job.ep > 1:  # hyplan's EP groups hold whole experts (its default: tp)
+        fields["expert_tensor_parallel_size"] = 1
+    if job.experts:
+        fields["num_moe_experts"] = job.experts
+    if job.router_topk:
+        fields["moe_router_topk"] = job.router_topk
     if job.pp > 1 and job.chunks > 1:
         fields["virtual_pipeline_model_parallel_size"] = job.chunks
     if job.num_layers:
@@ -122,7 +143,8 @@ def _parser() -> argparse.ArgumentParser:
                  "--context-parallel-size", "--expert-model-parallel-size",
                  "--num-layers-per-virtual-pipeline-stage", "--virtual-pipeline-model-parallel-size",
                  "--recompute-num-layers", "--micro-batch-size", "--global-batch-size",
-                 "--seq-length", "--num-layers", "--activations-checkpoint-num-layers"):
+                 "--seq-length", "--num-layers", "--activations-checkpoint-num-layers",
+                 "--num-experts", "--moe-router-topk", "--expert-tensor-parallel-size"):
         p.add_argument(flag, type=int)
     for flag in ("--recompute-granularity", "--recompute-method", "--fp8-format",
                  "--fp8-recipe", "--activations-checkpoint-method"):
@@ -156,10 +178,27 @@ def _recompute(a, pp: int) -> tuple[str, int]:
     return "none", 1
 
 
+def _refuse_expert_tensor_parallel(a, tp: int, ep: int) -> None:
+    """Expert parallelism hyplan prices holds each expert whole on one rank: Megatron-Core's
+    --expert-tensor-parallel-size 1, whose default is the tensor-parallel size (megatron
+    arguments.py), so an EP job over tp > 1 must say 1."""
+    etp = a.expert_tensor_parallel_size or tp
+    if ep > 1 and etp != 1:
+        given = ("" if a.expert_tensor_parallel_size else
+                 f" (not given: Megatron-LM's default, --tensor-model-parallel-size {tp})")
+        raise JobFileError(f"megatron: --expert-tensor-parallel-size {etp}{given} with "
+                           f"--expert-model-parallel-size {ep}: hyplan prices expert "
+                           f"parallelism with each expert whole on one rank; pass "
+                           f"--expert-tensor-parallel-size 1")
+
+
 def read_megatron(args: str | list[str], devices: int) -> JobConfig:
     """Megatron-LM's arguments (one string or a list) on `devices` GPUs as a JobConfig;
     arguments that do not bear on parallelism (model size, data, learning rate) are
-    passed over."""
+    passed over, and so are the mixture-of-experts ones in MOE_IGNORED (why, there):
+    --expert-model-parallel-size is read (EP carved out of dp x tp, planner.price_job),
+    --expert-tensor-parallel-size must be 1 where it is, and --num-experts and
+    --moe-router-topk are kept for price_job to check against the model."""
     words = shlex.split(args) if isinstance(args, str) else list(args)
     a, _ = _parser().parse_known_args(words)
     tp = a.tensor_model_parallel_size or 1
@@ -180,12 +219,14 @@ def read_megatron(args: str | list[str], devices: int) -> JobConfig:
             raise JobFileError("megatron: --num-layers-per-virtual-pipeline-stage needs "
                                "--num-layers to count the virtual stages")
         chunks = a.num_layers // (pp * a.num_layers_per_virtual_pipeline_stage)
+    ep = a.expert_model_parallel_size or 1
+    _refuse_expert_tensor_parallel(a, tp, ep)
     recompute, every = _recompute(a, pp)
     precision = "bf16-mixed" if a.bf16 else "fp16-mixed" if a.fp16 else "fp32"
     return JobConfig(global_batch=global_batch, seq_len=a.seq_length or 0,
                      dp_shard=dp if a.use_torch_fsdp2 else 1,
                      dp_replicate=1 if a.use_torch_fsdp2 else dp, tp=tp, pp=pp, cp=cp,
-                     ep=a.expert_model_parallel_size or 1,
+                     ep=ep, experts=a.num_experts or 0, router_topk=a.moe_router_topk or 0,
                      schedule="Interleaved1F1B" if chunks > 1 else "1F1B",
                      microbatches=global_batch // (rows * dp), chunks=chunks,
                      recompute=recompute, recompute_every=every,
