@@ -271,17 +271,21 @@ def or_context_parallel(plan_of, graph: ModelGraph, cluster: Cluster, optimizer:
     if other is None:
         if not fits:
             raise refused
-        return _chosen(cp, f"auto: context parallel cp {degree} ({t_cp:.4g} s): no 1-D or "
+        return _chosen(cp, f"auto: context parallel cp {degree} ({_step(t_cp)}): no 1-D or "
                        f"3-D plan fits", seconds)
     t = other.predicted.step_time_s
     if fits and t_cp < (1 - AS_GOOD) * t:
-        return _chosen(cp, f"auto: context parallel cp {degree} ({t_cp:.4g} s) beats "
-                       f"{other.mesh_choice or 'the 1-D plan'} ({t:.4g} s) by {t / t_cp:.2f}x",
+        return _chosen(cp, f"auto: context parallel cp {degree} ({_step(t_cp)}) beats the "
+                       f"{other.mesh.shape} mesh's plan ({_step(t)}) by {t / t_cp:.2f}x",
                        seconds)
-    why = (f"the best context-parallel plan, cp {degree}, predicts {t_cp:.4g} s"
+    why = (f"the best context-parallel plan, cp {degree}, predicts {_step(t_cp)}"
            + ("" if fits else " and does not fit"))
     return other.model_copy(update={"mesh_choice": "; ".join(
         filter(None, [other.mesh_choice, why]))})
+
+
+def _step(seconds: float) -> str:
+    return f"{seconds:.3f} s" if seconds >= 1 else f"{seconds * 1e3:.4g} ms"
 
 
 def _chosen(plan: Plan, why: str, seconds: float) -> Plan:

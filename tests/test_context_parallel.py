@@ -269,3 +269,23 @@ def test_hyplan_plan_kind_cp_for_a_long_sequence(tmp_path, capsys):
     assert main([*argv, "--kind", "cp"]) == 0
     out = capsys.readouterr().out  # one sequence on 4 devices: only cp 4 splits it
     assert "Context parallel: cp 4 x dp 1" in out and "tokens/s per device" in out
+
+
+def test_auto_weighs_a_cp_plan_where_the_batch_has_fewer_sequences_than_devices():
+    """optimize(mesh="auto") with one sequence on 4 devices: the cp plan contends beside
+    the 1-D and 3-D ones, and the plan returned is the faster by AS_GOOD (the cp baseline's
+    step where it wins), its mesh_choice saying which; with a sequence per device, no cp."""
+    import planner
+    from planner.plan3d import AS_GOOD
+
+    gpt, one = _gpt(), (_ids(0)[:1],)
+    plan = planner.optimize(gpt, "4xH100", one, mesh="auto", measure=False)
+    cp = planner.baseline(gpt, "4xH100", "cp", one, measure=False)
+    assert "cp 4" in plan.mesh_choice
+    if plan.context_parallel is not None:
+        assert plan.predicted.step_time_s == pytest.approx(cp.predicted.step_time_s)
+    else:
+        assert cp.predicted.step_time_s >= (1 - AS_GOOD) * plan.predicted.step_time_s
+    four = planner.optimize(gpt, "4xH100", (torch.cat([_ids(0), _ids(1)]),), mesh="auto",
+                            measure=False)
+    assert four.context_parallel is None and "context" not in four.mesh_choice
