@@ -254,10 +254,11 @@ def contends(graph: ModelGraph, cluster: Cluster) -> bool:
 
 
 def or_context_parallel(plan_of, graph: ModelGraph, cluster: Cluster, optimizer: str,
-                        budget: float, started: float) -> Plan:
+                        budget: float, started: float, mesh: str = "auto") -> Plan:
     """`plan_of()` (mesh "auto"'s 1-D or 3-D plan), or the best context-parallel plan where
     it `contends` and is predicted AS_GOOD faster, or fits where the other does not; the
-    plan returned says which won in `mesh_choice`."""
+    plan returned says which won in `mesh_choice`. `mesh`: what plan_of plans ("1d",
+    "auto"), for those words."""
     if not contends(graph, cluster):
         return plan_of()
     try:
@@ -271,11 +272,12 @@ def or_context_parallel(plan_of, graph: ModelGraph, cluster: Cluster, optimizer:
     if other is None:
         if not fits:
             raise refused
-        return _chosen(cp, f"auto: context parallel cp {degree} ({_step(t_cp)}): no 1-D or "
-                       f"3-D plan fits", seconds)
+        others = "the 1-D plan does not" if mesh == "1d" else "no 1-D or 3-D plan does"
+        return _chosen(cp, f"context parallel cp {degree} ({_step(t_cp)}): {others} fit",
+                       seconds)
     t = other.predicted.step_time_s
     if fits and t_cp < (1 - AS_GOOD) * t:
-        return _chosen(cp, f"auto: context parallel cp {degree} ({_step(t_cp)}) beats the "
+        return _chosen(cp, f"context parallel cp {degree} ({_step(t_cp)}) beats the "
                        f"{other.mesh.shape} mesh's plan ({_step(t)}) by {t / t_cp:.2f}x",
                        seconds)
     why = (f"the best context-parallel plan, cp {degree}, predicts {_step(t_cp)}"

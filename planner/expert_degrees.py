@@ -55,3 +55,15 @@ def sharing(name: str, dp: int, tp: int) -> tuple[int, int]:
         return dp, tp
     e = parsed[0] // tp
     return dp // e, tp * e
+
+
+def canonical(pin: str | None, tp: int) -> str | None:
+    """A pin of "expert_parallel:epK" on a shape whose tp group is those K ranks names the
+    catalog's own option there, "expert_parallel" (EP over the tp group), suffix kept."""
+    if pin is None:
+        return None
+    base, plus, suffix = pin.partition("+")
+    parsed = parse_name(base)
+    if parsed is None or parsed != (tp, False):
+        return pin
+    return "expert_parallel" + plus + suffix

@@ -114,3 +114,26 @@ def pinned(layer: Layer, options: list[Strategy], wanted: str, ctx: CostContext
                          f"{ctx.ranks} devices; it can use "
                          f"{sorted({s.name for s in options})}")
     return kept
+
+
+def missing_pins(layer_names, option_names, pin: dict[str, str] | None, tp: int) -> list[str]:
+    """The exact pins ("layer: option") a shape of the 3-D search does not offer, its
+    layers `layer_names` having the options `option_names` (a shape's Built): a shape
+    that cannot run what the user pinned is no candidate, where before the pin was
+    dropped on it and the plan ran something else. A class pin ("+fsdp", "+replicated")
+    keeps what it finds; a recomputed option ("name+recompute") counts as its option."""
+    if not pin:
+        return []
+    from planner import dp_shard, expert_degrees
+    from planner.pipeline.block_recompute import SUFFIX
+
+    index = {name: i for i, name in enumerate(layer_names)}
+    out = []
+    for name, want in pin.items():
+        want = expert_degrees.canonical(want, tp)
+        if want.startswith("+") or want == dp_shard.REPLICATED or name not in index:
+            continue
+        offered = option_names[index[name]]
+        if want not in offered and want + SUFFIX not in offered:
+            out.append(f"{name}: {want}")
+    return out

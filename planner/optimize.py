@@ -71,6 +71,9 @@ def optimize(
     pipeline x data x tensor meshes, stage cuts, microbatches and schedules:
     planner.plan3d), or "auto" (both; the 1-D plan unless a 3-D one is predicted at least
     1% faster or the 1-D one does not fit; `Plan.mesh_choice` says which and why).
+    With "1d" or "auto", no pin, and fewer sequences in the batch than devices (long
+    context), the best context-parallel plan (planner.baseline's "cp") contends too and
+    wins where it is predicted 1% faster or the other does not fit (mesh_choice says so).
     prefer_standard: keep the best standard plan (DDP, tensor parallel or FSDP) when it is
     predicted within this fraction of the optimum and fits: a hybrid whose predicted gain
     is below the cost model's own error is a guess, and the standard plan is the one
@@ -99,18 +102,19 @@ def optimize(
                                     leaf_modules, measure, tracer, precision)
 
     budget = memory_limit_bytes or cluster.device.memory_bytes
-    if mesh != "1d":
-        def chosen() -> Plan:
-            return choose_mesh(mesh, graph, cluster, optimizer, budget, started,
-                               lambda: _plan_1d(graph, cluster, optimizer, budget, pin,
-                                                time_limit_s, started, prefer_standard),
-                               pin=pin, time_limit_s=time_limit_s,
-                               search_time_s=search_time_s)
-        if mesh == "auto" and not pin:  # long context: a cp plan contends too
-            return or_context_parallel(chosen, graph, cluster, optimizer, budget, started)
-        return chosen()
-    return _plan_1d(graph, cluster, optimizer, budget, pin, time_limit_s, started,
-                    prefer_standard)
+
+    def chosen() -> Plan:
+        if mesh == "1d":
+            return _plan_1d(graph, cluster, optimizer, budget, pin, time_limit_s, started,
+                            prefer_standard)
+        return choose_mesh(mesh, graph, cluster, optimizer, budget, started,
+                           lambda: _plan_1d(graph, cluster, optimizer, budget, pin,
+                                            time_limit_s, started, prefer_standard),
+                           pin=pin, time_limit_s=time_limit_s, search_time_s=search_time_s)
+
+    if mesh != "3d" and not pin:  # long context: a context-parallel plan contends too
+        return or_context_parallel(chosen, graph, cluster, optimizer, budget, started, mesh)
+    return chosen()
 
 
 def _plan_1d(graph, cluster: Cluster, optimizer: str, budget: float, pin, time_limit_s: float,

@@ -141,6 +141,14 @@ def _search(graph, cluster: Cluster, optimizer: str, budget: float, started: flo
             f"no plan found within the time budget (search_time_s={search_time_s:g} s from "
             f"the call's start), not even a quick one: pass search_time_s=None "
             f"(--search-time prove) to search until a plan is found or ruled out")
+    pinned_out = [c for c in result.candidates if c.note.startswith("pin not offered")]
+    if result.best is None and pinned_out and not any(
+            c.outcome == "does_not_fit" for c in result.candidates):
+        raise ValueError(f"pin: no mesh shape offers what is pinned ({pinned_out[0].note} on "
+                         f"{len(pinned_out)} shapes, e.g. pp {pinned_out[0].shape.pp} x dp "
+                         f"{pinned_out[0].shape.dp} x tp {pinned_out[0].shape.tp}); pin an "
+                         f"option the layer has on some shape (explain() of an unpinned plan "
+                         f"lists them) or leave it to the search")
     if result.best is None:
         fits = [c for c in result.candidates if c.outcome == "does_not_fit"]
         smallest = min((c.note for c in fits), default="")

@@ -56,7 +56,7 @@ from planner.pipeline import block_recompute, schedules
 from planner.block_cuts import (
     BEFORE, block_units, carries_weights, tied_heads, why_no_blocks,
 )
-from planner.offers import OUTPUT, OneGroup, module_executor_options, pinned
+from planner.offers import OUTPUT, OneGroup, missing_pins, module_executor_options, pinned
 from planner.price import (
     EdgeKind, Price, edge_cost, edge_kind, group_link, in_rhythm, layer_compute_s,
     output_kind, price, tp_context, with_tied_copy,
@@ -475,6 +475,7 @@ def _priced_options(cache: "CostCache", entry: LayerEntry, layer: Layer, dp: int
         variants += [(s, sh) for sh in ["", *shards]]
         over += [(wide, dp // e)] * (1 + len(shards))
     names = [s.name + sh for s, sh in variants]
+    want = expert_degrees.canonical(want, tp)
     keep = [j for j, n in enumerate(names) if want and (
         n == want or (want.startswith("+") and n.endswith(want))
         or (want == dp_shard.REPLICATED and not variants[j][1]))]
@@ -1180,6 +1181,13 @@ class _Search:
                 self.out.append(Candidate(shape, "infeasible", note="a layout change the "
                                           "module executor cannot make "
                                           "(planner.price._unrealizable)"))
+                continue
+            missing = missing_pins([layer.name for layer in b.layers],
+                                   [o.strategies for o in b.problem.layers], self.pin,
+                                   shape.tp)
+            if missing:
+                self.out.append(Candidate(shape, "infeasible", note=f"pin not offered on "
+                                          f"this shape: {', '.join(missing)}"))
                 continue
             # with chunks: one microbatch in flight until the chunked pass (the schedule's
             # order is simulated only for shapes a bound leaves in)

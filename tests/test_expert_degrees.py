@@ -81,3 +81,24 @@ def test_the_search_picks_the_experts_option_brute_force_finds():
     assert free.predicted.step_time_s == pytest.approx(best, rel=1e-6)
     chosen = experts.strategy + ("+fsdp" if experts.dp_shard else "")
     assert steps[chosen] == pytest.approx(best, rel=1e-6)
+
+
+def test_a_pinned_ep_degree_is_kept_or_refused_by_name_never_dropped():
+    """A pin the search cannot honour on a shape rules that shape out (before, the pin
+    was dropped there and the plan ran the experts data parallel); "expert_parallel:ep4"
+    on a tp group of 4 is the catalog's EP over that group; one no shape offers is a
+    ValueError naming the pin."""
+    import planner
+
+    entry = MOE_ZOO["fx_moe"]
+    inputs, kwargs = entry.example()
+    model = entry.make()
+    plan = planner.optimize(model, "4xH100", inputs, kwargs, mesh="3d", measure=False,
+                            pin={"experts": "expert_parallel:ep4"})
+    experts = next(l for l in plan.layers if l.name == "experts")
+    k = plan.mesh.size("tp") if experts.strategy == "expert_parallel" else int(
+        experts.strategy.split(":ep")[1])
+    assert experts.strategy.startswith("expert_parallel") and k == 4
+    with pytest.raises(ValueError, match="pin: no mesh shape offers .*expert_parallel:ep8"):
+        planner.optimize(model, "4xH100", inputs, kwargs, mesh="3d", measure=False,
+                         pin={"experts": "expert_parallel:ep8"})
