@@ -12,9 +12,9 @@ and a bubble that is most of every step.
 Per preset: the cluster tried first is the smallest of the ladder whose memory holds the
 weights, gradients and Adam state at bf16-mixed's 16 bytes per parameter (a lower bound:
 no activations); each cluster is planned with `planner.optimize(mesh="auto",
-tracer="blocks")` (the 1-D integer program beside the 3-D pp x dp x tp search, expert
-parallelism over the whole group inside it: the search has no ep degree of its own yet),
-and a PlanDoesNotFit moves to the next. The model is traced once before the first cluster
+tracer="blocks")` (the 1-D integer program beside the 3-D pp x dp x tp search, whose
+experts layers each pick an EP degree carved out of dp x tp: planner.expert_degrees), and a
+PlanDoesNotFit moves to the next; `--nodes 32,64` plans each of those clusters instead. The model is traced once before the first cluster
 (planner.profiled keeps the graph), so that each cluster's search_time_s is its search's,
 not the trace's. Printed: the devices, the plan's mesh and its
 kinds of weighted layers, predicted step time, tokens/s per GPU, MFU, planning time.
@@ -66,7 +66,8 @@ def describe(plan, shape) -> str:
             f"{p.memory_limit_bytes / 1e9:.1f} GB; solver {plan.solver.status}")
 
 
-def run(preset: str, search_time_s: float, batch: int = BATCH) -> None:
+def run(preset: str, search_time_s: float, batch: int = BATCH,
+        nodes: tuple[int, ...] | None = None) -> None:
     model, inputs, kwargs, shape, seq = load_llm(preset, batch, SEQ)
     print(f"== {preset}: {shape.params / 1e9:.1f} B parameters ({shape.active_params / 1e9:.1f} B "
           f"active), seq {seq}, batch {batch} ==", flush=True)
@@ -77,8 +78,9 @@ def run(preset: str, search_time_s: float, batch: int = BATCH) -> None:
     trace_model(model, inputs, kwargs, (), TRACER)
     print(f"traced in {time.perf_counter() - wall:.1f} s (tracer {TRACER!r}, kept for every "
           f"cluster below)", flush=True)
-    for nodes in [n for n in NODES if n >= first_nodes(shape.params)]:
-        devices = f"{nodes}x8xH100" if nodes > 1 else "8xH100"
+    ladder = nodes is None
+    for count in nodes or [n for n in NODES if n >= first_nodes(shape.params)]:
+        devices = f"{count}x8xH100" if count > 1 else "8xH100"
         wall, cpu = time.perf_counter(), time.process_time()
         try:
             plan = planner.optimize(model, devices, example_inputs=inputs,
@@ -91,7 +93,8 @@ def run(preset: str, search_time_s: float, batch: int = BATCH) -> None:
         print(f"{devices}: planned in {time.perf_counter() - wall:.1f} s wall, "
               f"{time.process_time() - cpu:.1f} s CPU (load {os.getloadavg()[0]:.2f})")
         print(describe(plan, shape), flush=True)
-        return
+        if ladder:  # the smallest rung that fits; --nodes plans each one asked for
+            return
 
 
 def main() -> None:
@@ -101,9 +104,13 @@ def main() -> None:
                         help="planner.optimize's search_time_s per cluster (default 30)")
     parser.add_argument("--batch", type=int, default=BATCH,
                         help=f"global batch in sequences of {SEQ} tokens (default {BATCH})")
+    parser.add_argument("--nodes", default=None,
+                        help="comma-separated node counts (of 8 H100) to plan each of, "
+                        "instead of the smallest of the ladder that fits")
     args = parser.parse_args()
+    nodes = tuple(int(n) for n in args.nodes.split(",")) if args.nodes else None
     for preset in args.presets.split(","):
-        run(preset, args.search_time, args.batch)
+        run(preset, args.search_time, args.batch, nodes)
 
 
 if __name__ == "__main__":

@@ -91,6 +91,22 @@ def _sharded_recomputed(plan):
                                    "recompute_blocks": blocks})
 
 
+def _random_cp(plan, seed: int):
+    """`plan` with its options drawn at random (seeded): weights DDP or FSDP2-sharded, each
+    layer with weights recomputed or not, each of a Llama's blocks recomputed whole or not
+    (the plan kind's choices, as tests/random_plans.py draws the others')."""
+    import random
+
+    rng = random.Random(seed)
+    layers = [l.model_copy(update={"recompute": l.param_bytes > 0 and rng.random() < 0.3})
+              for l in plan.layers]
+    cp = plan.context_parallel.model_copy(update={"sharded": rng.random() < 0.5})
+    blocks = ([b for b in ("model.layers.0", "model.layers.1") if rng.random() < 0.5]
+              if plan.tracer == "export" else [])
+    return plan.model_copy(update={"context_parallel": cp, "layers": layers,
+                                   "recompute_blocks": blocks})
+
+
 def _ranks(rank: int, world: int, plans: dict[str, str]) -> dict:
     """Each model's cp plan through executor.parallelize and shard_batch, 3 SGD steps; on 4
     ranks (dp 2 x cp 2) also FSDP with recomputation, and a padding mask refused."""
@@ -100,7 +116,7 @@ def _ranks(rank: int, world: int, plans: dict[str, str]) -> dict:
     for run, text in plans.items():
         plan, name = Plan.from_json(text), run.split()[0]
         out[run] = _train(name, plan)
-        if world == 4:
+        if world == 4 and "random" not in run:
             out[run + " fsdp+recompute"] = _train(name, _sharded_recomputed(plan))
     if world == 4:
         import executor
@@ -145,8 +161,9 @@ def test_split_sequence_balances_causal_work_and_joins_back():
 
 def test_cp_plans_train_like_one_process():
     """planner.baseline(..., "cp") + executor.parallelize: cp 2 on 2 ranks (and cp 1 x dp
-    2), cp 2 x dp 2 on 4 (DDP, and FSDP2 with a recomputed block and MLPs), 3 steps each,
-    parameters equal to one process's steps on the whole batch."""
+    2), cp 2 x dp 2 on 4 (DDP, and FSDP2 with a recomputed block and MLPs), cp 4 with its
+    options drawn at random, 3 steps each, parameters equal to one process's steps on the
+    whole batch."""
     from planner.baseline import baseline
 
     models = {name: make() for name, make in MODELS.items()}
@@ -158,6 +175,11 @@ def test_cp_plans_train_like_one_process():
     # the family's data-parallel end, cp 1 x dp 2: the same executor path
     plans[2]["gpt cp1"] = baseline(models["gpt"], "2xcpu", "cp", (_ids(0),), cp=1,
                                    measure=False).to_json()
+    # cp 4 (every rank one group), its options drawn at random, two draws per model
+    for name, model in models.items():
+        cp4 = baseline(model, "4xcpu", "cp", (_ids(0),), cp=4, measure=False)
+        for seed in (0, 1):
+            plans[4][f"{name} cp4 random {seed}"] = _random_cp(cp4, seed).to_json()
     results = {world: run_ranks(_ranks, world, plans[world]) for world in plans}
     worst = 0.0
     for name in MODELS:
