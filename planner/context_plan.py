@@ -256,16 +256,25 @@ def contends(graph: ModelGraph, cluster: Cluster) -> bool:
 def or_context_parallel(plan_of, graph: ModelGraph, cluster: Cluster, optimizer: str,
                         budget: float, started: float, mesh: str = "auto") -> Plan:
     """`plan_of()` (mesh "auto"'s 1-D or 3-D plan), or the best context-parallel plan where
-    it `contends` and is predicted AS_GOOD faster, or fits where the other does not; the
-    plan returned says which won in `mesh_choice`. `mesh`: what plan_of plans ("1d",
-    "auto"), for those words."""
+    it `contends` and is predicted AS_GOOD faster (mesh "auto"), or fits where the other
+    does not (mesh "1d" too: its default call, `hyplan plan --seq 131072`, would else end
+    in "does not fit"); the plan returned says which won in `mesh_choice`."""
     if not contends(graph, cluster):
         return plan_of()
     try:
         other, refused = plan_of(), None
     except PlanDoesNotFit as error:
         other, refused = None, error
-    cp = context_parallel(graph, cluster, optimizer, budget, started)
+    if other is not None and mesh == "1d":  # one group of all devices asked for, and it fits
+        return other
+    try:
+        cp = context_parallel(graph, cluster, optimizer, budget, started)
+    except ValueError as error:  # a model the cp plan kind cannot take (a tied pair)
+        if other is None:
+            raise refused from error
+        why = f"no context-parallel plan: {str(error).splitlines()[0]}"
+        return other.model_copy(update={"mesh_choice": "; ".join(
+            filter(None, [other.mesh_choice, why]))})
     degree, t_cp = cp.context_parallel.degree, cp.predicted.step_time_s
     fits = degree > 1 and max(cp.predicted.memory_bytes) <= budget
     seconds = time.perf_counter() - started

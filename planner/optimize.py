@@ -71,9 +71,10 @@ def optimize(
     pipeline x data x tensor meshes, stage cuts, microbatches and schedules:
     planner.plan3d), or "auto" (both; the 1-D plan unless a 3-D one is predicted at least
     1% faster or the 1-D one does not fit; `Plan.mesh_choice` says which and why).
-    With "1d" or "auto", no pin, and fewer sequences in the batch than devices (long
-    context), the best context-parallel plan (planner.baseline's "cp") contends too and
-    wins where it is predicted 1% faster or the other does not fit (mesh_choice says so).
+    With no pin and fewer sequences in the batch than devices (long context), the best
+    context-parallel plan (planner.baseline's "cp") contends: under "auto" it wins where
+    it is predicted 1% faster, under "1d" and "auto" where the other plan does not fit
+    (mesh_choice says so).
     prefer_standard: keep the best standard plan (DDP, tensor parallel or FSDP) when it is
     predicted within this fraction of the optimum and fits: a hybrid whose predicted gain
     is below the cost model's own error is a guess, and the standard plan is the one
