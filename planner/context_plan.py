@@ -239,8 +239,8 @@ def mesh_plan(cluster: Cluster, cp: int) -> MeshPlan:
 
 
 def contends(graph: ModelGraph, cluster: Cluster) -> bool:
-    """Whether optimize(mesh="auto") weighs a context-parallel plan beside the 1-D and 3-D
-    ones: where the batch has fewer sequences than there are devices (long context: one or
+    """Whether optimize weighs a context-parallel plan beside its own (`or_context_parallel`):
+    where the batch has fewer sequences than there are devices (long context: one or
     two sequences of 128 K tokens on 8 GPUs), so that data parallelism alone cannot use
     them all, and the model has attention to split with a degree above 1."""
     n, batch = cluster.num_devices, graph.batch_size
@@ -255,7 +255,7 @@ def contends(graph: ModelGraph, cluster: Cluster) -> bool:
 
 def or_context_parallel(plan_of, graph: ModelGraph, cluster: Cluster, optimizer: str,
                         budget: float, started: float, mesh: str = "auto") -> Plan:
-    """`plan_of()` (mesh "auto"'s 1-D or 3-D plan), or the best context-parallel plan where
+    """`plan_of()` (optimize's plan of `mesh`), or the best context-parallel plan where
     it `contends` and is predicted AS_GOOD faster (mesh "auto"), or fits where the other
     does not (mesh "1d" too: its default call, `hyplan plan --seq 131072`, would else end
     in "does not fit"); the plan returned says which won in `mesh_choice`."""
