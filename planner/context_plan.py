@@ -30,7 +30,7 @@ from planner.pipeline import block_recompute
 from planner.pipeline.stage_held import peak_bytes
 from planner.pipeline.stages import StageSolution, evaluate
 from planner.plan import ContextParallelPlan, MeshPlan, Plan
-from planner.plan3d import AS_GOOD, one_d_plan
+from planner.plan3d import AS_GOOD, one_d_plan, stamped
 from planner.price import group_link, step_overhead_s
 from planner.problem import Solution
 from planner.profiled import PlanDoesNotFit
@@ -158,8 +158,7 @@ def _why(best: Tried, tried: list[Tried]) -> str:
     """The degree chosen, the other fitting candidates' step times beside it, and what the
     others would need."""
     def ms(t: Tried) -> str:
-        step = f"{t.step_s:.3f} s" if t.step_s >= 1 else f"{t.step_s * 1e3:.4g} ms"
-        return f"{t.label()} {step}"
+        return f"{t.label()} {_step(t.step_s)}"
 
     head = (ms(best) + ", the fastest that fits" if best.fits else
             f"{best.label()}, the least memory ({max(best.peak) / 1e9:.3g} GB)")
@@ -272,9 +271,7 @@ def or_context_parallel(plan_of, graph: ModelGraph, cluster: Cluster, optimizer:
     except ValueError as error:  # a model the cp plan kind cannot take (a tied pair)
         if other is None:
             raise refused from error
-        why = f"no context-parallel plan: {str(error).splitlines()[0]}"
-        return other.model_copy(update={"mesh_choice": "; ".join(
-            filter(None, [other.mesh_choice, why]))})
+        return _also(other, f"no context-parallel plan: {str(error).splitlines()[0]}")
     degree, t_cp = cp.context_parallel.degree, cp.predicted.step_time_s
     fits = degree > 1 and max(cp.predicted.memory_bytes) <= budget
     seconds = time.perf_counter() - started
@@ -282,23 +279,22 @@ def or_context_parallel(plan_of, graph: ModelGraph, cluster: Cluster, optimizer:
         if not fits:
             raise refused
         others = "the 1-D plan does not" if mesh == "1d" else "no 1-D or 3-D plan does"
-        return _chosen(cp, f"context parallel cp {degree} ({_step(t_cp)}): {others} fit",
+        return stamped(cp, f"context parallel cp {degree} ({_step(t_cp)}): {others} fit",
                        seconds)
     t = other.predicted.step_time_s
     if fits and t_cp < (1 - AS_GOOD) * t:
-        return _chosen(cp, f"context parallel cp {degree} ({_step(t_cp)}) beats the "
+        return stamped(cp, f"context parallel cp {degree} ({_step(t_cp)}) beats the "
                        f"{other.mesh.shape} mesh's plan ({_step(t)}) by {t / t_cp:.2f}x",
                        seconds)
-    why = (f"the best context-parallel plan, cp {degree}, predicts {_step(t_cp)}"
-           + ("" if fits else " and does not fit"))
-    return other.model_copy(update={"mesh_choice": "; ".join(
-        filter(None, [other.mesh_choice, why]))})
+    return _also(other, f"the best context-parallel plan, cp {degree}, predicts "
+                 f"{_step(t_cp)}" + ("" if fits else " and does not fit"))
 
 
 def _step(seconds: float) -> str:
     return f"{seconds:.3f} s" if seconds >= 1 else f"{seconds * 1e3:.4g} ms"
 
 
-def _chosen(plan: Plan, why: str, seconds: float) -> Plan:
-    solver = plan.solver.model_copy(update={"planning_seconds": seconds})
-    return plan.model_copy(update={"mesh_choice": why, "solver": solver})
+def _also(plan: Plan, why: str) -> Plan:
+    """`plan` kept, its mesh_choice saying also why the context-parallel plan was not."""
+    return plan.model_copy(update={"mesh_choice": "; ".join(filter(None, [plan.mesh_choice,
+                                                                          why]))})

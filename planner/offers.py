@@ -13,6 +13,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from planner import dp_shard, expert_degrees
+from planner.pipeline.block_recompute import SUFFIX
 from planner.ties import tied_allowed
 from profiler.graph import Layer
 from strategies.catalog import CostContext, Strategy
@@ -124,9 +126,6 @@ def missing_pins(layer_names, option_names, pin: dict[str, str] | None, tp: int)
     keeps what it finds; a recomputed option ("name+recompute") counts as its option."""
     if not pin:
         return []
-    from planner import dp_shard, expert_degrees
-    from planner.pipeline.block_recompute import SUFFIX
-
     index = {name: i for i, name in enumerate(layer_names)}
     out = []
     for name, want in pin.items():

@@ -548,16 +548,16 @@ def choose_mesh(mesh: str, graph, cluster: Cluster, optimizer: str, budget: floa
     seconds = time.perf_counter() - started
     if one is None:
         why = "auto: 3-D (the 1-D plan does not fit)"
-        return _stamp(three, why, seconds)
+        return stamped(three, why, seconds)
     t1, t3 = one.predicted.step_time_s, three.predicted.step_time_s
     shape = "pp {} x dp {} x tp {}".format(*three.mesh.shape)
     if t3 < (1 - AS_GOOD) * t1:
         why = (f"auto: 3-D {shape} ({t3 * 1e3:.1f} ms) beats the 1-D plan "
                f"({t1 * 1e3:.1f} ms) by {t1 / t3:.2f}x")
-        return _stamp(three, why, seconds)
+        return stamped(three, why, seconds)
     why = (f"auto: 1-D ({t1 * 1e3:.1f} ms); the best 3-D plan, {shape}, predicts "
            f"{t3 * 1e3:.1f} ms, not {AS_GOOD:.0%} faster")
-    return _stamp(_with_search_gap(one, three), why, seconds, search=three.search)
+    return stamped(_with_search_gap(one, three), why, seconds, search=three.search)
 
 
 def _with_search_gap(one: Plan, three: Plan) -> Plan:
@@ -576,7 +576,9 @@ def _with_search_gap(one: Plan, three: Plan) -> Plan:
     return one.model_copy(update={"solver": solver})
 
 
-def _stamp(plan: Plan, why: str, seconds: float, search=None) -> Plan:
+def stamped(plan: Plan, why: str, seconds: float, search=None) -> Plan:
+    """`plan` as the mesh choice that won (`why`), planned in `seconds` from the call's start
+    (optimize's choice of mesh and of a context-parallel plan, planner.context_plan)."""
     solver = plan.solver.model_copy(update={"planning_seconds": seconds})
     update = {"mesh_choice": why, "solver": solver}
     if search is not None:
