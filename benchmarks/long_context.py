@@ -25,6 +25,8 @@ planner.price's costs, planner.ilp within memory):
   checkpointing or none, the fastest that fits, priced with torch.compile and float8 tensorwise on (strategies.kernel_levers), as
   torchtitan ran;
 - the same, levers off (eager bf16: what hyplan's own executor runs);
+- the 3-D search's own plan (mesh "3d": cp a degree beside pp, dp and tp, weights and
+  recomputation picked layer by layer), compile and float8;
 - torchtitan's configuration priced: its cp, FSDP, every block recomputed (full
   activation checkpointing) with compile and float8.
 The model is the llama3-8b preset with its positions raised to the sequence (Llama 3.1's
@@ -38,6 +40,7 @@ import sys
 import time
 
 from planner.baseline import baseline
+from planner.optimize import optimize
 from planner.context_plan import priced
 from planner.profiled import profiled_graph
 from planner.report.throughput import llm_throughput, plan_throughput
@@ -84,7 +87,28 @@ def row(seq: int) -> None:
               f"recomputed  [{time.perf_counter() - started:.0f} s]")
         print(f"    why: {cp.why}")
         _terms(plan)
+    _searched(model, inputs, kwargs, shape, seq, published)
     _titan(seq, batch, titan_cp, published, model, inputs, kwargs, shape)
+
+
+def _searched(model, inputs, kwargs, shape, seq, published) -> None:
+    """The 3-D search's own plan (mesh "3d": pipeline x data x tensor x context, each
+    layer's weights and each block's recomputation its program's pick), compile + float8."""
+    started = time.perf_counter()
+    plan = optimize(model, cluster(LEVERS), inputs, kwargs, optimizer="adamw", tracer="blocks",
+                    mesh="3d")
+    tps = plan_throughput(plan, shape, seq).tokens_per_s_per_device
+    mesh = " x ".join(f"{n} {k}" for n, k in zip(plan.mesh.dim_names, plan.mesh.shape))
+    sharded = sum(l.dp_shard or l.strategy.endswith("+fsdp") for l in plan.layers
+                  if l.param_bytes > 0)
+    print(f"  {'3-D search, compile+fp8':<26s} {mesh}  step "
+          f"{plan.predicted.step_time_s:7.2f} s  {tps:6,.0f} tokens/s/GPU "
+          f"({tps / published - 1:+.0%})  memory "
+          f"{max(plan.predicted.memory_bytes) / 2**30:5.1f} GiB  "
+          f"{len(plan.recompute_blocks)} blocks recomputed, {sharded} layers FSDP  "
+          f"[{time.perf_counter() - started:.0f} s, {plan.solver.status}]")
+    if plan.context_parallel is not None:
+        print(f"    why: {plan.context_parallel.why}")
 
 
 def _titan(seq, batch, cp, published, model, inputs, kwargs, shape) -> None:

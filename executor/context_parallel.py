@@ -16,8 +16,13 @@ local queries attend to them under the causal mask written in global positions.
 registered with transformers' `AttentionInterface`) or for a model torch.fx traces whose
 attention calls `F.scaled_dot_product_attention` (the call replaced by `GatheredAttention`),
 then wraps the model in DDP over the whole mesh (cp x dp): every rank's weights see only
-its tokens, so their gradients are averaged as data parallelism's are. With the loss of
-`token_loss`, a step equals one process's step on the whole batch::
+its tokens, so their gradients are averaged as data parallelism's are. Weights may instead
+be FSDP2-sharded over the whole mesh (`sharded`), which averages the same gradients, and a
+plan may shard some layers only (the 3-D search picks FSDP per layer): then FSDP2 holds
+those layers' modules, without the root, and DDP the rest, told to ignore the parameters
+FSDP2 made DTensors (as executor.styles.data_parallel_over does beside FSDP2 layers), so
+`backward()` alone leaves every gradient averaged. With the loss of `token_loss`, a step
+equals one process's step on the whole batch::
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "cp"))
     model = apply(model, mesh)  # a transformers Llama; ids: the global (batch, seq)
@@ -43,6 +48,7 @@ from torch import fx, nn
 from torch.distributed._functional_collectives import all_gather_single_autograd
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from executor.levers import checkpoint_module
@@ -249,14 +255,14 @@ def _whole_group(mesh: DeviceMesh):
 
 
 def apply(model: nn.Module, mesh: DeviceMesh, *, sequence_buffers: dict[str, int] | None = None,
-          sharded: bool = False) -> nn.Module:
+          sharded: bool | list[str] = False) -> nn.Module:
     """This rank's `model` under context parallelism over `mesh` (dims ("cp",) or ("dp",
     "cp")): a transformers model gets the gathered attention by name (and its tokens'
     global positions where none are passed), any other model is traced by torch.fx;
     `sequence_buffers` names buffers indexed by position (GPT's `positions`) and the dim to
-    split them on. Wrapped in DDP over the whole mesh, or with `sharded` every module that
-    owns weights FSDP2-sharded over it. Call on every rank with the same weights; feed it
-    `shard`ed inputs."""
+    split them on. `sharded`: False, DDP over the whole mesh; True, every module that owns
+    weights FSDP2-sharded over it; a list of module paths, those modules sharded and the
+    rest under DDP. Call on every rank with the same weights; feed it `shard`ed inputs."""
     cp_mesh, _ = _cp_dim(mesh)
     group = cp_mesh.get_group()
     if hasattr(model, "set_attn_implementation"):  # a transformers PreTrainedModel
@@ -266,10 +272,15 @@ def apply(model: nn.Module, mesh: DeviceMesh, *, sequence_buffers: dict[str, int
         model = _apply_hf(model, group)
     else:
         model = _apply_fx(model, group)
-    if sharded:
+    if sharded is True:
         _fully_shard(model, mesh)
         _split_buffers(model, sequence_buffers or {}, cp_mesh)
         return model
+    if sharded:  # DDP leaves the weights FSDP2 now holds (DTensors) to it
+        _fully_shard_some(model, mesh, sharded)
+        DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
+            model, [name for name, p in model.named_parameters(remove_duplicate=False)
+                    if isinstance(p, DTensor)])
     # per-token buffers differ per rank: split after DDP's first sync, never synced again
     wrapped = DistributedDataParallel(model, process_group=_whole_group(mesh),
                                       forward_sync_buffers=False)
@@ -287,6 +298,57 @@ def _fully_shard(model: nn.Module, mesh: DeviceMesh) -> None:
     for module in [*owners, model]:
         fully_shard(module, mesh=flat, reshard_after_forward=True)
         module.set_force_sum_reduction_for_comms(True)
+
+
+def _fully_shard_some(model: nn.Module, mesh: DeviceMesh, paths: list[str]) -> None:
+    """FSDP2 over every rank of the mesh on each module that owns weights inside the
+    modules `paths` (the plan's sharded layers), as `_fully_shard` does, the root left
+    out: its own weights and every other module's stay replicated, DDP's."""
+    flat = mesh if mesh.ndim == 1 else mesh._flatten()
+    for module in _shard_units(model, paths):
+        fully_shard(module, mesh=flat, reshard_after_forward=True)
+        module.set_force_sum_reduction_for_comms(True)
+
+
+def _shard_units(model: nn.Module, paths: list[str]) -> list[nn.Module]:
+    """The modules `_fully_shard_some` shards: each one under `paths` that owns weights,
+    deepest first (FSDP2 shards an inner module before the one holding it). Refused where
+    FSDP2 cannot hold a layer's weights alone: a layer that is no module, a weight a
+    replicated module shares, or (an fx graph) a module whose forward the graph never
+    calls, so FSDP2's hooks would never gather its weights."""
+    for path in paths:
+        try:
+            model.get_submodule(path)
+        except AttributeError:
+            raise ValueError(f"context parallel: layer {path!r} is marked sharded, but "
+                             f"{type(model).__name__} has no module at that path; only a "
+                             f"module's weights are FSDP2-sharded here: leave it "
+                             f"replicated (dp_shard=False, no +fsdp)") from None
+
+    def inside(name: str) -> bool:
+        return any(name.startswith(path + ".") for path in paths)
+
+    named = list(model.named_parameters(remove_duplicate=False))
+    outside = {id(p) for name, p in named if not inside(name)}
+    for name, p in named:
+        if inside(name) and id(p) in outside:
+            raise ValueError(f"context parallel: parameter {name!r} of a sharded layer is "
+                             f"shared with a replicated module; shard the layers that share "
+                             f"it together or leave them all replicated")
+    called = ({str(n.target) for n in model.graph.nodes if n.op == "call_module"}
+              if isinstance(model, fx.GraphModule) else None)
+    units = []
+    for name, module in reversed(list(model.named_modules())):
+        if not inside(name + ".") or not any(True for _ in module.parameters(recurse=False)):
+            continue
+        if called is not None and name not in called:
+            layer = next(path for path in paths if (name + ".").startswith(path + "."))
+            raise ValueError(f"context parallel: layer {layer!r} is marked sharded, but "
+                             f"the traced graph reads the weights of {name!r} without "
+                             f"calling it, so FSDP2 would never gather them; leave "
+                             f"{layer!r} replicated (dp_shard=False, no +fsdp)")
+        units.append(module)
+    return units
 
 
 
@@ -307,9 +369,10 @@ def plan_sequence(plan) -> int:
 
 def parallelize_plan(model: nn.Module, plan, mesh: DeviceMesh | None = None) -> nn.Module:
     """This rank's `model` under a cp Plan: `apply` over the plan's mesh with its weight
-    mode (DDP, or FSDP2 with `Plan.context_parallel.sharded`), the plan's recomputed
+    mode (`weight_mode`: DDP, FSDP2, or FSDP2 on the sharded layers), the plan's recomputed
     blocks and modules under activation checkpointing, and (an fx model) every 1-D buffer
     as long as the sequence taken for a position index and split like the tokens."""
+    sharded = weight_mode(plan)  # refused before any process group is made
     mesh = mesh or mesh_of(plan)
     if tuple(mesh.mesh_dim_names or ()) != ("dp", "cp") or list(mesh.shape) != plan.mesh.shape:
         raise ValueError(f"context parallel: the mesh {tuple(mesh.shape)} "
@@ -322,10 +385,28 @@ def parallelize_plan(model: nn.Module, plan, mesh: DeviceMesh | None = None) -> 
     seq = plan_sequence(plan)
     buffers = None if hf else {name: 0 for name, b in model.named_buffers()
                                if b.dim() == 1 and b.shape[0] == seq}
-    out = apply(model, mesh, sequence_buffers=buffers, sharded=plan.context_parallel.sharded)
+    out = apply(model, mesh, sequence_buffers=buffers, sharded=sharded)
     if not hf:  # the traced graph keeps the leaf modules at their paths
         _checkpoint(getattr(out, "module", out), recomputed)
     return out
+
+
+def weight_mode(plan) -> bool | list[str]:
+    """`apply`'s `sharded` for a cp plan: False where no layer's weights are sharded, True
+    where every layer with weights is, else the sharded layers' module paths. A layer is
+    sharded where the 3-D search says so (`dp_shard`), where the cp baseline does (a
+    `+fsdp` strategy) or where the whole plan is (`Plan.context_parallel.sharded`)."""
+    weighted = [l for l in plan.layers if l.param_bytes > 0]
+    names = [l.name for l in weighted if plan.context_parallel.sharded or l.dp_shard
+             or l.strategy.endswith("+fsdp")]
+    for layer in weighted:  # FSDP2 would shard it with the module holding it
+        outer = next((n for n in names if layer.name.startswith(n + ".")), None)
+        if outer is not None and layer.name not in names:
+            raise ValueError(f"context parallel: layer {layer.name!r} is replicated inside "
+                             f"layer {outer!r}, which is sharded; shard both or neither")
+    if not names:
+        return False
+    return True if len(names) == len(weighted) else names
 
 
 def recomputed_modules(plan) -> list[str]:

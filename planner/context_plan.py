@@ -16,7 +16,11 @@ the stage problem's `evaluate` and `peak_bytes` of that one assignment; the fast
 fits wins (else the one needing least memory, reported as not fitting), which makes it
 optimal for the cost model over the degrees. No layout changes between layers: each rank
 runs the model's code on its tokens and the only collectives are attention's and the
-weights' (in the options' prices), so the problem has no edges.
+weights' (in the options' prices), so the problem has no edges. The options are
+planner.context_degrees.ContextGroup's, which the 3-D search's cp shapes offer too, where
+the program picks weights and recomputation layer by layer; this kind holds each uniform
+(the configurations torchtitan runs), and `or_context_parallel` is what a 1-D call falls
+back to when its plan does not fit.
 """
 
 from __future__ import annotations
@@ -25,78 +29,20 @@ import time
 from dataclasses import dataclass, replace
 
 from planner.choices import Choices, layer_choices
-from planner.offers import OneGroup
+from planner.context_degrees import (
+    ContextGroup, all_sharded, degrees, mesh_plan, sequence_length, why_not_split,
+)
 from planner.pipeline import block_recompute
 from planner.pipeline.stage_held import peak_bytes
 from planner.pipeline.stages import StageSolution, evaluate
-from planner.plan import ContextParallelPlan, MeshPlan, Plan
-from planner.plan3d import AS_GOOD, one_d_plan, stamped
-from planner.price import group_link, step_overhead_s
+from planner.plan import ContextParallelPlan, Plan
+from planner.plan3d import one_d_plan, stamped
+from planner.price import step_overhead_s
 from planner.problem import Solution
 from planner.profiled import PlanDoesNotFit
 from planner.search import CostCache
-from profiler.graph import Layer, ModelGraph
-from strategies.catalog import Strategy
+from profiler.graph import ModelGraph
 from strategies.cluster import Cluster
-from strategies.context import (
-    ContextParallel,
-    ShardedContextParallel,
-    ShardedTokenShard,
-    TokenShard,
-)
-from strategies.gpu_compute import attention_dims
-
-
-def is_attention(layer: Layer) -> bool:
-    """An attention block the executor splits by sequence: a leaf with heads and weights,
-    [batch, seq, hidden] out (strategies.gpu_compute.attention_dims)."""
-    return not layer.is_input and attention_dims(layer) is not None
-
-
-def sequence_length(graph: ModelGraph) -> int:
-    """The tokens per sequence: the attention blocks' output dim 1. Raises for a model
-    with no attention to split."""
-    lengths = {layer.output.shape[1] for layer in graph.layers if is_attention(layer)}
-    if not lengths:
-        raise ValueError(f"baseline: 'cp' splits the sequence inside attention blocks, and "
-                         f"{graph.model_name} has none (a leaf module with heads, "
-                         f"(batch, seq, hidden) out; register your own with "
-                         f"strategies.register_attention); use 'ddp' or 'fsdp'")
-    if len(lengths) > 1:
-        raise ValueError(f"baseline: 'cp' needs one sequence length, {graph.model_name}'s "
-                         f"attention blocks see {sorted(lengths)}")
-    return lengths.pop()
-
-
-def degrees(devices: int, batch: int, seq: int) -> list[int]:
-    """The cp degrees of N devices: cp dividing N whose 2·cp chunks split the sequence,
-    with the batch's rows split evenly over dp = N / cp. cp 1 is the family's plain end,
-    every sequence whole on one device (data parallelism with these options, as
-    torchtitan's "FSDP 8, CP 1" long-context run)."""
-    return [cp for cp in range(1, devices + 1)
-            if devices % cp == 0 and seq % (2 * cp) == 0 and batch % (devices // cp) == 0]
-
-
-@dataclass(frozen=True)
-class _ContextGroup(OneGroup):
-    """The options a cp plan allows: its rule's, on every layer (a tied embedding and
-    head too: under cp they run on the rank's tokens like any other layer)."""
-
-    def allowed(self, layer: Layer, options: list[Strategy], tied: bool) -> list[Strategy]:
-        return self.keep(layer, options)
-
-
-def keep_rule(cp: int, sharded: bool):
-    """The one option of each layer at cp `cp`: attention under ContextParallel, the rest
-    on its tokens, `sharded` (FSDP2 over the group) where a module has weights."""
-    def keep(layer: Layer, options: list[Strategy]) -> list[Strategy]:
-        if layer.is_input:
-            return [TokenShard()]
-        if is_attention(layer):
-            return [(ShardedContextParallel if sharded else ContextParallel)(degree=cp)]
-        shard = sharded and layer.param_bytes > 0 and layer.op == "call_module"
-        return [ShardedTokenShard() if shard else TokenShard()]
-    return keep
 
 
 def _choices(cache: CostCache, cp: int, sharded: bool, recompute: bool) -> Choices:
@@ -106,13 +52,11 @@ def _choices(cache: CostCache, cp: int, sharded: bool, recompute: bool) -> Choic
     runs its forward again in backward)."""
     graph = cache.graph
     choices = layer_choices(graph, cache.cluster, cache.optimizer, None, cache=cache,
-                            group=_ContextGroup(levers=False, keep=keep_rule(cp, sharded)))
-    built = choices.built
-    if recompute:
-        built = block_recompute.recompute_blocks(built, graph, cache.cluster.num_devices,
-                                                 every=True)
-    built = replace(built, problem=replace(built.problem, edges=()))
-    return replace(choices, problem=replace(choices.problem, edges=()), built=built)
+                            group=ContextGroup(cp=cp, sharded=sharded))
+    if not recompute:
+        return choices
+    return replace(choices, built=block_recompute.recompute_blocks(
+        choices.built, graph, cache.cluster.num_devices, every=True))
 
 
 @dataclass(frozen=True)
@@ -175,6 +119,11 @@ def context_parallel(graph: ModelGraph, cluster: Cluster, optimizer: str, budget
     device (module docstring); `cp`: that degree only."""
     n, batch = cluster.num_devices, graph.batch_size
     seq = sequence_length(graph)
+    why = why_not_split(graph)
+    if why:
+        raise ValueError(f"baseline: 'cp' splits every sequence over ranks, which needs "
+                         f"plainly causal attention and no padding mask, and {why}; use "
+                         f"'fsdp' or mesh='3d'")
     cps = degrees(n, batch, seq)
     if cp is not None:
         if cp not in cps:
@@ -196,7 +145,8 @@ def context_parallel(graph: ModelGraph, cluster: Cluster, optimizer: str, budget
             else min(tried, key=lambda t: max(t.peak)))
     plan = one_d_plan(graph, cluster, optimizer, best.choices, best.solution, budget, None,
                       None, time.perf_counter() - started, staged=(best.staged, best.peak))
-    record = ContextParallelPlan(degree=best.cp, sharded=best.sharded, why=_why(best, tried))
+    record = ContextParallelPlan(degree=best.cp, sharded=all_sharded(plan.layers),
+                                 why=_why(best, tried))
     return plan.model_copy(update={"mesh": mesh_plan(cluster, best.cp),
                                    "context_parallel": record,
                                    "layers": _reasons(plan.layers, best)})
@@ -222,21 +172,6 @@ def _reasons(layers, best: Tried) -> list:
     return out
 
 
-def mesh_plan(cluster: Cluster, cp: int) -> MeshPlan:
-    """The ("dp", "cp") mesh: cp groups of consecutive ranks (inside a node where cp fits
-    one), dp groups across them; executor.context_parallel builds it with these names."""
-    n = cluster.num_devices
-    dp = n // cp
-    groups = {"cp": [list(range(d * cp, (d + 1) * cp)) for d in range(dp)],
-              "dp": [list(range(c, n, cp)) for c in range(cp)]}
-    links = {"cp": group_link(cluster, cp).name}
-    if dp > 1:
-        links["dp"] = group_link(cluster, n).name
-    return MeshPlan(shape=[dp, cp], dim_names=["dp", "cp"], device_type=cluster.device.kind,
-                    nodes=cluster.nodes, devices_per_node=cluster.devices_per_node,
-                    groups=groups, group_links=links)
-
-
 def contends(graph: ModelGraph, cluster: Cluster) -> bool:
     """Whether optimize weighs a context-parallel plan beside its own (`or_context_parallel`):
     where the batch has fewer sequences than there are devices (long context: one or
@@ -253,48 +188,26 @@ def contends(graph: ModelGraph, cluster: Cluster) -> bool:
 
 
 def or_context_parallel(plan_of, graph: ModelGraph, cluster: Cluster, optimizer: str,
-                        budget: float, started: float, mesh: str = "auto") -> Plan:
-    """`plan_of()` (optimize's plan of `mesh`), or the best context-parallel plan where
-    it `contends` and is predicted AS_GOOD faster (mesh "auto"), or fits where the other
-    does not (mesh "1d" too: its default call, `hyplan plan --seq 131072`, would else end
-    in "does not fit"); the plan returned says which won in `mesh_choice`."""
+                        budget: float, started: float) -> Plan:
+    """optimize's 1-D plan (`plan_of()`), or where it does not fit and a context-parallel
+    plan `contends`, the best one (its default call, `hyplan plan --seq 131072`, would else
+    end in "does not fit"), its mesh_choice saying so. Under mesh "3d" and "auto" the cp
+    degrees are shapes of the 3-D search itself (planner.context_degrees)."""
     if not contends(graph, cluster):
         return plan_of()
     try:
-        other, refused = plan_of(), None
-    except PlanDoesNotFit as error:
-        other, refused = None, error
-    if other is not None and mesh == "1d":  # one group of all devices asked for, and it fits
-        return other
-    try:
-        cp = context_parallel(graph, cluster, optimizer, budget, started)
-    except ValueError as error:  # a model the cp plan kind cannot take (a tied pair)
-        if other is None:
+        return plan_of()
+    except PlanDoesNotFit as refused:
+        try:
+            cp = context_parallel(graph, cluster, optimizer, budget, started)
+        except ValueError as error:  # a model the cp plan kind cannot take
             raise refused from error
-        return _also(other, f"no context-parallel plan: {str(error).splitlines()[0]}")
-    degree, t_cp = cp.context_parallel.degree, cp.predicted.step_time_s
-    fits = degree > 1 and max(cp.predicted.memory_bytes) <= budget
-    seconds = time.perf_counter() - started
-    if other is None:
-        if not fits:
-            raise refused
-        others = "the 1-D plan does not" if mesh == "1d" else "no 1-D or 3-D plan does"
-        return stamped(cp, f"context parallel cp {degree} ({_step(t_cp)}): {others} fit",
-                       seconds)
-    t = other.predicted.step_time_s
-    if fits and t_cp < (1 - AS_GOOD) * t:
-        return stamped(cp, f"context parallel cp {degree} ({_step(t_cp)}) beats the "
-                       f"{other.mesh.shape} mesh's plan ({_step(t)}) by {t / t_cp:.2f}x",
-                       seconds)
-    return _also(other, f"the best context-parallel plan, cp {degree}, predicts "
-                 f"{_step(t_cp)}" + ("" if fits else " and does not fit"))
+        degree, t_cp = cp.context_parallel.degree, cp.predicted.step_time_s
+        if degree == 1 or max(cp.predicted.memory_bytes) > budget:
+            raise
+        return stamped(cp, f"context parallel cp {degree} ({_step(t_cp)}): the 1-D plan "
+                       f"does not fit", time.perf_counter() - started)
 
 
 def _step(seconds: float) -> str:
     return f"{seconds:.3f} s" if seconds >= 1 else f"{seconds * 1e3:.4g} ms"
-
-
-def _also(plan: Plan, why: str) -> Plan:
-    """`plan` kept, its mesh_choice saying also why the context-parallel plan was not."""
-    return plan.model_copy(update={"mesh_choice": "; ".join(filter(None, [plan.mesh_choice,
-                                                                          why]))})

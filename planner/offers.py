@@ -80,6 +80,9 @@ class OneGroup:
     only: frozenset[str] | None = None
     keep: Callable[[Layer, list[Strategy]], list[Strategy]] | None = None
     fixed_ties: bool = False
+    # layout changes between layers priced (edges); a context-parallel group has none:
+    # each rank runs the model's code on its tokens (planner.context_degrees)
+    layouts: bool = True
 
     def candidates(self, layer: Layer, options: list[Strategy], ctx: CostContext,
                    tracer: str, tied: bool) -> list[Strategy]:

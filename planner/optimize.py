@@ -71,10 +71,11 @@ def optimize(
     pipeline x data x tensor meshes, stage cuts, microbatches and schedules:
     planner.plan3d), or "auto" (both; the 1-D plan unless a 3-D one is predicted at least
     1% faster or the 1-D one does not fit; `Plan.mesh_choice` says which and why).
-    With no pin and fewer sequences in the batch than devices (long context), the best
-    context-parallel plan (planner.baseline's "cp") contends: under "auto" it wins where
-    it is predicted 1% faster, under "1d" and "auto" where the other plan does not fit
-    (mesh_choice says so).
+    The 3-D search ("3d", "auto") offers context parallelism (each sequence split over cp
+    ranks, planner.context_degrees) beside pipeline, data and tensor parallelism; under
+    "1d", with no pin and fewer sequences in the batch than devices (long context), the
+    best context-parallel plan (planner.baseline's "cp") is returned where the 1-D plan
+    does not fit (mesh_choice says so).
     prefer_standard: keep the best standard plan (DDP, tensor parallel or FSDP) when it is
     predicted within this fraction of the optimum and fits: a hybrid whose predicted gain
     is below the cost model's own error is a guess, and the standard plan is the one
@@ -113,8 +114,8 @@ def optimize(
                                             time_limit_s, started, prefer_standard),
                            pin=pin, time_limit_s=time_limit_s, search_time_s=search_time_s)
 
-    if mesh != "3d" and not pin:  # long context: a context-parallel plan contends too
-        return or_context_parallel(chosen, graph, cluster, optimizer, budget, started, mesh)
+    if mesh == "1d" and not pin:  # long context: a context-parallel plan where it must
+        return or_context_parallel(chosen, graph, cluster, optimizer, budget, started)
     return chosen()
 
 

@@ -194,6 +194,7 @@ class CandidateReport(_Data):
     microbatches: int
     schedule: str
     chunks: int = 1
+    cp: int = Field(1, description="context parallel degree (each sequence over cp ranks)")
     outcome: Literal["best", "solved", "pruned_by_bound", "does_not_fit", "dominated",
                      "infeasible", "time_limit", "skipped"]
     step_time_s: float | None = Field(None, description="solved: the optimum for this shape")

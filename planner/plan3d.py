@@ -15,12 +15,13 @@ from collections.abc import Iterable, Sequence
 
 from torch import nn
 
-from planner import dp_shard, volume
+from planner import context_degrees, dp_shard, volume
 from planner.block_cuts import recorded_module, why_no_blocks
 from planner.choices import Choices
 from planner.once import plan_once
 from planner.plan import (
-    CandidateReport, InputPlan, LayerPlan, MemoryBreakdown, MeshPlan, PipelinePlan, Plan,
+    CandidateReport, ContextParallelPlan, InputPlan, LayerPlan, MemoryBreakdown, MeshPlan,
+    PipelinePlan, Plan,
     Predicted, SearchReport, SolverReport, StagePlan,
 )
 from planner.price import group_link, step_overhead_s
@@ -29,7 +30,8 @@ from planner.profiled import GB, PlanDoesNotFit, check_arguments, profiled_graph
 from planner.reasons import lever_fields, of_built, reasons
 from planner.pipeline.schedules import LABELS, SPLIT_BACKWARD
 from planner.search import (
-    DEFAULT_SEARCH_TIME_S, SearchResult, Shape, build, rank_groups, search, time_left,
+    DEFAULT_SEARCH_TIME_S, SearchResult, Shape, build, mesh_words, rank_groups, search,
+    time_left,
 )
 from planner.pipeline.stage_held import Placement, peak_bytes
 from planner.pipeline.stages import StageSolution, evaluate
@@ -166,10 +168,11 @@ def to_plan(graph, cluster: Cluster, optimizer: str, budget: float, result: Sear
     why its schedule won, and the pure data-parallel and one-device steps beside it."""
     best, fixed = result.best, step_overhead_s(cluster)
     times = best.solution.times
+    why = (why_context(result, best.shape, times) if best.shape.cp > 1
+           else why_schedule(result, best.shape, times))
     return plan_of(graph, cluster, optimizer, budget, result.built, best.shape, best.solution,
                    _solver_report(result, best.solution, times.step_s, seconds),
-                   baselines=_baselines(result, graph, cluster, optimizer),
-                   why=why_schedule(result, best.shape, times),
+                   baselines=_baselines(result, graph, cluster, optimizer), why=why,
                    search=SearchReport(candidates=len(result.candidates),
                                        solved=result.solved, pruned=result.pruned,
                                        seconds=result.seconds,
@@ -206,9 +209,10 @@ def plan_of(graph, cluster: Cluster, optimizer: str, budget: float, built, shape
     """The Plan of one solution of any plan kind: a 3-D shape's or one group of all
     devices' (Built.one_group, a 1-D plan): its layers, stages and mesh, the step's split
     and memory per device (peak_bytes: the layers and what the step holds beside them).
-    `solver`, `search`, `why` (the schedule's): how the caller found it; `baselines`:
-    ((step time, memory) of pure data parallelism, one device's step time); `peak`: its
-    peak_bytes, where the caller has them."""
+    `solver`, `search`, `why` (the schedule's, or a cp shape's degree's): how the caller
+    found it; `baselines`: ((step time, memory) of pure data parallelism, one device's
+    step time); `peak`: its peak_bytes, where the caller has them. A cp shape (Shape.cp)
+    is one group of all devices on the ("dp", "cp") mesh executor.context_parallel runs."""
     problem, choice, times = built.problem, solution.choice, solution.times
     pp, dp, tp, m, v = shape.pp, shape.dp, shape.tp, shape.microbatches, shape.chunks
     at = Placement.of(shape, solution, built)
@@ -256,12 +260,18 @@ def plan_of(graph, cluster: Cluster, optimizer: str, budget: float, built, shape
             breakdown[r // (dp * tp)] for r in range(pp * dp * tp)],
         data_parallel_step_time_s=data_parallel,
         data_parallel_memory_bytes=data_parallel_memory, single_device_step_time_s=single)
+    context = mesh = None
+    if shape.cp > 1:
+        mesh = context_degrees.mesh_plan(cluster, shape.cp)
+        context = ContextParallelPlan(degree=shape.cp,
+                                      sharded=context_degrees.all_sharded(layers), why=why)
     return Plan(model=graph.model_name, fingerprint=graph.fingerprint,
                 global_batch=graph.batch_size, optimizer=optimizer, cluster=cluster,
-                mesh=_mesh_plan(cluster, shape, layers, built.one_group), inputs=inputs,
-                layers=layers, predicted=predicted, solver=solver, pipeline=pipeline,
-                microbatches=m, search=search, tracer=graph.tracer,
-                outputs=list(graph.outputs), recompute_blocks=recomputed)
+                mesh=mesh or _mesh_plan(cluster, shape, layers, built.one_group),
+                inputs=inputs, layers=layers, predicted=predicted, solver=solver,
+                pipeline=pipeline, microbatches=m, search=search, tracer=graph.tracer,
+                outputs=list(graph.outputs), recompute_blocks=recomputed,
+                context_parallel=context)
 
 
 def _as_run(problem, shape: Shape, at: "Placement", compute, stage_compute):
@@ -435,7 +445,7 @@ def why_schedule(result: SearchResult, shape: Shape, times) -> str:
     others: dict[str, tuple] = {}
     for c in result.candidates:
         s = c.shape
-        if (s.pp, s.dp, s.tp) != (shape.pp, shape.dp, shape.tp) or s == shape:
+        if (s.pp, s.dp, s.tp, s.cp) != (shape.pp, shape.dp, shape.tp, shape.cp) or s == shape:
             continue
         if s.schedule == shape.schedule and s.chunks == shape.chunks:
             continue
@@ -463,6 +473,46 @@ def why_schedule(result: SearchResult, shape: Shape, times) -> str:
     note = (f" (zero-bubble schedules priced with torch's split backward, measured "
             f"{split:.2f}x a plain one on this model)" if split > 1.0 else "")
     return head + ("; vs " + "; ".join(parts) if parts else "") + note
+
+
+def why_context(result: SearchResult, shape: Shape, times) -> str:
+    """Why this cp degree: its step and memory beside the best candidate of every other
+    cp degree (with or without recomputed blocks) and the best shape without cp, solved or
+    bounded, or why it lost (does not fit)."""
+    def best_of(candidates) -> str:
+        solved = [c for c in candidates if c.solution is not None]
+        if solved:
+            c = min(solved, key=lambda c: c.solution.times.step_s)
+            t = c.solution.times
+            return (f"{_words_of(c.shape)} {_seconds(t.step_s)}, "
+                    f"{max(t.memory_bytes) / 1e9:.3g} GB")
+        c = min(candidates, key=lambda c: (_UNSOLVED.get(c.outcome, 0), c.bound_s
+                                           if c.bound_s is not None else math.inf))
+        bound = (f" >= {_seconds(c.bound_s)}" if c.bound_s is not None
+                 and math.isfinite(c.bound_s) else "")
+        note = f": {c.note}" if c.note and c.outcome != "pruned_by_bound" else ""
+        return f"{_words_of(c.shape)}{bound} ({c.outcome.replace('_', ' ')}{note})"
+
+    head = (f"{_words_of(shape)}: step {_seconds(times.step_s)}, layers' memory "
+            f"{max(times.memory_bytes) / 1e9:.3g} GB")
+    others = {}
+    for c in result.candidates:
+        if c.shape.cp != shape.cp:
+            others.setdefault(c.shape.cp, []).append(c)
+    parts = [best_of(others[cp]) for cp in sorted(others, key=lambda cp: (cp == 1, cp))]
+    return head + ("; vs " + "; ".join(parts) if parts else "")
+
+
+# an unsolved candidate's outcome, the most telling first: bounded, then too large
+_UNSOLVED = {"does_not_fit": 1, "infeasible": 2, "dominated": 3}
+
+
+def _seconds(t: float) -> str:
+    return f"{t:.4g} s" if t >= 1 else f"{t * 1e3:.4g} ms"
+
+
+def _words_of(shape: Shape) -> str:
+    return mesh_words(shape) + (" + recompute" if shape.recompute else "")
 
 
 def _baselines(result: SearchResult, graph, cluster: Cluster, optimizer: str):
@@ -494,7 +544,7 @@ def _best_per_shape(result: SearchResult, fixed_s: float) -> list[CandidateRepor
             "infeasible": 3,
             "does_not_fit": 4, "dominated": 5}
     for c in result.candidates:
-        key = (c.shape.pp, c.shape.dp, c.shape.tp)
+        key = (c.shape.pp, c.shape.dp, c.shape.tp, c.shape.cp)
         value = c.solution.times.step_s if c.solution else (c.bound_s or float("inf"))
         old = by_shape.get(key)
         if old is None or (rank[c.outcome], value) < old[0]:
@@ -502,8 +552,10 @@ def _best_per_shape(result: SearchResult, fixed_s: float) -> list[CandidateRepor
     out = []
     for (_, c) in sorted(by_shape.values(), key=lambda t: t[0]):
         s = c.shape
+        # a cp shape (one group of all devices, Shape.cp) as its degrees: dp x cp
+        dp, tp = (s.tp // s.cp, 1) if s.cp > 1 else (s.dp, s.tp)
         out.append(CandidateReport(
-            pp=s.pp, dp=s.dp, tp=s.tp, microbatches=s.microbatches, schedule=s.schedule,
+            pp=s.pp, dp=dp, tp=tp, cp=s.cp, microbatches=s.microbatches, schedule=s.schedule,
             chunks=s.chunks, outcome=c.outcome,
             step_time_s=c.solution.times.step_s + fixed_s if c.solution else None,
             bound_s=(None if c.bound_s is None or math.isinf(c.bound_s)
@@ -550,7 +602,8 @@ def choose_mesh(mesh: str, graph, cluster: Cluster, optimizer: str, budget: floa
         why = "auto: 3-D (the 1-D plan does not fit)"
         return stamped(three, why, seconds)
     t1, t3 = one.predicted.step_time_s, three.predicted.step_time_s
-    shape = "pp {} x dp {} x tp {}".format(*three.mesh.shape)
+    shape = " x ".join(f"{name} {size}" for name, size in zip(three.mesh.dim_names,
+                                                             three.mesh.shape))
     if t3 < (1 - AS_GOOD) * t1:
         why = (f"auto: 3-D {shape} ({t3 * 1e3:.1f} ms) beats the 1-D plan "
                f"({t1 * 1e3:.1f} ms) by {t1 / t3:.2f}x")

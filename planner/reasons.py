@@ -18,6 +18,7 @@ from planner import dp_shard
 from planner.problem import Edge
 from profiler.graph import Layer
 from strategies.catalog import Cost, Strategy
+from strategies.context import TOKEN_SPLIT
 from strategies.memory import split_name
 
 if TYPE_CHECKING:
@@ -39,6 +40,7 @@ class Options:
     gather_s: tuple[float, ...]  # of it, FSDP's all-gathers and reduce-scatter, as waited
     gather_serial_s: tuple[float, ...]  # those, none of them beside compute
     stage: int | None = None  # its pipeline stage where there are several
+    memory_bytes: tuple[float, ...] = ()  # weights and one microbatch's activations
 
 
 @dataclass(frozen=True)
@@ -72,10 +74,13 @@ def of_built(built: Built, microbatches: int, dp: int,
                 own = float(opts.microbatch_s[opts.plain_index(c)])
                 gather[c] = serial_gather[c] = m * (own - cost.compute_s - cost.communication_s)
                 traffic[c] += gather[c]
-            elif built.strategies[i][c].name == "fsdp":  # sharded over tp (a 1-D plan's
-                # lever, strategies.memory): its gathers are its communication
-                gather[c] = traffic[c]
-                serial_gather[c] = m * (cost.communication_s
+            elif built.strategies[i][c].shards_weights:  # sharded over its group (a 1-D
+                # plan's "fsdp" lever, strategies.memory; a cp plan's "+fsdp" options,
+                # strategies.context): its gathers are its communication but for K/V's
+                kv = cost.notes.get("kv_all_gather_s", 0.0) + cost.notes.get(
+                    "kv_reduce_scatter_s", 0.0)
+                gather[c] = m * (cost.communication_s - kv)
+                serial_gather[c] = m * (cost.communication_s - kv
                                         + cost.notes.get("beside_compute_s", 0.0))
         layers.append(Options(
             layer, tuple(built.strategies[i]), tuple(opts.strategies),
@@ -83,7 +88,8 @@ def of_built(built: Built, microbatches: int, dp: int,
             tuple(traffic),
             tuple(float(s) for s in sync),
             tuple(float(s) for s in serial), tuple(gather), tuple(serial_gather),
-            stages[i] if stages is not None else None))
+            stages[i] if stages is not None else None,
+            tuple(float(w + a) for w, a in zip(opts.weight_bytes, opts.activation_bytes))))
     edges = tuple(Edge(e.src, e.dst, e.cost_s * m) for e in problem.edges)
     return Weighed(tuple(layers), edges, dp)
 
@@ -159,6 +165,10 @@ class _Sentences:
             head = f"{_label(row, c)}: follows its neighbours' layout ({chosen.gives.value})"
         else:
             head = f"{_label(row, c)}: {self.traffic(i, c)}"
+        if delta < 0 and row.memory_bytes:  # faster, so memory ruled it out
+            more = row.memory_bytes[j] - row.memory_bytes[c]
+            return (f"{where}{head}; {_label(row, j)} would save {_ms(-delta)} per step but "
+                    f"hold {_mb(more)} more per device, which the plan has no room for")
         return (f"{where}{head}; {_label(row, j)} would add {_ms(delta)} per step "
                 f"({self.traffic(i, j)})")
 
@@ -167,11 +177,14 @@ class _Sentences:
         replicates or shards them over its ranks, else its activations'."""
         row = self.weighed.layers[node]
         params, reshard = row.layer.param_bytes, self.edge_time(node, option)
-        name = dp_shard.split(row.names[option])
-        if params and (name[1] or name[0] in ("data_parallel", "fsdp")):
-            if name[0] == "data_parallel" and not name[1]:  # the sync as priced
+        name = dp_shard.split(split_name(row.names[option])[0])  # recomputed or not
+        summed = ("data_parallel", *TOKEN_SPLIT)  # gradients summed over the group
+        if params and (name[1] or name[0] in (*summed, "fsdp")):
+            if name[0] in summed and not name[1]:  # the sync as priced
                 waited, serial = row.sync_s[option], row.sync_serial_s[option]
                 text = f"all-reduce of its {_mb(params)} of gradients {_ms(waited)}"
+                if name[0] == "context_parallel":  # its K/V, gathered and scattered
+                    text += f", activation traffic {_ms(row.traffic_s[option])}"
             else:
                 waited, serial = row.gather_s[option], row.gather_serial_s[option]
                 text = (f"all-gathers and reduce-scatter of its {_mb(params)} of "

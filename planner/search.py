@@ -1,8 +1,12 @@
-"""The 3-D search: pipeline x data x tensor parallel, microbatches and schedule.
+"""The 3-D search: pipeline x data x tensor x context parallel, microbatches and schedule.
 
 For every factorization of the device count into pp x dp x tp, every microbatch count m
 that splits each replica's rows evenly, and both schedules, `planner.pipeline.stages` cuts the
-layers into pp contiguous stages and picks each layer's strategy over its tp group. Ranks
+layers into pp contiguous stages and picks each layer's strategy over its tp group. For a
+model with causal attention, every context-parallel degree cp is a shape too (Shape.cp:
+one group of all devices split into dp x cp, each sequence over cp ranks; its program
+picks each layer's weights, replicated or FSDP2-sharded, and each block's recomputation;
+planner.context_degrees), ranked, bounded and solved with the rest. Ranks
 are laid out (pp, dp, tp) with tp innermost, so a tp group is consecutive devices and stays
 inside a node whenever tp divides the devices per node; dp and pp groups span more devices
 and take the inter-node link when they cross nodes. Costs follow from that placement: a
@@ -51,7 +55,7 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from planner import dp_shard, expert_degrees
+from planner import context_degrees, dp_shard, expert_degrees
 from planner.pipeline import block_recompute, schedules
 from planner.block_cuts import (
     BEFORE, block_units, carries_weights, tied_heads, why_no_blocks,
@@ -137,6 +141,10 @@ class Shape:
     # with recompute: every block checkpointed, not the solve's pick (a job's "full"
     # activation checkpointing: planner.price_job)
     recompute_all: bool = False
+    # context parallelism: the one group of all devices (pp = dp = 1, tp = N, as a 1-D
+    # plan) split into N/cp replicas of cp ranks, each sequence over cp of them
+    # (planner.context_degrees); 1: none
+    cp: int = 1
 
     def rows(self, batch: int) -> int:
         """Rows per microbatch per dp replica."""
@@ -222,9 +230,16 @@ def _unvisited(c: "Candidate") -> bool:
     return c.outcome == "pruned_by_bound" and not c.note
 
 
+def mesh_words(shape: "Shape") -> str:
+    """"pp 2 x dp 4 x tp 1", or a cp shape's "cp 4 x dp 2"."""
+    if shape.cp > 1:
+        return f"cp {shape.cp} x dp {shape.tp // shape.cp}"
+    return f"pp {shape.pp} x dp {shape.dp} x tp {shape.tp}"
+
+
 def _words(shape: "Shape") -> str:
     chunks = f" v={shape.chunks}" if shape.chunks > 1 else ""
-    return (f"pp {shape.pp} x dp {shape.dp} x tp {shape.tp}, m {shape.microbatches} "
+    return (f"{mesh_words(shape)}, m {shape.microbatches} "
             f"{shape.schedule}{chunks}{' recompute' if shape.recompute else ''}"
             f"{' every block' if shape.recompute_all else ''}")
 
@@ -569,7 +584,8 @@ def build(cache: CostCache, pp: int, dp: int, tp: int, rows: int,
         layers, temps = list(graph.layers), [zeros(got) for got in priced]
     options = _layer_options(cache, priced, temps, unit_of, len(unit_names), dp, tp)
     strategies = [got.strategies for got in priced]
-    edges = _edges(cache, priced, strategies, layers, rows, tp, shared=group is None)
+    edges = (_edges(cache, priced, strategies, layers, rows, tp, shared=group is None)
+             if group is None or group.layouts else [])
     # an export graph's stages recompute what depends on positions alone (planner.block_cuts)
     sent = (carries_weights(graph) if graph.tracer == "export"
             else {layer.node for layer in graph.layers})
@@ -978,7 +994,7 @@ def search(graph: ModelGraph, cluster: Cluster, optimizer: str, budget_bytes: fl
     methods of _Search."""
     run = _Search(graph, cluster, optimizer, budget_bytes, cache, pin, time_limit_s,
                   relative_gap, search_time_s)
-    run.rank(_shapes_to_try(graph, cluster, max_microbatches, only, schedules))
+    run.rank(_shapes_to_try(graph, cluster, max_microbatches, only, schedules, pin))
     interrupted = False
     try:
         run.first_pass()
@@ -997,11 +1013,14 @@ def search(graph: ModelGraph, cluster: Cluster, optimizer: str, budget_bytes: fl
 
 
 def _shapes_to_try(graph: ModelGraph, cluster: Cluster, max_microbatches: int | None,
-                   only: list[Shape] | None, schedules: tuple[str, ...]) -> list[Shape]:
+                   only: list[Shape] | None, schedules: tuple[str, ...],
+                   pin: dict[str, str] | None = None) -> list[Shape]:
     """`only`, or every shape of the devices and batch, less those the model cannot run:
     pipelined ones of a model with weights shared across stages or not cut at blocks,
-    tensor-parallel ones of a torch.export graph whose rows would split over tp; and each
-    again with its blocks offered recomputed where the model has them."""
+    tensor-parallel ones of a torch.export graph whose rows would split over tp; with the
+    context-parallel degrees of a model with attention (planner.context_degrees) where
+    nothing is pinned; and each again with its blocks offered recomputed where the model
+    has them."""
     batch = graph.batch_size
     todo = only if only is not None else shapes(cluster.num_devices, batch, max_microbatches,
                                                 schedules)
@@ -1018,6 +1037,10 @@ def _shapes_to_try(graph: ModelGraph, cluster: Cluster, max_microbatches: int | 
         raise ValueError(f"only: recompute=True checkpoints the transformer blocks of a "
                          f"decoder torch.export traced, and {graph.model_name} is not one; "
                          f"drop recompute from the shapes")
+    if only is None and not pin:  # a pin names options of the shapes above
+        n = cluster.num_devices
+        todo = todo + [Shape(1, 1, n, 1, "1F1B", cp=cp)
+                       for cp in context_degrees.search_degrees(graph, cluster)]
     if only is None and block_recompute.offered(graph):
         todo = todo + [replace(s, recompute=True) for s in todo]
     return todo
@@ -1071,13 +1094,18 @@ class _Search:
         """The shape's stage problem, built once per (pp, dp, tp, rows, recompute, tie)."""
         together = self.ties_ends and shape.schedule in V_SHAPED
         key = (shape.pp, shape.dp, shape.tp, shape.rows(self.graph.batch_size),
-               shape.recompute, shape.recompute_all, together)
+               shape.recompute, shape.recompute_all, together, shape.cp)
         if key not in self.built:
-            self.built[key] = (block_recompute.recompute_blocks(
-                self.problem_of(replace(shape, recompute=False, recompute_all=False)),
-                self.graph, shape.tp, every=shape.recompute_all)
-                if shape.recompute else build(self.cache, *key[:4], pin=self.pin,
-                                              ends_together=together))
+            if shape.recompute:
+                self.built[key] = block_recompute.recompute_blocks(
+                    self.problem_of(replace(shape, recompute=False, recompute_all=False)),
+                    self.graph, shape.tp, every=shape.recompute_all)
+            elif shape.cp > 1:  # one group of all devices (Shape.cp)
+                self.built[key] = build(self.cache, *key[:4],
+                                        group=context_degrees.ContextGroup(cp=shape.cp))
+            else:
+                self.built[key] = build(self.cache, *key[:4], pin=self.pin,
+                                        ends_together=together)
         return self.built[key]
 
     def rows_budget(self, shape: Shape) -> float | None:

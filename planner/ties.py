@@ -25,7 +25,9 @@ from strategies.memory import split_name
 # What layers sharing a parameter may run: every reader holds it whole, and its gradient
 # is a per-rank partial that one all-reduce sums (data parallel) or complete everywhere
 # (replicate). A split or sharded placement would need every reader split alike.
-TIED_STRATEGIES = ("data_parallel", "replicate")
+# token_shard: a context-parallel plan's (strategies.context), each reader on its tokens,
+# the shared weight replicated and its gradient summed over every rank (DDP)
+TIED_STRATEGIES = ("data_parallel", "replicate", "token_shard")
 
 
 def tied_allowed(options: list) -> list:

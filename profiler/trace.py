@@ -128,6 +128,12 @@ def _module_attrs(module: nn.Module) -> dict:
     attrs = {k: getattr(module, k) for k in keys if isinstance(getattr(module, k, None), int)}
     if isinstance(getattr(module, "normalized_shape", None), tuple):  # LayerNorm, RMSNorm
         attrs["normalized_dims"] = len(module.normalized_shape)
+    # attention that is not plainly causal (an encoder's, a sliding window) cannot be
+    # split by sequence as executor.context_parallel runs it (planner.context_degrees)
+    if isinstance(getattr(module, "is_causal", None), bool):
+        attrs["is_causal"] = module.is_causal
+    if isinstance(getattr(module, "sliding_window", None), int):
+        attrs["sliding_window"] = module.sliding_window
     config = getattr(module, "config", None)  # Hugging Face modules keep their sizes there
     for key in ("num_attention_heads", "num_key_value_heads"):
         if isinstance(getattr(config, key, None), int):

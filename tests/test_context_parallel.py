@@ -1,9 +1,10 @@
 """Context parallelism: the head-tail split and its inverse; the "cp" baseline's plan
 (planner.context_plan) run by executor.parallelize for 3 SGD steps, cp 2 on 2 gloo ranks
-and dp 2 x cp 2 on 4 (DDP, and FSDP2 with recomputation), leaving the parameters of one
-process's 3 steps on the whole batch, for a tiny Hugging Face Llama and the fx GPT of
-examples/gpt.py (float64); the price of a block (strategies.context) on hand-counted bytes;
-the baseline's mesh, record and refusals."""
+and dp 2 x cp 2 on 4 (DDP, FSDP2 with recomputation, FSDP2 on the MLPs only), leaving the
+parameters of one process's 3 steps on the whole batch, for a tiny Hugging Face Llama and
+the fx GPT of examples/gpt.py (float64); the layers a mix cannot shard; the price of a
+block (strategies.context) on hand-counted bytes; the baseline's mesh, record and
+refusals."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from executor.context_parallel import (
     shift_labels,
     split_sequence,
     token_loss,
+    weight_mode,
 )
 from planner import Plan
 from tests.distributed import run_ranks
@@ -91,25 +93,52 @@ def _sharded_recomputed(plan):
                                    "recompute_blocks": blocks})
 
 
+def _mixed(plan):
+    """`plan` with its MLP layers' weights FSDP2-sharded (`dp_shard`, as the 3-D search
+    writes it) and every other layer's replicated."""
+    layers = [l.model_copy(update={"dp_shard": ".mlp." in l.name and l.param_bytes > 0})
+              for l in plan.layers]
+    return plan.model_copy(update={"layers": layers})
+
+
+def _searched(model, share: float = 0.8):
+    """The 3-D search's plan of `model` on its cp 2 x dp 2 shape alone, within `share` of
+    the memory its unconstrained plan takes (so its program shards some layers' weights)."""
+    from planner.plan3d import optimize_3d
+    from planner.search import Shape
+
+    only = [Shape(1, 1, 4, 1, "1F1B", cp=2)]
+    free = optimize_3d(model, "4xcpu", (_ids(0),), measure=False, only=only)
+    return optimize_3d(model, "4xcpu", (_ids(0),), measure=False, only=only,
+                       memory_limit_bytes=share * max(free.predicted.memory_bytes))
+
+
 def _random_cp(plan, seed: int):
-    """`plan` with its options drawn at random (seeded): weights DDP or FSDP2-sharded, each
-    layer with weights recomputed or not, each of a Llama's blocks recomputed whole or not
-    (the plan kind's choices, as tests/random_plans.py draws the others')."""
+    """`plan` with its options drawn at random (seeded): each layer with weights sharded or
+    not (`dp_shard`, as the 3-D search writes it, or a `+fsdp` strategy, as the cp baseline
+    does) and recomputed or not, each of a Llama's blocks recomputed whole or not (the plan
+    kind's choices, as tests/random_plans.py draws the others'): a mix of DDP and FSDP2."""
     import random
 
     rng = random.Random(seed)
-    layers = [l.model_copy(update={"recompute": l.param_bytes > 0 and rng.random() < 0.3})
-              for l in plan.layers]
-    cp = plan.context_parallel.model_copy(update={"sharded": rng.random() < 0.5})
+    layers = []
+    for l in plan.layers:
+        update = {"recompute": l.param_bytes > 0 and rng.random() < 0.3}
+        if l.param_bytes > 0 and rng.random() < 0.5:
+            if rng.random() < 0.5:
+                update["dp_shard"] = True
+            else:
+                update["strategy"] = l.strategy + "+fsdp"
+        layers.append(l.model_copy(update=update))
     blocks = ([b for b in ("model.layers.0", "model.layers.1") if rng.random() < 0.5]
               if plan.tracer == "export" else [])
-    return plan.model_copy(update={"context_parallel": cp, "layers": layers,
-                                   "recompute_blocks": blocks})
+    return plan.model_copy(update={"layers": layers, "recompute_blocks": blocks})
 
 
 def _ranks(rank: int, world: int, plans: dict[str, str]) -> dict:
     """Each model's cp plan through executor.parallelize and shard_batch, 3 SGD steps; on 4
-    ranks (dp 2 x cp 2) also FSDP with recomputation, and a padding mask refused."""
+    ranks (dp 2 x cp 2) also FSDP with recomputation, the MLPs alone FSDP, and a padding
+    mask refused."""
     from planner import Plan
 
     out = {}
@@ -118,6 +147,7 @@ def _ranks(rank: int, world: int, plans: dict[str, str]) -> dict:
         out[run] = _train(name, plan)
         if world == 4 and "random" not in run:
             out[run + " fsdp+recompute"] = _train(name, _sharded_recomputed(plan))
+            out[run + " mixed"] = _train(name, _mixed(plan))
     if world == 4:
         import executor
 
@@ -161,9 +191,10 @@ def test_split_sequence_balances_causal_work_and_joins_back():
 
 def test_cp_plans_train_like_one_process():
     """planner.baseline(..., "cp") + executor.parallelize: cp 2 on 2 ranks (and cp 1 x dp
-    2), cp 2 x dp 2 on 4 (DDP, and FSDP2 with a recomputed block and MLPs), cp 4 with its
-    options drawn at random, 3 steps each, parameters equal to one process's steps on the
-    whole batch."""
+    2), cp 2 x dp 2 on 4 (DDP, FSDP2 with a recomputed block and MLPs, and FSDP2 on the
+    MLPs only), cp 4 with its options drawn at random (each layer sharded or not), and the
+    3-D search's cp 2 x dp 2 plan (its program's mix of DDP and FSDP2), 3 steps each,
+    parameters equal to one process's steps on the whole batch."""
     from planner.baseline import baseline
 
     models = {name: make() for name, make in MODELS.items()}
@@ -179,7 +210,15 @@ def test_cp_plans_train_like_one_process():
     for name, model in models.items():
         cp4 = baseline(model, "4xcpu", "cp", (_ids(0),), cp=4, measure=False)
         for seed in (0, 1):
-            plans[4][f"{name} cp4 random {seed}"] = _random_cp(cp4, seed).to_json()
+            drawn = _random_cp(cp4, seed)
+            assert isinstance(weight_mode(drawn), list)  # a mix: some layers sharded
+            plans[4][f"{name} cp4 random {seed}"] = drawn.to_json()
+    # the 3-D search's own cp 2 x dp 2 plan (a cp degree of the search, Shape.cp), under a
+    # memory limit that makes its program shard some layers' weights and not others
+    for name, model in models.items():
+        made = _searched(model)
+        assert made.mesh.shape == [2, 2] and isinstance(weight_mode(made), list)
+        plans[4][f"{name} search"] = made.to_json()
     results = {world: run_ranks(_ranks, world, plans[world]) for world in plans}
     worst = 0.0
     for name in MODELS:
@@ -195,6 +234,53 @@ def test_cp_plans_train_like_one_process():
                     worst = max(worst, float((got[key] - value).abs().max()))
     assert all("pass no attention_mask" in r["padding"] for r in results[4])
     print(f"largest parameter difference: {worst:.3g}")
+
+
+def test_a_mix_refuses_layers_fsdp2_cannot_shard_alone():
+    """Which modules a mix shards (each owner of weights under a sharded layer, deepest
+    first), and the layers it refuses, named with the fix: no module, a weight shared with
+    a replicated module, a module an fx graph reads without calling, a replicated layer
+    inside a sharded one."""
+    from types import SimpleNamespace
+
+    from torch import fx, nn
+
+    from executor.context_parallel import _shard_units
+
+    class Scaled(nn.Module):  # fx inlines its forward: reads .scale without a call
+        def __init__(self):
+            super().__init__()
+            self.fc, self.scale = nn.Linear(4, 4), nn.Parameter(torch.ones(4))
+
+        def forward(self, x):
+            return self.fc(x) * self.scale
+
+    net = nn.Sequential(Scaled(), nn.Linear(4, 4))
+    graph = fx.symbolic_trace(net)
+    assert _shard_units(net, ["0"]) == [net[0].fc, net[0]]  # eager: both are called
+    assert _shard_units(graph, ["0.fc", "1"]) == [graph.get_submodule("1"),
+                                                  graph.get_submodule("0.fc")]
+    with pytest.raises(ValueError, match="layer '0' is marked sharded, but the traced "
+                                         "graph reads the weights of '0'.*leave '0' repl"):
+        _shard_units(graph, ["0"])
+    with pytest.raises(ValueError, match="layer 'mul' is marked sharded, but Sequential has no "
+                                         "module at that path.*dp_shard=False"):
+        _shard_units(graph, ["mul"])
+    net[1].weight = net[0].fc.weight  # tied
+    with pytest.raises(ValueError, match="'1.weight' of a sharded layer is shared"):
+        _shard_units(net, ["1"])
+
+    def layer(name, dp_shard):
+        return SimpleNamespace(name=name, param_bytes=4, dp_shard=dp_shard, strategy="x")
+
+    plan = SimpleNamespace(context_parallel=SimpleNamespace(sharded=False),
+                           layers=[layer("a", True), layer("a.b", False), layer("c", False)])
+    with pytest.raises(ValueError, match="'a.b' is replicated inside layer 'a'.*shard both"):
+        weight_mode(plan)
+    plan.layers[1].dp_shard = True
+    assert weight_mode(plan) == ["a", "a.b"]
+    plan.layers[2].strategy = "token_shard+fsdp"
+    assert weight_mode(plan) is True
 
 
 def test_context_parallel_price_counts_kv_gather_and_scatter_bytes():
@@ -275,7 +361,7 @@ def test_cp_baseline_refuses_a_model_without_attention_or_an_unsplit_sequence():
 
 
 def test_cp_degrees_divide_devices_sequence_and_batch():
-    from planner.context_plan import degrees
+    from planner.context_degrees import degrees
 
     assert degrees(8, 8, 32768) == [1, 2, 4, 8]  # torchtitan's 32K job: any degree
     assert degrees(8, 2, 131072) == [4, 8]  # dp = 8 / cp must split 2 rows
@@ -293,21 +379,25 @@ def test_hyplan_plan_kind_cp_for_a_long_sequence(tmp_path, capsys):
     assert "Context parallel: cp 4 x dp 1" in out and "tokens/s per device" in out
 
 
-def test_auto_weighs_a_cp_plan_where_the_batch_has_fewer_sequences_than_devices():
-    """optimize(mesh="auto") with one sequence on 4 devices: the cp plan contends beside
-    the 1-D and 3-D ones, and the plan returned is the faster by AS_GOOD (the cp baseline's
-    step where it wins), its mesh_choice saying which; with a sequence per device, no cp."""
+def test_the_3d_search_weighs_cp_degrees_beside_pipeline_data_and_tensor(tmp_path, capsys):
+    """optimize(mesh="3d") with one sequence on 4 devices: its cp degree (4) is a shape of
+    the search (its best per shape lists them), and its plan is no slower than the best
+    cp baseline (whose uniform weights and recomputation the search's per-layer program
+    includes); under "1d" (`hyplan plan`'s default) a cp plan is returned only where the
+    1-D plan does not fit, saying so."""
     import planner
-    from planner.plan3d import AS_GOOD
+    from planner.cli import main
+    from test_presets import llama_config_file
 
     gpt, one = _gpt(), (_ids(0)[:1],)
-    plan = planner.optimize(gpt, "4xH100", one, mesh="auto", measure=False)
+    plan = planner.optimize(gpt, "4xH100", one, mesh="3d", measure=False)
     cp = planner.baseline(gpt, "4xH100", "cp", one, measure=False)
-    assert "cp 4" in plan.mesh_choice
-    if plan.context_parallel is not None:
-        assert plan.predicted.step_time_s == pytest.approx(cp.predicted.step_time_s)
-    else:
-        assert cp.predicted.step_time_s >= (1 - AS_GOOD) * plan.predicted.step_time_s
-    four = planner.optimize(gpt, "4xH100", (torch.cat([_ids(0), _ids(1)]),), mesh="auto",
-                            measure=False)
-    assert four.context_parallel is None and "context" not in four.mesh_choice
+    assert {c.cp for c in plan.search.best_per_shape} == {1, 4}  # cp 2 x dp 2: 2 rows
+    assert plan.predicted.step_time_s <= cp.predicted.step_time_s * (1 + 1e-9)
+    one_d = planner.optimize(gpt, "4xH100", one, measure=False)
+    assert one_d.context_parallel is None and "context" not in (one_d.mesh_choice or "")
+    path = llama_config_file(tmp_path, 32768)  # one sequence of 32 K tokens, 4 GB a device
+    argv = ["plan", str(path), "--devices", "4xH100", "--seq", "32768", "--batch", "1"]
+    assert main([*argv, "--memory-limit", "4GB"]) == 0
+    out = capsys.readouterr().out
+    assert "Mesh choice: context parallel cp 4" in out and "the 1-D plan does not fit" in out

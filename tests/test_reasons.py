@@ -31,10 +31,12 @@ def _seconds(text: str) -> float:
 
 
 def _added(sentence: str) -> tuple[str, float]:
-    """(the alternative's label, the seconds per step the sentence says it would add)."""
-    found = re.search(r"; (.+) would add (-?[\d.]+ (?:ms|µs)) per step", sentence)
+    """(the alternative's label, the seconds per step the sentence says it would add: less
+    than 0 where it says the alternative would save them, but not fit)."""
+    found = re.search(r"; (.+) would (add|save) ([\d.]+ (?:ms|µs)) per step", sentence)
     assert found, sentence
-    return found.group(1), _seconds(found.group(2))
+    sign = 1 if found.group(2) == "add" else -1
+    return found.group(1), sign * _seconds(found.group(3))
 
 
 def _tolerance(seconds: float) -> float:

@@ -126,8 +126,12 @@ def context_lines(plan: Plan) -> list[str]:
     why this degree, and what each rank is fed."""
     cp, m = plan.context_parallel, plan.mesh
     n, chunks = plan.num_devices, 2 * cp.degree
+    held = [l for l in plan.layers if l.param_bytes > 0]
+    sharded = sum(l.dp_shard or l.strategy.endswith("+fsdp") for l in held)
     weights = (f"FSDP2-sharded over all {n} ranks" if cp.sharded else
-               f"replicated, gradients all-reduced over all {n} ranks (DDP)")
+               f"replicated, gradients all-reduced over all {n} ranks (DDP)" if not sharded
+               else f"FSDP2-sharded over all {n} ranks in {sharded} of the {len(held)} layers "
+                    f"holding them, replicated (DDP) in the rest")
     mesh = (f"Context parallel: cp {cp.degree} x dp {m.size('dp')} (mesh dims dp, cp); each "
             f"sequence cut into {chunks} chunks, rank r of a cp group keeping chunks r and "
             f"{chunks - 1}-r (equal work under the causal mask); attention all-gathers K/V "
@@ -135,7 +139,7 @@ def context_lines(plan: Plan) -> list[str]:
     inputs = ("Inputs: each rank passes its replica's rows, its chunks of every sequence "
               "(executor.shard_batch); labels shifted before the split; the loss is "
               "executor.context_parallel.token_loss over the rank's tokens")
-    checkpointed = (f"Activation checkpointing: all {len(plan.recompute_blocks)} transformer "
+    checkpointed = (f"Activation checkpointing: {len(plan.recompute_blocks)} transformer "
                     f"blocks (keep their input, run their forward again in backward)"
                     if plan.recompute_blocks else "Activation checkpointing: none")
     if cp.degree == 1:
@@ -246,7 +250,8 @@ def search_lines(plan: Plan, top: int = 8) -> list[str]:
         value = (f"{_ms(c.step_time_s)}" if c.step_time_s is not None
                  else f">= {_ms(c.bound_s)}" if c.bound_s is not None else "-")
         chunks = f" v={c.chunks}" if c.chunks > 1 else ""
-        lines.append(f"  pp {c.pp:>2} x dp {c.dp:>2} x tp {c.tp:>2}, m {c.microbatches:>3} "
+        cp = f" x cp {c.cp:>2}" if c.cp > 1 else ""
+        lines.append(f"  pp {c.pp:>2} x dp {c.dp:>2} x tp {c.tp:>2}{cp}, m {c.microbatches:>3} "
                      f"{c.schedule}{chunks}: {value} ({c.outcome.replace('_', ' ')}"
                      f"{'; ' + c.note if c.note else ''})")
     if len(r.best_per_shape) > top:
