@@ -1029,7 +1029,7 @@ def _shapes_to_try(graph: ModelGraph, cluster: Cluster, max_microbatches: int | 
     if graph.tracer == "export":  # stages cut at blocks (planner.block_cuts)
         cut = not why_no_blocks(graph)  # once: it walks every layer (0.2 s on 405 B)
         todo = [s for s in todo if (s.pp == 1 or cut)
-                and (s.tp == 1 or tp_whole_rows(s, batch, cluster))]
+                and (s.tp == 1 or s.cp > 1 or tp_whole_rows(s, batch, cluster))]
     if any(s.recompute_all and not s.recompute for s in todo):
         raise ValueError("only: recompute_all=True checkpoints every block the shape's "
                          "recompute offers; set recompute=True with it")

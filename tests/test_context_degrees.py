@@ -64,8 +64,9 @@ def test_a_cp_shape_finds_what_brute_force_over_its_options_finds(graph_cluster)
 def test_a_cp_plan_of_the_search_says_its_degree_and_why():
     """A sequence of 1,024 tokens, 2 of them on 4 H100s: the search's best is cp 2 x dp 2,
     its plan on the ("dp", "cp") mesh, its why naming the other degree and the best shape
-    without cp, each layer's reason its own traffic."""
+    without cp, each layer's reason its own traffic; exported to torchtitan with its cp."""
     from examples.gpt import GPT
+    from planner.export.torchtitan import to_torchtitan
     from planner.plan3d import optimize_3d
 
     torch.manual_seed(0)
@@ -79,6 +80,10 @@ def test_a_cp_plan_of_the_search_says_its_degree_and_why():
     attention = next(l for l in plan.layers if l.strategy.startswith("context_parallel"))
     assert "activation traffic" in attention.reason
     assert "cp 2 x dp 2" in plan.explain()
+    # handed to torchtitan as its context_parallel_degree beside the weights' majority
+    exported = to_torchtitan(plan)
+    assert exported.job.cp == 2 and exported.job.dp == 2
+    assert "context_parallel_degree = 2" in exported.text
 
 
 def test_a_pinned_search_offers_no_cp_shape(graph_cluster):

@@ -192,6 +192,8 @@ def express(plan: Plan, seq_len: int | None = None) -> Expressed:
     seq = seq_len_of(plan) if seq_len is None else seq_len
     if plan.is_mesh_3d:
         job, departures = _express_3d(plan)
+    elif plan.context_parallel is not None:
+        job, departures = _express_cp(plan)
     else:
         job, departures = _express_1d(plan)
     recompute, every, more = _recompute(plan, blocks)
@@ -243,6 +245,33 @@ def _express_1d(plan: Plan) -> tuple[JobConfig, list[Departure]]:
     job = JobConfig(global_batch=plan.global_batch, microbatches=plan.microbatches,
                     sequence_parallel=majority == "tp" and _any_sequence_parallel(plan),
                     **(degrees[majority] if n > 1 else {}))
+    return job, departures
+
+
+def _express_cp(plan: Plan) -> tuple[JobConfig, list[Departure]]:
+    """A context-parallel plan's (dp, cp) mesh: each sequence over cp ranks
+    (torchtitan's context_parallel_degree, Megatron-LM's --context-parallel-size) and the
+    weights as most of them (by bytes) are held, FSDP over dp or replicated; torchtitan
+    shards them over dp_shard x cp whenever cp > 1, and the frameworks hold every layer
+    alike, so layers held otherwise are departures."""
+    cp = plan.context_parallel.degree
+    dp = plan.num_devices // cp
+    weighted = _weighted(plan)
+    sharded = {l.name for l in weighted if l.dp_shard or l.strategy.endswith("+fsdp")}
+    by_bytes = sum(l.param_bytes for l in weighted if l.name in sharded)
+    fsdp = 2 * by_bytes >= sum(l.param_bytes for l in weighted)
+    others = [l.name for l in weighted
+              if (l.name in sharded) != fsdp and not _is_norm(l)]
+    departures = []
+    if others:
+        held, most = (("replicated", "sharded (FSDP)") if fsdp
+                      else ("sharded (FSDP)", "replicated"))
+        departures.append(Departure(tuple(others), (
+            f"weights {held} where most are {most}: torchtitan and Megatron-LM hold every "
+            f"layer alike (torchtitan shards over dp_shard x cp whenever cp > 1); the export "
+            f"holds them as the majority does")))
+    job = JobConfig(global_batch=plan.global_batch, microbatches=plan.microbatches, cp=cp,
+                    **({"dp_shard": dp} if fsdp else {"dp_replicate": dp}))
     return job, departures
 
 
