@@ -87,8 +87,9 @@ def test_a_pinned_ep_degree_is_kept_or_refused_by_name_never_dropped():
     """A pin the search cannot honour on a shape rules that shape out (before, the pin
     was dropped there and the plan ran the experts data parallel); "expert_parallel:ep4"
     on a tp group of 4 is the catalog's EP over that group; one no shape offers is a
-    ValueError naming the pin."""
+    ValueError naming the pin; the export says its EP degree."""
     import planner
+    from planner.export.config import express
 
     entry = MOE_ZOO["fx_moe"]
     inputs, kwargs = entry.example()
@@ -99,6 +100,7 @@ def test_a_pinned_ep_degree_is_kept_or_refused_by_name_never_dropped():
     k = plan.mesh.size("tp") if experts.strategy == "expert_parallel" else int(
         experts.strategy.split(":ep")[1])
     assert experts.strategy.startswith("expert_parallel") and k == 4
+    assert express(plan).job.ep == 4  # handed to torchtitan and Megatron-LM as their EP
     with pytest.raises(ValueError, match="pin: no mesh shape offers .*expert_parallel:ep8"):
         planner.optimize(model, "4xH100", inputs, kwargs, mesh="3d", measure=False,
                          pin={"experts": "expert_parallel:ep8"})

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field, replace
 
 from planner import dp_shard
 from planner.plan import EVERY_BLOCK, LayerPlan, Plan
+from strategies.experts import parse_name
 from strategies.memory import split_name
 
 # hyplan's pipeline schedules, named as torch.distributed.pipelining (and so torchtitan's
@@ -315,13 +316,31 @@ def _express_3d(plan: Plan) -> tuple[JobConfig, list[Departure]]:
                 "run whole on each tensor-parallel rank where torchtitan's recipe and "
                 "Megatron-LM split every block's Linear (column then row) and the "
                 "embedding and head by vocabulary: the export splits them")))
+    ep, odd = _expert_degree(weighted, tp)
+    if odd:
+        departures.append(Departure(tuple(odd), (
+            f"experts split over another EP degree than most MoE layers' ({ep}): "
+            f"torchtitan and Megatron-LM set one for the model; the export uses {ep}")))
     schedule = plan.pipeline.schedule if plan.pipeline else "1F1B"
     chunks = plan.pipeline.chunks if plan.pipeline else 1
     job = JobConfig(global_batch=plan.global_batch, dp_replicate=dp_replicate,
-                    dp_shard=dp_shard_degree, tp=tp, pp=pp, schedule=schedule,
+                    dp_shard=dp_shard_degree, tp=tp, pp=pp, ep=ep, schedule=schedule,
                     microbatches=plan.microbatches, chunks=chunks,
                     sequence_parallel=tp > 1 and _any_sequence_parallel(plan))
     return job, departures
+
+
+def _expert_degree(weighted: list[LayerPlan], tp: int) -> tuple[int, list[str]]:
+    """(the EP degree most of a 3-D plan's experts layers run, 1 where none is expert
+    parallel; the experts layers run otherwise). "expert_parallel" is EP over the tp
+    group, "expert_parallel:epK" over K ranks carved out of dp x tp
+    (planner.expert_degrees)."""
+    degree = {l.name: (parsed[0] or tp) for l in weighted
+              if (parsed := parse_name(l.strategy)) is not None}
+    if not degree:
+        return 1, []
+    ep = Counter(degree.values()).most_common(1)[0][0]
+    return ep, [name for name, k in degree.items() if k != ep]
 
 
 def _recompute(plan: Plan, blocks: list[str]) -> tuple[str, int, list[Departure]]:
