@@ -598,12 +598,12 @@ def choose_mesh(mesh: str, graph, cluster: Cluster, optimizer: str, budget: floa
             raise
         return one.model_copy(update={"mesh_choice": "auto: 1-D (no 3-D plan fits)"})
     seconds = time.perf_counter() - started
-    if one is None:
-        why = "auto: 3-D (the 1-D plan does not fit)"
-        return stamped(three, why, seconds)
-    t1, t3 = one.predicted.step_time_s, three.predicted.step_time_s
     shape = " x ".join(f"{name} {size}" for name, size in zip(three.mesh.dim_names,
                                                              three.mesh.shape))
+    if one is None:
+        why = f"auto: 3-D {shape} (the 1-D plan does not fit)"
+        return stamped(three, why, seconds)
+    t1, t3 = one.predicted.step_time_s, three.predicted.step_time_s
     if t3 < (1 - AS_GOOD) * t1:
         why = (f"auto: 3-D {shape} ({t3 * 1e3:.1f} ms) beats the 1-D plan "
                f"({t1 * 1e3:.1f} ms) by {t1 / t3:.2f}x")
