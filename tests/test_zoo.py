@@ -24,7 +24,7 @@ import torch
 import executor
 import planner
 from distributed import run_ranks
-from zoo import ZOO, ZooModel, canonical_names, reference, skeleton, train
+from zoo import ZOO, ZooModel, canonical_names, reference_once, skeleton, train
 
 KINDS = ("ddp", "fsdp", "tensor", "pipeline", "optimum")
 # kind -> models for which the planner refuses it, and a word of the reason it gives
@@ -81,7 +81,7 @@ def run_plans(rank: int, world: int, jobs: list) -> dict:
 def assert_runs_match(jobs: list, results: list) -> None:
     """Every rank of every job ran, and each parameter it holds equals one process's."""
     for name, label, _ in jobs:
-        expected = reference(entry_of(name))
+        expected = reference_once(entry_of(name))
         for rank, result in enumerate(results):
             got = result[(name, label)]
             assert not isinstance(got, str), f"{name} {label} rank {rank}: {got}"
@@ -129,8 +129,21 @@ def zoo_runs() -> ZooRuns:
     import test_experts
     import test_moe_pricing
 
+    moe_plans, moe_refusals, moe_models = test_experts.plan_every_kind()
+    # the zoo's models tests/moe_zoo.py lists too, the same entry (Mixtral): test_experts
+    # plans them with the same calls in its kinds (KINDS and "ep"), so their plans and runs
+    # (the same 3 steps on the same 2 ranks) serve both files' checks, instead of a second
+    # trace (~5-15 s a Hugging Face model here), plans and runs of the same jobs
+    shared = {name for name in ZOO if test_experts.MOE_ZOO.get(name) is ZOO[name]}
     plans, refusals, models = {}, {}, {}
     for name in ZOO:
+        if name in shared:
+            models[name] = moe_models[name]
+            plans.update({(name, kind): moe_plans[(name, kind)] for kind in KINDS
+                          if (name, kind) in moe_plans})
+            refusals.update({(name, kind): moe_refusals[(name, kind)] for kind in KINDS
+                             if (name, kind) in moe_refusals})
+            continue
         # kept: the 4-rank test plans the same instances (traced once: planner.profiled)
         model = models[name] = ZOO[name].make()
         for kind in KINDS:
@@ -138,8 +151,8 @@ def zoo_runs() -> ZooRuns:
                 plans[(name, kind)] = make_plan(name, kind, model=model)
             except ValueError as error:
                 refusals[(name, kind)] = str(error)
-    jobs = [(name, kind, plan.to_json()) for (name, kind), plan in plans.items()]
-    moe_plans, moe_refusals, moe_models = test_experts.plan_every_kind()
+    jobs = [(name, kind, plan.to_json()) for (name, kind), plan in plans.items()
+            if name not in shared]
     random_moe = test_experts.plan_random(moe_models)
     moe_jobs = [(name, kind, plan.to_json())
                 for (name, kind), plan in {**moe_plans, **random_moe}.items()]
@@ -150,6 +163,8 @@ def zoo_runs() -> ZooRuns:
         sparse, calls = error, ()
     ranks = run_ranks(run_with_experts, 2, jobs + _random_jobs(models), moe_jobs, calls,
                       forked=False)
+    for zoo, moe, _ in ranks:  # the shared models' runs, under the zoo's kinds
+        zoo.update({key: moe[key] for key in plans if key[0] in shared})
     return ZooRuns(plans, refusals, [zoo for zoo, _, _ in ranks], models,
                    (moe_plans, moe_refusals, [moe for _, moe, _ in ranks]), moe_models,
                    random_moe,
@@ -194,7 +209,7 @@ def test_plan_trains_like_one_process(zoo_runs, name, kind):
     plans, refusals, results, *_ = zoo_runs
     if refused_as_listed(name, kind, refusals, REFUSED):
         return
-    expected = reference(ZOO[name])
+    expected = reference_once(ZOO[name])
     seen: set[str] = set()
     for rank, result in enumerate(results):
         got = result[(name, kind)]

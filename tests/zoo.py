@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import cache
 
 import torch
 import torch.nn.functional as F
@@ -267,6 +268,23 @@ def reference(entry: ZooModel, steps: int = 3) -> dict[str, torch.Tensor]:
     """Parameters after `steps` steps in one process on the whole batch."""
     model = train(entry.make(), entry, single_process_step, steps)
     return {k: v.detach().clone() for k, v in model.named_parameters()}
+
+
+def reference_once(entry: ZooModel, steps: int = 3) -> dict[str, torch.Tensor]:
+    """`reference(entry, steps)`, trained once per process and shared, read-only, by
+    every check of the model (tests/test_zoo.py compares its 5 plan kinds, random plans
+    and 4-rank plans with it; tests/test_experts.py its 6 kinds, ep 2 x dp 2, random and
+    3-D plans; tests/test_hf_pipeline.py each plan of a model): the same deterministic
+    steps each time, 1-3 s a model in a process that has traced models (tests/test_zoo.py
+    took 554 s alone with one per test, 370 s with this). Kept per ROWS, which a test may
+    change (tests/test_small_batch_plans.py). For the zoos' tiny models only:
+    torchvision's float64 references are hundreds of MB."""
+    return _reference_of(entry, ROWS, steps)
+
+
+@cache
+def _reference_of(entry: ZooModel, rows: int, steps: int) -> dict[str, torch.Tensor]:
+    return reference(entry, steps)
 
 
 def canonical_names(entry: ZooModel) -> dict[str, str]:
