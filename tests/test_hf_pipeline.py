@@ -222,7 +222,8 @@ def test_a_cut_sends_the_hidden_state_alone_and_tp_holds_whole_rows_inside_a_nod
         assert problem.cut_s[u] == pytest.approx(expected, rel=1e-9), problem.units[u]
     result = search(graph, cluster, "sgd", None, max_microbatches=4, time_limit_s=20)
     assert result.best is not None and any(c.shape.pp > 1 for c in result.candidates)
-    tp = [c.shape for c in result.candidates if c.shape.tp > 1]
+    # tensor-parallel shapes (a cp shape is one group of all devices split by sequence)
+    tp = [c.shape for c in result.candidates if c.shape.tp > 1 and c.shape.cp == 1]
     assert tp and all(s.rows(graph.batch_size) % s.tp for s in tp)
     assert not any(c.outcome == "infeasible" and "layout" in c.note for c in result.candidates)
     with_tp = build(CostCache(graph, cluster, "sgd"), 2, 1, 2, 1).problem
