@@ -5,7 +5,12 @@ of each figure (times, memory rows), so what reads those arrays later (the recom
 variants of planner.pipeline.block_recompute, the bounds' tables of
 planner.pipeline.stages) can tell them apart by identity and do a layer's work once per
 block kind. On a 405 B Llama (1,260 layers in 126 alike blocks) that took the ranking of
-884 shapes from 17-19 s to 11 s.
+884 shapes from 17-19 s to 11 s. DeepSeek-V3 (7,342 layers in 61 blocks, 1,032 shapes)
+took that further: the search prices each kind of layer once per shape (planner.search's
+CostCache.kinds), block_recompute makes each distinct block's recomputed figures once,
+the bounds' tables and planner.reasons read each distinct array once, and what is the
+same on every shape (the edges' readers, the values each cut sends, which blocks enter
+from where) is made once per graph: its ranking went from some 62 s to some 38 s of CPU.
 """
 
 from __future__ import annotations

@@ -31,6 +31,7 @@ the 3-D shape pp = 1, dp = 1, tp = N at one microbatch. The rules both apply liv
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -81,12 +82,14 @@ def tp_context(cluster: Cluster, tp: int, rows: int, optimizer: str) -> CostCont
     return CostContext(cluster=cluster, ranks=tp, batch=rows, optimizer=optimizer)
 
 
-def layer_compute_s(cluster: Cluster, graph: ModelGraph, tp: int, optimizer: str
-                    ) -> list[float]:
+def layer_compute_s(cluster: Cluster, graph: ModelGraph, tp: int, optimizer: str,
+                    layers: Iterable[Layer] | None = None) -> list[float]:
     """Each layer's compute (inputs left out) at 1/tp of the whole batch: what `in_rhythm`
-    reads, the same for every microbatch size (the 3-D search keeps it per tp)."""
+    reads, the same for every microbatch size (the 3-D search keeps it per tp, priced once
+    per kind of layer: `layers`, some of the graph's, in place of all of them)."""
     ctx = tp_context(cluster, tp, graph.batch_size, optimizer)
-    return [compute_s(layer, 1 / tp, ctx) for layer in graph.layers if not layer.is_input]
+    return [compute_s(layer, 1 / tp, ctx) for layer in
+            (graph.layers if layers is None else layers) if not layer.is_input]
 
 
 def in_rhythm(cluster: Cluster, graph: ModelGraph, tp: int, rows: int,

@@ -60,38 +60,64 @@ def of_built(built: Built, microbatches: int, dp: int,
     time (the catalog's compute and communication, and a recomputed forward); one sharded
     over its tp group (a 1-D plan's "fsdp") has them in its communication."""
     m, problem = microbatches, built.problem
+    n_layers = len(built.layers)
+    none = (None,) * n_layers
+    # identical layers (a transformer's blocks) share their options' arrays and prices
+    # (planner.search.build): each distinct one weighed once, then given its own layer
+    # and stage (a layer at a time, DeepSeek-V3's 7,342 took seconds per plan)
+    weighed: dict[tuple, tuple] = {}
     layers = []
-    for i, layer in enumerate(built.layers):
-        opts, costs = problem.layers[i], built.costs[i]
-        n = len(opts.strategies)
-        sync = built.sync_s[i] if built.sync_s else [0.0] * n
-        serial = built.sync_serial_s[i] if built.sync_serial_s else [0.0] * n
-        sharded = built.sharded[i] if built.sharded else [""] * n
-        traffic, gather, serial_gather = [], [0.0] * n, [0.0] * n
-        for c, cost in enumerate(costs):
-            traffic.append(m * cost.communication_s)
-            if sharded[c]:  # its gathers come beside the catalog's communication
-                own = float(opts.microbatch_s[opts.plain_index(c)])
-                gather[c] = serial_gather[c] = m * (own - cost.compute_s - cost.communication_s)
-                traffic[c] += gather[c]
-            elif built.strategies[i][c].shards_weights:  # sharded over its group (a 1-D
-                # plan's "fsdp" lever, strategies.memory; a cp plan's "+fsdp" options,
-                # strategies.context): its gathers are its communication but for K/V's
-                kv = cost.notes.get("kv_all_gather_s", 0.0) + cost.notes.get(
-                    "kv_reduce_scatter_s", 0.0)
-                gather[c] = m * (cost.communication_s - kv)
-                serial_gather[c] = m * (cost.communication_s - kv
-                                        + cost.notes.get("beside_compute_s", 0.0))
-        layers.append(Options(
-            layer, tuple(built.strategies[i]), tuple(opts.strategies),
-            tuple(m * float(t) + float(s) for t, s in zip(opts.microbatch_s, opts.step_s)),
-            tuple(traffic),
-            tuple(float(s) for s in sync),
-            tuple(float(s) for s in serial), tuple(gather), tuple(serial_gather),
-            stages[i] if stages is not None else None,
-            tuple(float(w + a) for w, a in zip(opts.weight_bytes, opts.activation_bytes))))
-    edges = tuple(Edge(e.src, e.dst, e.cost_s * m) for e in problem.edges)
+    for i, (layer, opts, costs, strategies, sync, serial, sharded) in enumerate(zip(
+            built.layers, problem.layers, built.costs, built.strategies,
+            built.sync_s or none, built.sync_serial_s or none, built.sharded or none)):
+        key = tuple(map(id, (opts.strategies, opts.microbatch_s, opts.step_s,
+                             opts.weight_bytes, opts.activation_bytes, opts.recomputed,
+                             costs, strategies, sync, serial, sharded)))
+        hit = weighed.get(key)
+        if hit is None:  # the figures, and what the key's ids are of kept alive
+            hit = weighed[key] = (_weighed(opts, costs, strategies, sync, serial, sharded, m),
+                                  opts, costs, strategies, sync, serial, sharded)
+        figures, memory = hit[0]
+        layers.append(Options(layer, *figures,
+                              stages[i] if stages is not None else None, memory))
+    scaled: dict[int, tuple] = {}  # id of a matrix -> (it times m, it kept alive)
+    edges = []
+    for e in problem.edges:
+        hit = scaled.get(id(e.cost_s))
+        if hit is None:
+            hit = scaled[id(e.cost_s)] = (e.cost_s * m, e.cost_s)
+        edges.append(Edge(e.src, e.dst, hit[0]))
+    edges = tuple(edges)
     return Weighed(tuple(layers), edges, dp)
+
+
+def _weighed(opts, costs, strategies, sync, serial, sharded, m: int) -> tuple:
+    """One layer's figures of_built weighs (Options' fields from its strategies to its
+    gather_serial_s; its memory_bytes) at m microbatches a step."""
+    n = len(opts.strategies)
+    sync = [0.0] * n if sync is None else sync
+    serial = [0.0] * n if serial is None else serial
+    sharded = [""] * n if sharded is None else sharded
+    traffic, gather, serial_gather = [], [0.0] * n, [0.0] * n
+    for c, cost in enumerate(costs):
+        traffic.append(m * cost.communication_s)
+        if sharded[c]:  # its gathers come beside the catalog's communication
+            own = float(opts.microbatch_s[opts.plain_index(c)])
+            gather[c] = serial_gather[c] = m * (own - cost.compute_s - cost.communication_s)
+            traffic[c] += gather[c]
+        elif strategies[c].shards_weights:  # sharded over its group (a 1-D plan's "fsdp"
+            # lever, strategies.memory; a cp plan's "+fsdp" options, strategies.context):
+            # its gathers are its communication but for K/V's
+            kv = cost.notes.get("kv_all_gather_s", 0.0) + cost.notes.get(
+                "kv_reduce_scatter_s", 0.0)
+            gather[c] = m * (cost.communication_s - kv)
+            serial_gather[c] = m * (cost.communication_s - kv
+                                    + cost.notes.get("beside_compute_s", 0.0))
+    figures = (tuple(strategies), tuple(opts.strategies),
+               tuple(m * float(t) + float(s) for t, s in zip(opts.microbatch_s, opts.step_s)),
+               tuple(traffic), tuple(float(s) for s in sync), tuple(float(s) for s in serial),
+               tuple(gather), tuple(serial_gather))
+    return figures, tuple(float(w + a) for w, a in zip(opts.weight_bytes, opts.activation_bytes))
 
 
 def lever_fields(row: Options, c: int, cost: Cost, opts: LayerOptions, sharded: bool) -> dict:

@@ -48,6 +48,8 @@ long it takes: the proof, but for chunked candidates dropped on their estimate.
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import math
 import time
 from collections import Counter
@@ -360,6 +362,9 @@ class CostCache:
         # (which this cache keeps alive, so their ids stay theirs)
         self.options: dict = {}
         self.edges: dict = {}
+        self._edge_plan: list | None = None  # edge_plan()
+        self._kinds: tuple | None = None  # kinds()
+        self.crossing: dict = {}  # _cut_times: the values each cut sends, once
         self.hits = self.misses = 0
 
     def layer(self, layer: Layer, tp: int, rows: int, computing: float | None = None,
@@ -395,6 +400,23 @@ class CostCache:
         self._layer[key] = value
         return value
 
+    def kinds(self) -> tuple[list[int], list[int]]:
+        """(per layer, its kind; per kind, its first layer): layers of one signature and
+        tie, which self.layer gives one entry on every shape, made once."""
+        if self._kinds is None:
+            first: dict[tuple, int] = {}
+            kinds, firsts = [], []
+            for i, layer in enumerate(self.graph.layers):
+                sig = self._signatures.get(layer.node)
+                if sig is None:
+                    sig = self._signatures[layer.node] = _signature(layer)
+                k = first.setdefault((sig, layer.node in self.tied), len(first))
+                if k == len(firsts):
+                    firsts.append(i)
+                kinds.append(k)
+            self._kinds = (kinds, firsts)
+        return self._kinds
+
     def price(self, entry: LayerEntry, strategy, dp: int, sharded: str) -> Price:
         """planner.price.price of one of `entry`'s options, once per dp and variant."""
         key = (strategy, dp, sharded)
@@ -409,11 +431,40 @@ class CostCache:
         if hit is None:
             times = self._compute.get(tp)
             if times is None:  # the same for every rows: once per tp
-                times = self._compute[tp] = layer_compute_s(self.cluster, self.graph, tp,
-                                                            self.optimizer)
+                times = self._compute[tp] = self._layer_compute_s(tp)
             hit = self._rhythm[(tp, rows)] = in_rhythm(self.cluster, self.graph, tp, rows,
                                                        self.optimizer, times)
         return hit
+
+    def _layer_compute_s(self, tp: int) -> list[float]:
+        """planner.price.layer_compute_s, priced once per kind of layer (kinds: the
+        signature every option's price is shared by, as self.layer shares them)."""
+        kinds, firsts = self.kinds()
+        layers = self.graph.layers
+        wanted = [i for i in firsts if not layers[i].is_input]
+        times = dict(zip(wanted, layer_compute_s(self.cluster, self.graph, tp, self.optimizer,
+                                                 [layers[i] for i in wanted])))
+        return [times[firsts[k]] for k, layer in zip(kinds, layers) if not layer.is_input]
+
+    def edge_plan(self) -> list[tuple[int, int, bool, int]]:
+        """Every edge of the graph as _edges prices it, (src, dst, whether a gradient flows
+        back, the readers of the value), in the graph's order: the same on every shape,
+        made once (a graph of 7,342 layers asks hundreds of shapes for it)."""
+        if self._edge_plan is None:
+            graph = self.graph
+            index = {layer.node: i for i, layer in enumerate(graph.layers)}
+            # a priced sequence-parallel configuration changes layouts where torchtitan's
+            # DTensor hooks do (planner.price.edge_kind's dtensor_hooks), once per tensor
+            # its modules read
+            module_readers = None
+            if self.cluster.levers.sequence_parallel:
+                module_readers = Counter(n for l in graph.layers if l.op == "call_module"
+                                         for n in l.inputs)
+            self._edge_plan = [
+                (index[name], dst, graph.carries_gradient(name),
+                 graph.readers(name) if module_readers is None else module_readers[name])
+                for dst, layer in enumerate(graph.layers) for name in layer.inputs]
+        return self._edge_plan
 
     def edge(self, kind: EdgeKind):
         """planner.price.edge_cost, once per distinct edge."""
@@ -600,7 +651,8 @@ def build(cache: CostCache, pp: int, dp: int, tp: int, rows: int,
     return Built(problem, tuple(strategies), tuple(got.costs for got in priced),
                  tuple(layers), tuple(got.local_param_bytes for got in priced),
                  tuple(got.sharded for got in priced), cut_bytes=tuple(cut_bytes),
-                 temp_bytes=tuple(np.asarray(t, dtype=float) for t in temps),
+                 temp_bytes=tuple(map(once_per_object(lambda t: np.asarray(t, dtype=float)),
+                                      temps)),  # shared as temps are (block_recompute)
                  sync_s=tuple(got.sync_s for got in priced),
                  sync_serial_s=tuple(got.sync_serial_s for got in priced), ties=ties,
                  prices=tuple(got.prices for got in priced), one_group=group is not None)
@@ -615,14 +667,19 @@ def _layer_options(cache: CostCache, priced: list[_PricedOptions], temps: list,
     figure: what reads them later (block_recompute, the bounds' tables) does a layer's
     work once per distinct array."""
     per_node = cache.cluster.devices_per_node
-    # a layer's optimizer temporaries are its _PricedOptions' (build): keyed by it alone
-    weights = once_per_object(lambda got, temp: got.weight_bytes + temp)
-    gathered = once_per_object(lambda got: got.local_param_bytes * np.array([
-        dp_shard.gathered_over(sh, *expert_degrees.sharing(s.name, dp, tp), per_node)
-        for s, sh in zip(got.strategies, got.sharded)]))
-    options = [LayerOptions(layer.name, unit_of[i], got.names, got.microbatch_s, got.step_s,
-                            weights(got, temp=temps[i]), got.activation_bytes,
-                            temp_bytes=temps[i], gathered_bytes=gathered(got))
+
+    # a layer's optimizer temporaries are its _PricedOptions' (build): keyed by it alone;
+    # each distinct one's figures made once, and a layer's own LayerOptions from them (a
+    # call per layer: DeepSeek-V3 has 7,342 layers on each of hundreds of shapes)
+    def figures(got, temp) -> tuple:
+        gathered = got.local_param_bytes * np.array([
+            dp_shard.gathered_over(sh, *expert_degrees.sharing(s.name, dp, tp), per_node)
+            for s, sh in zip(got.strategies, got.sharded)])
+        return (got.names, got.microbatch_s, got.step_s, got.weight_bytes + temp,
+                got.activation_bytes, None, temp, gathered)
+
+    figures_of = once_per_object(figures)
+    options = [LayerOptions(layer.name, unit_of[i], *figures_of(got, temp=temps[i]))
                for i, (layer, got) in enumerate(zip(cache.graph.layers, priced))]
     options.append(LayerOptions(OUTPUT, units - 1, ("output",), np.zeros(1), np.zeros(1),
                                 np.zeros(1), np.zeros(1)))
@@ -643,8 +700,22 @@ def _shape_options(cache: CostCache, pp: int, dp: int, tp: int, rows: int, pin,
     # gradient all-reduced with the first stage's over the pipeline's link (block_cuts)
     tied_copy = tied_heads(graph) if pp > 1 and not ends_together else {}
     tied_link = group_link(cluster, pp * dp * tp)
-    entries = [cache.layer(layer, tp, rows, computing) for layer in graph.layers]
+    # each kind of layer (a transformer's blocks repeat) priced once: a call per layer cost
+    # DeepSeek-V3 (7,342 layers) a quarter of a second a shape
+    kinds, firsts = cache.kinds()
+    of_kind = [cache.layer(graph.layers[i], tp, rows, computing) for i in firsts]
+    entries = [of_kind[k] for k in kinds]
     ties = _tied_names(cache, entries, tp)
+    if not pin and not tied_copy and not ties:  # nothing set per layer: per kind alone
+        priced_kind = []
+        for i, entry in zip(firsts, of_kind):
+            layer = graph.layers[i]
+            key = (id(entry), dp, None, None, layer.node in cache.tied, None)
+            if key not in cache.options:
+                cache.options[key] = _priced_options(cache, entry, layer, dp, tp, None, None,
+                                                     tied_link, None, computing)
+            priced_kind.append(cache.options[key])
+        return [priced_kind[k] for k in kinds], [entry.layer for entry in entries]
     priced, scaled = [], []
     for layer, entry in zip(graph.layers, entries):
         want = pin.get(layer.name) if pin else None
@@ -722,28 +793,19 @@ def _edges(cache: CostCache, priced, strategies, scaled_layers, rows: int, tp: i
     sink, handed back as planner.handback says."""
     graph = cache.graph
     index = {layer.node: i for i, layer in enumerate(graph.layers)}
-    # a priced sequence-parallel configuration changes layouts where torchtitan's DTensor
-    # hooks do (planner.price.edge_kind's dtensor_hooks), once per tensor its modules read
-    hooks, module_readers = cache.cluster.levers.sequence_parallel, None
-    if hooks:
-        module_readers = Counter(n for l in graph.layers if l.op == "call_module"
-                                 for n in l.inputs)
+    hooks = cache.cluster.levers.sequence_parallel
     edges = []
-    for dst, layer in enumerate(graph.layers):
-        for name in layer.inputs:
-            src = index[name]
-            backward = graph.carries_gradient(graph.layers[src].node)
-            readers = graph.readers(name) if module_readers is None else module_readers[name]
-            key = (id(priced[src]), id(priced[dst]), rows, tp, backward, readers)
-            if not shared or key not in cache.edges:
-                kind = edge_kind(scaled_layers[src], [s.gives for s in strategies[src]],
-                                 scaled_layers[dst], strategies[dst], rows, tp,
-                                 graph.tracer, backward, readers, hooks)
-                if not shared:  # options of this problem alone: ids are not kept
-                    edges.append(Edge(src, dst, cache.edge(kind)))
-                    continue
-                cache.edges[key] = cache.edge(kind)
-            edges.append(Edge(src, dst, cache.edges[key]))
+    for src, dst, backward, readers in cache.edge_plan():
+        key = (id(priced[src]), id(priced[dst]), rows, tp, backward, readers)
+        if not shared or key not in cache.edges:
+            kind = edge_kind(scaled_layers[src], [s.gives for s in strategies[src]],
+                             scaled_layers[dst], strategies[dst], rows, tp,
+                             graph.tracer, backward, readers, hooks)
+            if not shared:  # options of this problem alone: ids are not kept
+                edges.append(Edge(src, dst, cache.edge(kind)))
+                continue
+            cache.edges[key] = cache.edge(kind)
+        edges.append(Edge(src, dst, cache.edges[key]))
     sink = len(graph.layers)
     for name in graph.outputs:
         src = index[name]
@@ -762,20 +824,24 @@ def _cut_times(cache: CostCache, scaled_layers, unit_of: list[int], units: int,
     before it, used after it and sent (not replayed), forward and their gradients back;
     and the bytes such a cut sends per microbatch)."""
     graph = cache.graph
-    index = {layer.node: i for i, layer in enumerate(graph.layers)}
-    last_use = {}
-    for dst, layer in enumerate(graph.layers):
-        for name in layer.inputs:
-            last_use[index[name]] = max(last_use.get(index[name], -1), unit_of[dst])
-    for name in graph.outputs:
-        last_use[index[name]] = units
-    # each cut's values, listed per unit from the values' live ranges (a scan of every
-    # value at every cut took 30 ms a shape on a 405 B Llama), in last_use's order
-    crossing: list[list[int]] = [[] for _ in range(units)]
-    for src, until in last_use.items():
-        if graph.layers[src].node in sent:
-            for u in range(unit_of[src] + 1, min(until, units - 1) + 1):
-                crossing[u].append(src)
+    key = (units, tuple(unit_of), frozenset(sent))
+    if cache.crossing.get("key") != key:  # the same on every shape: made once
+        index = {layer.node: i for i, layer in enumerate(graph.layers)}
+        last_use = {}
+        for dst, layer in enumerate(graph.layers):
+            for name in layer.inputs:
+                last_use[index[name]] = max(last_use.get(index[name], -1), unit_of[dst])
+        for name in graph.outputs:
+            last_use[index[name]] = units
+        # each cut's values, listed per unit from the values' live ranges (a scan of every
+        # value at every cut took 30 ms a shape on a 405 B Llama), in last_use's order
+        crossing: list[list[int]] = [[] for _ in range(units)]
+        for src, until in last_use.items():
+            if graph.layers[src].node in sent:
+                for u in range(unit_of[src] + 1, min(until, units - 1) + 1):
+                    crossing[u].append(src)
+        cache.crossing = {"key": key, "crossing": crossing}
+    crossing = cache.crossing["crossing"]
     cut_s, cut_bytes = [0.0] * units, [0.0] * units
     for u in range(1, units):
         t = sent_bytes = 0.0
@@ -992,24 +1058,45 @@ def search(graph: ModelGraph, cluster: Cluster, optimizer: str, budget_bytes: fl
     "feasible" with it), as after Ctrl-C; with no plan by then, the best quick plan of what
     is left (FALLBACK_S at most). None: no limit (the proof). The passes, in order, are the
     methods of _Search."""
-    run = _Search(graph, cluster, optimizer, budget_bytes, cache, pin, time_limit_s,
-                  relative_gap, search_time_s)
-    run.rank(_shapes_to_try(graph, cluster, max_microbatches, only, schedules, pin))
-    interrupted = False
+    with _older_objects_frozen():
+        run = _Search(graph, cluster, optimizer, budget_bytes, cache, pin, time_limit_s,
+                      relative_gap, search_time_s)
+        run.rank(_shapes_to_try(graph, cluster, max_microbatches, only, schedules, pin))
+        interrupted = False
+        try:
+            run.first_pass()
+            run.chunked_pass()
+            run.refine_chunked()
+            run.second_pass()
+            run.polish_best()
+        except KeyboardInterrupt:
+            # Ctrl-C: the best plan so far, with its gap to what was left open (SCIP is
+            # told not to catch the signal, so it arrives when the solve in progress
+            # returns)
+            if run.best is None:
+                raise
+            interrupted = True
+            run.skip_unvisited("not solved: interrupted")
+        return run.result(interrupted)
+
+
+@contextlib.contextmanager
+def _older_objects_frozen():
+    """The objects alive before the search kept out of the cycle collector's full passes
+    while it runs (gc.freeze), and given back after. The search allocates millions of small
+    objects (a LayerOptions per layer and shape), each few hundred thousand of which start
+    a full pass over every object the process holds: with a traced model and its graph in
+    memory (DeepSeek-V3: 7,342 layers) those passes took some 15% of its ranking. Where
+    something else has frozen objects already (a process that forks workers), nothing is
+    changed."""
+    if gc.get_freeze_count():
+        yield
+        return
+    gc.freeze()
     try:
-        run.first_pass()
-        run.chunked_pass()
-        run.refine_chunked()
-        run.second_pass()
-        run.polish_best()
-    except KeyboardInterrupt:
-        # Ctrl-C: the best plan so far, with its gap to what was left open (SCIP is told
-        # not to catch the signal, so it arrives when the solve in progress returns)
-        if run.best is None:
-            raise
-        interrupted = True
-        run.skip_unvisited("not solved: interrupted")
-    return run.result(interrupted)
+        yield
+    finally:
+        gc.unfreeze()
 
 
 def _shapes_to_try(graph: ModelGraph, cluster: Cluster, max_microbatches: int | None,
@@ -1210,9 +1297,9 @@ class _Search:
                                           "module executor cannot make "
                                           "(planner.price._unrealizable)"))
                 continue
-            missing = missing_pins([layer.name for layer in b.layers],
-                                   [o.strategies for o in b.problem.layers], self.pin,
-                                   shape.tp)
+            missing = self.pin and missing_pins(  # (lists of every layer: only for a pin)
+                [layer.name for layer in b.layers], [o.strategies for o in b.problem.layers],
+                self.pin, shape.tp)
             if missing:
                 self.out.append(Candidate(shape, "infeasible", note=f"pin not offered on "
                                           f"this shape: {', '.join(missing)}"))

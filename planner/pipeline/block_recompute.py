@@ -27,6 +27,7 @@ their recomputed variants or none does. A recomputed variant costs:
 from __future__ import annotations
 
 from dataclasses import replace
+from operator import attrgetter
 
 import numpy as np
 
@@ -68,36 +69,39 @@ def recompute_blocks(built, graph: ModelGraph, tp: int = 1, every: bool = False)
     transient = 0.0
     members_of = problem.unit_layers()  # once: per unit, a scan of every layer took minutes
     # identical layers (a transformer's blocks) share their arrays (planner.search.build):
-    # each distinct one is doubled once, not once per layer (a 405 B Llama: 1,260 layers)
-    twice, largest = once_per_object(_twice), once_per_object(lambda a: float(a.max()))
-    halves = once_per_object(_recomputed_half)  # shared like the arrays they halve
+    # each distinct one is doubled once, not once per layer (a 405 B Llama: 1,260 layers),
+    # and each distinct block (its layers' arrays and what it keeps) once, not once per
+    # block: a layer of a block seen before only gets its own LayerOptions (its name and
+    # unit), from DeepSeek-V3's 61 blocks of 120 layers on each of hundreds of shapes
+    twice = once_per_object(_twice)
     variants = once_per_object(lambda costs, kept, *arrays, options, layer:
                                _recomputed_arrays(options, costs, kept, layer=layer))
+    halves = once_per_object(_recomputed_half)  # shared like the arrays they halve
+    block_of: dict[tuple, tuple] = {}
+    layer_keys = _layer_keys(built)
     for u, name in enumerate(problem.units):
         if name not in blocks:
             continue
         members = [i for i in members_of[u] if i < len(graph.layers)]  # not the sink
         kept_bytes = _input_bytes(members, graph, built, carried, index)
-        transient = max(transient, sum(largest(problem.layers[i].activation_bytes)
-                                       for i in members))
-        for j, i in enumerate(members):
-            kept = (tuple(kept_per_option(built.strategies[i], kept_bytes, tp)) if j == 0
-                    else 0.0)
+        key = (kept_bytes, *(layer_keys[i] for i in members))
+        made = block_of.get(key)
+        if made is None:
+            made = block_of[key] = _block(built, members, kept_bytes, tp, every, twice,
+                                          variants, halves)
+        largest, per_layer = made
+        transient = max(transient, largest)
+        for i, (fields, doubled) in zip(members, per_layer):
             options = problem.layers[i]
-            # identical layers share their prices and their arrays (planner.search.build)
-            arrays = variants(built.costs[i], kept, id(options.microbatch_s),
-                              id(options.weight_bytes), options=options, layer=built.layers[i])
-            if every:
-                layers[i] = _recomputed_only(options, halves(arrays, len(options.strategies)))
+            layers[i] = LayerOptions(options.name, options.unit, *fields)
+            if doubled is None:  # every: the recomputed variants alone
                 continue
-            layers[i] = _doubled(options, arrays)
-            strategies[i], costs[i] = strategies[i] * 2, costs[i] * 2
-            local[i] = twice(local[i])
-            for per_option in (temps, syncs, serials):
-                if per_option:
-                    per_option[i] = twice(per_option[i])
+            strategies[i], costs[i], local[i], sharded_i, per_option = doubled
             if sharded:
-                sharded[i] = sharded[i] * 2
+                sharded[i] = sharded_i
+            for figures, twofold in zip((temps, syncs, serials), per_option):
+                if figures:
+                    figures[i] = twofold
     doubled = ({i for i, l in enumerate(layers) if l.recomputed is not None} if not every
                else set())
     edges = _tiled_edges(problem.edges, doubled)
@@ -108,23 +112,100 @@ def recompute_blocks(built, graph: ModelGraph, tp: int = 1, every: bool = False)
                    sync_serial_s=tuple(serials), transient_bytes=transient)
 
 
+_OPTION_FIELDS = attrgetter("strategies", "microbatch_s", "step_s", "weight_bytes",
+                            "activation_bytes", "recomputed", "temp_bytes", "gathered_bytes")
+
+
+def _layer_keys(built) -> list[tuple]:
+    """Per layer (not the sink), what its recomputed options are made from, by identity
+    (build shares each distinct layer's arrays and prices): two layers of one key get the
+    same figures."""
+    n = len(built.layers)
+    none = (None,) * n
+    return [(*map(id, _OPTION_FIELDS(o)), *map(id, rest)) for o, *rest in zip(
+        built.problem.layers, built.strategies, built.costs, built.local_param_bytes,
+        built.layers, built.sharded or none, built.temp_bytes or none, built.sync_s or none,
+        built.sync_serial_s or none)]
+
+
+def _block(built, members: list[int], kept_bytes: float, tp: int, every: bool, twice,
+           variants, halves) -> tuple[float, list[tuple]]:
+    """One block's recomputed figures (recompute_blocks): (its transient, the largest
+    activations its layers keep for one microbatch; per member, the fields of its
+    LayerOptions after its name and unit, and where its plain options stay (not `every`)
+    its strategies, costs, local parameter bytes and sharding doubled, and its
+    temporaries, syncs and serial syncs doubled). `twice`, `variants`, `halves`:
+    recompute_blocks' memos, which keep alike layers of distinct blocks on one array."""
+    problem = built.problem
+    largest = sum(float(problem.layers[i].activation_bytes.max()) for i in members)
+    out = []
+    for j, i in enumerate(members):
+        kept = (tuple(kept_per_option(built.strategies[i], kept_bytes, tp)) if j == 0
+                else 0.0)
+        options = problem.layers[i]
+        # identical layers share their prices and their arrays (planner.search.build)
+        arrays = variants(built.costs[i], kept, id(options.microbatch_s),
+                          id(options.weight_bytes), options=options, layer=built.layers[i])
+        if every:
+            arrays = halves(arrays, len(options.strategies))
+            out.append(((tuple(s + SUFFIX for s in options.strategies), *_fields(arrays)),
+                        None))
+            continue
+        fields = (options.strategies + tuple(s + SUFFIX for s in options.strategies),
+                  *_fields(arrays))
+        doubled = (built.strategies[i] * 2, built.costs[i] * 2,
+                   twice(built.local_param_bytes[i]),
+                   built.sharded[i] * 2 if built.sharded else None,
+                   tuple(twice(f[i]) if f else None
+                         for f in (built.temp_bytes, built.sync_s, built.sync_serial_s)))
+        out.append((fields, doubled))
+    return largest, out
+
+
+_ARRAYS = ("microbatch_s", "step_s", "weight_bytes", "activation_bytes", "recomputed",
+           "temp_bytes", "gathered_bytes")  # LayerOptions' fields after strategies
+
+
+def _fields(arrays: dict) -> tuple:
+    """`arrays` (_recomputed_arrays') in LayerOptions' order after its strategies."""
+    return tuple(arrays[k] for k in _ARRAYS)
+
+
 def _input_bytes(members: list[int], graph: ModelGraph, built, carried, index) -> float:
     """Bytes of what enters a block from outside it and carries weights' work (the hidden
-    state): what a checkpointed block keeps."""
-    inside = {graph.layers[i].node for i in members}
-    entering = {src for i in members for src in graph.layers[i].inputs
-                if src not in inside and src in carried}
-    return float(sum(built.layers[index[src]].output.nbytes for src in entering))
+    state): what a checkpointed block keeps. Which values those are is the graph's, made
+    once per block and kept on the graph (the search asks on every shape)."""
+    found = graph.__dict__.get("_block_inputs")
+    if found is None:
+        found = {}
+        object.__setattr__(graph, "_block_inputs", found)
+    key = tuple(members)
+    entering = found.get(key)
+    if entering is None:
+        inside = {graph.layers[i].node for i in members}
+        entering = found[key] = sorted({index[src] for i in members
+                                        for src in graph.layers[i].inputs
+                                        if src not in inside and src in carried})
+    return float(sum(built.layers[j].output.nbytes for j in entering))
 
 
 def _tiled_edges(edges, doubled: set[int]) -> tuple:
     """`edges` with each cost matrix tiled along the sides whose layer has its options
     doubled (the same layout change for a recomputed option as for its plain one); alike
     matrices tiled once."""
-    tiled = once_per_object(lambda cost, reps: np.tile(np.asarray(cost), reps))
-    return tuple(type(e)(e.src, e.dst, tiled(e.cost_s, (2 if e.src in doubled else 1,
-                                                        2 if e.dst in doubled else 1)))
-                 if e.src in doubled or e.dst in doubled else e for e in edges)
+    made: dict[tuple, tuple] = {}  # (id of a matrix, reps) -> (it tiled, it kept alive)
+    out = []
+    for e in edges:
+        a, b = e.src in doubled, e.dst in doubled
+        if not (a or b):
+            out.append(e)
+            continue
+        key = (id(e.cost_s), a, b)
+        hit = made.get(key)
+        if hit is None:
+            hit = made[key] = (np.tile(np.asarray(e.cost_s), (1 + a, 1 + b)), e.cost_s)
+        out.append(type(e)(e.src, e.dst, hit[0]))
+    return tuple(out)
 
 
 def kept_per_option(strategies, kept_bytes: float, tp: int) -> list[float]:
@@ -147,13 +228,6 @@ def _doubled(options: LayerOptions, arrays: dict) -> LayerOptions:
     """`options` with each strategy again, recomputed, and `arrays` for them all."""
     return replace(options, strategies=options.strategies + tuple(
         s + SUFFIX for s in options.strategies), **arrays)
-
-
-def _recomputed_only(options: LayerOptions, arrays: dict) -> LayerOptions:
-    """`options` recomputed, each in place of its plain self (`arrays`: the recomputed
-    options' own, `_recomputed_half` of `_doubled`'s)."""
-    return replace(options, strategies=tuple(s + SUFFIX for s in options.strategies),
-                   **arrays)
 
 
 def _recomputed_half(arrays: dict, n: int) -> dict:

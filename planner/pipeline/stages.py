@@ -58,6 +58,7 @@ import math
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
+from operator import attrgetter
 
 import numpy as np
 from ortools.linear_solver import pywraplp
@@ -206,6 +207,11 @@ class StageProblem:
                    for members in self.linked_units().values())
 
 
+# what tells a layer's options apart in the tables: identical layers share these arrays
+_ARRAYS_OF = attrgetter("microbatch_s", "step_s", "weight_bytes", "activation_bytes",
+                        "recomputed", "temp_bytes", "gathered_bytes")
+
+
 @dataclass(frozen=True)
 class _Tables:
     """A StageProblem's options padded to one width (time +inf, memory 0 past a layer's
@@ -240,9 +246,8 @@ class _Tables:
         # layers sharing their arrays (a transformer's blocks: planner.search.build) are
         # one row from the start; np.unique below merges equal values of the rest
         first: dict[tuple, int] = {}
-        rep = np.array([first.setdefault(tuple(map(id, (
-            l.microbatch_s, l.step_s, l.weight_bytes, l.activation_bytes, l.recomputed,
-            l.temp_bytes, l.gathered_bytes))), len(first)) for l in problem.layers])
+        rep = np.array([first.setdefault(tuple(map(id, _ARRAYS_OF(l))), len(first))
+                        for l in problem.layers])
         distinct = [problem.layers[i] for i in np.unique(rep, return_index=True)[1]]
         L = len(distinct)
         mb, step = np.full((L, width), math.inf), np.full((L, width), math.inf)
@@ -263,10 +268,17 @@ class _Tables:
         layer_least = np.bincount(unit, weights=mb.min(axis=1)[rep], minlength=U)
         # padding is +inf, never the least
         step_by_unit = np.bincount(unit, weights=step.min(axis=1)[rep], minlength=U)
-        edge_least = np.zeros(U)
-        least = once_per_object(lambda cost: float(np.asarray(cost).min()))
+        # each edge's least into its consumer's unit, in the edges' order (as a loop adding
+        # them would), each distinct matrix's least taken once
+        least: dict[int, tuple] = {}  # id of a matrix -> (its least, it kept alive)
         for e in problem.edges:
-            edge_least[problem.layers[e.dst].unit] += least(e.cost_s)
+            if id(e.cost_s) not in least:
+                least[id(e.cost_s)] = (float(np.asarray(e.cost_s).min()), e.cost_s)
+        edge_least = np.bincount(
+            unit[[e.dst for e in problem.edges]].reshape(-1),
+            weights=np.array([least[id(e.cost_s)][0] for e in problem.edges],
+                             float).reshape(-1),
+            minlength=U) if problem.edges else np.zeros(U)
         rows, inverse = np.unique(np.concatenate([mb, step, w, a, recomputed, w - temp,
                                                   gathered], 1), axis=0, return_inverse=True)
         counts = np.zeros((len(rows), U))
@@ -690,16 +702,24 @@ def every_block_recomputed(problem: StageProblem):
     quick plans solve it exactly. None where no layer is linked."""
     if not problem.linked_units():
         return None
-    keep = [np.arange(len(l.strategies)) if l.recomputed is None
-            else np.flatnonzero(l.recomputed) for l in problem.layers]
+    # identical layers (a transformer's blocks) share their arrays: each distinct one's
+    # kept options and their figures made once, and so each distinct edge matrix cut once
+    # (a layer or an edge at a time, DeepSeek-V3's quick plans took seconds each)
+    kept = once_per_object(lambda recomputed, n: np.arange(n) if recomputed is None
+                           else np.flatnonzero(recomputed))
+    keep = [kept(l.recomputed, len(l.strategies)) for l in problem.layers]
+    restricted = once_per_object(lambda k, *arrays, l: (
+        tuple(l.strategies[o] for o in k), l.microbatch_s[k], l.step_s[k],
+        l.weight_bytes[k], l.activation_bytes[k], None,
+        None if l.temp_bytes is None else l.temp_bytes[k],
+        None if l.gathered_bytes is None else l.gathered_bytes[k]))
     layers = tuple(l if l.recomputed is None else LayerOptions(
-        l.name, l.unit, tuple(l.strategies[o] for o in k), l.microbatch_s[k], l.step_s[k],
-        l.weight_bytes[k], l.activation_bytes[k],
-        temp_bytes=None if l.temp_bytes is None else l.temp_bytes[k],
-        gathered_bytes=None if l.gathered_bytes is None else l.gathered_bytes[k])
+        l.name, l.unit, *restricted(k, l.strategies, *map(id, _ARRAYS_OF(l)), l=l))
         for l, k in zip(problem.layers, keep))
-    edges = tuple(Edge(e.src, e.dst, np.asarray(e.cost_s, float)[np.ix_(keep[e.src],
-                                                                         keep[e.dst])])
+    cut = once_per_object(lambda cost, *ids, rows, cols:
+                          np.asarray(cost, float)[np.ix_(rows, cols)])
+    edges = tuple(Edge(e.src, e.dst, cut(e.cost_s, id(keep[e.src]), id(keep[e.dst]),
+                                         rows=keep[e.src], cols=keep[e.dst]))
                   for e in problem.edges)
     return replace(problem, layers=layers, edges=edges), keep
 

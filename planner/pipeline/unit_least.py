@@ -39,19 +39,21 @@ def unit_least_s(problem) -> np.ndarray:
     any stage's per-microbatch time."""
     U = len(problem.units)
     layers_of = problem.unit_layers()
+    unit_of = [layer.unit for layer in problem.layers]
     edges_into: list[list] = [[] for _ in range(U)]
     for e in problem.edges:
-        edges_into[problem.layers[e.dst].unit].append(e)
+        edges_into[unit_of[e.dst]].append(e)
     out = np.zeros(U)
     solved: dict[tuple, float] = {}
     # repeated units share their arrays (planner.search.build): told apart by identity
     # first, their bytes read once per distinct unit (a 405 B Llama: 126 blocks alike)
     same: dict[tuple, float] = {}
+    arrays = [(id(layer.microbatch_s), id(layer.recomputed)) for layer in problem.layers]
     for u in range(U):
         local = {layer: k for k, layer in enumerate(layers_of[u])}
-        ident = (tuple((id(problem.layers[i].microbatch_s), id(problem.layers[i].recomputed))
-                       for i in layers_of[u]),
-                 tuple((local.get(e.src), local[e.dst], id(e.cost_s)) for e in edges_into[u]))
+        ident = (tuple([arrays[i] for i in layers_of[u]]),
+                 tuple([(local.get(e.src), local[e.dst], id(e.cost_s))
+                        for e in edges_into[u]]))
         if ident in same:
             out[u] = same[ident]
             continue
