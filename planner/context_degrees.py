@@ -1,20 +1,23 @@
 """Context parallelism as a degree of the 3-D search: which cp degrees a job has, the
-options of a layer on a shape with cp > 1, and the ("dp", "cp") mesh such a plan runs on.
+options of a layer on a cp shape, and the ("dp", "cp") mesh such a plan runs on.
 
-On a shape pp 1 x dp x cp (planner.search.Shape.cp), each replica's rows are split by
-sequence over cp consecutive ranks (executor.context_parallel's head-tail chunks), so
-every layer does 1/cp of its replica's per-token work: an attention block under
-`ContextParallel(degree=cp)` (its K/V all-gathered over the cp group), every other layer
-under `TokenShard` (the model's own code on the rank's tokens), priced by the catalog over
-a group of cp ranks holding the microbatch's rows (strategies.context), then by
-planner.price over dp replicas: their weights' gradients summed over all dp x cp ranks,
-or their `+fsdp` variant FSDP2-sharded over them (planner.dp_shard), chosen per layer by
-the stage program like any other lever, and transformer blocks recomputed where it picks.
+A cp shape (planner.search.Shape.cp) is one group of all N devices, as a 1-D plan is (the
+shape 1 x 1 x N), split into dp = N / cp replicas of cp consecutive ranks; each replica's
+rows are split by sequence over its cp ranks (executor.context_parallel's head-tail
+chunks), so every layer does 1/N of the batch's per-token work. Its options
+(`ContextGroup`, priced by planner.price over the group, strategies.context): an attention
+block under `ContextParallel(degree=cp)`, its K/V all-gathered over the cp group, every
+other layer under `TokenShard`, the model's own code on the rank's tokens; each with its
+weights replicated (gradients summed over all N ranks) or, where a module holds them,
+FSDP2-sharded over all N (the `+fsdp` options). The stage program picks per layer, and
+per block where blocks may be recomputed; there are no layout changes between layers, so
+no edges. The cp baseline (planner.context_plan) prices the same options held uniform.
 
 The executor runs this on a ("dp", "cp") mesh with one microbatch, so cp shapes have no
-pipeline, no tensor parallelism beside cp and m = 1: those are not offered (a cp group's
-sequence chunks would have to travel between stages, and attention's heads be split over
-tp inside the gathered attention, which executor.context_parallel does not run).
+pipeline, no tensor parallelism beside cp and m = 1 (a cp group's sequence chunks would
+have to travel between stages, and attention's heads be split over tp inside the gathered
+attention, which executor.context_parallel does not run), and none is offered for a model
+it cannot split (`why_not_split`).
 """
 
 from __future__ import annotations
