@@ -18,12 +18,11 @@ import time
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 import executor
 import planner
-from moe_zoo import MOE_ZOO, ROUTED, FxMoE, StackedExperts
+from moe_zoo import MOE_ZOO, ROUTED, StackedExperts
 from test_zoo import refused_as_listed
 from planner.profiled import trace_model
 from strategies.catalog import CostContext

@@ -21,7 +21,7 @@ and a model torch.fx traces (torch's TransformerEncoderLayer). torchvision's cla
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import cache
 
 import torch
