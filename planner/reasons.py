@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from planner import dp_shard
+from planner.per_object import once_per_object
 from planner.problem import Edge
 from profiler.graph import Layer
 from strategies.catalog import Cost, Strategy
@@ -65,29 +66,20 @@ def of_built(built: Built, microbatches: int, dp: int,
     # identical layers (a transformer's blocks) share their options' arrays and prices
     # (planner.search.build): each distinct one weighed once, then given its own layer
     # and stage (a layer at a time, DeepSeek-V3's 7,342 took seconds per plan)
-    weighed: dict[tuple, tuple] = {}
+    weigh = once_per_object(lambda opts, *ids, **parts: _weighed(opts, m=m, **parts))
     layers = []
     for i, (layer, opts, costs, strategies, sync, serial, sharded) in enumerate(zip(
             built.layers, problem.layers, built.costs, built.strategies,
             built.sync_s or none, built.sync_serial_s or none, built.sharded or none)):
-        key = tuple(map(id, (opts.strategies, opts.microbatch_s, opts.step_s,
-                             opts.weight_bytes, opts.activation_bytes, opts.recomputed,
-                             costs, strategies, sync, serial, sharded)))
-        hit = weighed.get(key)
-        if hit is None:  # the figures, and what the key's ids are of kept alive
-            hit = weighed[key] = (_weighed(opts, costs, strategies, sync, serial, sharded, m),
-                                  opts, costs, strategies, sync, serial, sharded)
-        figures, memory = hit[0]
+        # keyed by what the figures are made of (built keeps each alive meanwhile)
+        figures, memory = weigh(opts, *map(id, (
+            opts.strategies, opts.microbatch_s, opts.step_s, opts.weight_bytes,
+            opts.activation_bytes, opts.recomputed, costs, strategies, sync, serial, sharded)),
+            costs=costs, strategies=strategies, sync=sync, serial=serial, sharded=sharded)
         layers.append(Options(layer, *figures,
                               stages[i] if stages is not None else None, memory))
-    scaled: dict[int, tuple] = {}  # id of a matrix -> (it times m, it kept alive)
-    edges = []
-    for e in problem.edges:
-        hit = scaled.get(id(e.cost_s))
-        if hit is None:
-            hit = scaled[id(e.cost_s)] = (e.cost_s * m, e.cost_s)
-        edges.append(Edge(e.src, e.dst, hit[0]))
-    edges = tuple(edges)
+    scaled = once_per_object(lambda cost: cost * m)  # each distinct matrix once
+    edges = tuple(Edge(e.src, e.dst, scaled(e.cost_s)) for e in problem.edges)
     return Weighed(tuple(layers), edges, dp)
 
 

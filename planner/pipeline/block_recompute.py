@@ -33,7 +33,7 @@ import numpy as np
 
 from planner.block_cuts import carries_weights, why_no_blocks
 from planner.per_object import once_per_object
-from planner.pipeline.stages import LayerOptions
+from planner.pipeline.stages import ARRAY_FIELDS, LayerOptions
 from profiler.graph import ModelGraph
 from strategies.layouts import Layout
 from strategies.memory import recompute_s
@@ -112,8 +112,7 @@ def recompute_blocks(built, graph: ModelGraph, tp: int = 1, every: bool = False)
                    sync_serial_s=tuple(serials), transient_bytes=transient)
 
 
-_OPTION_FIELDS = attrgetter("strategies", "microbatch_s", "step_s", "weight_bytes",
-                            "activation_bytes", "recomputed", "temp_bytes", "gathered_bytes")
+_OPTION_FIELDS = attrgetter("strategies", *ARRAY_FIELDS)
 
 
 def _layer_keys(built) -> list[tuple]:
@@ -162,13 +161,9 @@ def _block(built, members: list[int], kept_bytes: float, tp: int, every: bool, t
     return largest, out
 
 
-_ARRAYS = ("microbatch_s", "step_s", "weight_bytes", "activation_bytes", "recomputed",
-           "temp_bytes", "gathered_bytes")  # LayerOptions' fields after strategies
-
-
 def _fields(arrays: dict) -> tuple:
     """`arrays` (_recomputed_arrays') in LayerOptions' order after its strategies."""
-    return tuple(arrays[k] for k in _ARRAYS)
+    return tuple(arrays[k] for k in ARRAY_FIELDS)
 
 
 def _input_bytes(members: list[int], graph: ModelGraph, built, carried, index) -> float:
@@ -193,18 +188,11 @@ def _tiled_edges(edges, doubled: set[int]) -> tuple:
     """`edges` with each cost matrix tiled along the sides whose layer has its options
     doubled (the same layout change for a recomputed option as for its plain one); alike
     matrices tiled once."""
-    made: dict[tuple, tuple] = {}  # (id of a matrix, reps) -> (it tiled, it kept alive)
+    tiled = once_per_object(lambda cost, a, b: np.tile(np.asarray(cost), (1 + a, 1 + b)))
     out = []
     for e in edges:
         a, b = e.src in doubled, e.dst in doubled
-        if not (a or b):
-            out.append(e)
-            continue
-        key = (id(e.cost_s), a, b)
-        hit = made.get(key)
-        if hit is None:
-            hit = made[key] = (np.tile(np.asarray(e.cost_s), (1 + a, 1 + b)), e.cost_s)
-        out.append(type(e)(e.src, e.dst, hit[0]))
+        out.append(type(e)(e.src, e.dst, tiled(e.cost_s, a, b)) if a or b else e)
     return tuple(out)
 
 

@@ -207,9 +207,11 @@ class StageProblem:
                    for members in self.linked_units().values())
 
 
-# what tells a layer's options apart in the tables: identical layers share these arrays
-_ARRAYS_OF = attrgetter("microbatch_s", "step_s", "weight_bytes", "activation_bytes",
-                        "recomputed", "temp_bytes", "gathered_bytes")
+# LayerOptions' per-option arrays, in its order after `strategies`: what tells a layer's
+# options apart in the tables (identical layers share them: planner.search.build)
+ARRAY_FIELDS = ("microbatch_s", "step_s", "weight_bytes", "activation_bytes", "recomputed",
+                "temp_bytes", "gathered_bytes")
+_ARRAYS_OF = attrgetter(*ARRAY_FIELDS)
 
 
 @dataclass(frozen=True)
@@ -270,14 +272,10 @@ class _Tables:
         step_by_unit = np.bincount(unit, weights=step.min(axis=1)[rep], minlength=U)
         # each edge's least into its consumer's unit, in the edges' order (as a loop adding
         # them would), each distinct matrix's least taken once
-        least: dict[int, tuple] = {}  # id of a matrix -> (its least, it kept alive)
-        for e in problem.edges:
-            if id(e.cost_s) not in least:
-                least[id(e.cost_s)] = (float(np.asarray(e.cost_s).min()), e.cost_s)
+        least = once_per_object(lambda cost: float(np.asarray(cost).min()))
         edge_least = np.bincount(
             unit[[e.dst for e in problem.edges]].reshape(-1),
-            weights=np.array([least[id(e.cost_s)][0] for e in problem.edges],
-                             float).reshape(-1),
+            weights=np.array([least(e.cost_s) for e in problem.edges], float).reshape(-1),
             minlength=U) if problem.edges else np.zeros(U)
         rows, inverse = np.unique(np.concatenate([mb, step, w, a, recomputed, w - temp,
                                                   gathered], 1), axis=0, return_inverse=True)
