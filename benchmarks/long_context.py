@@ -99,7 +99,7 @@ def _searched(model, inputs, kwargs, shape, seq, published) -> None:
                     mesh="3d")
     tps = plan_throughput(plan, shape, seq).tokens_per_s_per_device
     mesh = " x ".join(f"{n} {k}" for n, k in zip(plan.mesh.dim_names, plan.mesh.shape))
-    sharded = sum(l.dp_shard or l.strategy.endswith("+fsdp") for l in plan.layers
+    sharded = sum(l.shards_weights for l in plan.layers
                   if l.param_bytes > 0)
     print(f"  {'3-D search, compile+fp8':<26s} {mesh}  step "
           f"{plan.predicted.step_time_s:7.2f} s  {tps:6,.0f} tokens/s/GPU "

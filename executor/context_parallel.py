@@ -397,8 +397,7 @@ def weight_mode(plan) -> bool | list[str]:
     sharded where the 3-D search says so (`dp_shard`), where the cp baseline does (a
     `+fsdp` strategy) or where the whole plan is (`Plan.context_parallel.sharded`)."""
     weighted = [l for l in plan.layers if l.param_bytes > 0]
-    names = [l.name for l in weighted if plan.context_parallel.sharded or l.dp_shard
-             or l.strategy.endswith("+fsdp")]
+    names = [l.name for l in weighted if plan.context_parallel.sharded or l.shards_weights]
     for layer in weighted:  # FSDP2 would shard it with the module holding it
         outer = next((n for n in names if layer.name.startswith(n + ".")), None)
         if outer is not None and layer.name not in names:

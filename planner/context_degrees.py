@@ -31,7 +31,7 @@ from profiler.graph import Layer, ModelGraph
 from strategies.catalog import Strategy
 from strategies.cluster import Cluster
 from strategies.context import (
-    FSDP_SUFFIX, ContextParallel, ShardedContextParallel, ShardedTokenShard, TokenShard,
+    ContextParallel, ShardedContextParallel, ShardedTokenShard, TokenShard,
 )
 from strategies.gpu_compute import attention_dims
 
@@ -127,9 +127,9 @@ class ContextGroup(OneGroup):
 def all_sharded(layers) -> bool:
     """Whether a cp plan's `layers` (LayerPlans) shard every weight they hold (the plan's
     `ContextParallelPlan.sharded`, FSDP2 over the whole mesh); else executor.context_parallel
-    shards those whose strategy or `dp_shard` says so and replicates the rest."""
-    return all(l.dp_shard or l.strategy.endswith(FSDP_SUFFIX)
-               for l in layers if l.param_bytes > 0)
+    shards those whose strategy or `dp_shard` says so (LayerPlan.shards_weights) and
+    replicates the rest."""
+    return all(l.shards_weights for l in layers if l.param_bytes > 0)
 
 
 def mesh_plan(cluster: Cluster, cp: int) -> MeshPlan:

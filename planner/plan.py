@@ -77,6 +77,13 @@ class LayerPlan(_Data):
     hsdp: bool = Field(False, description="with dp_shard: HSDP, sharded over the dp ranks "
                        "of one node (mesh.dp_shard_ranks) and replicated across nodes")
 
+    @property
+    def shards_weights(self) -> bool:
+        """Its weights FSDP2-sharded beside its strategy: over the dp group (`dp_shard`, a
+        3-D or cp plan of the search) or over its group (a "+fsdp" strategy, the cp
+        baseline's)."""
+        return self.dp_shard or self.strategy.endswith("+fsdp")
+
 
 class InputPlan(_Data):
     """A model input: `batch` means each rank passes its rows, `replicate` all of them."""

@@ -552,10 +552,9 @@ def _best_per_shape(result: SearchResult, fixed_s: float) -> list[CandidateRepor
     out = []
     for (_, c) in sorted(by_shape.values(), key=lambda t: t[0]):
         s = c.shape
-        # a cp shape (one group of all devices, Shape.cp) as its degrees: dp x cp
-        dp, tp = (s.tp // s.cp, 1) if s.cp > 1 else (s.dp, s.tp)
+        pp, dp, tp = s.degrees()  # a cp shape's as the user reads them: dp x cp
         out.append(CandidateReport(
-            pp=s.pp, dp=dp, tp=tp, cp=s.cp, microbatches=s.microbatches, schedule=s.schedule,
+            pp=pp, dp=dp, tp=tp, cp=s.cp, microbatches=s.microbatches, schedule=s.schedule,
             chunks=s.chunks, outcome=c.outcome,
             step_time_s=c.solution.times.step_s + fixed_s if c.solution else None,
             bound_s=(None if c.bound_s is None or math.isinf(c.bound_s)

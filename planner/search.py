@@ -148,6 +148,13 @@ class Shape:
     # (planner.context_degrees); 1: none
     cp: int = 1
 
+    def degrees(self) -> tuple[int, int, int]:
+        """(pp, dp, tp) as a user reads them: a cp shape's dp is N / cp, and it has no
+        tensor parallelism (its tp field is the one group of all N devices)."""
+        if self.cp > 1:
+            return self.pp, self.tp // self.cp, 1
+        return self.pp, self.dp, self.tp
+
     def rows(self, batch: int) -> int:
         """Rows per microbatch per dp replica."""
         return batch // (self.dp * self.microbatches)
@@ -234,9 +241,10 @@ def _unvisited(c: "Candidate") -> bool:
 
 def mesh_words(shape: "Shape") -> str:
     """"pp 2 x dp 4 x tp 1", or a cp shape's "cp 4 x dp 2"."""
+    pp, dp, tp = shape.degrees()
     if shape.cp > 1:
-        return f"cp {shape.cp} x dp {shape.tp // shape.cp}"
-    return f"pp {shape.pp} x dp {shape.dp} x tp {shape.tp}"
+        return f"cp {shape.cp} x dp {dp}"
+    return f"pp {pp} x dp {dp} x tp {tp}"
 
 
 def _words(shape: "Shape") -> str:

@@ -246,6 +246,7 @@ def test_a_mix_refuses_layers_fsdp2_cannot_shard_alone():
     from torch import fx, nn
 
     from executor.context_parallel import _shard_units
+    from planner.plan import LayerPlan
 
     class Scaled(nn.Module):  # fx inlines its forward: reads .scale without a call
         def __init__(self):
@@ -271,15 +272,16 @@ def test_a_mix_refuses_layers_fsdp2_cannot_shard_alone():
         _shard_units(net, ["1"])
 
     def layer(name, dp_shard):
-        return SimpleNamespace(name=name, param_bytes=4, dp_shard=dp_shard, strategy="x")
+        return LayerPlan.model_construct(name=name, param_bytes=4, dp_shard=dp_shard,
+                                         strategy="x")
 
     plan = SimpleNamespace(context_parallel=SimpleNamespace(sharded=False),
                            layers=[layer("a", True), layer("a.b", False), layer("c", False)])
     with pytest.raises(ValueError, match="'a.b' is replicated inside layer 'a'.*shard both"):
         weight_mode(plan)
-    plan.layers[1].dp_shard = True
+    plan.layers[1] = plan.layers[1].model_copy(update={"dp_shard": True})
     assert weight_mode(plan) == ["a", "a.b"]
-    plan.layers[2].strategy = "token_shard+fsdp"
+    plan.layers[2] = plan.layers[2].model_copy(update={"strategy": "token_shard+fsdp"})
     assert weight_mode(plan) is True
 
 

@@ -258,7 +258,7 @@ def _express_cp(plan: Plan) -> tuple[JobConfig, list[Departure]]:
     cp = plan.context_parallel.degree
     dp = plan.num_devices // cp
     weighted = _weighted(plan)
-    sharded = {l.name for l in weighted if l.dp_shard or l.strategy.endswith("+fsdp")}
+    sharded = {l.name for l in weighted if l.shards_weights}
     by_bytes = sum(l.param_bytes for l in weighted if l.name in sharded)
     fsdp = 2 * by_bytes >= sum(l.param_bytes for l in weighted)
     others = [l.name for l in weighted

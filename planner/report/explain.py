@@ -127,7 +127,7 @@ def context_lines(plan: Plan) -> list[str]:
     cp, m = plan.context_parallel, plan.mesh
     n, chunks = plan.num_devices, 2 * cp.degree
     held = [l for l in plan.layers if l.param_bytes > 0]
-    sharded = sum(l.dp_shard or l.strategy.endswith("+fsdp") for l in held)
+    sharded = sum(l.shards_weights for l in held)
     weights = (f"FSDP2-sharded over all {n} ranks" if cp.sharded else
                f"replicated, gradients all-reduced over all {n} ranks (DDP)" if not sharded
                else f"FSDP2-sharded over all {n} ranks in {sharded} of the {len(held)} layers "
