@@ -19,8 +19,8 @@ class TensorMeta:
     shape: tuple[int, ...]
     dtype: str
     nbytes: int
-    # how dim 0 holds the batch, where the tracer knows it (torch.export with a dynamic
-    # batch, profiler.row_factors): 1: dim 0 is the batch; k > 1: the batch's rows with k
+    # how dim 0 holds the batch, where the tracer knows it (torch.export at a second
+    # batch size, profiler.row_factors): 1: dim 0 is the batch; k > 1: the batch's rows with k
     # entries each, one row's together (OPT's `reshape(-1, hidden)`: batch x tokens;
     # BLOOM's attention: batch x heads); 0: dim 0 is not the batch (a table, a mask, a
     # size that equals the batch by chance). None: not known (torch.fx graphs), a dim 0

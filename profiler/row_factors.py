@@ -1,5 +1,5 @@
 """Which tensors of an exported graph carry the batch in dim 0, and how: known from a
-second torch.export with the batch dim dynamic, not guessed from sizes.
+second torch.export at another batch size, not guessed from sizes.
 
 A graph exported with static shapes says only that a tensor's dim 0 is 4; whether that 4
 is the batch, four heads or a 4x4 patch grid, it cannot say. Hyplan took a dim 0 equal to
@@ -8,25 +8,27 @@ and MPT's have one entry per head (4 heads: a batch of 4 took them for rows), BE
 relative positions a 4x4 grid, and models that fold the rows into the next dims (OPT's
 `reshape(-1, hidden)` gives batch x tokens rows, BLOOM's and DeBERTa's attention batch x
 heads, Swin's windows batch x windows) had rows hyplan could not see. Exported again with
-`Dim.AUTO` on the batch dim of every input that has it, each tensor's dim 0 is a symbolic
-expression: `s0` is the batch, `8*s0` the batch with 8 entries per row (in order: each
-row's entries together, as a view of a row-split tensor hands them on), a plain int no
-batch at all (`TensorMeta.row_factor`).
+one row more (each batch input's rows repeated in turn: token ids and masks stay valid),
+each tensor's dim 0 tells: the same size in both, no batch at all (factor 0); k times the
+batch in both, the batch with k entries per row (in order: each row's entries together, as
+a view of a row-split tensor hands them on: `TensorMeta.row_factor`); anything else (batch
++ 1, batch squared), not rows.
 
-The second export runs on fake tensors like the first (a second or so for a small
-model). Where it cannot be made (code that branches on the batch size specializes it,
-a batch of 1 is specialized by torch.export itself), or a node has no counterpart, the
-factor is left unknown and the dim-0 rule applies as before.
+The second export is static like the first (a second or so for a small model on fake
+tensors). A dynamic one (`Dim.AUTO` on the batch, sizes as symbols) says the same and took
+2-4x as long (2.7 s against 1.0 s for a small Hugging Face decoder here: the symbolic shape
+reasoning), on every model the planner traces; on the conformance zoos it gave the same
+factors, less the `alias` nodes a static export keeps and a dynamic one does not. Where the
+second export cannot be made (code that needs the batch it was given), or a node has no
+counterpart, the factor is left unknown and the dim-0 rule applies as before.
 """
 
 from __future__ import annotations
 
 import difflib
-import inspect
 from dataclasses import replace
 
 import torch
-from torch.export import Dim
 
 from profiler.graph import Layer
 
@@ -34,23 +36,31 @@ from profiler.graph import Layer
 def row_factors(model: torch.nn.Module, args: tuple, kwargs: dict, batch: int,
                 static: torch.export.ExportedProgram) -> dict[str, int]:
     """{node name of `static` (the static export of `model` on `args`, `kwargs`): its
-    tensor's row factor}, for the nodes the dynamic export matches; {} where it fails."""
+    tensor's row factor}, for the nodes the export at batch + 1 matches; {} where it fails."""
+    grown = batch + 1
     try:
-        dynamic = torch.export.export(model, tuple(args), kwargs=kwargs,
-                                      dynamic_shapes=_batch_dims(model, args, kwargs, batch),
-                                      strict=False)
+        other = torch.export.export(model, _grown(tuple(args), batch, grown),
+                                    kwargs=_grown(kwargs, batch, grown), strict=False)
     except Exception:  # noqa: BLE001 - any failure leaves the factors unknown
         return {}
-    symbols = _batch_symbols(dynamic, batch)
-    if not symbols:  # the batch was specialized: nothing is known
-        return {}
     out: dict[str, int] = {}
-    for node, twin in _matched(_tensor_nodes(static), _tensor_nodes(dynamic)):
-        value = twin.meta["val"]
-        factor = _factor(value.shape[0], symbols) if value.dim() else 0
+    for node, twin in _matched(_tensor_nodes(static), _tensor_nodes(other)):
+        factor = _factor(node.meta["val"], twin.meta["val"], batch, grown)
         if factor is not None:
             out[node.name] = factor
     return out
+
+
+def _grown(value, batch: int, grown: int):
+    """`value` (inputs, nested) with every tensor of `batch` rows given `grown` rows, its
+    own rows in turn (the dims torch.export's `Dim.AUTO` would have made dynamic)."""
+    if isinstance(value, torch.Tensor) and value.dim() and value.shape[0] == batch:
+        return value[torch.arange(grown, device=value.device) % batch]
+    if isinstance(value, dict):
+        return {k: _grown(v, batch, grown) for k, v in value.items()}
+    if isinstance(value, (tuple, list)):
+        return type(value)(_grown(v, batch, grown) for v in value)
+    return value
 
 
 def _tensor_nodes(program: torch.export.ExportedProgram) -> list[torch.fx.Node]:
@@ -58,63 +68,32 @@ def _tensor_nodes(program: torch.export.ExportedProgram) -> list[torch.fx.Node]:
             if isinstance(n.meta.get("val"), torch.Tensor)]
 
 
-def _matched(static: list, dynamic: list) -> list[tuple]:
-    """Pairs (static node, dynamic node) of the same call: the two graphs' tensor-valued
-    nodes aligned by (op, shape) (difflib's longest matching blocks). Names do not pair
-    them: the dynamic graph's size arithmetic takes numbers from the same counters, and
-    it keeps slices the static one dropped as whole (`x[:, :8]` of 8)."""
-    def key(n, shape):
-        return (n.target if n.op != "placeholder" else n.name, shape)
-    a = [key(n, tuple(n.meta["val"].shape)) for n in static]
-    b = [key(n, _hint(n.meta["val"].shape)) for n in dynamic]
-    blocks = difflib.SequenceMatcher(None, a, b, autojunk=False).get_matching_blocks()
-    return [(static[i + k], dynamic[j + k]) for i, j, size in blocks for k in range(size)]
+def _matched(static: list, other: list) -> list[tuple]:
+    """Pairs (node, its twin) of the same call: the two graphs' tensor-valued nodes
+    aligned by op (difflib's longest matching blocks; inputs by name). Names do not pair
+    them: size arithmetic takes numbers from the same counters."""
+    def key(n):
+        return n.target if n.op != "placeholder" else n.name
+    blocks = difflib.SequenceMatcher(None, [key(n) for n in static], [key(n) for n in other],
+                                     autojunk=False).get_matching_blocks()
+    return [(static[i + k], other[j + k]) for i, j, size in blocks for k in range(size)]
 
 
-def _hint(shape) -> tuple:
-    return tuple(int(d.node.hint) if isinstance(d, torch.SymInt) else d for d in shape)
-
-
-def _batch_dims(model, args: tuple, kwargs: dict, batch: int):
-    """torch.export's dynamic_shapes: Dim.AUTO on dim 0 of every input tensor of `batch`
-    rows, by the forward's argument names (keyword inputs included)."""
-    def spec(value):
-        if isinstance(value, torch.Tensor) and value.dim() and value.shape[0] == batch:
-            return {0: Dim.AUTO}
-        if isinstance(value, dict):
-            return {k: spec(v) for k, v in value.items()}
-        if isinstance(value, (tuple, list)):
-            return type(value)(spec(v) for v in value)
+def _factor(value: torch.Tensor, twin: torch.Tensor, batch: int, grown: int) -> int | None:
+    """k where dim 0 is k rows of `batch` in `value` and of `grown` in `twin`, 0 where it
+    is the same size in both (a 0-d tensor too), None otherwise (batch + 1, batch squared,
+    a size the data sets: not rows)."""
+    if value.dim() != twin.dim():
         return None
-
-    bound = inspect.signature(model.forward).bind(*args, **kwargs)
-    return {name: spec(value) for name, value in bound.arguments.items()}
-
-
-def _batch_symbols(program: torch.export.ExportedProgram, batch: int) -> set:
-    """The symbols of the user inputs' dim 0 (one per input: they stand for one batch)."""
-    users = set(program.graph_signature.user_inputs)
-    symbols = set()
-    for node in program.graph_module.graph.nodes:
-        value = node.meta.get("val")
-        if (node.op == "placeholder" and node.name in users and isinstance(value, torch.Tensor)
-                and value.dim() and isinstance(value.shape[0], torch.SymInt)
-                and value.shape[0].node.hint == batch):
-            symbols.add(value.shape[0].node.expr)
-    return symbols
-
-
-def _factor(size, symbols: set) -> int | None:
-    """k where `size` is k times a batch symbol, 0 where it is a plain int, None otherwise
-    (batch + 1, batch squared: not rows)."""
-    if not isinstance(size, torch.SymInt):
+    if not value.dim():
         return 0
-    expr = size.node.expr
-    for symbol in symbols:
-        ratio = expr / symbol
-        if ratio.is_Integer and int(ratio) > 0:
-            return int(ratio)
-    return 0 if not expr.free_symbols & symbols else None
+    size, grown_size = value.shape[0], twin.shape[0]
+    if not (isinstance(size, int) and isinstance(grown_size, int)):
+        return None  # data-dependent (unbacked) sizes: nothing is known
+    if size == grown_size:
+        return 0
+    k, rest = divmod(size, batch)
+    return k if rest == 0 and k > 0 and grown_size == k * grown else None
 
 
 # ops that hand each row's entries on together from a tensor with rows in dim 0 (row-major
@@ -127,7 +106,7 @@ TILES = frozenset({"repeat", "tile"})
 def in_order(layers: list[Layer], batch: int) -> list[Layer]:
     """`layers` with a merged row factor (k > 1) kept only where it holds each row's k
     entries together: a view of a tensor with rows, a tile of tensors without, or a layer
-    reading a tensor with the same factor. The symbol alone does not say it: a (tokens,
+    reading a tensor with the same factor. The sizes alone do not say it: a (tokens,
     batch) tensor flattened is `tokens * batch` long, token by token (factor 0 here). An
     input whose factor is not known counts as the dim-0 rule says."""
     factor: dict[str, int] = {}

@@ -48,21 +48,21 @@ def pytest_runtest_protocol(item, nextitem):
 
 # --- the slowest files first, so the 2 xdist workers end together -----------------------------
 
-# Seconds each file took on this 2-core machine (`pytest -n 2 --dist loadfile --durations=0`,
-# summed per file, 2026-11-29: 462 s in all); files not listed take under 15 s. xdist hands
-# out files in collection order (`--no-loadscope-reorder` in pyproject.toml), so the longest
-# go first and the short ones fill in at the end (longest-processing-time-first scheduling).
-# Without it test_zoo.py, last in the alphabet, ran alone for its last two minutes. (It runs
+# Seconds each file took on this 2-core machine (`pytest -n 2 --dist loadfile`, each test's
+# wall time summed per file, 2026-11-29: 1,128 s in all, the suite 586 s); files not listed
+# take under 15 s. xdist hands out files in collection order (`--no-loadscope-reorder` in
+# pyproject.toml), so the longest go first and the short ones fill in at the end
+# (longest-processing-time-first scheduling): the two workers ended 2 s apart. Without it
+# test_zoo.py, last in the alphabet, ran alone for its last two minutes. (It runs
 # tests/test_experts.py's and test_moe_pricing.py's multi-rank jobs in its own launches.)
-# test_zoo.py's figure scaled by its own run alone, before and after its references were
-# trained once per process (zoo.reference_once: 554 -> 370 s, 2026-11-29).
 SLOW_FILES = {
-    "test_zoo.py": 132, "test_train_cli.py": 76, "test_torchvision.py": 73,
-    "test_pipeline_search.py": 62, "test_context_parallel.py": 40, "test_hf_pipeline.py": 35,
-    "test_small_batch_plans.py": 26,
-    "test_repeat_blocks.py": 25, "test_search_budget.py": 22, "test_stage_dp.py": 21,
-    "test_moe_pricing.py": 19, "test_profile_cache.py": 18, "test_calibrate.py": 18,
-    "test_plot.py": 16, "test_hf_fsdp.py": 16,
+    "test_zoo.py": 277, "test_train_cli.py": 78, "test_pipeline_search.py": 73,
+    "test_context_parallel.py": 64, "test_torchvision.py": 54, "test_hf_pipeline.py": 37,
+    "test_small_batch_plans.py": 34, "test_moe_pricing.py": 32, "test_profile_cache.py": 31,
+    "test_calibrate.py": 28, "test_ilp.py": 28, "test_repeat_blocks.py": 25,
+    "test_plot.py": 22, "test_hf_fsdp.py": 21, "test_export.py": 19, "test_stage_dp.py": 19,
+    "test_export_timing.py": 19, "test_search_budget.py": 17,
+    "test_pipeline_equivalence.py": 17,
 }
 
 

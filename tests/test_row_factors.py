@@ -1,5 +1,5 @@
-"""How dim 0 holds the batch (profiler.row_factors), read off torch.export with a dynamic
-batch rather than guessed from sizes, and what strategies.rowwise makes of it: rows
+"""How dim 0 holds the batch (profiler.row_factors), read off a second torch.export at
+another batch size rather than guessed from sizes, and what strategies.rowwise makes of it: rows
 folded into the next dims are rows, a size equal to the batch by chance is not."""
 
 from __future__ import annotations
@@ -67,11 +67,12 @@ def test_the_linear_on_folded_rows_runs_data_parallel():
     assert proj.strategy == "data_parallel" and proj.row_factor == TOKENS
 
 
-def test_a_batch_of_one_leaves_the_factors_unknown_and_the_dim_0_rule_applies():
-    # torch.export specializes sizes 0 and 1: no symbol stands for the batch
+def test_a_batch_of_one_row_has_its_folded_rows_known_too():
+    # a dynamic export could not say it (torch.export specializes sizes 0 and 1: no symbol
+    # stood for the batch, and the dim-0 rule took the 3 tokens of 1 row for no rows); an
+    # export at 2 rows does
     graph = trace_model(Folded(odd_folds=False), (torch.randn(1, TOKENS, WIDTH),), tracer="export")
-    assert {l.output.row_factor for l in graph.layers} == {None}
-    # as before provenance: the folded rows (3 tokens of 1 row) are not seen as rows
     folds = [l for l in graph.layers if l.kind in ("reshape", "view")][:2]
     assert [l.output.shape for l in folds] == [(TOKENS, WIDTH), (1, TOKENS, WIDTH)]
-    assert [keeps_rows(l, 1) for l in folds] == [False, False]
+    assert [l.output.row_factor for l in folds] == [TOKENS, 1]
+    assert [keeps_rows(l, 1) for l in folds] == [True, True]

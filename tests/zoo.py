@@ -287,10 +287,11 @@ def _reference_of(entry: ZooModel, rows: int, steps: int) -> dict[str, torch.Ten
     return reference(entry, steps)
 
 
+@cache
 def canonical_names(entry: ZooModel) -> dict[str, str]:
     """Every name a parameter of the model goes by -> the one `reference` keys it by: a
     pipeline's last stage names a tied head's copy "lm_head.weight", the model
-    "transformer.wte.weight"."""
+    "transformer.wte.weight". Once per model and process (read-only)."""
     first: dict[int, str] = {}
     return {n: first.setdefault(id(p), n)
             for n, p in skeleton(entry).named_parameters(remove_duplicate=False)}
@@ -298,10 +299,50 @@ def canonical_names(entry: ZooModel) -> dict[str, str]:
 
 def skeleton(entry: ZooModel) -> nn.Module:
     """The model for its parameters' names and shapes: built on the meta device (no
-    memory: VGG-11's are 1 GB in float64), or plainly where it cannot be (RegNet computes
-    its widths with tensors, which meta cannot hand back)."""
+    memory: VGG-11's are 1 GB in float64) once per process, as a zoo launch's rank reads
+    it for every plan of the model (2 builds a job, ~0.05 s each for a small Hugging Face
+    model), or plainly where it cannot be (RegNet computes its widths with tensors, which
+    meta cannot hand back)."""
     try:
-        with torch.device("meta"):
-            return entry.make()
+        return _meta_skeleton(entry)
     except NotImplementedError:
         return entry.make()
+
+
+@cache
+def _meta_skeleton(entry: ZooModel) -> nn.Module:
+    with torch.device("meta"):
+        return entry.make()
+
+
+# what a plan says only to its reader: predictions, the solver's and the search's records,
+# the reasons for its choices; the executor reads none of them (executor.monitor compares
+# predictions with a run, after it)
+_REPORTS = frozenset({"predicted", "solver", "search", "mesh_choice", "standard_choice"})
+
+
+def run_key(plan_json: str) -> str:
+    """`plan_json` less what only reports (its predictions, per layer its reason and
+    costs): two plans with one key train the same steps, so a conformance launch runs
+    one of them (a model's optimum is often its DDP plan on 2 ranks)."""
+    import json
+
+    plan = {k: v for k, v in json.loads(plan_json).items() if k not in _REPORTS}
+    plan["layers"] = [{k: v for k, v in layer.items()
+                       if k != "reason" and not k.endswith(("_s", "_bytes"))}
+                      for layer in plan["layers"]]
+    return json.dumps(plan, sort_keys=True)
+
+
+def run_once(jobs: list) -> tuple[list, dict]:
+    """(`jobs` (model, label, plan JSON) with one of each model's jobs of one `run_key`,
+    {a job left out: the (model, label) whose run stands for it})."""
+    first: dict[tuple, tuple] = {}
+    kept, same = [], {}
+    for name, label, plan_json in jobs:
+        twin = first.setdefault((name, run_key(plan_json)), (name, label))
+        if twin == (name, label):
+            kept.append((name, label, plan_json))
+        else:
+            same[(name, label)] = twin
+    return kept, same
