@@ -296,6 +296,7 @@ def test_two_outputs_one_loss_train_like_one_process_in_ddp_and_a_pipeline():
         for rank, runs in enumerate(results):
             for key, value in runs[i].items():
                 seen.add(key)
-                torch.testing.assert_close(value, expected[key].detach(), rtol=1e-5, atol=1e-6,
-                                           msg=lambda m, r=rank, k=key, kd=kind: f"{kd} rank {r}, {k}: {m}")
+                torch.testing.assert_close(
+                    value, expected[key].detach(), rtol=1e-5, atol=1e-6,
+                    msg=lambda m, r=rank, k=key, kd=kind: f"{kd} rank {r}, {k}: {m}")
         assert seen == set(expected), kind
