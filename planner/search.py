@@ -372,7 +372,8 @@ class CostCache:
         self.edges: dict = {}
         self._edge_plan: list | None = None  # edge_plan()
         self._kinds: tuple | None = None  # kinds()
-        self.crossing: dict = {}  # _cut_times: the values each cut sends, once
+        # _cut_times: (the units and what is sent, the values each cut sends), once
+        self.crossing: tuple | None = None
         self.hits = self.misses = 0
 
     def layer(self, layer: Layer, tp: int, rows: int, computing: float | None = None,
@@ -833,7 +834,7 @@ def _cut_times(cache: CostCache, scaled_layers, unit_of: list[int], units: int,
     and the bytes such a cut sends per microbatch)."""
     graph = cache.graph
     key = (units, tuple(unit_of), frozenset(sent))
-    if cache.crossing.get("key") != key:  # the same on every shape: made once
+    if cache.crossing is None or cache.crossing[0] != key:  # the same on every shape
         index = {layer.node: i for i, layer in enumerate(graph.layers)}
         last_use = {}
         for dst, layer in enumerate(graph.layers):
@@ -848,8 +849,8 @@ def _cut_times(cache: CostCache, scaled_layers, unit_of: list[int], units: int,
             if graph.layers[src].node in sent:
                 for u in range(unit_of[src] + 1, min(until, units - 1) + 1):
                     crossing[u].append(src)
-        cache.crossing = {"key": key, "crossing": crossing}
-    crossing = cache.crossing["crossing"]
+        cache.crossing = (key, crossing)
+    crossing = cache.crossing[1]
     cut_s, cut_bytes = [0.0] * units, [0.0] * units
     for u in range(1, units):
         t = sent_bytes = 0.0
