@@ -34,6 +34,7 @@ from typing import Callable
 
 import torch.distributed as dist
 
+from planner.cycle_collector import fewer_collections
 from planner.plan import Plan
 
 # True while this process is inside a planning entry: a nested entry (baseline inside
@@ -82,6 +83,10 @@ def plan_once(entry: Callable[..., Plan]) -> Callable[..., Plan]:
 
     @functools.wraps(entry)
     def planned_once(*args, **kwargs) -> Plan:
+        with fewer_collections():
+            return _planned_once(*args, **kwargs)
+
+    def _planned_once(*args, **kwargs) -> Plan:
         if _group_size() == 1 or _PLANNING.get():
             return entry(*args, **kwargs)
         key = f"{_KEY}/{next(_calls)}"

@@ -48,8 +48,6 @@ long it takes: the proof, but for chunked candidates dropped on their estimate.
 
 from __future__ import annotations
 
-import contextlib
-import gc
 import math
 import time
 from collections import Counter
@@ -62,6 +60,7 @@ from planner.pipeline import block_recompute, schedules
 from planner.block_cuts import (
     BEFORE, block_units, carries_weights, tied_heads, why_no_blocks,
 )
+from planner.cycle_collector import older_objects_frozen
 from planner.offers import OUTPUT, OneGroup, missing_pins, module_executor_options, pinned
 from planner.price import (
     EdgeKind, Price, edge_cost, edge_kind, group_link, in_rhythm, layer_compute_s,
@@ -1067,7 +1066,7 @@ def search(graph: ModelGraph, cluster: Cluster, optimizer: str, budget_bytes: fl
     "feasible" with it), as after Ctrl-C; with no plan by then, the best quick plan of what
     is left (FALLBACK_S at most). None: no limit (the proof). The passes, in order, are the
     methods of _Search."""
-    with _older_objects_frozen():
+    with older_objects_frozen():
         run = _Search(graph, cluster, optimizer, budget_bytes, cache, pin, time_limit_s,
                       relative_gap, search_time_s)
         run.rank(_shapes_to_try(graph, cluster, max_microbatches, only, schedules, pin))
@@ -1087,25 +1086,6 @@ def search(graph: ModelGraph, cluster: Cluster, optimizer: str, budget_bytes: fl
             interrupted = True
             run.skip_unvisited("not solved: interrupted")
         return run.result(interrupted)
-
-
-@contextlib.contextmanager
-def _older_objects_frozen():
-    """The objects alive before the search kept out of the cycle collector's full passes
-    while it runs (gc.freeze), and given back after. The search allocates millions of small
-    objects (a LayerOptions per layer and shape), each few hundred thousand of which start
-    a full pass over every object the process holds: with a traced model and its graph in
-    memory (DeepSeek-V3: 7,342 layers) those passes took some 15% of its ranking. Where
-    something else has frozen objects already (a process that forks workers), nothing is
-    changed."""
-    if gc.get_freeze_count():
-        yield
-        return
-    gc.freeze()
-    try:
-        yield
-    finally:
-        gc.unfreeze()
 
 
 def _shapes_to_try(graph: ModelGraph, cluster: Cluster, max_microbatches: int | None,

@@ -31,6 +31,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+class RanksExited(RuntimeError):
+    """Ranks that exited before reporting a result: `ranks`, and each one's exit status
+    (negative: the signal that ended it)."""
+
+    def __init__(self, ranks: list[int], statuses: list[int]):
+        super().__init__(f"ranks {ranks} exited with status {statuses} before reporting")
+        self.ranks, self.statuses = ranks, statuses
+
+
 def _entry(fn, rank, world_size, port, backend, threads, results, args, environ):
     faulthandler.enable()  # a rank that dies in native code prints its Python stack
     # the caller's environment as it is now: a forked rank starts with the fork server's,
@@ -91,8 +100,8 @@ def run_ranks(fn, world_size: int, *args, backend: str = "gloo", threads: int = 
     ~4 s). Forked ranks ran compute-heavy steps 8-12% slower than spawned ones here (2
     processes: the MLP's DDP step 312-342 ms forked, 290-311 ms spawned; fc_cnn's tensor
     plan 232-243 against 205-211 ms), and the calibration and the fidelity benchmark had
-    measured on them for a stop. Ranks that run two dozen Hugging Face models each
-    (tests/test_zoo.py) are spawned too: forked, one died of SIGSEGV in 2 of 6 suites."""
+    measured on them for a stop. A rank that exits before it reports (killed, or dead in
+    native code) raises RanksExited with the exit statuses."""
     ctx = _context(forked)
     results = ctx.Queue()
     # the rendezvous store, held by this process on a port the OS picked and kept bound
@@ -115,9 +124,7 @@ def run_ranks(fn, world_size: int, *args, backend: str = "gloo", threads: int = 
             except queue.Empty:
                 dead = [r for r, p in enumerate(procs) if r not in out and p.exitcode]
                 if dead:  # died before reporting (e.g. killed, or failed to start)
-                    raise RuntimeError(f"ranks {dead} exited with status "
-                                       f"{[procs[r].exitcode for r in dead]} before "
-                                       f"reporting") from None
+                    raise RanksExited(dead, [procs[r].exitcode for r in dead]) from None
                 if time.monotonic() > deadline:
                     raise RuntimeError(f"ranks {sorted(set(range(world_size)) - set(out))} "
                                        f"gave no result within {timeout_s} s") from None

@@ -1,3 +1,4 @@
+import gc
 import os
 import sys
 from pathlib import Path
@@ -8,6 +9,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from serial_lock import lock_base, turn  # noqa: E402
+
+# The cycle collector as hyplan plans (planner.cycle_collector), for the whole of each test
+# process: the suite traces, plans and runs models, allocating as planning does; with the
+# default thresholds the collector took ~13% of planning the zoo's models here.
+gc.set_threshold(50_000, *gc.get_threshold()[1:])
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -49,20 +55,20 @@ def pytest_runtest_protocol(item, nextitem):
 # --- the slowest files first, so the 2 xdist workers end together -----------------------------
 
 # Seconds each file took on this 2-core machine (`pytest -n 2 --dist loadfile`, each test's
-# wall time summed per file, 2026-11-29: 1,128 s in all, the suite 586 s); files not listed
+# wall time summed per file, 2026-11-29: 1,181 s in all, the suite 641 s); files not listed
 # take under 15 s. xdist hands out files in collection order (`--no-loadscope-reorder` in
 # pyproject.toml), so the longest go first and the short ones fill in at the end
-# (longest-processing-time-first scheduling): the two workers ended 2 s apart. Without it
+# (longest-processing-time-first scheduling): the two workers ended 8 s apart. Without it
 # test_zoo.py, last in the alphabet, ran alone for its last two minutes. (It runs
 # tests/test_experts.py's and test_moe_pricing.py's multi-rank jobs in its own launches.)
 SLOW_FILES = {
-    "test_zoo.py": 277, "test_train_cli.py": 78, "test_pipeline_search.py": 73,
-    "test_context_parallel.py": 64, "test_torchvision.py": 54, "test_hf_pipeline.py": 37,
-    "test_small_batch_plans.py": 34, "test_moe_pricing.py": 32, "test_profile_cache.py": 31,
-    "test_calibrate.py": 28, "test_ilp.py": 28, "test_repeat_blocks.py": 25,
-    "test_plot.py": 22, "test_hf_fsdp.py": 21, "test_export.py": 19, "test_stage_dp.py": 19,
-    "test_export_timing.py": 19, "test_search_budget.py": 17,
-    "test_pipeline_equivalence.py": 17,
+    "test_zoo.py": 290, "test_train_cli.py": 93, "test_pipeline_search.py": 70,
+    "test_context_parallel.py": 75, "test_torchvision.py": 53, "test_small_batch_plans.py": 36,
+    "test_repeat_blocks.py": 35, "test_hf_pipeline.py": 34, "test_stage_dp.py": 33,
+    "test_hf_fsdp.py": 24, "test_search_budget.py": 24, "test_calibrate.py": 22,
+    "test_plot.py": 21, "test_export_timing.py": 20, "test_cli.py": 19, "test_launch.py": 18,
+    "test_ilp.py": 17, "test_closed_loop.py": 17, "test_profile_cache.py": 16,
+    "test_pipeline_equivalence.py": 15,
 }
 
 

@@ -5,11 +5,12 @@ equal to the single-process run on the whole batch (rtol 1e-5, as tests/test_zoo
 The experts modules are found by their shape and kept whole (profiler.export_trace); the
 routing ops between modules keep rows (strategies.rowwise); expert parallelism splits the
 experts and moves tokens by all-to-all (strategies.experts, executor.experts). All plans
-are made first, in this process; one launch of 2 fresh ranks runs them all, and one of 4
+are made first, in this process; one launch of 2 ranks runs them all, and one of 4
 the ep 2 x dp 2 plans and the 3-D plans whose EP group is carved out of a stage's dp x tp
 ranks (executor.experts.apply_carved): tests/test_zoo.py's launches, where the tests that
-check these plans are (`test_experts_*`), so that a fresh rank's start (~5 s of this
-machine: torch, hyplan, transformers imported) is paid once for the zoo's jobs and these.
+check these plans are (`test_experts_*`), so that a rank's start (seconds of this
+machine: transformers and each model family imported) is paid once for the zoo's jobs and
+these.
 """
 
 from __future__ import annotations
@@ -158,7 +159,7 @@ def run_plans(rank: int, world: int, jobs: list) -> dict:
 
 def plan_every_kind() -> tuple[dict, dict, dict]:
     """(model, kind) -> its 2-rank plan, and -> the reason it is refused: every model of
-    MOE_ZOO in every kind, planned in this process for one launch of 2 fresh ranks
+    MOE_ZOO in every kind, planned in this process for one launch of 2 ranks
     (`run_plans`); and the instances planned (traced once: planner.profiled), for
     `plan_ep2_x_dp2`. The launch is tests/test_zoo.py's: its zoo's jobs and these run in
     the same ranks (a rank started fresh costs ~5 s of this machine), and the test that

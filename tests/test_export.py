@@ -3,6 +3,7 @@ the TOML (torchtitan 0.2.2, --no-deps; its package __init__ imports triton kerne
 config subpackage is imported under a bare package module), megatron-core's
 TransformerConfig validates the Megatron values."""
 
+import functools
 import importlib.util
 import sys
 import types
@@ -138,8 +139,10 @@ def test_a_job_that_does_not_fit_is_priced_and_says_so():
     assert max(plan.predicted.memory_bytes) > 1e3 and plan.predicted.step_time_s > 0
 
 
+@functools.cache
 def _tiny_meta_llama():
-    """A 2-block Llama built on meta and a batch of 8 sequences of 16 token ids for it."""
+    """A 2-block Llama built on meta and a batch of 8 sequences of 16 token ids for it: one
+    instance for the file's tests, traced once (planner.profiled keeps traces per model)."""
     transformers = pytest.importorskip("transformers")
     config = transformers.LlamaConfig(
         vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,

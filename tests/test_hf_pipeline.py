@@ -42,10 +42,17 @@ MODELS = {m.name: m for m in (LLAMA4, GPT2_UNTIED, ZOO["llama"], ZOO["gpt2"])}
 
 
 @functools.lru_cache(maxsize=None)
+def _model(name: str):
+    """One instance of each model, so that its trace is made once for every world size
+    (planner.profiled keeps traces per instance; a Llama of four blocks is ~6 s here)."""
+    return MODELS[name].make()
+
+
+@functools.lru_cache(maxsize=None)
 def _profiled(name: str, world: int):
     """(graph, cluster) of a model on `world` CPU devices, traced once per test session."""
     entry = MODELS[name]
-    return profiled_graph(entry.make(), f"{world}xcpu", entry.batch(0)[:entry.inputs],
+    return profiled_graph(_model(name), f"{world}xcpu", entry.batch(0)[:entry.inputs],
                           {"use_cache": False}, measure=False)
 
 
@@ -235,12 +242,12 @@ def test_a_cut_sends_the_hidden_state_alone_and_tp_holds_whole_rows_inside_a_nod
 
 def test_auto_mesh_on_a_model_without_decoder_blocks_says_why_in_one_line():
     entry = ZOO["bert"]
-    inputs = entry.batch(0)[:entry.inputs]
-    plan = planner.optimize(entry.make(), "2xcpu", inputs, optimizer="sgd", measure=False,
+    inputs, model = entry.batch(0)[:entry.inputs], entry.make()  # traced once for both
+    plan = planner.optimize(model, "2xcpu", inputs, optimizer="sgd", measure=False,
                             mesh="auto")
     assert plan.pipeline is None and "not held by its base model" in plan.mesh_choice
     with pytest.raises(ValueError, match="transformer blocks") as error:
-        planner.optimize(entry.make(), "2xcpu", inputs, optimizer="sgd", measure=False,
+        planner.optimize(model, "2xcpu", inputs, optimizer="sgd", measure=False,
                          mesh="3d")
     assert "\n" not in str(error.value)
 

@@ -42,3 +42,33 @@ def test_ranks_see_the_environment_of_their_launch(monkeypatch):
     monkeypatch.setenv("HYPLAN_TEST_LAUNCH_VARIABLE", "set after the server started")
     assert run_ranks(_environment, 2, "HYPLAN_TEST_LAUNCH_VARIABLE", forked=True) == [
         "set after the server started"] * 2
+
+
+def _killed_once(rank, world, flag):
+    """Dies of SIGKILL the first time (leaving `flag`), returns its rank the next."""
+    import os
+    import signal
+    from pathlib import Path
+
+    if not Path(flag).exists():
+        Path(flag).touch()
+        os.kill(os.getpid(), signal.SIGKILL)
+    return rank
+
+
+def test_a_rank_killed_before_reporting_is_named_with_its_signal(tmp_path):
+    from profiler.launch import RanksExited
+
+    with pytest.raises(RanksExited, match=r"ranks \[0\] exited with status \[-9\]") as error:
+        run_ranks(_killed_once, 1, str(tmp_path / "flag"), forked=True)
+    assert error.value.statuses == [-9]
+
+
+def test_the_tests_run_a_forked_launch_again_spawned_when_a_rank_died_of_a_signal(tmp_path):
+    """tests/distributed.py: a forked rank dead in native code (a library not safe to
+    fork) is not a failure of the plan it ran; the launch is run again, spawned, and says
+    so."""
+    from distributed import run_ranks as run_in_tests
+
+    with pytest.warns(UserWarning, match="run again as new interpreters"):
+        assert run_in_tests(_killed_once, 1, str(tmp_path / "flag")) == [0]

@@ -216,8 +216,8 @@ def _pipeline_parameters(rank: int, world: int, plan_json: str) -> dict:
 
 def plan_sparse_llama4():
     """The pipeline baseline of the sparse-routed Llama4ForCausalLM on 2 ranks, for
-    `_pipeline_parameters` to run. Run in tests/test_zoo.py's launch of 2 fresh ranks
-    beside the zoo's jobs (a rank started fresh costs ~5 s of this machine), and checked
+    `_pipeline_parameters` to run. Run in tests/test_zoo.py's launch of 2 ranks beside
+    the zoo's jobs (a rank's start costs seconds of this machine), and checked
     there: test_moe_pricing_sparse_routed_llama4_plans_a_pipeline_and_trains_like_one_process
     calls `assert_sparse_llama4_trains_like_one_process`."""
     from moe_zoo import MOE_ZOO

@@ -183,7 +183,7 @@ def test_busiest_rank_bound_below_every_simulated_step(seed):
     bound it starts from; on four equal units and two ranks it is exact where sharing is
     not: a rank holds two whole units."""
     rng = np.random.default_rng(500 + seed)
-    p = _random_problem(rng, units=7, layers=8, max_choices=250)
+    p = _random_problem(rng, units=7, layers=8, max_choices=100)
     for schedule in ("Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"):
         for pp in (2, 3):
             if 2 * pp > len(p.units):
@@ -330,7 +330,7 @@ def _brute_force_all(graph, cluster, budgets, offered=None):
 
 @pytest.mark.parametrize("devices", ["2x2xV100", "4xA100-80GB"])
 def test_search_equals_brute_force_over_shapes_cuts_and_strategies(devices):
-    graph = _mlp_graph(batch=8)
+    graph = _mlp_graph(batch=4)
     cluster = parse_devices(devices)
     free = search(graph, cluster, "adam", None, relative_gap=1e-9, schedules=SINGLE)
     # a budget that binds: just under the unconstrained best plan's peak memory

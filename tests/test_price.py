@@ -29,6 +29,12 @@ OVERHEADS = {"dtensor_reshard_overhead_s": 2e-4, "dtensor_layer_overhead_s": 1e-
 
 
 @functools.lru_cache(maxsize=None)
+def _llama():
+    """One instance, traced once for every device count (planner.profiled)."""
+    return ZOO["llama"].make()
+
+
+@functools.lru_cache(maxsize=None)
 def _profiled(model: str, devices: str):
     if model == "gpt":  # torch.fx
         torch.manual_seed(0)
@@ -37,7 +43,7 @@ def _profiled(model: str, devices: str):
     else:  # a tiny LlamaConfig, random init, torch.export; rows 16, not SEQ: a [SEQ, ...]
         # position table would be taken for rows (planner.price.batch_free_takes)
         ids = torch.randint(0, VOCAB, (16, SEQ), generator=torch.Generator().manual_seed(0))
-        graph, cluster = profiled_graph(ZOO["llama"].make(), devices, (ids,),
+        graph, cluster = profiled_graph(_llama(), devices, (ids,),
                                         {"use_cache": False}, measure=False)
     return graph, cluster.model_copy(update=OVERHEADS)
 
@@ -125,7 +131,7 @@ def test_llamas_mlp_under_tp_runs_on_feature_shards_without_a_gather():
             assert edge.cost_s[a, built.problem.layers[j].strategies.index("replicate")] > 0
     pin = {mlp + "gate_proj": "column_parallel", mlp + "up_proj": "column_parallel",
            mlp + "down_proj": "row_parallel"}
-    plan = optimize_3d(ZOO["llama"].make(), cluster, (torch.randint(0, VOCAB, (16, SEQ)),),
+    plan = optimize_3d(_llama(), cluster, (torch.randint(0, VOCAB, (16, SEQ)),),
                        {"use_cache": False}, measure=False, only=[Shape(1, 1, 2, 16, "1F1B")],
                        pin=pin)
     chosen = {l.name: l.strategy for l in plan.layers}

@@ -126,15 +126,16 @@ def _tie_strategies(plan, graph) -> list[set[str]]:
 @pytest.mark.parametrize("model,tracer_3d", [(_tied_transposed, "fx"), (_gpt2, "export")])
 def test_each_tie_group_runs_one_strategy_in_1d_3d_and_ddp(model, tracer_3d):
     make, inputs, kwargs = model()
-    graphs = {tracer: profiled_graph(make(), "2xcpu", inputs, kwargs, (), False, tracer)[0]
+    made = make()  # one instance: each tracer's trace made once (planner.profiled)
+    graphs = {tracer: profiled_graph(made, "2xcpu", inputs, kwargs, (), False, tracer)[0]
               for tracer in {"export", tracer_3d}}
     assert all(graph.tied_groups() for graph in graphs.values())
     args = {"example_inputs": inputs, "example_kwargs": kwargs, "measure": False}
-    plans = {"1d": planner.optimize(make(), "2xcpu", tracer="export", mesh="1d", **args),
-             "ddp": planner.baseline(make(), "2xcpu", "ddp", tracer="export", **args),
+    plans = {"1d": planner.optimize(made, "2xcpu", tracer="export", mesh="1d", **args),
+             "ddp": planner.baseline(made, "2xcpu", "ddp", tracer="export", **args),
              # torch.export's 3-D search cuts between repeated blocks, which TiedTransposed
              # has none of: fx traces it to the same layers
-             "3d": planner.optimize(make(), "2xcpu", tracer=tracer_3d, mesh="3d", **args)}
+             "3d": planner.optimize(made, "2xcpu", tracer=tracer_3d, mesh="3d", **args)}
     ties = {kind: _tie_strategies(plan, graphs[tracer_3d if kind == "3d" else "export"])
             for kind, plan in plans.items()}
     assert all(len(names) == 1 for groups in ties.values() for names in groups), ties

@@ -4,7 +4,7 @@ run (rtol 1e-5, float64). A few rows of benchmarks/torchvision_zoo.py's table, t
 that broke or that stand for a family: AlexNet's optimum and tensor plans and
 MobileNetV3-small's tensor plan (in-place activations after tensor-parallel layers);
 ResNet-18's rows are the benchmark's (tests/zoo.py's Hugging Face ResNet covers BatchNorm
-and residual adds in the suite). All run in one launch of spawned ranks, as
+and residual adds in the suite). All run in one launch of ranks, as
 tests/test_zoo.py's do. Inception-v3's two outputs, one loss (the DDP row a user tries first,
 its pipeline row at the namedtuple output of the last stage) are checked on a small model
 of the same shape here (`_TwoHeads`, DDP and two stages in one launch: a few seconds, where
@@ -161,7 +161,7 @@ def torchvision_runs(tmp_path_factory):
     jobs.sort(key=lambda job: job[:2] != ("alexnet", "tensor"))  # the one copied_outputs reads
     folder = tmp_path_factory.mktemp("torchvision-references")
     references = {name: save_reference(name, str(folder / f"{name}.pt")) for name in dict(ROWS)}
-    ranks = run_ranks(copied_outputs, 2, jobs, references, forked=False, timeout_s=900)
+    ranks = run_ranks(copied_outputs, 2, jobs, references, timeout_s=900)
     return plans, jobs, [results for results, _ in ranks], [copied for _, copied in ranks]
 
 

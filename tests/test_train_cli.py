@@ -135,16 +135,21 @@ def test_pipelined_plan_killed_mid_checkpoint_ends_as_uninterrupted(tmp_path, tr
     _assert_final_equals_uninterrupted(ckpt)
 
 
-def test_two_node_job_on_loopback_matches_one_process(tmp_path):
-    """Two `hyplan train` agents, one process each, meet at a c10d rendezvous and run a
-    plan made for two nodes of one CPU device."""
+def test_two_node_job_on_loopback_matches_one_process(tmp_path, train_here):
+    """Two `hyplan train` agents, one process each (a new interpreter and this one), meet
+    at a c10d rendezvous and run a plan made for two nodes of one CPU device."""
     plan, ckpt = _plan(tmp_path, "2x1xcpu"), tmp_path / "ckpt"
     assert planner.Plan.load(plan).mesh.nodes == 2
-    launch = ["--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d",
-              "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--rdzv-id", "hyplan-test"]
-    agents = [_hyplan_train(plan, MODEL, "--steps", str(STEPS), "--checkpoint-dir", str(ckpt),
-                            *launch) for _ in range(2)]
-    outs = [_finish(a) for a in agents]
+    args = [plan, MODEL, "--steps", str(STEPS), "--checkpoint-dir", str(ckpt),
+            "--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d",
+            "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--rdzv-id", "hyplan-test"]
+    other = _hyplan_train(*args)
+    try:
+        here = train_here(*args)
+    except BaseException:
+        other.kill()  # its peer is gone: not left waiting at the rendezvous
+        raise
+    outs = [here, _finish(other)]
     assert sum(f"step {STEPS}/{STEPS}" in o for o in outs) == 1  # rank 0's node reports
     _assert_final_equals_uninterrupted(ckpt)
 

@@ -5,13 +5,14 @@ for a model is refused up front with a one-line reason, and the refusals are lis
 so a new refusal (or a lost one) fails the test.
 
 All plans are made first, in this process; then one launch of 2 ranks runs them all
-(starting processes is the slow part on this machine), each rank a fresh interpreter
-(`run_ranks(forked=False)`: forked ones, running two dozen models each, twice died of SIGSEGV).
+(starting processes is the slow part on this machine), the ranks forked from the fork
+server (tests/distributed.py: run again as new interpreters should a forked rank die of a
+signal, as two did in 2026-11's suites; 46-51 s a launch forked, 58 s spawned, here).
 tests/test_experts.py's mixture-of-experts plans run in the same launches (its 2-rank
 jobs in the 2-rank one, its ep 2 x dp 2 and 3-D carved-EP plans in the 4-rank one), and
 so does tests/test_moe_pricing.py's sparse-routed Llama 4 pipeline (2 ranks); the tests that
-check them are here (`test_experts_*`, `test_moe_pricing_*`): a fresh rank's start is
-~5 s of this machine.
+check them are here (`test_experts_*`, `test_moe_pricing_*`): a rank's start (its
+imports of transformers and each model family) is seconds of this machine.
 """
 
 from __future__ import annotations
@@ -124,8 +125,8 @@ class ZooRuns(NamedTuple):
 def zoo_runs() -> ZooRuns:
     """The zoo's plans (every model x KINDS) and what they ran, with tests/test_experts.py's
     plans of every mixture-of-experts model x its kinds and tests/test_moe_pricing.py's
-    sparse-routed Llama 4 pipeline: one launch of 2 fresh ranks runs all of them and the
-    random plans (a fresh rank's start is ~5 s of this machine)."""
+    sparse-routed Llama 4 pipeline: one launch of 2 ranks runs all of them and the random
+    plans (a rank's start is seconds of this machine)."""
     import test_experts
     import test_moe_pricing
 
@@ -165,7 +166,7 @@ def zoo_runs() -> ZooRuns:
     # optimum is the DDP plan of every model here but the torch encoder, 118 runs of 143
     jobs, same = run_once(jobs + _random_jobs(models))
     moe_jobs, moe_same = run_once(moe_jobs)
-    ranks = run_ranks(run_with_experts, 2, jobs, moe_jobs, calls, forked=False)
+    ranks = run_ranks(run_with_experts, 2, jobs, moe_jobs, calls)
     for zoo, moe, _ in ranks:
         zoo.update({key: zoo[twin] for key, twin in same.items()})
         moe.update({key: moe[twin] for key, twin in moe_same.items()})
@@ -180,7 +181,7 @@ def zoo_runs() -> ZooRuns:
 def _random_jobs(models: dict) -> list:
     """A few random feasible plans (tests/random_plans.py: the real integer program under a
     random objective) of models with tied and bare parameters, run in the same launch as
-    the kinds (a launch of fresh ranks costs ~10 s here); benchmarks/random_plans.py draws
+    the kinds (a launch costs seconds here); benchmarks/random_plans.py draws
     hundreds. `models`: the fixture's instances of them (traced once: planner.profiled)."""
     from random_plans import random_plans
 
@@ -236,8 +237,8 @@ FOUR_RANKS = [("gpt2", "tensor"), ("gpt2", "optimum"), ("bert", "fsdp"), ("vit",
 def four_rank_runs(zoo_runs):
     """FOUR_RANKS's jobs and each rank's results, and tests/test_experts.py's ep 2 x dp 2
     (plans, pins, results), its random plans and its 3-D plans with the EP group carved
-    out of a stage's dp x tp ranks (plans, refusals, results): one launch of 4 fresh ranks
-    runs them all (each fresh rank ~5 s)."""
+    out of a stage's dp x tp ranks (plans, refusals, results): one launch of 4 ranks runs
+    them all (a rank's start is seconds of this machine)."""
     import test_experts
 
     made = zoo_runs.models
@@ -250,7 +251,7 @@ def four_rank_runs(zoo_runs):
     ep_jobs = [(name, kind, plan.to_json())
                for (name, kind), plan in {**ep_plans, **random_ep, **carved}.items()]
     (run, same), (ep_run, ep_same) = run_once(jobs), run_once(ep_jobs)
-    ranks = run_ranks(run_with_experts, 4, run, ep_run, forked=False)
+    ranks = run_ranks(run_with_experts, 4, run, ep_run)
     for zoo, moe, _ in ranks:
         zoo.update({key: zoo[twin] for key, twin in same.items()})
         moe.update({key: moe[twin] for key, twin in ep_same.items()})
