@@ -212,13 +212,16 @@ class _Progress:
 
 def _fault(where: str, step: int, model: nn.Module) -> None:
     """For fault tests: HYPLAN_FAULT="RANK:STEP:WHERE" kills this process with SIGKILL on
-    rank RANK at step STEP (0-based), in the first attempt of a torchrun job only.
-    WHERE is `step` (during the backward pass, while the other ranks are in a collective)
-    or `checkpoint` (after DCP wrote the step's shards, before the checkpoint is complete)."""
-    spec = os.environ.get("HYPLAN_FAULT")
-    if not spec or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
+    rank RANK at step STEP (0-based), in the first attempt of a torchrun job only; several,
+    comma-separated, are the faults of the first attempts in turn (the second in the first
+    restart, and so on). WHERE is `step` (during the backward pass, while the other ranks
+    are in a collective) or `checkpoint` (after DCP wrote the step's shards, before the
+    checkpoint is complete)."""
+    faults = [f for f in os.environ.get("HYPLAN_FAULT", "").split(",") if f]
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    if attempt >= len(faults):
         return
-    rank, at, kind = spec.split(":")
+    rank, at, kind = faults[attempt].split(":")
     if int(rank) != dist.get_rank() or int(at) != step or kind != where:
         return
 

@@ -62,7 +62,7 @@ def pytest_runtest_protocol(item, nextitem):
 # test_zoo.py, last in the alphabet, ran alone for its last two minutes. (It runs
 # tests/test_experts.py's and test_moe_pricing.py's multi-rank jobs in its own launches.)
 SLOW_FILES = {
-    "test_zoo.py": 290, "test_train_cli.py": 93, "test_pipeline_search.py": 70,
+    "test_zoo.py": 290, "test_train_cli.py": 70, "test_pipeline_search.py": 70,
     "test_context_parallel.py": 75, "test_torchvision.py": 53, "test_small_batch_plans.py": 36,
     "test_repeat_blocks.py": 35, "test_hf_pipeline.py": 34, "test_stage_dp.py": 33,
     "test_hf_fsdp.py": 24, "test_search_budget.py": 24, "test_calibrate.py": 22,
