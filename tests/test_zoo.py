@@ -7,7 +7,7 @@ so a new refusal (or a lost one) fails the test.
 All plans are made first, in this process; then one launch of 2 ranks runs them all
 (starting processes is the slow part on this machine), the ranks forked from the fork
 server (tests/distributed.py: run again as new interpreters should a forked rank die of a
-signal, as two did in 2026-11's suites; 46-51 s a launch forked, 58 s spawned, here).
+signal, as three did in November's suites; 46-51 s a launch forked, 58 s spawned, here).
 tests/test_experts.py's mixture-of-experts plans run in the same launches (its 2-rank
 jobs in the 2-rank one, its ep 2 x dp 2 and 3-D carved-EP plans in the 4-rank one), and
 so does tests/test_moe_pricing.py's sparse-routed Llama 4 pipeline (2 ranks); the tests that
