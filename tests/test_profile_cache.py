@@ -63,10 +63,10 @@ def test_a_profile_measured_under_another_memory_policy_is_measured_again(fresh_
     # an older hyplan's ranks kept only the main heap: their FSDP2 and all-gather figures
     # held page faults a run no longer pays (profiler.allocator); the older profile is the
     # reference one under no policy (a calibration to make it is ~6 s here)
-    from reference_profile import reference_profile
+    from reference_profile import reference_profile, seed_cache
 
+    seed_cache()
     path = profile_path(1)
-    path.parent.mkdir(parents=True)
     reference_profile(1).model_copy(update={"memory_policy": ""}).save(path)
     capsys.readouterr()
     parse_devices("1xcpu")
@@ -75,10 +75,9 @@ def test_a_profile_measured_under_another_memory_policy_is_measured_again(fresh_
 
 
 def test_hyplan_calibrate_refreshes_the_cached_profile(fresh_cache, capsys):
-    from reference_profile import reference_profile
+    from reference_profile import seed_cache
 
-    profile_path(1).parent.mkdir(parents=True)
-    reference_profile(1).save(profile_path(1))  # a cached profile, as a first use leaves one
+    seed_cache()  # a cached profile, as a first use leaves one
     before = parse_devices("1xcpu").source
     time.sleep(1.1)  # the profile's time stamp is to the second
     assert main(["calibrate", "--processes", "1"]) == 0
