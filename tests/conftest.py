@@ -12,7 +12,9 @@ from serial_lock import lock_base, turn  # noqa: E402
 
 # The cycle collector as hyplan plans (planner.cycle_collector), for the whole of each test
 # process: the suite traces, plans and runs models, allocating as planning does; with the
-# default thresholds the collector took ~13% of planning the zoo's models here.
+# default thresholds the collector took ~13% of planning the zoo's models here. The figure
+# is planner.cycle_collector.PLANNING_THRESHOLD's, written out: importing planner here
+# would load torch into pytest's controller process, which runs no test.
 gc.set_threshold(50_000, *gc.get_threshold()[1:])
 
 
