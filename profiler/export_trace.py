@@ -27,6 +27,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from profiler.blocks import decoder_blocks
 from profiler.expert_flops import register as register_grouped_mm_flops
+from profiler.export_program import export_program
 from profiler.graph import Layer, ModelGraph, TensorMeta, canonical_names, count_once
 from profiler.meta_attention import run_node as as_a_device_runs
 from profiler.row_factors import in_order, row_factors
@@ -92,7 +93,7 @@ def _is_torch_leaf(module: nn.Module) -> bool:
 def export(model: nn.Module, args: tuple, kwargs: dict) -> torch.export.ExportedProgram:
     """torch.export, with a message naming the op or frame where it stopped."""
     try:
-        return torch.export.export(model, tuple(args), kwargs=kwargs, strict=False)
+        return export_program(model, args, kwargs)
     except Exception as error:
         lines = [l.strip() for l in str(error).splitlines() if l.strip()]
         where = next((l for l in reversed(lines) if l.startswith("File ") or ".py" in l), "")

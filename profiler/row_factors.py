@@ -30,6 +30,7 @@ from dataclasses import replace
 
 import torch
 
+from profiler.export_program import export_program
 from profiler.graph import Layer
 
 
@@ -39,8 +40,8 @@ def row_factors(model: torch.nn.Module, args: tuple, kwargs: dict, batch: int,
     tensor's row factor}, for the nodes the export at batch + 1 matches; {} where it fails."""
     grown = batch + 1
     try:
-        other = torch.export.export(model, _grown(tuple(args), batch, grown),
-                                    kwargs=_grown(kwargs, batch, grown), strict=False)
+        other = export_program(model, _grown(tuple(args), batch, grown),
+                               _grown(kwargs, batch, grown))
     except Exception:  # noqa: BLE001 - any failure leaves the factors unknown
         return {}
     out: dict[str, int] = {}
