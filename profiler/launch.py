@@ -70,27 +70,31 @@ def _entry(fn, rank, world_size, port, backend, threads, results, args, environ)
 # What every forked rank imports, loaded once into the fork server (`_context`): a rank
 # forked from it starts in ~0.1 s, where a spawned one imports torch itself (2 ranks 3.9 s,
 # 4 ranks 8.2 s for an empty function on this 2-core machine; ~100 such launches in the
-# tests). torch and hyplan only: a library with native thread pools of its own
-# (transformers' tokenizers, safetensors) is left for each rank to import after the fork
+# tests). torch and hyplan; a caller adds what its ranks import (`run_ranks`'s `preload`:
+# the tests add transformers' modeling code, ~2.2 s a rank here). Importing them starts no
+# thread (the server's /proc/self/task is the same before and after), which a fork must not
+# inherit; a library's native pools (transformers' tokenizers) start when used, in a rank.
 PRELOAD = ("torch", "torch.distributed", "torch.distributed.tensor",
            "torch.distributed.tensor.parallel", "torch.distributed.fsdp",
            "torch.distributed.pipelining", "torch.distributed.checkpoint",
            "torch.nn.parallel", "profiler", "strategies", "planner", "executor")
 
 
-def _context(forked: bool):
+def _context(forked: bool, preload: tuple[str, ...] = ()):
     """The start method ranks are made by: spawn (a new interpreter), or a fork server
-    that imported PRELOAD (nothing else: no threads, no CUDA context, so the forks are
-    clean), started with this process's first forked launch and kept for the next."""
+    that imported PRELOAD and `preload` (nothing else: no threads, no CUDA context, so the
+    forks are clean), started with this process's first forked launch and kept for the
+    next (whose `preload` it no longer reads)."""
     if not forked:
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(list(PRELOAD))
+    ctx.set_forkserver_preload(list(PRELOAD) + list(preload))
     return ctx
 
 
 def run_ranks(fn, world_size: int, *args, backend: str = "gloo", threads: int = 1,
-              timeout_s: float = 300.0, forked: bool = False) -> list:
+              timeout_s: float = 300.0, forked: bool = False,
+              preload: tuple[str, ...] = ()) -> list:
     """[fn(rank, world_size, *args) for each rank], each in its own process, in this
     process's environment: a new interpreter per rank, as torchrun starts them, so what
     the ranks time is what a run gets.
@@ -100,9 +104,10 @@ def run_ranks(fn, world_size: int, *args, backend: str = "gloo", threads: int = 
     ~4 s). Forked ranks ran compute-heavy steps 8-12% slower than spawned ones here (2
     processes: the MLP's DDP step 312-342 ms forked, 290-311 ms spawned; fc_cnn's tensor
     plan 232-243 against 205-211 ms), and the calibration and the fidelity benchmark had
-    measured on them for a stop. A rank that exits before it reports (killed, or dead in
-    native code) raises RanksExited with the exit statuses."""
-    ctx = _context(forked)
+    measured on them for a stop. `preload`: more modules for the fork server to import
+    when this launch starts it (one not installed is skipped). A rank that exits before
+    it reports (killed, or dead in native code) raises RanksExited with the exit statuses."""
+    ctx = _context(forked, preload)
     results = ctx.Queue()
     # the rendezvous store, held by this process on a port the OS picked and kept bound
     # until the ranks are done: a port found free and handed on (free_port) could be taken

@@ -15,6 +15,11 @@ from profiler.launch import free_port
 
 __all__ = ["free_port", "run_ranks"]
 
+# what the tests' ranks import beyond torch and hyplan (profiler.launch.PRELOAD), imported
+# once by the fork server of each test process, not by every rank: transformers' modeling
+# code took ~2.2 s a rank here (most launches run Hugging Face models)
+PRELOAD = ("transformers.modeling_utils",)
+
 
 def run_ranks(fn, world_size: int, *args, forked: bool = True, **kwargs) -> list:
     """profiler.launch.run_ranks, forked by default. A forked launch whose rank died of a
@@ -24,7 +29,8 @@ def run_ranks(fn, world_size: int, *args, forked: bool = True, **kwargs) -> list
     in a row on 11-29; a crash of hyplan's own making crashes the spawned run too."""
     ranked = functools.partial(_collecting_less, fn)
     try:
-        return launch.run_ranks(ranked, world_size, *args, forked=forked, **kwargs)
+        return launch.run_ranks(ranked, world_size, *args, forked=forked,
+                                preload=PRELOAD, **kwargs)
     except launch.RanksExited as error:
         if not forked or not any(status < 0 for status in error.statuses):
             raise
