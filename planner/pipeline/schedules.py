@@ -94,6 +94,7 @@ def refusal(schedule: str, pp: int, v: int, m: int) -> str | None:
     return None
 
 
+@lru_cache(maxsize=512)
 def placement(schedule: str, pp: int, v: int) -> tuple[int, ...]:
     """The rank of each global stage (torch's generate_stage_to_rank_mapping)."""
     from torch.distributed.pipelining._utils import generate_stage_to_rank_mapping
@@ -227,53 +228,18 @@ def _memory(schedule, pp, v, m, activation_bytes):
     return tuple(peak), tuple(peak_bytes)
 
 
-class _Ends:
-    """End times per (stage, microbatch) of the forward, the input gradient (what the
-    stage before waits for) and the weight gradient, None until done; and when an action
-    may start, the transfer between ranks included."""
-
-    def __init__(self, stages: int, m: int, ranks, hop_s: float):
-        self.f = [[None] * m for _ in range(stages)]
-        self.g = [[None] * m for _ in range(stages)]
-        self.w = [[None] * m for _ in range(stages)]
-        self.ranks, self.hop_s, self.last = ranks, hop_s, stages - 1
-
-    def _hop(self, a: int, b: int) -> float:
-        return self.hop_s if self.ranks[a] != self.ranks[b] else 0.0
-
-    def ready(self, s: int, kind: str, i: int) -> float | None:
-        """When action (s, kind, i) may start; None while what it waits for is not done:
-        a forward, the one before it; a weight gradient, its input gradient; a backward or
-        input gradient, its own forward and the next stage's input gradient."""
-        if kind == "F":
-            if s == 0:
-                return 0.0
-            t = self.f[s - 1][i]
-            return None if t is None else t + self._hop(s - 1, s)
-        if kind == "W":
-            return self.g[s][i]
-        ready = self.f[s][i]
-        if ready is None or s == self.last:
-            return ready
-        t = self.g[s + 1][i]
-        return None if t is None else max(ready, t + self._hop(s + 1, s))
-
-    def done(self, s: int, kind: str, i: int, end: float) -> None:
-        if kind == "F":
-            self.f[s][i] = end
-        elif kind == "B":
-            self.g[s][i] = self.w[s][i] = end
-        elif kind == "I":
-            self.g[s][i] = end
-        else:
-            self.w[s][i] = end
-
-
 def simulate(schedule: str, pp: int, v: int, m: int, forward_s, input_s, weight_s,
              hop_s: float = 0.0, activation_bytes=None, record: bool = True) -> Simulation:
     """Run the schedule's action lists with per-global-stage times (a full backward takes
     input_s + weight_s) and `hop_s` per transfer between ranks; `record` False leaves the
-    timed actions out (what only the makespan and bubbles need)."""
+    timed actions out (what only the makespan and bubbles need).
+
+    Each rank takes its next action while what it waits for is done: a forward, the
+    forward of the stage before (plus a hop if that stage is on another rank); a weight
+    gradient, its input gradient; a backward or input gradient, its own forward and the
+    next stage's input gradient (plus a hop). The search prices every stage cut it weighs
+    this way, so the loop is written out over lists (a method call per action was half
+    of it)."""
     S = pp * v
     for name, xs in (("forward_s", forward_s), ("input_s", input_s), ("weight_s", weight_s)):
         if len(xs) != S:
@@ -284,8 +250,14 @@ def simulate(schedule: str, pp: int, v: int, m: int, forward_s, input_s, weight_
     duration = {"F": [float(x) for x in forward_s], "I": [float(x) for x in input_s],
                 "W": [float(x) for x in weight_s]}
     duration["B"] = [i + w for i, w in zip(duration["I"], duration["W"])]
-
-    ends = _Ends(S, m, ranks, hop_s)
+    # the hop between stage s and s + 1: none where both are on one rank (a V's turn)
+    hop = [hop_s if ranks[s] != ranks[s + 1] else 0.0 for s in range(S - 1)]
+    last = S - 1
+    # end times per (stage, microbatch): forward, input gradient (what the stage before
+    # waits for), weight gradient; None until done
+    f = [[None] * m for _ in range(S)]
+    g = [[None] * m for _ in range(S)]
+    w = [[None] * m for _ in range(S)]
     free = [0.0] * pp
     busy = [0.0] * pp
     nxt = [0] * pp
@@ -295,25 +267,55 @@ def simulate(schedule: str, pp: int, v: int, m: int, forward_s, input_s, weight_
         progressed = False
         for r in range(pp):
             order = orders[r]
-            while nxt[r] < len(order):
-                s, kind, i = order[nxt[r]]
-                ready = ends.ready(s, kind, i)
-                if ready is None:
-                    break
-                start = max(free[r], ready)
+            n, count = nxt[r], len(orders[r])
+            while n < count:
+                s, kind, i = order[n]
+                if kind == "F":
+                    if s == 0:
+                        ready = 0.0
+                    else:
+                        ready = f[s - 1][i]
+                        if ready is None:
+                            break
+                        ready = ready + hop[s - 1]
+                elif kind == "W":
+                    ready = g[s][i]
+                    if ready is None:
+                        break
+                else:
+                    ready = f[s][i]
+                    if ready is None:
+                        break
+                    if s != last:
+                        after = g[s + 1][i]
+                        if after is None:
+                            break
+                        ready = max(ready, after + hop[s])
+                start = free[r] if free[r] > ready else ready
                 end = start + duration[kind][s]
                 if record:
                     timed.append(Timed(r, s, kind, i, start, end))
-                ends.done(s, kind, i, end)
+                if kind == "F":
+                    f[s][i] = end
+                elif kind == "B":
+                    g[s][i] = w[s][i] = end
+                elif kind == "I":
+                    g[s][i] = end
+                else:
+                    w[s][i] = end
                 free[r] = end
                 busy[r] += end - start
-                nxt[r] += 1
+                n += 1
                 remaining -= 1
                 progressed = True
+            nxt[r] = n
         if not progressed:
             stuck = {r: orders[r][nxt[r]] for r in range(pp) if nxt[r] < len(orders[r])}
             raise AssertionError(f"{schedule} (pp {pp}, v {v}, m {m}) deadlocked at {stuck}")
-    flight, peak_bytes = _memory(schedule, pp, v, m, activation_bytes)
+    if activation_bytes is None:  # the counts depend on the order alone
+        flight, peak_bytes = in_flight(schedule, pp, v, m), (0.0,) * pp
+    else:
+        flight, peak_bytes = _memory(schedule, pp, v, m, activation_bytes)
     return Simulation(schedule, pp, v, m, tuple(timed), max(free), tuple(busy), flight,
                       peak_bytes)
 
@@ -339,7 +341,7 @@ def uniform_bubble(schedule: str, pp: int, v: int, m: int, forward: float = 1 / 
 
 
 def price(schedule: str, pp: int, v: int, m: int, microbatch_s, hop_s: float = 0.0,
-          activation_bytes=None, forward: float = 1 / 3) -> Simulation:
+          activation_bytes=None, forward: float = 1 / 3, record: bool = True) -> Simulation:
     """The simulation the planner prices a stage cut with and the timeline picture draws:
     each global stage's per-microbatch time (compute, its collectives and its blocking
     transfers) split into forward, input gradient and weight gradient by `parts`."""
@@ -347,4 +349,4 @@ def price(schedule: str, pp: int, v: int, m: int, microbatch_s, hop_s: float = 0
     times = [float(t) for t in microbatch_s]
     return simulate(schedule, pp, v, m, [t * share["F"] for t in times],
                     [t * share["I"] for t in times], [t * share["W"] for t in times], hop_s,
-                    activation_bytes)
+                    activation_bytes, record)

@@ -414,7 +414,7 @@ def evaluate(problem: StageProblem, starts: tuple[int, ...], choice, microbatche
     total = [a + b + (problem.replay_s if k else 0.0) for k, (a, b) in enumerate(zip(mb, send))]
     once_rank = [sum(once[k] for k in range(S) if ranks[k] == r) for r in range(pp)]
     sim = schedules.price(schedule, pp, chunks, microbatches, total,
-                          forward=problem.forward_share)
+                          forward=problem.forward_share, record=False)
     step = sim.makespan_s + max(once_rank)
     if chunks == 1:
         objective = sum(total) + (microbatches - 1) * max(total) + max(once_rank)
