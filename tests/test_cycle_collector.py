@@ -31,11 +31,15 @@ def test_a_caller_with_a_higher_threshold_keeps_it(thresholds):
 
 
 def test_objects_frozen_by_the_caller_stay_frozen():
+    # counts, not equalities: a frozen object another thread of the process drops leaves
+    # the count (3 of 1.7 million did once in a suite); a second freeze would add the 1,000
+    # young lists, an unfreeze take all
     gc.freeze()
     try:
         frozen = gc.get_freeze_count()
+        young = [[] for _ in range(1000)]
         with older_objects_frozen():
-            assert gc.get_freeze_count() == frozen
-        assert gc.get_freeze_count() == frozen
+            assert gc.get_freeze_count() <= frozen
+        assert frozen - len(young) < gc.get_freeze_count() <= frozen
     finally:
         gc.unfreeze()
