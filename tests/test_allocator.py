@@ -11,6 +11,7 @@ import pytest
 import torch
 from torch import nn
 
+from distributed import PRELOAD
 from profiler.allocator import keep_freed_memory
 from profiler.calibrate import fsdp_stack
 from profiler.launch import run_ranks
@@ -41,5 +42,5 @@ def test_a_warm_fsdp_step_faults_in_no_new_pages():
     # warm, most steps fault in nothing and some one block (16k pages); with only the
     # main heap kept every step faulted 32-65k, under glibc's defaults ~155k
     pages = WIDTH * WIDTH * 4 // 4096  # one copy of the layer's weights
-    for faults in run_ranks(_faults_per_step, 2, 10, forked=True):
+    for faults in run_ranks(_faults_per_step, 2, 10, forked=True, preload=PRELOAD):
         assert min(faults[-5:]) < pages // 10, faults

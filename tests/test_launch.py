@@ -7,7 +7,12 @@ import time
 
 import pytest
 
+from distributed import PRELOAD
 from profiler.launch import OtherLoad, run_ranks
+
+# every forked launch of a test process asks its fork server for the same modules: the
+# first one starts the server, and what it preloads serves the process's later launches
+FORKED = dict(forked=True, preload=PRELOAD)
 
 
 def _spin(rank, world, seconds):
@@ -21,9 +26,9 @@ def _spin(rank, world, seconds):
 @pytest.mark.parametrize("forked", [True, False], ids=["forked", "spawned"])
 def test_other_load_does_not_count_the_ranks_it_started(forked):
     if forked:
-        run_ranks(_spin, 2, 0.0, forked=True)  # the server is up before the block, as in a suite
+        run_ranks(_spin, 2, 0.0, **FORKED)  # the server is up before the block, as in a suite
     with OtherLoad() as load:
-        assert run_ranks(_spin, 2, 1.0, forked=forked) == [0, 1]
+        assert run_ranks(_spin, 2, 1.0, forked=forked, preload=PRELOAD) == [0, 1]
     # two ranks spun a core each for a second: none of it is another process's load
     # (counted as other load, it read ~2 cores; below 1 leaves room for a busy machine)
     assert load.cores is not None and load.cores < 1.0, load.cores
@@ -38,10 +43,23 @@ def _environment(rank, world, name):
 def test_ranks_see_the_environment_of_their_launch(monkeypatch):
     """A forked rank starts from the fork server's environment, which is whatever this
     process had when its first launch started the server: the launch passes its own."""
-    run_ranks(_spin, 2, 0.0, forked=True)  # the server is up, without the variable
+    run_ranks(_spin, 2, 0.0, **FORKED)  # the server is up, without the variable
     monkeypatch.setenv("HYPLAN_TEST_LAUNCH_VARIABLE", "set after the server started")
-    assert run_ranks(_environment, 2, "HYPLAN_TEST_LAUNCH_VARIABLE", forked=True) == [
+    assert run_ranks(_environment, 2, "HYPLAN_TEST_LAUNCH_VARIABLE", **FORKED) == [
         "set after the server started"] * 2
+
+
+def _imported(rank, world, name):
+    import sys
+
+    return name in sys.modules
+
+
+def test_a_forked_rank_starts_with_the_modules_its_launch_preloaded():
+    """What a launch preloads (tests/distributed.PRELOAD: transformers' modeling code) the
+    fork server imported once; a rank has it before it imports anything."""
+    pytest.importorskip("transformers")
+    assert run_ranks(_imported, 2, "transformers.modeling_utils", **FORKED) == [True, True]
 
 
 def _killed_once(rank, world, flag):
@@ -60,7 +78,7 @@ def test_a_rank_killed_before_reporting_is_named_with_its_signal(tmp_path):
     from profiler.launch import RanksExited
 
     with pytest.raises(RanksExited, match=r"ranks \[0\] exited with status \[-9\]") as error:
-        run_ranks(_killed_once, 1, str(tmp_path / "flag"), forked=True)
+        run_ranks(_killed_once, 1, str(tmp_path / "flag"), **FORKED)
     assert error.value.statuses == [-9]
 
 

@@ -267,7 +267,7 @@ def simulate(schedule: str, pp: int, v: int, m: int, forward_s, input_s, weight_
         progressed = False
         for r in range(pp):
             order = orders[r]
-            n, count = nxt[r], len(orders[r])
+            n, count = nxt[r], len(order)
             while n < count:
                 s, kind, i = order[n]
                 if kind == "F":
