@@ -71,9 +71,10 @@ def _entry(fn, rank, world_size, port, backend, threads, results, args, environ)
 # forked from it starts in ~0.1 s, where a spawned one imports torch itself (2 ranks 3.9 s,
 # 4 ranks 8.2 s for an empty function on this 2-core machine; ~100 such launches in the
 # tests). torch and hyplan; a caller adds what its ranks import (`run_ranks`'s `preload`:
-# the tests add transformers' modeling code, 1.5-2.2 CPU-s a rank here). Importing them starts no
-# thread (the server's /proc/self/task is the same before and after), which a fork must not
-# inherit; a library's native pools (transformers' tokenizers) start when used, in a rank.
+# the tests add transformers' modeling code, 1.5-2.2 CPU-s a rank here). Importing them
+# starts no thread (the server's /proc/self/task is the same before and after), which a
+# fork must not inherit; a library's native pools (transformers' tokenizers) start when
+# used, in a rank.
 PRELOAD = ("torch", "torch.distributed", "torch.distributed.tensor",
            "torch.distributed.tensor.parallel", "torch.distributed.fsdp",
            "torch.distributed.pipelining", "torch.distributed.checkpoint",

@@ -17,7 +17,7 @@ __all__ = ["free_port", "run_ranks"]
 
 # what the tests' ranks import beyond torch and hyplan (profiler.launch.PRELOAD), imported
 # once by the fork server of each test process, not by every rank: transformers' modeling
-# code took ~2.2 s a rank here (most launches run Hugging Face models)
+# code took 1.5-2.2 CPU-s a rank here (most launches run Hugging Face models)
 PRELOAD = ("transformers.modeling_utils",)
 
 
